@@ -1,0 +1,19 @@
+"""kfac_graph: K-FAC and per-example gradients for TensorFlow 2, registered
+automatically by a compiler pass over the traced graph.
+
+    @kg.auto_register
+    def loss_fn(x, y): ...
+    reg = loss_fn.registration(x, y)
+    print(reg.summary())
+"""
+from kfac_graph.auto_register import (RegisteredFunction, auto_register, register_graph_def,
+                                      register_saved_model)
+from kfac_graph.registration import GraphVariable, Layer, LossSpec, Registration
+from passes.errors import KfacGraphError, LoadError, LossNotFoundError, TraceError
+
+__all__ = [
+    "auto_register", "RegisteredFunction", "register_saved_model", "register_graph_def",
+    "Registration", "Layer", "LossSpec", "GraphVariable",
+    "KfacGraphError", "TraceError", "LoadError", "LossNotFoundError",
+]
+__version__ = "0.1.0"

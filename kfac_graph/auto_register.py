@@ -1,0 +1,105 @@
+"""``kg.auto_register``: wrap a loss function so the pass can register it.
+
+The wrapped function still returns the loss when called. ``registration(*args)``
+traces it (one trace per input signature, as ``tf.function`` does), runs the
+pass, and caches the ``Registration`` for that signature.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import tensorflow as tf
+from absl import logging
+
+import passes
+from kfac_graph.registration import GraphVariable, Layer, LossSpec, Registration
+
+
+class RegisteredFunction:
+    """A loss function known to kfac_graph. Options: ``loss`` (a loss kind,
+    ``"categorical"``, ``"bernoulli"`` or ``"normal"``, used instead of what
+    the pass reads from the graph)."""
+
+    def __init__(self, fn: Callable, loss: str | None = None):
+        functools.update_wrapper(self, fn)
+        self.python_function = fn
+        self.loss_kind = loss
+        self._tf_function = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
+        self._cache: dict[Any, tuple[Any, Registration]] = {}
+
+    def __call__(self, *args, **kwargs):
+        return self.python_function(*args, **kwargs)
+
+    @property
+    def tf_function(self):
+        """The ``tf.function`` the registration traces."""
+        return self._tf_function
+
+    def concrete_function(self, *args):
+        return self._tf_function.get_concrete_function(*args)
+
+    def registration(self, *args) -> Registration:
+        """The registration for these arguments' input signature (cached)."""
+        concrete = _concrete(self._tf_function, args, self.__name__)
+        key = id(concrete)
+        cached = self._cache.get(key)
+        if cached is None or cached[0] is not concrete:
+            traced = passes.frontends.from_concrete_function(concrete, name=self.__name__)
+            cached = (concrete, registration_from_pass(passes.run(traced, self.loss_kind)))
+            self._cache[key] = cached
+        return cached[1]
+
+
+def auto_register(fn: Callable | None = None, *, loss: str | None = None):
+    """``@kg.auto_register`` or ``@kg.auto_register(loss="categorical")``."""
+    if fn is None:
+        return lambda f: RegisteredFunction(f, loss=loss)
+    return RegisteredFunction(fn, loss=loss)
+
+
+def register_saved_model(path: str, function: str, *args, loss: str | None = None) -> Registration:
+    """The registration of the saved function ``function`` of a SavedModel."""
+    traced = passes.load_saved_model(path, function, args or None)
+    return registration_from_pass(passes.run(traced, loss))
+
+
+def register_graph_def(graph_def, output: str, arguments=(), loss: str | None = None) -> Registration:
+    """The registration of a GraphDef (file or proto) whose loss is ``output``."""
+    traced = passes.load_graph_def(graph_def, output, arguments)
+    return registration_from_pass(passes.run(traced, loss))
+
+
+def registration_from_pass(result: passes.PassResult) -> Registration:
+    traced = result.traced
+
+    def variable(key):
+        obj = traced.objects.get(key)
+        if obj is not None:
+            return obj
+        info = traced.variables[key]
+        return GraphVariable(info.name, info.shape, info.dtype)
+
+    layers = tuple(
+        Layer(name=m.name, kind=m.kind, variables=tuple(variable(k) for k in m.variables),
+              uses=len(m.uses), inputs=tuple(u.inputs for u in m.uses),
+              outputs=tuple(u.output for u in m.uses),
+              use_attrs=tuple(dict(u.attrs) for u in m.uses),
+              ops=tuple(u.ops for u in m.uses), reason=m.reason)
+        for m in result.layers)
+    generic = [layer.name for layer in layers if layer.kind == "generic"]
+    if generic:
+        logging.warning("kfac_graph: %d variable(s) match no layer pattern and are registered "
+                        "as generic: %s", len(generic), ", ".join(generic))
+    lm = result.loss
+    loss = LossSpec(lm.kind, lm.reduction, lm.output, lm.targets, lm.scale)
+    return Registration(layers, loss, traced.graph_def, traced.arguments, traced.output,
+                        result.graph, dict(result.timings))
+
+
+def _concrete(tf_function, args, name):
+    try:
+        return tf_function.get_concrete_function(*args)
+    except (TypeError, ValueError) as e:
+        lines = str(e).strip().splitlines()
+        raise passes.TraceError(f"could not trace {name}: {lines[0] if lines else type(e).__name__}") from e

@@ -1,0 +1,146 @@
+"""What the pass found: the layers, the loss, and a readable report.
+
+``Registration`` is the public result of auto-registration. It holds
+``Layer``s (one per set of weights, with every use of them) and a
+``LossSpec``; both are frozen. Tensor names refer to the inlined graph the
+pass analysed (``Registration.graph_def``), which later passes rewrite.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import networkx as nx
+import numpy as np
+
+KINDS = ("dense", "conv2d", "depthwise_conv2d", "scale_and_shift", "embedding", "generic")
+_COLOURS = {"dense": "lightblue", "conv2d": "palegreen", "depthwise_conv2d": "khaki",
+            "scale_and_shift": "plum", "embedding": "lightsalmon", "generic": "lightgrey"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphVariable:
+    """Stands in for a variable known only by name (the GraphDef front end)."""
+    name: str
+    shape: tuple
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layer:
+    """One set of weights and every place the graph applies them.
+
+    ``variables``: kernel (or scale) first, then bias (or shift) if any.
+    ``uses``: how many times the weights are applied. Per use ``i``:
+    ``inputs[i]`` the tensors read (the activation; for scale-and-shift the
+    tensors its normaliser reads, see ``use_attrs[i]["normalizer"]``; for an
+    embedding the ids), ``outputs[i]`` the pre-activation tensor produced,
+    ``use_attrs[i]`` the op's attributes, ``ops[i]`` the matched IR nodes. ``reason`` says why a layer is
+    ``"generic"``.
+    """
+    name: str
+    kind: str
+    variables: tuple
+    uses: int
+    inputs: tuple[tuple[str, ...], ...] = ()
+    outputs: tuple[str, ...] = ()
+    use_attrs: tuple[Mapping[str, Any], ...] = ()
+    ops: tuple[tuple[str, ...], ...] = ()
+    reason: str = ""
+
+    @property
+    def attrs(self) -> Mapping[str, Any]:
+        """The first use's op attributes (all uses of a layer share its kind)."""
+        return self.use_attrs[0] if self.use_attrs else {}
+
+    @property
+    def num_parameters(self) -> int:
+        return int(sum(np.prod(_shape(v)) for v in self.variables))
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """The loss's predictive distribution, read from the graph.
+
+    ``L = scale * (1/B) * sum_i -log p(y_i | z_i)`` for ``reduction="mean"``
+    (drop the ``1/B`` for ``"sum"``); ``output`` names ``z`` (logits for
+    categorical and bernoulli, the mean for normal, whose variance is 1/2),
+    ``targets`` names ``y``."""
+    kind: str
+    reduction: str = "mean"
+    output: str | None = None
+    targets: str | None = None
+    scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Registration:
+    layers: tuple[Layer, ...]
+    loss: LossSpec
+    graph_def: Any = dataclasses.field(default=None, repr=False, compare=False)
+    arguments: tuple[str, ...] = ()
+    output: str = ""
+    ir: nx.DiGraph | None = dataclasses.field(default=None, repr=False, compare=False)
+    timings: Mapping[str, float] = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def variables(self) -> tuple:
+        """Every trainable variable the loss depends on, in layer order."""
+        return tuple(v for layer in self.layers for v in layer.variables)
+
+    def summary(self) -> str:
+        """A table: one row per layer, then the loss."""
+        rows = [("#", "layer", "kind", "variables", "uses", "params")]
+        for i, layer in enumerate(self.layers):
+            shapes = ", ".join("x".join(map(str, _shape(v))) or "scalar" for v in layer.variables)
+            rows.append((str(i), layer.name, layer.kind, shapes, str(layer.uses),
+                         f"{layer.num_parameters:,}"))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        line = lambda r: "  ".join(s.ljust(w) for s, w in zip(r, widths)).rstrip()  # noqa: E731
+        out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]
+        total = sum(layer.num_parameters for layer in self.layers)
+        out.append(f"{len(self.layers)} layers, {total:,} parameters")
+        loss = self.loss
+        out.append(f"loss: {loss.kind}, {loss.reduction} over the batch"
+                   + (f", scale {loss.scale:g}" if loss.scale != 1.0 else "")
+                   + (f"; output {loss.output}" if loss.output else "")
+                   + (f"; targets {loss.targets}" if loss.targets else ""))
+        for layer in self.layers:
+            if layer.reason:
+                out.append(f"{layer.kind} {layer.name}: {layer.reason}")
+        return "\n".join(out)
+
+    def to_dot(self, path: str | None = None) -> str:
+        """A Graphviz DOT picture of the analysed graph, each matched layer's
+        ops filled with its kind's colour. Writes it to ``path`` if given."""
+        colour, label = {}, {}
+        for layer in self.layers:
+            for ops in layer.ops:
+                for node in ops:
+                    colour[node] = _COLOURS[layer.kind]
+                    label[node] = layer.name
+        lines = ["digraph kfac_graph {", "  rankdir=TB;", '  node [shape=box, fontsize=10];']
+        g = self.ir
+        ids = {n: f"n{i}" for i, n in enumerate(g.nodes)} if g is not None else {}
+        for node, i in ids.items():
+            op = g.nodes[node]["op"]
+            style = f', style=filled, fillcolor="{colour[node]}"' if node in colour else ""
+            lines.append(f'  {i} [label="{_escape(node)}\\n{op}"{style}];')
+        if g is not None:
+            for u, v in g.edges:
+                lines.append(f"  {ids[u]} -> {ids[v]};")
+        lines.append("}")
+        text = "\n".join(lines) + "\n"
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        return text
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _shape(v) -> tuple:
+    shape = v.shape
+    return tuple(shape.as_list()) if hasattr(shape, "as_list") else tuple(shape)

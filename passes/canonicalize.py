@@ -1,0 +1,54 @@
+"""Canonicalize: see through ops that do not change what a layer computes.
+
+Contract: ``canonicalize(g) -> g`` returns a copy of the IR in which every
+reader of the output of a *transparent* op reads the op's input instead, and
+the transparent op is removed. Transparent ops: ``Identity``, ``IdentityN``,
+``Snapshot``, ``ReadVariableOp``, ``Cast`` (mixed precision), and ``Reshape``,
+``Squeeze`` and ``ExpandDims`` that only add or drop unit axes (Keras's bias
+reshape; Conv1D built as ExpandDims + Conv2D + Squeeze). Removed tensors are
+recorded in ``g.graph["aliases"]``; node names are unchanged, so every tensor
+left in the IR is a tensor of the original graph. ``StopGradient`` is never
+transparent: it changes the gradient.
+"""
+from __future__ import annotations
+
+import networkx as nx
+
+from passes import ir
+
+_ALWAYS = frozenset({"Identity", "Snapshot", "ReadVariableOp", "Cast"})
+_UNIT_AXES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
+
+
+def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
+    g = graph.copy()
+    g.graph["aliases"] = dict(graph.graph["aliases"])
+    for node in list(nx.topological_sort(g)):
+        data = g.nodes[node]
+        op = data["op"]
+        if op == "IdentityN":
+            for k, t in enumerate(data["inputs"]):
+                ir.bypass(g, node, k, t)
+        elif op in _ALWAYS or (op in _UNIT_AXES and _only_unit_axes(g, node)):
+            if not data["inputs"]:
+                continue
+            ir.bypass(g, node, 0, data["inputs"][0])
+        else:
+            continue
+        if g.out_degree(node) == 0:
+            g.remove_node(node)
+    g.graph["output"] = ir.resolve(g, g.graph["output"])
+    return g
+
+
+def _only_unit_axes(g: nx.DiGraph, node: str) -> bool:
+    """True when input and output shapes agree once unit axes are dropped.
+
+    Unknown dimensions must line up one to one (a ``None`` batch axis kept in
+    place); an unknown rank is never transparent."""
+    before = ir.shape_of(g, g.nodes[node]["inputs"][0])
+    after = g.nodes[node]["shapes"][0]
+    if before is None or after is None:
+        return False
+    squeeze = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
+    return squeeze(before) == squeeze(after) and sum(d is None for d in before) <= 1

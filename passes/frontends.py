@@ -1,0 +1,193 @@
+"""Front ends: a traced function, a SavedModel or a GraphDef, to one IR.
+
+Each front end produces a ``Traced``: the GraphDef with function calls
+inlined, the argument placeholders, the loss tensor, and the variables the
+graph reads (with the objects behind them where there are any). ``to_ir``
+turns a ``Traced`` into the IR of ``passes.ir``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Sequence
+
+import networkx as nx
+import tensorflow as tf
+from google.protobuf import message
+
+from passes import inline, ir
+from passes.errors import LoadError, TraceError
+
+_VARIABLE_PREFIX = "kfac_graph_variable"
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A function's graph, ready for the passes.
+
+    ``placeholder_variables`` maps each node that holds a variable (a captured
+    resource placeholder, or a ``VarHandleOp``) to the variable's key;
+    ``objects`` maps keys to the ``tf.Variable`` objects where known.
+    """
+    graph_def: Any
+    arguments: tuple[str, ...]
+    output: str
+    variables: dict[str, ir.VariableInfo]
+    placeholder_variables: dict[str, str]
+    objects: dict[str, Any]
+    name: str = "fn"
+
+
+def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) -> Traced:
+    """Traces ``fn(*args, **kwargs)`` with ``tf.function`` (or uses ``fn``'s own
+    if it is one) and returns its graph."""
+    tf_fn = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
+    try:
+        concrete = tf_fn.get_concrete_function(*args, **(kwargs or {}))
+    except (TypeError, ValueError) as e:
+        raise TraceError(f"could not trace {_name(fn)}: {_first_line(e)}") from e
+    return from_concrete_function(concrete, name=_name(fn))
+
+
+def from_concrete_function(concrete, name: str = "fn", extra_variables=()) -> Traced:
+    """The ``Traced`` of a concrete function (traced here or loaded)."""
+    graph = concrete.graph
+    outputs = [t for t in graph.outputs if t.dtype != tf.resource]
+    if len(outputs) != 1:
+        raise TraceError(f"{name} returns {len(outputs)} tensors; it must return one scalar loss")
+    loss = outputs[0]
+    if loss.shape.rank != 0:
+        raise TraceError(f"{name} returns a tensor of shape {loss.shape}; it must return a scalar loss")
+    if not loss.dtype.is_floating:
+        raise TraceError(f"{name} returns a {loss.dtype.name} tensor; the loss must be floating point")
+    by_handle = {}
+    for v in list(getattr(concrete, "variables", ())) + list(graph.variables) + list(extra_variables):
+        by_handle.setdefault(id(v.handle), v)
+    placeholders, objects, infos = {}, {}, {}
+    for external, internal in graph.captures:
+        var = by_handle.get(id(external))
+        if internal.dtype != tf.resource or var is None:
+            continue
+        key = _unique(var.name.split(":")[0], infos)
+        infos[key] = ir.VariableInfo(key, var.name, tuple(var.shape.as_list()),
+                                     var.dtype.name, bool(var.trainable))
+        objects[key] = var
+        placeholders[internal.op.name] = key
+    n_args = len(graph.inputs) - len(graph.captures)
+    arguments = tuple(t.op.name for t in graph.inputs[:n_args])
+    graph_def, renames = inline.inline_calls(graph.as_graph_def())
+    return Traced(graph_def, arguments, inline.follow(renames, loss.name),
+                  infos, placeholders, objects, name)
+
+
+def load_saved_model(path: str, function: str, args: Sequence[Any] | None = None) -> Traced:
+    """The ``Traced`` of the saved ``tf.function`` (or signature) ``function``
+    of the SavedModel at ``path``. ``args`` picks one of several traces."""
+    if not os.path.isdir(path):
+        raise LoadError(f"no SavedModel directory at {path}")
+    try:
+        loaded = tf.saved_model.load(path)
+    except Exception as e:  # noqa: BLE001 - TF raises many types here
+        raise LoadError(f"could not load the SavedModel at {path}: {_first_line(e)}") from e
+    fn = getattr(loaded, function, None)
+    if fn is None and function in getattr(loaded, "signatures", {}):
+        fn = loaded.signatures[function]
+    if fn is None:
+        found = sorted(set(getattr(loaded, "signatures", {}).keys()) |
+                       {k for k in dir(loaded) if not k.startswith("_") and
+                        hasattr(getattr(loaded, k, None), "concrete_functions")})
+        raise LoadError(f"the SavedModel at {path} has no function {function!r}; "
+                        f"it has: {', '.join(found) or 'none'}")
+    if args is not None and hasattr(fn, "get_concrete_function"):
+        concrete = fn.get_concrete_function(*args)
+    elif hasattr(fn, "concrete_functions"):
+        concretes = list(fn.concrete_functions)
+        if len(concretes) != 1:
+            raise LoadError(f"{function!r} in {path} has {len(concretes)} traces; "
+                            "pass example arguments to pick one")
+        concrete = concretes[0]
+    else:
+        concrete = fn
+    extra = list(getattr(loaded, "variables", ()) or ())
+    return from_concrete_function(concrete, name=function, extra_variables=extra)
+
+
+def load_graph_def(path_or_graph_def, output: str, arguments: Sequence[str] = ()) -> Traced:
+    """The ``Traced`` of a GraphDef (a file, binary or text, or a proto).
+
+    ``output`` names the loss tensor. Variables are the ``VarHandleOp`` nodes;
+    there are no variable objects, so layers list ``GraphVariable`` stand-ins.
+    """
+    graph_def = path_or_graph_def
+    if isinstance(path_or_graph_def, (str, os.PathLike)):
+        graph_def = _read_graph_def(os.fspath(path_or_graph_def))
+    names = {n.name for n in graph_def.node}
+    if ir.split_tensor(output)[0] not in names:
+        raise LoadError(f"the GraphDef has no node {output!r} for the loss")
+    infos, placeholders = {}, {}
+    for node in graph_def.node:
+        if node.op == "VarHandleOp":
+            key = _unique(node.attr["shared_name"].s.decode() or node.name, infos)
+            shape = tuple(d.size if d.size >= 0 else None for d in node.attr["shape"].shape.dim)
+            infos[key] = ir.VariableInfo(key, key, shape,
+                                         tf.dtypes.as_dtype(node.attr["dtype"].type).name)
+            placeholders[node.name] = key
+    inlined, renames = inline.inline_calls(graph_def)
+    return Traced(inlined, tuple(arguments), inline.follow(renames, ir.tensor_name(*ir.split_tensor(output))),
+                  infos, placeholders, {}, "graph_def")
+
+
+def to_ir(traced: Traced) -> nx.DiGraph:
+    """Imports the inlined GraphDef (so TensorFlow infers static shapes, with
+    each variable's shape known to its reads) and builds the IR."""
+    graph = tf.Graph()
+    input_map, holders = {}, {}
+    with graph.as_default():
+        for node, key in traced.placeholder_variables.items():
+            info = traced.variables[key]
+            handle = tf.raw_ops.VarHandleOp(
+                dtype=tf.dtypes.as_dtype(info.dtype), shape=info.shape,
+                shared_name=key, name=f"{_VARIABLE_PREFIX}_{len(holders)}")
+            holders[handle.op.name] = key
+            input_map[ir.tensor_name(node)] = handle
+        try:
+            tf.graph_util.import_graph_def(traced.graph_def, input_map=input_map, name="")
+        except (ValueError, tf.errors.OpError) as e:
+            raise LoadError(f"could not import the graph of {traced.name}: {_first_line(e)}") from e
+    return ir.from_tf_graph(graph, traced.arguments, traced.output, traced.variables, holders)
+
+
+def _read_graph_def(path: str):
+    if not os.path.isfile(path):
+        raise LoadError(f"no GraphDef file at {path}")
+    with open(path, "rb") as f:
+        data = f.read()
+    graph_def = tf.compat.v1.GraphDef()
+    try:
+        graph_def.ParseFromString(data)
+        if graph_def.node:
+            return graph_def
+    except message.DecodeError:
+        pass
+    from google.protobuf import text_format
+    try:
+        text_format.Parse(data.decode("utf-8"), graph_def)
+    except (UnicodeDecodeError, text_format.ParseError) as e:
+        raise LoadError(f"{path} is not a GraphDef (binary or text): {_first_line(e)}") from e
+    return graph_def
+
+
+def _unique(name: str, taken) -> str:
+    key, i = name, 1
+    while key in taken:
+        key, i = f"{name}_{i}", i + 1
+    return key
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -1,0 +1,118 @@
+"""Inline function calls in a GraphDef so layers inside them are visible.
+
+Contract: ``inline_calls(graph_def)`` returns a GraphDef that
+computes the same values in which every ``PartitionedCall`` /
+``StatefulPartitionedCall`` (nested ``tf.function``s, loaded SavedModel
+functions) and every direct call of a library function is replaced by the
+function's body. Body nodes are named ``<call node>/<body node>``; the call
+node's name is kept by a ``NoOp`` that waits on the body, so control
+dependencies on the call still hold. Control-flow ops (``While``, ``If``) keep
+their bodies as functions. The function library is kept for them.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.framework import function_def_to_graph
+
+from passes.errors import LoadError
+
+_CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
+_MAX_DEPTH = 64
+
+
+def inline_calls(graph_def: tf.compat.v1.GraphDef
+                 ) -> tuple[tf.compat.v1.GraphDef, dict[str, str]]:
+    """Returns the inlined GraphDef and the renaming of call outputs
+    (``"call:0"`` -> the body tensor that now computes it); apply
+    ``follow(renames, name)`` to map an old tensor name to the new one."""
+    all_renames: dict[str, str] = {}
+    library = {f.signature.name: f for f in graph_def.library.function}
+    nodes = list(graph_def.node)
+    for _ in range(_MAX_DEPTH):
+        calls = [n for n in nodes if _callee(n, library)]
+        if not calls:
+            break
+        renames: dict[str, str] = {}
+        out = []
+        for node in nodes:
+            callee = _callee(node, library)
+            if callee:
+                body, outputs = _body(node, library[callee])
+                out.extend(body)
+                renames.update({f"{node.name}:{i}": t for i, t in enumerate(outputs)})
+            else:
+                out.append(node)
+        for node in out:
+            _rename_inputs(node, renames)
+        all_renames.update(renames)
+        nodes = out
+    else:
+        raise LoadError(f"function calls nested deeper than {_MAX_DEPTH} levels")
+    result = tf.compat.v1.GraphDef()
+    result.versions.CopyFrom(graph_def.versions)
+    result.library.CopyFrom(graph_def.library)
+    result.node.extend(nodes)
+    return result, all_renames
+
+
+def _callee(node, library) -> str | None:
+    if node.op in _CALL_OPS:
+        name = node.attr["f"].func.name
+        return name if name in library else None
+    return node.op if node.op in library else None
+
+
+def _body(call, fdef):
+    """The call's body nodes (prefixed) and the tensor names of its outputs."""
+    body_def, flat = function_def_to_graph.function_def_to_graph_def(fdef)
+    prefix = call.name + "/"
+    data_inputs = [t for t in call.input if not t.startswith("^")]
+    call_controls = [t for t in call.input if t.startswith("^")]
+    args = {a.name: data_inputs[i] for i, a in enumerate(fdef.signature.input_arg)}
+
+    def outer(t: str) -> str:
+        control = t.startswith("^")
+        bare = t[1:] if control else t
+        node = bare.split(":")[0]
+        if node in args:
+            target = args[node]
+            return "^" + target.split(":")[0] if control else target
+        return ("^" if control else "") + prefix + bare
+
+    nodes, referenced = [], set()
+    for node in body_def.node:
+        if node.name in args:
+            continue
+        new = tf.compat.v1.NodeDef()
+        new.CopyFrom(node)
+        new.name = prefix + node.name
+        inputs = [outer(t) for t in node.input]
+        if not inputs:
+            inputs = list(call_controls)
+        del new.input[:]
+        new.input.extend(inputs)
+        referenced.update(t.lstrip("^").split(":")[0] for t in inputs)
+        nodes.append(new)
+    outputs = [outer(flat[fdef.ret[a.name]]) for a in fdef.signature.output_arg]
+    waiter = tf.compat.v1.NodeDef(name=call.name, op="NoOp")
+    waiter.input.extend("^" + n.name for n in nodes if n.name not in referenced)
+    return nodes + [waiter], outputs
+
+
+def _rename_inputs(node, renames) -> None:
+    inputs = [t if t.startswith("^") else follow(renames, t) for t in node.input]
+    if inputs != list(node.input):
+        del node.input[:]
+        node.input.extend(inputs)
+
+
+def follow(renames: dict[str, str], t: str) -> str:
+    """Maps a tensor name through ``renames`` (transitively)."""
+    seen = set()
+    while t not in seen:
+        seen.add(t)
+        key = t if ":" in t else t + ":0"
+        if key not in renames:
+            return t
+        t = renames[key]
+    return t

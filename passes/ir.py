@@ -1,0 +1,190 @@
+"""The IR: a ``networkx.DiGraph`` whose nodes are ops and whose edges are tensors.
+
+Node attributes (all plain Python values):
+
+- ``op``: the op type (``"MatMul"``); resource placeholders resolved to a
+  variable get ``"Variable"``.
+- ``attrs``: the op's attributes as Python values (strings decoded, lists as
+  tuples); small constants also carry ``value`` (a numpy array).
+- ``inputs``: the data inputs as tensor names ``"node:index"``, in order. This
+  is the source of truth; edges mirror it.
+- ``raw_inputs``: the data inputs as they were before any pass rewired them.
+- ``dtypes`` / ``shapes``: per output, the dtype name and the static shape (a
+  tuple with ``None`` for unknown dimensions, or ``None`` for unknown rank).
+- ``variable``: for ``"Variable"`` nodes, the key of the variable in
+  ``graph.graph["variables"]``.
+
+An edge ``u -> v`` carries ``slots``: a tuple of ``(output_index, input_index)``
+pairs, one per tensor of ``u`` that ``v`` reads (an op may read the same tensor
+twice, as in ``Mul(x, x)``).
+
+Graph attributes: ``variables`` (key -> ``VariableInfo``), ``arguments`` (the
+function arguments' placeholder names, in order), ``output`` (the loss tensor
+name) and ``aliases`` (tensor name removed by a pass -> the tensor that now
+stands for it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import networkx as nx
+import numpy as np
+import tensorflow as tf
+
+_MAX_CONST_ELEMENTS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableInfo:
+    """What the IR knows about a variable: its key, name, shape and dtype."""
+    key: str
+    name: str
+    shape: tuple
+    dtype: str
+    trainable: bool = True
+
+
+def tensor_name(node: str, index: int = 0) -> str:
+    return f"{node}:{index}"
+
+
+def split_tensor(name: str) -> tuple[str, int]:
+    """``"a/b:1"`` -> ``("a/b", 1)``; a bare node name means output 0."""
+    node, sep, index = name.rpartition(":")
+    if not sep or not index.isdigit():
+        return name, 0
+    return node, int(index)
+
+
+def _attr_value(value: tf.compat.v1.AttrValue) -> Any:
+    kind = value.WhichOneof("value")
+    if kind == "s":
+        return value.s.decode("utf-8", "replace")
+    if kind in ("i", "f", "b"):
+        return getattr(value, kind)
+    if kind == "type":
+        return tf.dtypes.as_dtype(value.type).name
+    if kind == "shape":
+        return _shape(tf.TensorShape(value.shape))
+    if kind == "func":
+        return value.func.name
+    if kind == "list":
+        lst = value.list
+        if lst.s:
+            return tuple(s.decode("utf-8", "replace") for s in lst.s)
+        for field in ("i", "f", "b"):
+            if getattr(lst, field):
+                return tuple(getattr(lst, field))
+        if lst.type:
+            return tuple(tf.dtypes.as_dtype(t).name for t in lst.type)
+        if lst.shape:
+            return tuple(_shape(tf.TensorShape(s)) for s in lst.shape)
+        return ()
+    return None
+
+
+def _shape(shape: tf.TensorShape):
+    if shape.rank is None:
+        return None
+    return tuple(shape.as_list())
+
+
+def from_tf_graph(graph: tf.Graph, arguments: Iterable[str], output: str,
+                  variables: dict[str, VariableInfo],
+                  placeholder_variables: dict[str, str]) -> nx.DiGraph:
+    """Builds the IR from an imported ``tf.Graph``.
+
+    ``placeholder_variables`` maps a resource placeholder (or VarHandleOp) node
+    name to the key of the variable it holds; those nodes become ``Variable``.
+    """
+    g = nx.DiGraph(variables=dict(variables), arguments=tuple(arguments),
+                   output=output, aliases={})
+    for op in graph.get_operations():
+        attrs = {k: _attr_value(op.node_def.attr[k]) for k in op.node_def.attr
+                 if not k.startswith("_")}
+        data = dict(
+            op=op.type, attrs=attrs,
+            inputs=tuple(t.name for t in op.inputs),
+            raw_inputs=tuple(t.name for t in op.inputs),
+            control_inputs=tuple(c.name for c in op.control_inputs),
+            dtypes=tuple(t.dtype.name for t in op.outputs),
+            shapes=tuple(_shape(t.shape) for t in op.outputs),
+            variable=None)
+        if op.type == "Const":
+            tensor = op.node_def.attr["value"].tensor
+            n = int(np.prod([d.size for d in tensor.tensor_shape.dim])) if tensor.tensor_shape.dim else 1
+            if n <= _MAX_CONST_ELEMENTS:
+                data["value"] = tf.make_ndarray(tensor)
+        if op.name in placeholder_variables:
+            key = placeholder_variables[op.name]
+            data.update(op="Variable", variable=key, shapes=(variables[key].shape,),
+                        dtypes=(variables[key].dtype,))
+        g.add_node(op.name, **data)
+    for name in list(g.nodes):
+        _add_input_edges(g, name)
+    return g
+
+
+def _add_input_edges(g: nx.DiGraph, node: str) -> None:
+    for slot, t in enumerate(g.nodes[node]["inputs"]):
+        src, index = split_tensor(t)
+        if g.has_edge(src, node):
+            g.edges[src, node]["slots"] += ((index, slot),)
+        else:
+            g.add_edge(src, node, slots=((index, slot),))
+
+
+def producer(g: nx.DiGraph, node: str, slot: int) -> tuple[str, int]:
+    """The (node, output index) feeding input ``slot`` of ``node``."""
+    return split_tensor(g.nodes[node]["inputs"][slot])
+
+
+def shape_of(g: nx.DiGraph, tensor: str):
+    node, index = split_tensor(tensor)
+    shapes = g.nodes[node]["shapes"]
+    return shapes[index] if index < len(shapes) else None
+
+
+def const_value(g: nx.DiGraph, tensor: str):
+    """The numpy value of a small constant tensor, else None."""
+    node, index = split_tensor(tensor)
+    data = g.nodes[node]
+    if index == 0 and "value" in data:
+        return data["value"]
+    return None
+
+
+def consumers(g: nx.DiGraph, tensor: str) -> list[tuple[str, int]]:
+    """(consumer node, input slot) pairs reading ``tensor``."""
+    node, index = split_tensor(tensor)
+    out = []
+    for dst in g.successors(node):
+        out.extend((dst, slot) for (i, slot) in g.edges[node, dst]["slots"] if i == index)
+    return out
+
+
+def bypass(g: nx.DiGraph, node: str, output: int, replacement: str) -> None:
+    """Rewires every reader of ``node:output`` to read ``replacement`` instead."""
+    old = tensor_name(node, output)
+    for dst, _ in consumers(g, old):
+        inputs = tuple(replacement if t == old else t for t in g.nodes[dst]["inputs"])
+        g.nodes[dst]["inputs"] = inputs
+        _rebuild_in_edges(g, dst)
+    g.graph["aliases"][old] = replacement
+
+
+def _rebuild_in_edges(g: nx.DiGraph, node: str) -> None:
+    for src in list(g.predecessors(node)):
+        g.remove_edge(src, node)
+    _add_input_edges(g, node)
+
+
+def resolve(g: nx.DiGraph, tensor: str) -> str:
+    """Follows ``aliases`` to the tensor that stands for ``tensor`` now."""
+    aliases = g.graph["aliases"]
+    seen = set()
+    while tensor in aliases and tensor not in seen:
+        seen.add(tensor)
+        tensor = aliases[tensor]
+    return tensor

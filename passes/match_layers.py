@@ -1,0 +1,268 @@
+"""Match layers: find every dense, conv, depthwise, scale-and-shift and
+embedding layer on the loss's path, group shared weights, and list orphans.
+
+Contract: ``match_layers(g) -> tuple[LayerMatch, ...]`` on a canonical IR.
+Each trainable variable the loss depends on belongs to exactly one
+``LayerMatch``; layers come in the order their first use appears in the
+graph, and their uses in graph order. A variable that no pattern claims, or
+that is also read outside its layer's patterns, becomes a ``"generic"`` layer
+whose ``reason`` says why.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from typing import Mapping
+
+import networkx as nx
+
+from passes import ir
+from passes.matcher import find_matches
+from passes.patterns import LAYER_PATTERNS, Pattern, einsum_kernel_layout
+
+_OP_ATTRS = ("strides", "dilations", "padding", "explicit_paddings", "data_format",
+             "transpose_a", "transpose_b", "adj_x", "adj_y", "equation", "epsilon",
+             "is_training", "exponential_avg_factor")
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """One application of a layer's weights.
+
+    ``inputs``: the tensors this use reads (the activation; for
+    scale-and-shift the tensors its normaliser needs; for an embedding the
+    ids). ``output``: the pre-activation tensor it produces. ``ops``: the IR
+    nodes of the match. ``attrs``: the main op's attributes plus ``op``,
+    ``input_shape``, ``output_shape`` and, where it applies,
+    ``transpose_kernel`` and ``normalizer``.
+    """
+    inputs: tuple[str, ...]
+    output: str
+    ops: tuple[str, ...]
+    attrs: Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMatch:
+    kind: str
+    name: str
+    variables: tuple[str, ...]
+    uses: tuple[Use, ...]
+    reason: str = ""
+
+
+def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
+    output_node = ir.split_tensor(g.graph["output"])[0]
+    on_path = nx.ancestors(g, output_node) | {output_node}
+    data = set()
+    for arg in g.graph["arguments"]:
+        if arg in g:
+            data |= nx.descendants(g, arg) | {arg}
+    order = {n: i for i, n in enumerate(nx.topological_sort(g))}
+    undirected = g.to_undirected(as_view=True)
+
+    found = []  # (pattern, roles)
+    claimed: set[str] = set()
+    for pattern in LAYER_PATTERNS:
+        for roles in find_matches(g, pattern, claimed, undirected):
+            if roles[pattern.output] not in on_path:
+                continue
+            tensors = _inputs(g, pattern, roles)
+            if not all(ir.split_tensor(t)[0] in data for t in tensors[:1]):
+                continue
+            claimed |= {roles[r] for r, spec in pattern.nodes.items() if spec.exclusive}
+            found.append((pattern, roles))
+
+    groups = _group(g, found)
+    groups, reasons = _resolve_conflicts(g, groups, on_path)
+    layers = [_layer(g, kind, keys, uses, order) for (kind, keys), uses in groups.items()]
+    owned = {k for layer in layers for k in layer.variables}
+    for key in _loss_variables(g, on_path, order):
+        if key not in owned:
+            layers.append(_generic(g, key, reasons.get(key, _orphan_reason(g, key, on_path)), order))
+    layers.sort(key=lambda layer: _first_position(layer, order, g))
+    return tuple(_unique_names(layers))
+
+
+def _inputs(g, pattern: Pattern, roles) -> tuple[str, ...]:
+    out = []
+    for role, where, k in pattern.inputs:
+        node = roles[role]
+        out.append(g.nodes[node]["raw_inputs"][k] if where == "in" else ir.tensor_name(node, k))
+    return tuple(out)
+
+
+def _group(g, found):
+    """(kind, variable keys) -> list of (pattern, roles, Use)."""
+    groups = collections.defaultdict(list)
+    for pattern, roles in found:
+        keys = tuple(g.nodes[roles[p]]["variable"] for p in pattern.params)
+        groups[(pattern.kind, keys)].append((pattern, roles, _use(g, pattern, roles)))
+    return groups
+
+
+def _use(g, pattern: Pattern, roles) -> Use:
+    main = roles.get("op") or roles.get("mul") or roles.get("add") or roles[pattern.anchor]
+    data = g.nodes[main]
+    attrs = {k: data["attrs"][k] for k in _OP_ATTRS if k in data["attrs"]}
+    attrs["op"] = data["op"]
+    inputs = _inputs(g, pattern, roles)
+    attrs["input_shape"] = ir.shape_of(g, data["raw_inputs"][0]) if data["raw_inputs"] else None
+    attrs["output_shape"] = data["shapes"][0] if data["shapes"] else None
+    if pattern.kind == "dense":
+        layout = (einsum_kernel_layout(data["attrs"]["equation"]) if data["op"] == "Einsum"
+                  else ("oi" if data["attrs"].get("transpose_b") or data["attrs"].get("adj_y") else "io"))
+        attrs["transpose_kernel"] = layout == "oi"
+        attrs["input_shape"] = ir.shape_of(g, inputs[0])
+    if pattern.kind == "scale_and_shift":
+        attrs["normalizer"] = pattern.normalizer
+        if pattern.normalizer == "fused":
+            inputs, attrs = _fused_normalizer(g, main, inputs, attrs)
+    nodes = tuple(roles[r] for r, spec in pattern.nodes.items() if spec.exclusive)
+    return Use(inputs, ir.tensor_name(roles[pattern.output]), nodes, attrs)
+
+
+def _fused_normalizer(g, node, inputs, attrs):
+    """FusedBatchNorm: in inference the normalised input comes from the
+    op's mean and variance inputs; in training from its batch-mean and
+    batch-variance outputs (usable only when ``exponential_avg_factor`` is 1,
+    else those outputs are running averages)."""
+    raw = g.nodes[node]["raw_inputs"]
+    if not attrs.get("is_training", True):
+        return (inputs[0], raw[3], raw[4]), {**attrs, "normalizer": "fused_inference"}
+    if attrs.get("exponential_avg_factor", 1.0) == 1.0:
+        return ((inputs[0], ir.tensor_name(node, 1), ir.tensor_name(node, 2)),
+                {**attrs, "normalizer": "fused_training"})
+    return inputs, {**attrs, "normalizer": "unrecoverable"}
+
+
+def _resolve_conflicts(g, groups, on_path):
+    """Makes each variable belong to one group.
+
+    A kernel shared by uses with different biases (tied weights) keeps one
+    group for the kernel and gives each bias its own shift-only layer. A
+    variable claimed by groups of different kinds, read outside its matches,
+    or a fused batch norm whose normalised input cannot be recovered, is
+    left to the generic fallback with the reason."""
+    reasons = {}
+    groups = dict(groups)
+    by_kernel = collections.defaultdict(list)
+    for kind, keys in groups:
+        by_kernel[keys[0]].append((kind, keys))
+    for kernel, owners in by_kernel.items():
+        kinds = {kind for kind, _ in owners}
+        if len(owners) > 1 and len(kinds) == 1 and kinds <= {"dense", "conv2d", "depthwise_conv2d"}:
+            merged = []
+            for owner in owners:
+                for pattern, roles, use in groups.pop(owner):
+                    merged.append((pattern, roles, _without_bias(g, use, roles)))
+                    if len(owner[1]) > 1:
+                        shift = _bias_as_shift(g, roles, use)
+                        groups.setdefault(("scale_and_shift", (owner[1][1],)), []).append(shift)
+            groups[(owners[0][0], (kernel,))] = merged
+    owners_of = collections.defaultdict(set)
+    for group in groups:
+        for key in group[1]:
+            owners_of[key].add(group)
+    for key, owners in owners_of.items():
+        if len(owners) > 1:
+            for owner in owners:
+                groups.pop(owner, None)
+            kinds = ", ".join(sorted(kind for kind, _ in owners))
+            reasons[key] = f"its weights are used by layers of different kinds ({kinds})"
+    for group, items in list(groups.items()):
+        claimed = {n for _, _, use in items for n in use.ops}
+        for key in group[1]:
+            outside = [n for n in _readers(g, key) if n in on_path and n not in claimed]
+            if outside:
+                groups.pop(group, None)
+                for k in group[1]:
+                    reasons[k] = f"also read outside its layer pattern, by op {outside[0]!r}"
+                break
+        else:
+            if any(use.attrs.get("normalizer") == "unrecoverable" for _, _, use in items):
+                groups.pop(group)
+                for k in group[1]:
+                    reasons[k] = ("fused batch norm in training with exponential_avg_factor != 1: "
+                                  "its batch statistics are not in the graph")
+    return groups, reasons
+
+
+def _without_bias(g, use: Use, roles) -> Use:
+    if "add" not in roles or "b" not in roles:
+        return use
+    main = roles["unflat"] if "unflat" in roles else roles["op"]
+    ops = tuple(n for n in use.ops if n != roles["add"])
+    return dataclasses.replace(use, output=ir.tensor_name(main), ops=ops)
+
+
+def _bias_as_shift(g, roles, use: Use):
+    main = roles["unflat"] if "unflat" in roles else roles["op"]
+    attrs = {"op": g.nodes[roles["add"]]["op"], "normalizer": "identity",
+             "input_shape": g.nodes[main]["shapes"][0],
+             "output_shape": g.nodes[roles["add"]]["shapes"][0]}
+    if "data_format" in g.nodes[roles["add"]]["attrs"]:
+        attrs["data_format"] = g.nodes[roles["add"]]["attrs"]["data_format"]
+    shift = Use((ir.tensor_name(main),), ir.tensor_name(roles["add"]), (roles["add"],), attrs)
+    return None, roles, shift
+
+
+def _readers(g, key):
+    return [dst for node, d in g.nodes(data=True) if d.get("variable") == key
+            for dst in g.successors(node)]
+
+
+def _loss_variables(g, on_path, order):
+    keys = {}
+    for node in on_path:
+        key = g.nodes[node].get("variable")
+        if key is not None and g.graph["variables"][key].trainable:
+            keys.setdefault(key, order[node])
+    return sorted(keys, key=lambda k: (keys[k], k))
+
+
+def _orphan_reason(g, key, on_path) -> str:
+    readers = sorted({g.nodes[n]["op"] for n in _readers(g, key) if n in on_path})
+    return f"no layer pattern matches its use by {', '.join(readers) or 'the graph'}"
+
+
+def _layer(g, kind, keys, items, order) -> LayerMatch:
+    uses = sorted((use for _, _, use in items), key=lambda u: order[ir.split_tensor(u.output)[0]])
+    return LayerMatch(kind, _scope_name([n for u in uses[:1] for n in u.ops]), keys, tuple(uses))
+
+
+def _generic(g, key, reason, order) -> LayerMatch:
+    name = g.graph["variables"][key].name.split(":")[0]
+    return LayerMatch("generic", name, (key,), (), reason)
+
+
+def _first_position(layer: LayerMatch, order, g) -> tuple:
+    if layer.uses:
+        return (min(order[n] for n in layer.uses[0].ops), layer.name)
+    holders = [order[n] for n, d in g.nodes(data=True) if d.get("variable") == layer.variables[0]]
+    readers = [order[s] for n, d in g.nodes(data=True) if d.get("variable") == layer.variables[0]
+               for s in g.successors(n)]
+    return (min(readers or holders or [0]), layer.name)
+
+
+def _scope_name(nodes) -> str:
+    if not nodes:
+        return "layer"
+    if len(nodes) == 1:
+        scope = nodes[0].rsplit("/", 1)[0] if "/" in nodes[0] else nodes[0]
+        return scope
+    prefix = os.path.commonprefix([n.split("/") for n in nodes])
+    return "/".join(prefix) or nodes[0]
+
+
+def _unique_names(layers):
+    seen = collections.Counter()
+    out = []
+    for layer in layers:
+        name = layer.name
+        seen[name] += 1
+        if seen[name] > 1:
+            name = f"{name}_{seen[name] - 1}"
+        out.append(dataclasses.replace(layer, name=name))
+    return out

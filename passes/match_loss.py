@@ -1,0 +1,262 @@
+"""Match the loss: read the predictive distribution and reduction from the graph.
+
+Contract: ``match_loss(g, kind=None) -> LossMatch`` on a canonical IR. It walks
+back from the scalar loss through the batch reduction (``Mean``, ``Sum``,
+``Neg``, multiplication or division by a constant, an added term that does
+not depend on the data such as a weight penalty) to the op that computes the
+per-example negative log-likelihood, and returns
+
+- ``kind``: ``"categorical"`` (softmax cross-entropy, sparse or dense
+  targets; ``-sum(y * log_softmax(z))``), ``"bernoulli"`` (sigmoid
+  cross-entropy) or ``"normal"`` (squared error; variance 1/2);
+- ``reduction``: ``"mean"`` when the batch is averaged, else ``"sum"``;
+- ``scale``: the constant ``c`` in ``L = c * (1/B) * sum_i l_i`` (mean) or
+  ``L = c * sum_i l_i`` (sum), with ``l_i = -log p(y_i | z_i)`` summed over
+  the example's outputs (Keras's mean over outputs gives ``c = 1/K``);
+- ``output`` / ``targets``: the model-output tensor ``z`` (logits or mean)
+  and the targets tensor.
+
+If it cannot read the loss it raises ``LossNotFoundError`` naming the op it
+stopped at; ``kind`` given explicitly is always accepted (with the output and
+targets found where possible).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import networkx as nx
+import numpy as np
+
+from passes import ir
+from passes.errors import LossNotFoundError
+
+KINDS = ("categorical", "bernoulli", "normal")
+_PASS_THROUGH = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity", "Cast"})
+_HOW_TO = ('name it explicitly: kg.auto_register(loss="categorical"|"bernoulli"|"normal")')
+
+
+@dataclasses.dataclass(frozen=True)
+class LossMatch:
+    kind: str
+    reduction: str
+    output: str | None
+    targets: str | None
+    scale: float = 1.0
+    op: str | None = None
+
+
+def match_loss(g: nx.DiGraph, kind: str | None = None) -> LossMatch:
+    if kind is not None and kind not in KINDS:
+        raise LossNotFoundError(f"unknown loss kind {kind!r}; expected one of {', '.join(KINDS)}")
+    try:
+        found = _walk(g)
+    except LossNotFoundError:
+        if kind is None:
+            raise
+        return LossMatch(kind, "mean", None, None)
+    if kind is not None and kind != found.kind:
+        return dataclasses.replace(found, kind=kind)
+    return found
+
+
+def _walk(g: nx.DiGraph) -> LossMatch:
+    data = _data_nodes(g)
+    params = _parameter_nodes(g)
+    batch = _batch_size(g)
+    tensor = g.graph["output"]
+    coefficient, batch_mean = 1.0, False
+    for _ in range(len(g)):
+        node, index = ir.split_tensor(tensor)
+        d = g.nodes[node]
+        op, inputs = d["op"], d["inputs"]
+        terminal = _terminal(g, node, params)
+        if terminal is not None:
+            kind, output, targets, sign = terminal
+            scale = coefficient * sign
+            if scale <= 0:
+                raise LossNotFoundError(f"the loss at op {node!r} is scaled by {scale:g}; {_HOW_TO}")
+            return LossMatch(kind, "mean" if batch_mean else "sum", output, targets,
+                             float(scale), node)
+        if op == "Mean":
+            axes, shape = _axes(g, node)
+            if axes is None:
+                raise LossNotFoundError(f"op {node!r} reduces over axes not known statically; {_HOW_TO}")
+            for a in axes:
+                if a == 0:
+                    batch_mean = True
+                    if shape[0] is not None and batch:
+                        coefficient /= shape[0] / batch
+                elif shape[a] is not None:
+                    coefficient /= shape[a]
+            tensor = inputs[0]
+        elif op in ("Sum",) or op in _PASS_THROUGH:
+            tensor = inputs[0]
+        elif op == "Neg":
+            coefficient, tensor = -coefficient, inputs[0]
+        elif op == "Mul":
+            const, other = _const_operand(g, inputs)
+            if const is None:
+                raise LossNotFoundError(f"op {node!r} multiplies two non-constant tensors; {_HOW_TO}")
+            coefficient, tensor = coefficient * const, other
+        elif op in ("RealDiv", "Div", "DivNoNan"):
+            divisor = _evaluate(g, inputs[1])
+            if divisor is None:
+                if _from_shapes(g, inputs[1]):
+                    batch_mean, tensor = True, inputs[0]
+                    continue
+                raise LossNotFoundError(f"op {node!r} divides by a non-constant; {_HOW_TO}")
+            divisor = float(np.asarray(divisor).reshape(()))
+            if batch and divisor >= batch and divisor % batch == 0 and not batch_mean:
+                batch_mean = True
+                coefficient /= divisor / batch
+            else:
+                coefficient /= divisor
+            tensor = inputs[0]
+        elif op in ("AddV2", "Add", "AddN"):
+            terms = [t for t in inputs if ir.split_tensor(t)[0] in data]
+            if len(terms) != 1:
+                raise LossNotFoundError(
+                    f"op {node!r} adds {len(terms)} data-dependent terms; {_HOW_TO}")
+            tensor = terms[0]
+        else:
+            raise LossNotFoundError(f"cannot read a loss through op {node!r} ({op}); {_HOW_TO}")
+    raise LossNotFoundError(f"no loss op found; {_HOW_TO}")
+
+
+def _terminal(g, node, params):
+    """(kind, model output, targets, sign) when ``node`` computes -log p."""
+    d = g.nodes[node]
+    op, inputs = d["op"], d["inputs"]
+    if op in ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"):
+        return "categorical", inputs[0], inputs[1], 1.0
+    if op in ("SquaredDifference",):
+        return _regression(g, inputs, params)
+    if op == "Square":
+        sub = ir.split_tensor(inputs[0])[0]
+        if g.nodes[sub]["op"] == "Sub":
+            return _regression(g, g.nodes[sub]["inputs"], params)
+    if op == "Mul":
+        for k, t in enumerate(inputs):
+            src = ir.split_tensor(t)[0]
+            if g.nodes[src]["op"] == "LogSoftmax":
+                return "categorical", g.nodes[src]["inputs"][0], inputs[1 - k], -1.0
+            if g.nodes[src]["op"] == "Log":
+                inner = ir.split_tensor(g.nodes[src]["inputs"][0])[0]
+                if g.nodes[inner]["op"] == "Softmax":
+                    return "categorical", g.nodes[inner]["inputs"][0], inputs[1 - k], -1.0
+    if op in ("AddV2", "Add"):
+        return _sigmoid_cross_entropy(g, inputs)
+    return None
+
+
+def _regression(g, operands, params):
+    a, b = operands
+    a_model = ir.split_tensor(a)[0] in params
+    b_model = ir.split_tensor(b)[0] in params
+    if a_model == b_model:
+        return None
+    return ("normal", a, b, 1.0) if a_model else ("normal", b, a, 1.0)
+
+
+def _sigmoid_cross_entropy(g, inputs):
+    """tf.nn.sigmoid_cross_entropy_with_logits:
+    (max(z, 0) - z * y) + log1p(exp(-|z|)), as Select / Mul / Sub / Log1p."""
+    ops = {g.nodes[ir.split_tensor(t)[0]]["op"]: t for t in inputs}
+    if set(ops) != {"Sub", "Log1p"}:
+        return None
+    sub = ir.split_tensor(ops["Sub"])[0]
+    mul = ir.split_tensor(g.nodes[sub]["inputs"][1])[0]
+    if g.nodes[mul]["op"] != "Mul":
+        return None
+    select = ir.split_tensor(g.nodes[sub]["inputs"][0])[0]
+    if g.nodes[select]["op"] not in ("Select", "SelectV2"):
+        return None
+    logits = g.nodes[select]["inputs"][1]
+    z, y = g.nodes[mul]["inputs"]
+    if y == logits:
+        z, y = y, z
+    if z != logits:
+        return None
+    return "bernoulli", z, y, 1.0
+
+
+def _const_operand(g, inputs):
+    for k, t in enumerate(inputs):
+        value = _evaluate(g, t)
+        if value is not None and np.size(value) == 1:
+            return float(np.asarray(value).reshape(())), inputs[1 - k]
+    return None, None
+
+
+_FOLD = {
+    "Prod": lambda v, x: np.prod(v[0], axis=_axis(x[1]) if x[1] is not None else None),
+    "Cast": lambda v, x: v[0], "Identity": lambda v, x: v[0],
+    "Mul": lambda v, x: v[0] * v[1], "RealDiv": lambda v, x: v[0] / v[1],
+    "Maximum": lambda v, x: np.maximum(v[0], v[1]), "Sub": lambda v, x: v[0] - v[1],
+    "AddV2": lambda v, x: v[0] + v[1],
+}
+
+
+def _axis(value):
+    return tuple(np.atleast_1d(value).tolist())
+
+
+def _evaluate(g, tensor, depth=0):
+    """The value of a tensor computed from constants and static shapes, or None."""
+    if depth > 16:
+        return None
+    node, index = ir.split_tensor(tensor)
+    d = g.nodes[node]
+    value = ir.const_value(g, tensor)
+    if value is not None:
+        return value
+    if d["op"] in ("Shape", "Size"):
+        shape = ir.shape_of(g, d["inputs"][0])
+        if shape is None or any(s is None for s in shape):
+            return None
+        return np.array(shape) if d["op"] == "Shape" else np.prod(shape)
+    fold = _FOLD.get(d["op"])
+    if fold is None:
+        return None
+    values = [_evaluate(g, t, depth + 1) for t in d["inputs"]]
+    if any(v is None for v in values):
+        return None
+    return fold(values, values)
+
+
+def _from_shapes(g, tensor) -> bool:
+    node = ir.split_tensor(tensor)[0]
+    return any(g.nodes[n]["op"] in ("Shape", "Size") for n in nx.ancestors(g, node) | {node})
+
+
+def _axes(g, node):
+    shape = ir.shape_of(g, g.nodes[node]["inputs"][0])
+    value = ir.const_value(g, g.nodes[node]["inputs"][1])
+    if shape is None or value is None:
+        return None, shape
+    return sorted({int(a) % len(shape) for a in np.atleast_1d(value)}), shape
+
+
+def _data_nodes(g) -> set:
+    out = set()
+    for arg in g.graph["arguments"]:
+        if arg in g:
+            out |= nx.descendants(g, arg) | {arg}
+    return out
+
+
+def _parameter_nodes(g) -> set:
+    out = set()
+    for node, d in g.nodes(data=True):
+        if d["op"] == "Variable" and g.graph["variables"][d["variable"]].trainable:
+            out |= nx.descendants(g, node) | {node}
+    return out
+
+
+def _batch_size(g):
+    for arg in g.graph["arguments"]:
+        if arg in g:
+            shape = g.nodes[arg]["shapes"][0] if g.nodes[arg]["shapes"] else None
+            if shape:
+                return shape[0]
+    return None

@@ -1,0 +1,286 @@
+"""Layer patterns, declared as data.
+
+A ``Pattern`` is a small graph of roles. Each role is an ``Op``: a set of op
+types (or any op), whether it must be a trainable variable, an optional
+predicate on the op's attributes, and whether the node becomes the match's own
+(``exclusive``: not shared with another match). Edges name the input slot of
+the consumer (``None``: any slot, for commutative ops). ``params`` lists the
+variable roles (kernel or scale first), ``inputs`` the tensors the layer reads
+as ``(role, "in", k)`` (the op's k-th input as the original graph has it) or
+``(role, "out", k)`` (the role's k-th output), ``output`` the role producing the pre-activation.
+
+The catalogue ``LAYER_PATTERNS`` is ordered: larger patterns first, so a
+dense layer with a bias is claimed before the bare MatMul could be.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Mapping
+
+import networkx as nx
+
+from passes import ir
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    types: frozenset[str] | None = None
+    variable: bool = False
+    where: Callable[[dict], bool] | None = None
+    exclusive: bool = True
+
+    def accepts(self, g: nx.DiGraph, node: str) -> bool:
+        data = g.nodes[node]
+        if self.variable:
+            key = data.get("variable")
+            if data["op"] != "Variable" or key is None or not g.graph["variables"][key].trainable:
+                return False
+        elif self.types is not None and data["op"] not in self.types:
+            return False
+        return self.where is None or self.where(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pattern:
+    name: str
+    kind: str
+    nodes: Mapping[str, Op]
+    edges: tuple
+    anchor: str
+    output: str
+    params: tuple[str, ...]
+    inputs: tuple[tuple[str, str, int], ...]
+    normalizer: str = ""
+    check: Callable[[nx.DiGraph, dict], bool] | None = None
+
+
+ANY = Op(exclusive=False)
+VAR = Op(variable=True, exclusive=False)
+
+
+def ops(*types, where=None) -> Op:
+    return Op(frozenset(types), where=where)
+
+
+def _attr(name, value):
+    return lambda data: data["attrs"].get(name, value) == value
+
+
+def _var_shape(g, node):
+    return g.graph["variables"][g.nodes[node]["variable"]].shape
+
+
+# --- dense -----------------------------------------------------------------
+
+def einsum_kernel_layout(equation: str) -> str | None:
+    """For an Einsum ``x,w->y`` that is a dense layer (one letter of ``x``'s
+    last axis contracted with a 2-D ``w``, the output being ``x``'s other
+    axes then ``w``'s other axis), returns ``"io"`` (w is [in, out]) or
+    ``"oi"`` (w is [out, in]); else None."""
+    m = re.fullmatch(r"([a-z.]+),([a-z]{2})->([a-z.]+)", equation.replace(" ", ""))
+    if not m:
+        return None
+    x, w, y = m.groups()
+    if len(set(w)) != 2 or not x or x[-1] not in w:
+        return None
+    other = w.replace(x[-1], "")
+    if y != x[:-1] + other or other in x:
+        return None
+    return "io" if w[0] == x[-1] else "oi"
+
+
+_MATMUL = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
+
+
+def _dense_op(data) -> bool:
+    a = data["attrs"]
+    if data["op"] == "Einsum":
+        return einsum_kernel_layout(a.get("equation", "")) is not None
+    return not a.get("transpose_a", False) and not a.get("adj_x", False)
+
+
+def _dense_kernel_ok(g, m) -> bool:
+    return len(_var_shape(g, m["w"])) == 2
+
+
+def _bias_fits(g, m, channel_axis) -> bool:
+    bias_shape = _var_shape(g, m["b"])
+    out_shape = g.nodes[m["op"]]["shapes"][0]
+    if len(bias_shape) != 1 or out_shape is None:
+        return False
+    if g.nodes[m["add"]]["op"] == "BiasAdd":
+        fmt = g.nodes[m["add"]]["attrs"].get("data_format", "NHWC")
+        channel_axis = 1 if fmt.startswith("NC") else -1
+    elif channel_axis != -1:
+        # An Add: the raw bias operand must broadcast along the channel axis.
+        raw = [t for t in g.nodes[m["add"]]["raw_inputs"]
+               if ir.resolve(g, t) == ir.tensor_name(m["b"])]
+        shape = ir.shape_of(g, raw[0]) if raw else None
+        rank = len(out_shape)
+        if shape is None or len(shape) != rank:
+            return shape is not None and len(shape) == 1 and channel_axis in (-1, rank - 1)
+        axes = [i for i, d in enumerate(shape) if d != 1]
+        return axes in ([channel_axis % rank], [])
+    return out_shape[channel_axis] in (bias_shape[0], None)
+
+
+def _conv_bias_ok(g, m) -> bool:
+    fmt = g.nodes[m["op"]]["attrs"].get("data_format", "NHWC")
+    rank = len(g.nodes[m["op"]]["shapes"][0] or ())
+    return _bias_fits(g, m, channel_axis=1 if fmt.startswith("NC") else -1) if rank else False
+
+
+def _merges_leading(g, m) -> bool:
+    """Tensordot: Reshape [.., d] -> [N, d], MatMul, Reshape [N, o] -> [.., o]."""
+    before = ir.shape_of(g, g.nodes[m["flat"]]["inputs"][0])
+    flat = g.nodes[m["flat"]]["shapes"][0]
+    after = g.nodes[m["unflat"]]["shapes"][0]
+    if before is None or flat is None or after is None or len(before) < 3:
+        return False
+    return (len(flat) == 2 and flat[-1] == before[-1] and len(after) == len(before)
+            and tuple(after[:-1]) == tuple(before[:-1]) and _dense_kernel_ok(g, m))
+
+
+ADD = ops("BiasAdd", "Add", "AddV2")
+MATMUL = ops(*_MATMUL, where=_dense_op)
+
+DENSE_TENSORDOT_BIAS = Pattern(
+    "dense_tensordot_bias", "dense",
+    {"x": ANY, "flat": ops("Reshape"), "op": ops("MatMul", where=_dense_op),
+     "unflat": ops("Reshape"), "w": VAR, "b": VAR, "add": ADD},
+    (("x", "flat", 0), ("flat", "op", 0), ("w", "op", 1), ("op", "unflat", 0),
+     ("unflat", "add", None), ("b", "add", None)),
+    anchor="op", output="add", params=("w", "b"), inputs=(("flat", "in", 0),),
+    check=lambda g, m: _merges_leading(g, m) and _bias_fits(
+        g, {**m, "op": m["unflat"]}, -1))
+DENSE_TENSORDOT = Pattern(
+    "dense_tensordot", "dense",
+    {"x": ANY, "flat": ops("Reshape"), "op": ops("MatMul", where=_dense_op),
+     "unflat": ops("Reshape"), "w": VAR},
+    (("x", "flat", 0), ("flat", "op", 0), ("w", "op", 1), ("op", "unflat", 0)),
+    anchor="op", output="unflat", params=("w",), inputs=(("flat", "in", 0),),
+    check=_merges_leading)
+DENSE_BIAS = Pattern(
+    "dense_bias", "dense",
+    {"x": ANY, "op": MATMUL, "w": VAR, "b": VAR, "add": ADD},
+    (("x", "op", 0), ("w", "op", 1), ("op", "add", None), ("b", "add", None)),
+    anchor="op", output="add", params=("w", "b"), inputs=(("op", "in", 0),),
+    check=lambda g, m: _dense_kernel_ok(g, m) and _bias_fits(g, m, -1))
+DENSE = Pattern(
+    "dense", "dense",
+    {"x": ANY, "op": MATMUL, "w": VAR},
+    (("x", "op", 0), ("w", "op", 1)),
+    anchor="op", output="op", params=("w",), inputs=(("op", "in", 0),),
+    check=_dense_kernel_ok)
+
+# --- convolutions ----------------------------------------------------------
+
+
+def _conv(kind, types, name):
+    op = ops(*types)
+    with_bias = Pattern(
+        f"{name}_bias", kind,
+        {"x": ANY, "op": op, "w": VAR, "b": VAR, "add": ADD},
+        (("x", "op", 0), ("w", "op", 1), ("op", "add", None), ("b", "add", None)),
+        anchor="op", output="add", params=("w", "b"), inputs=(("op", "in", 0),),
+        check=_conv_bias_ok)
+    bare = Pattern(
+        name, kind, {"x": ANY, "op": op, "w": VAR},
+        (("x", "op", 0), ("w", "op", 1)),
+        anchor="op", output="op", params=("w",), inputs=(("op", "in", 0),))
+    return with_bias, bare
+
+
+CONV2D_BIAS, CONV2D = _conv("conv2d", ("Conv2D",), "conv2d")
+DEPTHWISE_BIAS, DEPTHWISE = _conv("depthwise_conv2d", ("DepthwiseConv2dNative",), "depthwise_conv2d")
+
+# --- embedding -------------------------------------------------------------
+
+EMBEDDING = Pattern(
+    "embedding", "embedding",
+    {"ids": ANY, "op": ops("GatherV2", "ResourceGather", "Gather"), "w": VAR},
+    (("w", "op", 0), ("ids", "op", 1)),
+    anchor="op", output="op", params=("w",), inputs=(("op", "in", 1),),
+    check=lambda g, m: (g.nodes[m["op"]]["op"] != "GatherV2" or _const_axis_zero(g, m["op"]))
+    and g.nodes[m["op"]]["attrs"].get("batch_dims", 0) == 0)
+
+
+def _const_axis_zero(g, node) -> bool:
+    value = ir.const_value(g, g.nodes[node]["inputs"][2])
+    return value is not None and int(value) == 0
+
+
+# --- scale and shift ---------------------------------------------------------
+# Normalisers: how the layer's normalised input xhat is recovered from the
+# graph. "identity": xhat = inputs[0]. "center_scale": xhat = (inputs[0] -
+# inputs[1]) * inputs[2]. "fused_inference": xhat = (x - mean) * rsqrt(var +
+# epsilon). "fused_training": as "center_scale" with the batch mean and the
+# batch variance that FusedBatchNorm outputs (Bessel-corrected: undo it).
+
+MUL = ops("Mul")
+
+# Keras BatchNormalization (training and inference):
+#   m1 = rsqrt * gamma; y = x * m1 + (beta - mean * m1)
+KERAS_BATCH_NORM = Pattern(
+    "keras_batch_norm", "scale_and_shift",
+    {"x": ANY, "mean": ANY, "rsqrt": ops("Rsqrt"), "gamma": VAR, "beta": VAR,
+     "m1": MUL, "xm": MUL, "mm": MUL, "sub": ops("Sub"), "add": ops("AddV2", "Add")},
+    (("rsqrt", "m1", None), ("gamma", "m1", None), ("x", "xm", None), ("m1", "xm", None),
+     ("mean", "mm", None), ("m1", "mm", None), ("beta", "sub", 0), ("mm", "sub", 1),
+     ("xm", "add", None), ("sub", "add", None)),
+    anchor="m1", output="add", params=("gamma", "beta"),
+    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
+    check=lambda g, m: len({m["x"], m["mean"], m["m1"]}) == 3)
+KERAS_BATCH_NORM_NO_SCALE = Pattern(
+    "keras_batch_norm_no_scale", "scale_and_shift",
+    {"x": ANY, "mean": ANY, "rsqrt": ops("Rsqrt"), "beta": VAR,
+     "xm": MUL, "mm": MUL, "sub": ops("Sub"), "add": ops("AddV2", "Add")},
+    (("x", "xm", None), ("rsqrt", "xm", None), ("mean", "mm", None), ("rsqrt", "mm", None),
+     ("beta", "sub", 0), ("mm", "sub", 1), ("xm", "add", None), ("sub", "add", None)),
+    anchor="rsqrt", output="add", params=("beta",),
+    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
+    check=lambda g, m: m["x"] != m["mean"])
+# Keras LayerNormalization:
+#   m = rsqrt * gamma; y = x * m + (-mean * m + beta)
+KERAS_LAYER_NORM = Pattern(
+    "keras_layer_norm", "scale_and_shift",
+    {"x": ANY, "mean": ANY, "rsqrt": ops("Rsqrt"), "gamma": VAR, "beta": VAR,
+     "m": MUL, "neg": ops("Neg"), "m1": MUL, "a1": ops("AddV2", "Add"), "m2": MUL,
+     "add": ops("AddV2", "Add")},
+    (("rsqrt", "m", None), ("gamma", "m", None), ("mean", "neg", 0), ("neg", "m1", None),
+     ("m", "m1", None), ("m1", "a1", None), ("beta", "a1", None), ("x", "m2", None),
+     ("m", "m2", None), ("m2", "add", None), ("a1", "add", None)),
+    anchor="m", output="add", params=("gamma", "beta"),
+    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale")
+FUSED_BATCH_NORM = Pattern(
+    "fused_batch_norm", "scale_and_shift",
+    {"x": ANY, "op": ops("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"),
+     "gamma": VAR, "beta": VAR},
+    (("x", "op", 0), ("gamma", "op", 1), ("beta", "op", 2)),
+    anchor="op", output="op", params=("gamma", "beta"), inputs=(("op", "in", 0),),
+    normalizer="fused")
+# A variable scale, then a variable shift; or either alone.
+SCALE_SHIFT = Pattern(
+    "scale_shift", "scale_and_shift",
+    {"x": ANY, "mul": MUL, "gamma": VAR, "add": ops("AddV2", "Add"), "beta": VAR},
+    (("x", "mul", None), ("gamma", "mul", None), ("mul", "add", None), ("beta", "add", None)),
+    anchor="mul", output="add", params=("gamma", "beta"), inputs=(("x", "out", 0),),
+    normalizer="identity", check=lambda g, m: m["x"] != m["gamma"])
+SCALE = Pattern(
+    "scale", "scale_and_shift", {"x": ANY, "mul": MUL, "gamma": VAR},
+    (("x", "mul", None), ("gamma", "mul", None)),
+    anchor="mul", output="mul", params=("gamma",), inputs=(("x", "out", 0),),
+    normalizer="identity", check=lambda g, m: m["x"] != m["gamma"])
+SHIFT = Pattern(
+    "shift", "scale_and_shift", {"x": ANY, "add": ops("AddV2", "Add", "BiasAdd"), "beta": VAR},
+    (("x", "add", None), ("beta", "add", None)),
+    anchor="add", output="add", params=("beta",), inputs=(("x", "out", 0),),
+    normalizer="identity", check=lambda g, m: m["x"] != m["beta"])
+
+LAYER_PATTERNS: tuple[Pattern, ...] = (
+    DENSE_TENSORDOT_BIAS, DENSE_TENSORDOT, DENSE_BIAS, DENSE,
+    CONV2D_BIAS, CONV2D, DEPTHWISE_BIAS, DEPTHWISE, EMBEDDING,
+    KERAS_BATCH_NORM, KERAS_BATCH_NORM_NO_SCALE, KERAS_LAYER_NORM, FUSED_BATCH_NORM,
+    SCALE_SHIFT, SCALE, SHIFT,
+)

@@ -1,0 +1,14 @@
+"""Packaging for kfac_graph: K-FAC and per-example gradients found by a graph pass."""
+from setuptools import setup
+
+setup(
+    name="kfac_graph",
+    version="0.1.0",
+    description=("K-FAC and per-example gradients for TensorFlow 2, registered "
+                 "automatically by a compiler pass over the traced graph."),
+    packages=["kfac_graph", "kfac_graph.fisher", "kfac_graph.per_example", "passes", "tools"],
+    python_requires=">=3.10",
+    install_requires=["tensorflow>=2.16", "networkx>=3.0", "numpy", "absl-py"],
+    extras_require={"test": ["pytest", "hypothesis"]},
+    entry_points={"console_scripts": ["kfac-graph=kfac_graph.__main__:run"]},
+)
