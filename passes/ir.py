@@ -188,3 +188,16 @@ def resolve(g: nx.DiGraph, tensor: str) -> str:
         seen.add(tensor)
         tensor = aliases[tensor]
     return tensor
+
+
+def reachable_from(g: nx.DiGraph, sources: Iterable[str]) -> set[str]:
+    """Every node reachable from any of ``sources`` (the sources included),
+    in one traversal."""
+    seen = {s for s in sources if s in g}
+    stack = list(seen)
+    while stack:
+        for nxt in g.successors(stack.pop()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen

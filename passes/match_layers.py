@@ -55,10 +55,7 @@ class LayerMatch:
 def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
     output_node = ir.split_tensor(g.graph["output"])[0]
     on_path = nx.ancestors(g, output_node) | {output_node}
-    data = set()
-    for arg in g.graph["arguments"]:
-        if arg in g:
-            data |= nx.descendants(g, arg) | {arg}
+    data = ir.reachable_from(g, g.graph["arguments"])
     order = {n: i for i, n in enumerate(nx.topological_sort(g))}
     undirected = g.to_undirected(as_view=True)
 

@@ -238,19 +238,13 @@ def _axes(g, node):
 
 
 def _data_nodes(g) -> set:
-    out = set()
-    for arg in g.graph["arguments"]:
-        if arg in g:
-            out |= nx.descendants(g, arg) | {arg}
-    return out
+    return ir.reachable_from(g, g.graph["arguments"])
 
 
 def _parameter_nodes(g) -> set:
-    out = set()
-    for node, d in g.nodes(data=True):
-        if d["op"] == "Variable" and g.graph["variables"][d["variable"]].trainable:
-            out |= nx.descendants(g, node) | {node}
-    return out
+    return ir.reachable_from(g, (
+        node for node, d in g.nodes(data=True)
+        if d["op"] == "Variable" and g.graph["variables"][d["variable"]].trainable))
 
 
 def _batch_size(g):

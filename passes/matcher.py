@@ -38,7 +38,8 @@ def find_matches(g: nx.DiGraph, pattern: Pattern, claimed: set[str],
     undirected = undirected if undirected is not None else g.to_undirected(as_view=True)
     anchor_spec = pattern.nodes[pattern.anchor]
     for anchor in list(g.nodes):
-        if not anchor_spec.accepts(g, anchor) or anchor in claimed:
+        if (anchor in claimed or not anchor_spec.accepts(g, anchor)
+                or not _anchor_neighbours_fit(g, p, pattern.anchor, anchor)):
             continue
         near = _neighbourhood(undirected, anchor, radius)
         matcher = isomorphism.DiGraphMatcher(
@@ -51,6 +52,20 @@ def find_matches(g: nx.DiGraph, pattern: Pattern, claimed: set[str],
             if pattern.check is None or pattern.check(g, roles):
                 yield roles
                 break
+
+
+def _anchor_neighbours_fit(g, p, role, node) -> bool:
+    """A cheap filter before the search: each pattern neighbour of the anchor
+    role has some accepted IR neighbour on the same side."""
+    for src in p.predecessors(role):
+        spec = p.nodes[src]["spec"]
+        if not any(spec.accepts(g, n) for n in g.predecessors(node)):
+            return False
+    for dst in p.successors(role):
+        spec = p.nodes[dst]["spec"]
+        if not any(spec.accepts(g, n) for n in g.successors(node)):
+            return False
+    return True
 
 
 def _monomorphisms(matcher, g, p, pattern, anchor):

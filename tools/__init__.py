@@ -1,0 +1,1 @@
+"""Thin command-line front ends; their logic lives in the packages."""
