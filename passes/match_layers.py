@@ -71,14 +71,21 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
             claimed |= {roles[r] for r, spec in pattern.nodes.items() if spec.exclusive}
             found.append((pattern, roles))
 
+    holders = collections.defaultdict(list)
+    for node, d in g.nodes(data=True):
+        if d.get("variable") is not None:
+            holders[d["variable"]].append(node)
+    readers = {key: [dst for node in nodes for dst in g.successors(node)]
+               for key, nodes in holders.items()}
     groups = _group(g, found)
-    groups, reasons = _resolve_conflicts(g, groups, on_path)
+    groups, reasons = _resolve_conflicts(g, groups, on_path, readers)
     layers = [_layer(g, kind, keys, uses, order) for (kind, keys), uses in groups.items()]
     owned = {k for layer in layers for k in layer.variables}
     for key in _loss_variables(g, on_path, order):
         if key not in owned:
-            layers.append(_generic(g, key, reasons.get(key, _orphan_reason(g, key, on_path)), order))
-    layers.sort(key=lambda layer: _first_position(layer, order, g))
+            reason = reasons.get(key) or _orphan_reason(g, readers[key], on_path)
+            layers.append(_generic(g, key, reason))
+    layers.sort(key=lambda layer: _first_position(layer, order, readers))
     return tuple(_unique_names(layers))
 
 
@@ -134,7 +141,7 @@ def _fused_normalizer(g, node, inputs, attrs):
     return inputs, {**attrs, "normalizer": "unrecoverable"}
 
 
-def _resolve_conflicts(g, groups, on_path):
+def _resolve_conflicts(g, groups, on_path, readers):
     """Makes each variable belong to one group.
 
     A kernel shared by uses with different biases (tied weights) keeps one
@@ -171,7 +178,7 @@ def _resolve_conflicts(g, groups, on_path):
     for group, items in list(groups.items()):
         claimed = {n for _, _, use in items for n in use.ops}
         for key in group[1]:
-            outside = [n for n in _readers(g, key) if n in on_path and n not in claimed]
+            outside = [n for n in readers[key] if n in on_path and n not in claimed]
             if outside:
                 groups.pop(group, None)
                 for k in group[1]:
@@ -205,11 +212,6 @@ def _bias_as_shift(g, roles, use: Use):
     return None, roles, shift
 
 
-def _readers(g, key):
-    return [dst for node, d in g.nodes(data=True) if d.get("variable") == key
-            for dst in g.successors(node)]
-
-
 def _loss_variables(g, on_path, order):
     keys = {}
     for node in on_path:
@@ -219,9 +221,9 @@ def _loss_variables(g, on_path, order):
     return sorted(keys, key=lambda k: (keys[k], k))
 
 
-def _orphan_reason(g, key, on_path) -> str:
-    readers = sorted({g.nodes[n]["op"] for n in _readers(g, key) if n in on_path})
-    return f"no layer pattern matches its use by {', '.join(readers) or 'the graph'}"
+def _orphan_reason(g, readers, on_path) -> str:
+    ops = sorted({g.nodes[n]["op"] for n in readers if n in on_path})
+    return f"no layer pattern matches its use by {', '.join(ops) or 'the graph'}"
 
 
 def _layer(g, kind, keys, items, order) -> LayerMatch:
@@ -229,18 +231,15 @@ def _layer(g, kind, keys, items, order) -> LayerMatch:
     return LayerMatch(kind, _scope_name([n for u in uses[:1] for n in u.ops]), keys, tuple(uses))
 
 
-def _generic(g, key, reason, order) -> LayerMatch:
+def _generic(g, key, reason) -> LayerMatch:
     name = g.graph["variables"][key].name.split(":")[0]
     return LayerMatch("generic", name, (key,), (), reason)
 
 
-def _first_position(layer: LayerMatch, order, g) -> tuple:
+def _first_position(layer: LayerMatch, order, readers) -> tuple:
     if layer.uses:
         return (min(order[n] for n in layer.uses[0].ops), layer.name)
-    holders = [order[n] for n, d in g.nodes(data=True) if d.get("variable") == layer.variables[0]]
-    readers = [order[s] for n, d in g.nodes(data=True) if d.get("variable") == layer.variables[0]
-               for s in g.successors(n)]
-    return (min(readers or holders or [0]), layer.name)
+    return (min([order[n] for n in readers.get(layer.variables[0], ())] or [0]), layer.name)
 
 
 def _scope_name(nodes) -> str:
