@@ -1,12 +1,12 @@
 """Packaging for kfac_graph: K-FAC and per-example gradients found by a graph pass."""
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="kfac_graph",
     version="0.1.0",
     description=("K-FAC and per-example gradients for TensorFlow 2, registered "
                  "automatically by a compiler pass over the traced graph."),
-    packages=["kfac_graph", "kfac_graph.fisher", "kfac_graph.per_example", "passes", "tools"],
+    packages=find_packages(include=["kfac_graph", "kfac_graph.*", "passes", "passes.*", "tools"]),
     python_requires=">=3.10",
     install_requires=["tensorflow>=2.16", "networkx>=3.0", "numpy", "absl-py"],
     extras_require={"test": ["pytest", "hypothesis"]},

@@ -82,7 +82,7 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
 
     layers = tuple(
         Layer(name=m.name, kind=m.kind, variables=tuple(variable(k) for k in m.variables),
-              uses=len(m.uses), inputs=tuple(u.inputs for u in m.uses),
+              uses=m.num_uses, inputs=tuple(u.inputs for u in m.uses),
               outputs=tuple(u.output for u in m.uses),
               use_attrs=tuple(dict(u.attrs) for u in m.uses),
               ops=tuple(u.ops for u in m.uses), reason=m.reason)
@@ -101,5 +101,4 @@ def _concrete(tf_function, args, name):
     try:
         return tf_function.get_concrete_function(*args)
     except (TypeError, ValueError) as e:
-        lines = str(e).strip().splitlines()
-        raise passes.TraceError(f"could not trace {name}: {lines[0] if lines else type(e).__name__}") from e
+        raise passes.TraceError(f"could not trace {name}: {passes.frontends.error_line(e)}") from e

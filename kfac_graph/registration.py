@@ -142,5 +142,8 @@ def _escape(text: str) -> str:
 
 
 def _shape(v) -> tuple:
+    """The variable's shape; () when unknown (a GraphDef without shapes)."""
     shape = v.shape
+    if shape is None or getattr(shape, "rank", 0) is None:
+        return ()
     return tuple(shape.as_list()) if hasattr(shape, "as_list") else tuple(shape)

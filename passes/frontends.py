@@ -45,7 +45,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) -> Trac
     try:
         concrete = tf_fn.get_concrete_function(*args, **(kwargs or {}))
     except (TypeError, ValueError) as e:
-        raise TraceError(f"could not trace {_name(fn)}: {_first_line(e)}") from e
+        raise TraceError(f"could not trace {_name(fn)}: {error_line(e)}") from e
     return from_concrete_function(concrete, name=_name(fn))
 
 
@@ -88,7 +88,7 @@ def load_saved_model(path: str, function: str, args: Sequence[Any] | None = None
     try:
         loaded = tf.saved_model.load(path)
     except Exception as e:  # noqa: BLE001 - TF raises many types here
-        raise LoadError(f"could not load the SavedModel at {path}: {_first_line(e)}") from e
+        raise LoadError(f"could not load the SavedModel at {path}: {error_line(e)}") from e
     fn = getattr(loaded, function, None)
     if fn is None and function in getattr(loaded, "signatures", {}):
         fn = loaded.signatures[function]
@@ -115,8 +115,14 @@ def load_saved_model(path: str, function: str, args: Sequence[Any] | None = None
 def load_graph_def(path_or_graph_def, output: str, arguments: Sequence[str] = ()) -> Traced:
     """The ``Traced`` of a GraphDef (a file, binary or text, or a proto).
 
-    ``output`` names the loss tensor. Variables are the ``VarHandleOp`` nodes;
-    there are no variable objects, so layers list ``GraphVariable`` stand-ins.
+    ``output`` names the loss tensor; ``arguments`` the input placeholders
+    (default: every non-resource ``Placeholder``). Variables are the
+    ``VarHandleOp`` nodes and the resource placeholders a ``ReadVariableOp``
+    reads (a traced function's captures); there are no variable objects, so
+    layers list ``GraphVariable`` stand-ins. A resource placeholder's shape
+    is read from its ``ReadVariableOp``'s ``_output_shapes``: write such a
+    graph with ``as_graph_def(add_shapes=True)``, else its shape is unknown
+    and its layer is generic.
     """
     graph_def = path_or_graph_def
     if isinstance(path_or_graph_def, (str, os.PathLike)):
@@ -124,14 +130,32 @@ def load_graph_def(path_or_graph_def, output: str, arguments: Sequence[str] = ()
     names = {n.name for n in graph_def.node}
     if ir.split_tensor(output)[0] not in names:
         raise LoadError(f"the GraphDef has no node {output!r} for the loss")
+    reads = {}
+    for node in graph_def.node:
+        if node.op == "ReadVariableOp" and node.input:
+            reads.setdefault(node.input[0].split(":")[0], node)
     infos, placeholders = {}, {}
     for node in graph_def.node:
         if node.op == "VarHandleOp":
             key = _unique(node.attr["shared_name"].s.decode() or node.name, infos)
-            shape = tuple(d.size if d.size >= 0 else None for d in node.attr["shape"].shape.dim)
-            infos[key] = ir.VariableInfo(key, key, shape,
-                                         tf.dtypes.as_dtype(node.attr["dtype"].type).name)
-            placeholders[node.name] = key
+            shape = _dims(node.attr["shape"].shape)
+            dtype = node.attr["dtype"].type
+        elif node.op == "Placeholder" and node.attr["dtype"].type == tf.resource.as_datatype_enum:
+            read = reads.get(node.name)
+            if read is None:
+                continue
+            key = _unique(node.name, infos)
+            shapes = read.attr["_output_shapes"].list.shape
+            shape = _dims(shapes[0]) if shapes else None
+            dtype = read.attr["dtype"].type
+        else:
+            continue
+        infos[key] = ir.VariableInfo(key, key, shape, tf.dtypes.as_dtype(dtype).name)
+        placeholders[node.name] = key
+    if not arguments:
+        arguments = tuple(n.name for n in graph_def.node if n.op == "Placeholder"
+                          and n.name not in placeholders
+                          and n.attr["dtype"].type != tf.resource.as_datatype_enum)
     inlined, renames = inline.inline_calls(graph_def)
     return Traced(inlined, tuple(arguments), inline.follow(renames, ir.tensor_name(*ir.split_tensor(output))),
                   infos, placeholders, {}, "graph_def")
@@ -146,14 +170,14 @@ def to_ir(traced: Traced) -> nx.DiGraph:
         for node, key in traced.placeholder_variables.items():
             info = traced.variables[key]
             handle = tf.raw_ops.VarHandleOp(
-                dtype=tf.dtypes.as_dtype(info.dtype), shape=info.shape,
+                dtype=tf.dtypes.as_dtype(info.dtype), shape=tf.TensorShape(info.shape),
                 shared_name=key, name=f"{_VARIABLE_PREFIX}_{len(holders)}")
             holders[handle.op.name] = key
             input_map[ir.tensor_name(node)] = handle
         try:
             tf.graph_util.import_graph_def(traced.graph_def, input_map=input_map, name="")
         except (ValueError, tf.errors.OpError) as e:
-            raise LoadError(f"could not import the graph of {traced.name}: {_first_line(e)}") from e
+            raise LoadError(f"could not import the graph of {traced.name}: {error_line(e)}") from e
     return ir.from_tf_graph(graph, traced.arguments, traced.output, traced.variables, holders)
 
 
@@ -173,8 +197,14 @@ def _read_graph_def(path: str):
     try:
         text_format.Parse(data.decode("utf-8"), graph_def)
     except (UnicodeDecodeError, text_format.ParseError) as e:
-        raise LoadError(f"{path} is not a GraphDef (binary or text): {_first_line(e)}") from e
+        raise LoadError(f"{path} is not a GraphDef (binary or text): {error_line(e)}") from e
     return graph_def
+
+
+def _dims(shape_proto):
+    if shape_proto.unknown_rank:
+        return None
+    return tuple(d.size if d.size >= 0 else None for d in shape_proto.dim)
 
 
 def _unique(name: str, taken) -> str:
@@ -188,6 +218,10 @@ def _name(fn) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
+def error_line(e: BaseException) -> str:
+    """The line of a TensorFlow error that says what went wrong (autograph
+    wraps it after "in user code:" and a traceback)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    return lines[-1] if lines[0].startswith("in user code") else lines[0]

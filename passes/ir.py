@@ -99,7 +99,7 @@ def from_tf_graph(graph: tf.Graph, arguments: Iterable[str], output: str,
     name to the key of the variable it holds; those nodes become ``Variable``.
     """
     g = nx.DiGraph(variables=dict(variables), arguments=tuple(arguments),
-                   output=output, aliases={})
+                   output=output, aliases={}, tensor_shapes={})
     for op in graph.get_operations():
         attrs = {k: _attr_value(op.node_def.attr[k]) for k in op.node_def.attr
                  if not k.startswith("_")}
@@ -121,6 +121,8 @@ def from_tf_graph(graph: tf.Graph, arguments: Iterable[str], output: str,
             data.update(op="Variable", variable=key, shapes=(variables[key].shape,),
                         dtypes=(variables[key].dtype,))
         g.add_node(op.name, **data)
+        for k, shape in enumerate(data["shapes"]):
+            g.graph["tensor_shapes"][tensor_name(op.name, k)] = shape
     for name in list(g.nodes):
         _add_input_edges(g, name)
     return g
@@ -141,7 +143,10 @@ def producer(g: nx.DiGraph, node: str, slot: int) -> tuple[str, int]:
 
 
 def shape_of(g: nx.DiGraph, tensor: str):
+    """The static shape of a tensor, also of one a pass has removed."""
     node, index = split_tensor(tensor)
+    if node not in g:
+        return g.graph.get("tensor_shapes", {}).get(tensor_name(node, index))
     shapes = g.nodes[node]["shapes"]
     return shapes[index] if index < len(shapes) else None
 

@@ -50,13 +50,20 @@ class LayerMatch:
     variables: tuple[str, ...]
     uses: tuple[Use, ...]
     reason: str = ""
+    generic_uses: int = 0  # for a generic layer: the ops on the loss path that read it
+
+    @property
+    def num_uses(self) -> int:
+        return len(self.uses) or self.generic_uses
 
 
 def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
     output_node = ir.split_tensor(g.graph["output"])[0]
     on_path = nx.ancestors(g, output_node) | {output_node}
     data = ir.reachable_from(g, g.graph["arguments"])
-    order = {n: i for i, n in enumerate(nx.topological_sort(g))}
+    parameters = ir.reachable_from(g, (n for n, d in g.nodes(data=True)
+                                       if d["op"] == "Variable"))
+    order = _data_flow_order(g, data)
     undirected = g.to_undirected(as_view=True)
 
     found = []  # (pattern, roles)
@@ -65,9 +72,9 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
         for roles in find_matches(g, pattern, claimed, undirected):
             if roles[pattern.output] not in on_path:
                 continue
-            tensors = _inputs(g, pattern, roles)
-            if not all(ir.split_tensor(t)[0] in data for t in tensors[:1]):
-                continue
+            source = ir.split_tensor(ir.resolve(g, _inputs(g, pattern, roles)[0]))[0]
+            if source not in data and source in parameters:
+                continue  # a product of weights, not a layer applied to data
             claimed |= {roles[r] for r, spec in pattern.nodes.items() if spec.exclusive}
             found.append((pattern, roles))
 
@@ -78,13 +85,14 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
     readers = {key: [dst for node in nodes for dst in g.successors(node)]
                for key, nodes in holders.items()}
     groups = _group(g, found)
-    groups, reasons = _resolve_conflicts(g, groups, on_path, readers)
+    groups, reasons = _resolve_conflicts(g, groups, on_path & data, readers)
     layers = [_layer(g, kind, keys, uses, order) for (kind, keys), uses in groups.items()]
     owned = {k for layer in layers for k in layer.variables}
     for key in _loss_variables(g, on_path, order):
         if key not in owned:
             reason = reasons.get(key) or _orphan_reason(g, readers[key], on_path)
-            layers.append(_generic(g, key, reason))
+            n_reads = sum(1 for n in readers[key] if n in on_path)
+            layers.append(_generic(g, key, reason, max(n_reads, 1)))
     layers.sort(key=lambda layer: _first_position(layer, order, readers))
     return tuple(_unique_names(layers))
 
@@ -117,14 +125,40 @@ def _use(g, pattern: Pattern, roles) -> Use:
     if pattern.kind == "dense":
         layout = (einsum_kernel_layout(data["attrs"]["equation"]) if data["op"] == "Einsum"
                   else ("oi" if data["attrs"].get("transpose_b") or data["attrs"].get("adj_y") else "io"))
-        attrs["transpose_kernel"] = layout == "oi"
+        attrs["transpose_kernel"] = (layout == "oi") != ("t" in roles)
         attrs["input_shape"] = ir.shape_of(g, inputs[0])
+    if "s2b" in roles:
+        attrs.update(_atrous_attrs(g, roles, inputs[0]))
     if pattern.kind == "scale_and_shift":
         attrs["normalizer"] = pattern.normalizer
         if pattern.normalizer == "fused":
             inputs, attrs = _fused_normalizer(g, main, inputs, attrs)
     nodes = tuple(roles[r] for r, spec in pattern.nodes.items() if spec.exclusive)
     return Use(inputs, ir.tensor_name(roles[pattern.output]), nodes, attrs)
+
+
+def _atrous_attrs(g, roles, x):
+    """The dilated convolution that SpaceToBatchND + conv + BatchToSpaceND
+    computes: dilations from the block shape, padding from the shapes."""
+    block = [int(b) for b in ir.const_value(g, g.nodes[roles["s2b"]]["inputs"][1])]
+    kernel = g.graph["variables"][g.nodes[roles["w"]]["variable"]].shape
+    before = ir.shape_of(g, x)
+    after = g.nodes[roles["b2s"]]["shapes"][0]
+    attrs = {"dilations": (1, *block, 1), "strides": (1, 1, 1, 1), "data_format": "NHWC",
+             "input_shape": before, "output_shape": after}
+    if before and after and None not in before[1:3] and None not in after[1:3]:
+        lost = [before[i + 1] - after[i + 1] for i in range(2)]
+        span = [block[i] * (kernel[i] - 1) for i in range(2)]
+        if lost == [0, 0]:
+            attrs["padding"] = "SAME"
+        elif lost == span:
+            attrs["padding"] = "VALID"
+        else:
+            pads = [span[i] - lost[i] for i in range(2)]
+            attrs["padding"] = "EXPLICIT"
+            attrs["explicit_paddings"] = (0, 0, pads[0] // 2, pads[0] - pads[0] // 2,
+                                          pads[1] // 2, pads[1] - pads[1] // 2, 0, 0)
+    return attrs
 
 
 def _fused_normalizer(g, node, inputs, attrs):
@@ -142,7 +176,8 @@ def _fused_normalizer(g, node, inputs, attrs):
 
 
 def _resolve_conflicts(g, groups, on_path, readers):
-    """Makes each variable belong to one group.
+    """Makes each variable belong to one group. ``on_path``: the ops on the
+    loss's path that depend on the data (a weight penalty's reads do not).
 
     A kernel shared by uses with different biases (tied weights) keeps one
     group for the kernel and gives each bias its own shift-only layer. A
@@ -196,13 +231,13 @@ def _resolve_conflicts(g, groups, on_path, readers):
 def _without_bias(g, use: Use, roles) -> Use:
     if "add" not in roles or "b" not in roles:
         return use
-    main = roles["unflat"] if "unflat" in roles else roles["op"]
+    main = roles.get("unflat") or roles.get("b2s") or roles["op"]
     ops = tuple(n for n in use.ops if n != roles["add"])
     return dataclasses.replace(use, output=ir.tensor_name(main), ops=ops)
 
 
 def _bias_as_shift(g, roles, use: Use):
-    main = roles["unflat"] if "unflat" in roles else roles["op"]
+    main = roles.get("unflat") or roles.get("b2s") or roles["op"]
     attrs = {"op": g.nodes[roles["add"]]["op"], "normalizer": "identity",
              "input_shape": g.nodes[main]["shapes"][0],
              "output_shape": g.nodes[roles["add"]]["shapes"][0]}
@@ -231,15 +266,33 @@ def _layer(g, kind, keys, items, order) -> LayerMatch:
     return LayerMatch(kind, _scope_name([n for u in uses[:1] for n in u.ops]), keys, tuple(uses))
 
 
-def _generic(g, key, reason) -> LayerMatch:
+def _generic(g, key, reason, n_reads) -> LayerMatch:
     name = g.graph["variables"][key].name.split(":")[0]
-    return LayerMatch("generic", name, (key,), (), reason)
+    return LayerMatch("generic", name, (key,), (), reason, n_reads)
+
+
+def _data_flow_order(g, data) -> dict:
+    """A position per node that follows the data: a data-dependent node's
+    longest distance from the arguments; a node computed from weights or
+    constants alone sits just before its first data-dependent consumer (so
+    BatchNorm's rsqrt(var) * gamma, or an RNN's first step on a zero state,
+    is placed where it meets the data). Ties break by topological order."""
+    topo = list(nx.topological_sort(g))
+    depth = {}
+    for n in topo:
+        if n in data:
+            depth[n] = max((depth[p] for p in g.predecessors(n) if p in data), default=-1) + 1
+    for n in reversed(topo):
+        if n not in data:
+            later = [depth[s] for s in g.successors(n) if s in depth]
+            depth[n] = min(later) - 0.5 if later else float(len(topo))
+    return {n: (depth[n], i) for i, n in enumerate(topo)}
 
 
 def _first_position(layer: LayerMatch, order, readers) -> tuple:
     if layer.uses:
-        return (min(order[n] for n in layer.uses[0].ops), layer.name)
-    return (min([order[n] for n in readers.get(layer.variables[0], ())] or [0]), layer.name)
+        return (order[ir.split_tensor(layer.uses[0].output)[0]], layer.name)
+    return (min([order[n] for n in readers.get(layer.variables[0], ())] or [(0, 0)]), layer.name)
 
 
 def _scope_name(nodes) -> str:

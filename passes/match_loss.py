@@ -75,8 +75,8 @@ def _walk(g: nx.DiGraph) -> LossMatch:
             scale = coefficient * sign
             if scale <= 0:
                 raise LossNotFoundError(f"the loss at op {node!r} is scaled by {scale:g}; {_HOW_TO}")
-            return LossMatch(kind, "mean" if batch_mean else "sum", output, targets,
-                             float(scale), node)
+            return LossMatch(kind, "mean" if batch_mean else "sum", _unflatten(g, output),
+                             _unflatten(g, targets), float(scale), node)
         if op == "Mean":
             axes, shape = _axes(g, node)
             if axes is None:
@@ -178,6 +178,20 @@ def _sigmoid_cross_entropy(g, inputs):
     if z != logits:
         return None
     return "bernoulli", z, y, 1.0
+
+
+def _unflatten(g, tensor: str) -> str:
+    """Sees through a Reshape that merges leading axes (tf.nn's cross-entropy
+    on [B, T, C] logits flattens them to [B*T, C])."""
+    node = ir.split_tensor(tensor)[0]
+    if g.nodes[node]["op"] != "Reshape":
+        return tensor
+    source = g.nodes[node]["inputs"][0]
+    before, after = ir.shape_of(g, source), ir.shape_of(g, tensor)
+    if before and after and len(before) > len(after) and (
+            len(after) == 1 or tuple(before[-1:]) == tuple(after[-1:])):
+        return source
+    return tensor
 
 
 def _const_operand(g, inputs):

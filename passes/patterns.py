@@ -67,8 +67,9 @@ def _attr(name, value):
     return lambda data: data["attrs"].get(name, value) == value
 
 
-def _var_shape(g, node):
-    return g.graph["variables"][g.nodes[node]["variable"]].shape
+def _var_shape(g, node) -> tuple:
+    """The variable's static shape; () when unknown (no pattern then fits)."""
+    return g.graph["variables"][g.nodes[node]["variable"]].shape or ()
 
 
 # --- dense -----------------------------------------------------------------
@@ -278,8 +279,59 @@ SHIFT = Pattern(
     anchor="add", output="add", params=("beta",), inputs=(("x", "out", 0),),
     normalizer="identity", check=lambda g, m: m["x"] != m["beta"])
 
+def _transposed_kernel(g, m) -> bool:
+    """Transpose(w, perm=[1, 0]) feeding the MatMul (tied weights)."""
+    perm = ir.const_value(g, g.nodes[m["t"]]["inputs"][1])
+    return perm is not None and list(perm) == [1, 0] and _dense_kernel_ok(g, m)
+
+
+DENSE_TRANSPOSED_BIAS = Pattern(
+    "dense_transposed_bias", "dense",
+    {"x": ANY, "op": MATMUL, "t": ops("Transpose"), "w": VAR, "b": VAR, "add": ADD},
+    (("x", "op", 0), ("w", "t", 0), ("t", "op", 1), ("op", "add", None), ("b", "add", None)),
+    anchor="op", output="add", params=("w", "b"), inputs=(("op", "in", 0),),
+    check=lambda g, m: _transposed_kernel(g, m) and _bias_fits(g, m, -1))
+DENSE_TRANSPOSED = Pattern(
+    "dense_transposed", "dense",
+    {"x": ANY, "op": MATMUL, "t": ops("Transpose"), "w": VAR},
+    (("x", "op", 0), ("w", "t", 0), ("t", "op", 1)),
+    anchor="op", output="op", params=("w",), inputs=(("op", "in", 0),),
+    check=_transposed_kernel)
+
+
+def _space_to_batch_conv(g, m) -> bool:
+    """TensorFlow's atrous convolution: SpaceToBatchND -> Conv2D (dilation
+    1) -> BatchToSpaceND, with the same block shape on both sides."""
+    block = ir.const_value(g, g.nodes[m["s2b"]]["inputs"][1])
+    back = ir.const_value(g, g.nodes[m["b2s"]]["inputs"][1])
+    return (block is not None and back is not None and list(block) == list(back)
+            and len(block) == 2
+            and g.nodes[m["op"]]["attrs"].get("data_format", "NHWC") == "NHWC")
+
+
+def _atrous(kind, types, name):
+    nodes = {"x": ANY, "s2b": ops("SpaceToBatchND"), "op": ops(*types), "w": VAR,
+             "b2s": ops("BatchToSpaceND")}
+    edges = (("x", "s2b", 0), ("s2b", "op", 0), ("w", "op", 1), ("op", "b2s", 0))
+    with_bias = Pattern(
+        f"{name}_bias", kind, {**nodes, "b": VAR, "add": ADD},
+        edges + (("b2s", "add", None), ("b", "add", None)),
+        anchor="op", output="add", params=("w", "b"), inputs=(("s2b", "in", 0),),
+        check=lambda g, m: _space_to_batch_conv(g, m) and _bias_fits(
+            g, {**m, "op": m["b2s"]}, -1))
+    bare = Pattern(name, kind, nodes, edges, anchor="op", output="b2s", params=("w",),
+                   inputs=(("s2b", "in", 0),), check=_space_to_batch_conv)
+    return with_bias, bare
+
+
+ATROUS_CONV2D_BIAS, ATROUS_CONV2D = _atrous("conv2d", ("Conv2D",), "atrous_conv2d")
+ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE = _atrous(
+    "depthwise_conv2d", ("DepthwiseConv2dNative",), "atrous_depthwise_conv2d")
+
 LAYER_PATTERNS: tuple[Pattern, ...] = (
-    DENSE_TENSORDOT_BIAS, DENSE_TENSORDOT, DENSE_BIAS, DENSE,
+    DENSE_TENSORDOT_BIAS, DENSE_TENSORDOT, DENSE_TRANSPOSED_BIAS, DENSE_TRANSPOSED,
+    DENSE_BIAS, DENSE,
+    ATROUS_CONV2D_BIAS, ATROUS_CONV2D, ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE,
     CONV2D_BIAS, CONV2D, DEPTHWISE_BIAS, DEPTHWISE, EMBEDDING,
     KERAS_BATCH_NORM, KERAS_BATCH_NORM_NO_SCALE, KERAS_LAYER_NORM, FUSED_BATCH_NORM,
     SCALE_SHIFT, SCALE, SHIFT,
