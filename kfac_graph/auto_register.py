@@ -93,8 +93,15 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                         "as generic: %s", len(generic), ", ".join(generic))
     lm = result.loss
     loss = LossSpec(lm.kind, lm.reduction, lm.output, lm.targets, lm.scale)
+    placeholders = {node: traced.objects[key] for node, key in traced.placeholder_variables.items()
+                    if key in traced.objects}
+    reads = {}
+    for node in traced.graph_def.node:
+        if node.op == "ReadVariableOp" and node.input and node.input[0] in placeholders:
+            reads.setdefault(node.input[0], []).append(node.name)
     return Registration(layers, loss, traced.graph_def, traced.arguments, traced.output,
-                        result.graph, dict(result.timings))
+                        result.graph, dict(result.timings), placeholders,
+                        {k: tuple(v) for k, v in reads.items()}, lm.terms, lm.terms_coefficient)
 
 
 def _concrete(tf_function, args, name):

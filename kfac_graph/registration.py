@@ -75,6 +75,13 @@ class LossSpec:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Registration:
+    """Layers and loss, plus what later passes need to re-run the graph:
+    ``graph_def`` (functions inlined), ``arguments`` (its argument
+    placeholders, in flattened order), ``output`` (the loss tensor),
+    ``variable_placeholders`` (placeholder node -> variable object),
+    ``variable_reads`` (placeholder node -> its ReadVariableOp nodes), and
+    ``per_example_loss`` with ``per_example_coefficient`` (example i's own
+    loss term is the coefficient times the sum of ``per_example_loss[i]``)."""
     layers: tuple[Layer, ...]
     loss: LossSpec
     graph_def: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -82,6 +89,11 @@ class Registration:
     output: str = ""
     ir: nx.DiGraph | None = dataclasses.field(default=None, repr=False, compare=False)
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict, compare=False)
+    variable_placeholders: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    variable_reads: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict,
+                                                                      repr=False)
+    per_example_loss: str | None = None
+    per_example_coefficient: float = 1.0
 
     @property
     def variables(self) -> tuple:

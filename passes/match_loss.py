@@ -14,7 +14,11 @@ per-example negative log-likelihood, and returns
   ``L = c * sum_i l_i`` (sum), with ``l_i = -log p(y_i | z_i)`` summed over
   the example's outputs (Keras's mean over outputs gives ``c = 1/K``);
 - ``output`` / ``targets``: the model-output tensor ``z`` (logits or mean)
-  and the targets tensor.
+  and the targets tensor;
+- ``terms`` / ``terms_coefficient``: the tensor of per-element loss terms
+  (batch axis first) and the constant ``k`` with ``L = k * (1/B) * sum``
+  (mean) or ``k * sum`` (sum) of all of them, so example i's own term is
+  ``k * sum(terms[i])``.
 
 If it cannot read the loss it raises ``LossNotFoundError`` naming the op it
 stopped at; ``kind`` given explicitly is always accepted (with the output and
@@ -43,6 +47,8 @@ class LossMatch:
     targets: str | None
     scale: float = 1.0
     op: str | None = None
+    terms: str | None = None
+    terms_coefficient: float = 1.0
 
 
 def match_loss(g: nx.DiGraph, kind: str | None = None) -> LossMatch:
@@ -76,7 +82,8 @@ def _walk(g: nx.DiGraph) -> LossMatch:
             if scale <= 0:
                 raise LossNotFoundError(f"the loss at op {node!r} is scaled by {scale:g}; {_HOW_TO}")
             return LossMatch(kind, "mean" if batch_mean else "sum", _unflatten(g, output),
-                             _unflatten(g, targets), float(scale), node)
+                             _unflatten(g, targets), float(scale), node,
+                             ir.tensor_name(node), float(coefficient))
         if op == "Mean":
             axes, shape = _axes(g, node)
             if axes is None:
