@@ -206,3 +206,14 @@ def reachable_from(g: nx.DiGraph, sources: Iterable[str]) -> set[str]:
                 seen.add(nxt)
                 stack.append(nxt)
     return seen
+
+
+def real_tensor(g: nx.DiGraph, tensor: str) -> str:
+    """A tensor of the original graph that carries ``tensor``'s value: the
+    tensor itself, or for a variable holder (which the front end made up)
+    one of the reads of the variable that a pass saw through."""
+    node, _ = split_tensor(tensor)
+    if node not in g or g.nodes[node]["op"] != "Variable":
+        return tensor
+    reads = sorted(k for k in g.graph["aliases"] if resolve(g, k) == tensor)
+    return reads[0] if reads else tensor

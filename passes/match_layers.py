@@ -101,7 +101,8 @@ def _inputs(g, pattern: Pattern, roles) -> tuple[str, ...]:
     out = []
     for role, where, k in pattern.inputs:
         node = roles[role]
-        out.append(g.nodes[node]["raw_inputs"][k] if where == "in" else ir.tensor_name(node, k))
+        out.append(g.nodes[node]["raw_inputs"][k] if where == "in"
+                   else ir.real_tensor(g, ir.tensor_name(node, k)))
     return tuple(out)
 
 

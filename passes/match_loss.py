@@ -142,6 +142,8 @@ def _terminal(g, node, params):
         sub = ir.split_tensor(inputs[0])[0]
         if g.nodes[sub]["op"] == "Sub":
             return _regression(g, g.nodes[sub]["inputs"], params)
+        if sub in params:  # squared error against a target of zero
+            return "normal", inputs[0], None, 1.0
     if op == "Mul":
         for k, t in enumerate(inputs):
             src = ir.split_tensor(t)[0]
@@ -190,6 +192,8 @@ def _sigmoid_cross_entropy(g, inputs):
 def _unflatten(g, tensor: str) -> str:
     """Sees through a Reshape that merges leading axes (tf.nn's cross-entropy
     on [B, T, C] logits flattens them to [B*T, C])."""
+    if tensor is None:
+        return None
     node = ir.split_tensor(tensor)[0]
     if g.nodes[node]["op"] != "Reshape":
         return tensor
