@@ -27,6 +27,9 @@ class RegisteredFunction:
         self.loss_kind = loss
         self._tf_function = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
         self._cache: dict[Any, tuple[Any, Registration]] = {}
+        # Functions derived from a registration (per-example gradients,
+        # estimator steps), built once per registration by their modules.
+        self.derived: dict[Any, Any] = {}
 
     def __call__(self, *args, **kwargs):
         return self.python_function(*args, **kwargs)

@@ -128,10 +128,13 @@ def _use(g, pattern: Pattern, roles) -> Use:
                   else ("oi" if data["attrs"].get("transpose_b") or data["attrs"].get("adj_y") else "io"))
         attrs["transpose_kernel"] = (layout == "oi") != ("t" in roles)
         attrs["input_shape"] = ir.shape_of(g, inputs[0])
+    if pattern.kind in ("conv2d", "depthwise_conv2d"):
+        attrs["kernel_shape"] = ir.shape_of(g, data["raw_inputs"][1])
     if "s2b" in roles:
         attrs.update(_atrous_attrs(g, roles, inputs[0]))
     if pattern.kind == "scale_and_shift":
         attrs["normalizer"] = pattern.normalizer
+        attrs["has_scale"] = "gamma" in pattern.params
         if pattern.normalizer == "fused":
             inputs, attrs = _fused_normalizer(g, main, inputs, attrs)
     nodes = tuple(roles[r] for r, spec in pattern.nodes.items() if spec.exclusive)
@@ -239,7 +242,7 @@ def _without_bias(g, use: Use, roles) -> Use:
 
 def _bias_as_shift(g, roles, use: Use):
     main = roles.get("unflat") or roles.get("b2s") or roles["op"]
-    attrs = {"op": g.nodes[roles["add"]]["op"], "normalizer": "identity",
+    attrs = {"op": g.nodes[roles["add"]]["op"], "normalizer": "identity", "has_scale": False,
              "input_shape": g.nodes[main]["shapes"][0],
              "output_shape": g.nodes[roles["add"]]["shapes"][0]}
     if "data_format" in g.nodes[roles["add"]]["attrs"]:
