@@ -9,6 +9,7 @@ automatically by a compiler pass over the traced graph.
 from kfac_graph.auto_register import (RegisteredFunction, auto_register, register_graph_def,
                                       register_saved_model)
 from kfac_graph.estimator import FisherEstimator
+from kfac_graph.dp import DPSGD, dp_gradients
 from kfac_graph.per_example_api import per_example_gradient_norms, per_example_gradients
 from kfac_graph.registration import GraphVariable, Layer, LossSpec, Registration
 from passes.errors import KfacGraphError, LoadError, LossNotFoundError, TraceError
@@ -16,7 +17,7 @@ from passes.errors import KfacGraphError, LoadError, LossNotFoundError, TraceErr
 __all__ = [
     "auto_register", "RegisteredFunction", "register_saved_model", "register_graph_def",
     "Registration", "Layer", "LossSpec", "GraphVariable",
-    "per_example_gradients", "per_example_gradient_norms",
+    "per_example_gradients", "per_example_gradient_norms", "dp_gradients", "DPSGD",
     "FisherEstimator",
     "KfacGraphError", "TraceError", "LoadError", "LossNotFoundError",
 ]
