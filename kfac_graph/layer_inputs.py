@@ -15,7 +15,8 @@ into the rule's input:
   variance FusedBatchNorm outputs is Bessel-corrected: multiply it back by
   ``(n - 1) / n``).
 
-Output gradients are reshaped to the op's static output shape likewise.
+Output gradients are reshaped to the op's static output shape likewise. For
+a vector scale or shift of an ``NC...`` op both are moved to channels-last.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def layer_input(layer: Layer, use: int, tensors) -> tf.Tensor:
     if layer.kind == "embedding":
         return tensors[0]
     if layer.kind == "scale_and_shift":
-        return _normalised(attrs, tensors)
+        return _channels_last(layer, use, _normalised(attrs, tensors))
     raise ValueError(f"layer {layer.name!r} of kind {layer.kind!r} has no rule input")
 
 
@@ -42,7 +43,20 @@ def layer_output_gradient(layer: Layer, use: int, gradient: tf.Tensor) -> tf.Ten
     """The gradient at the use's output, shaped as the op's output."""
     if layer.kind in ("conv2d", "depthwise_conv2d"):
         return reshape_like(gradient, layer.use_attrs[use].get("output_shape"))
+    if layer.kind == "scale_and_shift":
+        return _channels_last(layer, use, gradient)
     return gradient
+
+
+def _channels_last(layer: Layer, use: int, tensor: tf.Tensor) -> tf.Tensor:
+    """A ``[C]`` scale or shift of an ``NC...`` op (BiasAdd, FusedBatchNorm
+    in NCHW) broadcasts along axis 1: move that axis last, where the rules
+    and blocks broadcast a vector."""
+    fmt = layer.use_attrs[use].get("data_format", "NHWC")
+    rank = tensor.shape.rank
+    if fmt.startswith("NC") and rank and rank >= 3 and len(layer.variables[0].shape) == 1:
+        return tf.transpose(tensor, [0, *range(2, rank), 1])
+    return tensor
 
 
 def _normalised(attrs, tensors) -> tf.Tensor:

@@ -267,7 +267,8 @@ SCALE_SHIFT = Pattern(
     {"x": ANY, "mul": MUL, "gamma": VAR, "add": ops("AddV2", "Add"), "beta": VAR},
     (("x", "mul", None), ("gamma", "mul", None), ("mul", "add", None), ("beta", "add", None)),
     anchor="mul", output="add", params=("gamma", "beta"), inputs=(("x", "out", 0),),
-    normalizer="identity", check=lambda g, m: m["x"] != m["gamma"])
+    normalizer="identity",
+    check=lambda g, m: m["x"] != m["gamma"] and _var_shape(g, m["gamma"]) == _var_shape(g, m["beta"]))
 SCALE = Pattern(
     "scale", "scale_and_shift", {"x": ANY, "mul": MUL, "gamma": VAR},
     (("x", "mul", None), ("gamma", "mul", None)),

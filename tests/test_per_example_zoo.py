@@ -112,3 +112,19 @@ def test_float64_matches_to_1e6():
     got = kg.per_example_gradients(fn, x, y)
     for g, want in zip(got, _loop(loss_fn, (x, y), reg.variables)):
         np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-10)
+
+
+def test_nchw_bias_is_per_channel():
+    rng = np.random.default_rng(1)
+    b = tf.Variable(rng.normal(size=(3,)), name="b")
+
+    def loss_fn(x):
+        h = tf.nn.bias_add(tf.tanh(x), b, data_format="NCHW")
+        return tf.reduce_sum(tf.square(tf.tanh(h)))
+
+    x = tf.constant(rng.normal(size=(3, 3, 2, 2)))
+    fn = kg.auto_register(loss_fn)
+    reg = fn.registration(x)
+    got = kg.per_example_gradients(fn, x)
+    for g, want in zip(got, _loop(loss_fn, (x,), reg.variables)):
+        np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-10)
