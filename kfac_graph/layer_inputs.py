@@ -41,8 +41,12 @@ def layer_input(layer: Layer, use: int, tensors) -> tf.Tensor:
 
 def layer_output_gradient(layer: Layer, use: int, gradient: tf.Tensor) -> tf.Tensor:
     """The gradient at the use's output, shaped as the op's output."""
+    attrs = layer.use_attrs[use]
     if layer.kind in ("conv2d", "depthwise_conv2d"):
-        return reshape_like(gradient, layer.use_attrs[use].get("output_shape"))
+        return reshape_like(gradient, attrs.get("output_shape"))
+    if layer.kind == "dense" and attrs.get("input_shape"):
+        # The same positions as the input: [..., d_in] -> [..., d_out].
+        return reshape_like(gradient, (*attrs["input_shape"][:-1], gradient.shape[-1]))
     if layer.kind == "scale_and_shift":
         return _channels_last(layer, use, gradient)
     return gradient

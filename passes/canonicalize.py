@@ -23,13 +23,14 @@ _UNIT_AXES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
 def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
     g = graph.copy()
     g.graph["aliases"] = dict(graph.graph["aliases"])
+    data_nodes = ir.reachable_from(g, g.graph["arguments"])
     for node in list(nx.topological_sort(g)):
         data = g.nodes[node]
         op = data["op"]
         if op == "IdentityN":
             for k, t in enumerate(data["inputs"]):
                 ir.bypass(g, node, k, t)
-        elif op in _ALWAYS or (op in _UNIT_AXES and _only_unit_axes(g, node)):
+        elif op in _ALWAYS or (op in _UNIT_AXES and _only_unit_axes(g, node, node in data_nodes)):
             if not data["inputs"]:
                 continue
             ir.bypass(g, node, 0, data["inputs"][0])
@@ -41,14 +42,18 @@ def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
     return g
 
 
-def _only_unit_axes(g: nx.DiGraph, node: str) -> bool:
+def _only_unit_axes(g: nx.DiGraph, node: str, on_data: bool) -> bool:
     """True when input and output shapes agree once unit axes are dropped.
 
     Unknown dimensions must line up one to one (a ``None`` batch axis kept in
-    place); an unknown rank is never transparent."""
+    place); an unknown rank is never transparent. On data, the leading
+    (batch) axis must stay put: a batch of one reshaped away is not a unit
+    axis."""
     before = ir.shape_of(g, g.nodes[node]["inputs"][0])
     after = g.nodes[node]["shapes"][0]
     if before is None or after is None:
+        return False
+    if on_data and (not before or not after or before[0] != after[0]):
         return False
     squeeze = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
     return squeeze(before) == squeeze(after) and sum(d is None for d in before) <= 1
