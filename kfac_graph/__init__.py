@@ -9,6 +9,7 @@ automatically by a compiler pass over the traced graph.
 from kfac_graph.auto_register import (RegisteredFunction, auto_register, register_graph_def,
                                       register_saved_model)
 from kfac_graph.estimator import FisherEstimator
+from kfac_graph.optimizer import KFAC
 from kfac_graph.dp import DPSGD, dp_gradients
 from kfac_graph.per_example_api import per_example_gradient_norms, per_example_gradients
 from kfac_graph.registration import GraphVariable, Layer, LossSpec, Registration
@@ -18,7 +19,7 @@ __all__ = [
     "auto_register", "RegisteredFunction", "register_saved_model", "register_graph_def",
     "Registration", "Layer", "LossSpec", "GraphVariable",
     "per_example_gradients", "per_example_gradient_norms", "dp_gradients", "DPSGD",
-    "FisherEstimator",
+    "FisherEstimator", "KFAC",
     "KfacGraphError", "TraceError", "LoadError", "LossNotFoundError",
 ]
 __version__ = "0.1.0"

@@ -171,6 +171,12 @@ class FisherEstimator(tf.Module):
             k += n
         return out
 
+    def accumulate(self, *args):
+        """Inside a ``tf.function``: add this batch's statistics to the
+        blocks and return the loss (the same forward pass), for callers that
+        build their own step (the optimizer)."""
+        return self._update(self.build(*args), args)
+
     # -- the traced update -------------------------------------------------------------
     def _update(self, reg, args):
         generic = [v for layer, block in zip(reg.layers, self._blocks)

@@ -51,7 +51,9 @@ class LayerTaps:
         flat_args = tf.nest.flatten(args)
         if len(flat_args) != len(reg.arguments):
             raise ValueError(f"expected {len(reg.arguments)} argument tensors, got {len(flat_args)}")
-        input_map = {f"{name}:0": tf.convert_to_tensor(a) for name, a in zip(reg.arguments, flat_args)}
+        # tf.identity places each argument in the current graph (a tf.cond
+        # branch reads the enclosing function's tensors through it).
+        input_map = {f"{name}:0": tf.identity(a) for name, a in zip(reg.arguments, flat_args)}
         graph = tf.compat.v1.get_default_graph()
         for node, variable in reg.variable_placeholders.items():
             input_map[f"{node}:0"] = graph.capture(variable.handle)

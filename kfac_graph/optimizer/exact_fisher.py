@@ -1,0 +1,48 @@
+"""Exact Fisher quadratic forms ``u_a . F u_b`` on one batch.
+
+``F = (1/B) sum_i J_i^T F_i J_i`` (``J_i = dz_i/dtheta``, ``F_i`` the loss
+distribution's Fisher at the model output ``z_i``; the convention of
+DESIGN.md). ``J u`` comes from the double-backward trick inside the
+imported graph: ``r(w) = J^T w`` by ``tf.gradients(z, theta, grad_ys=w)``,
+then ``J u = d(r . u)/dw``; so ``u_a . F u_b = (1/B) sum_i (J_i u_a) .
+F_i (J_i u_b)`` with ``F_i`` applied by the distribution's
+``multiply_fisher`` (no ``[K, K]`` matrix is formed).
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from kfac_graph.fisher import make_distribution
+from kfac_graph.layer_taps import LayerTaps
+
+
+def jacobian_vector_products(registration, args, vectors):
+    """``[J u for u in vectors]`` (each shaped like the model output) and ``z``."""
+    reg = registration
+    variables = list(reg.variables)
+    inner = tf.nest.map_structure(lambda a: tf.identity(a) if isinstance(a, tf.Tensor) else a,
+                                  args)
+    taps = LayerTaps.build(reg, inner)
+    z = taps.model_output
+    if z is None:
+        raise ValueError("the loss pass found no model output to take the Fisher at")
+    w = tf.zeros_like(z)
+    r = tf.gradients(z, variables, grad_ys=w)
+    pairs = [(k, g) for k, g in enumerate(r) if g is not None]
+    out = []
+    for u in vectors:
+        jv = tf.gradients([g for _, g in pairs], w,
+                          grad_ys=[tf.cast(u[k], g.dtype) for k, g in pairs])[0]
+        out.append(tf.zeros_like(z) if jv is None else jv)
+    return out, z
+
+
+def quadratic_forms(registration, args, vectors):
+    """``[[u_a . F u_b]]`` over ``vectors`` (each a list aligned with the
+    registration's variables)."""
+    jvs, z = jacobian_vector_products(registration, args, vectors)
+    dist = make_distribution(registration.loss.kind, tf.stop_gradient(z))
+    batch = tf.cast(tf.shape(z)[0], z.dtype)
+    fjvs = [dist.multiply_fisher(jv) for jv in jvs]
+    n = len(vectors)
+    return [[tf.reduce_sum(jvs[a] * fjvs[b]) / batch for b in range(n)] for a in range(n)]
