@@ -18,10 +18,12 @@ Each ``step(*args)`` runs one ``tf.function`` that, on the step counter
    - ``"adam"``: ``v <- mu v + g``, ``delta = -lr F~^{-1} v``;
    - ``"qmodel"``: ``delta = alpha F~^{-1} g + mu delta_prev`` with
      ``(alpha, mu)`` minimising the quadratic model (``qmodel.py``); its
-     curvature is the estimator's damped K-FAC matrix ``F~`` (the blocks'
-     ``multiply`` with the current factors and damping ``lambda +
-     l2_reg``), not the exact Fisher; ``learning_rate`` and ``momentum``
-     then record ``-alpha`` and ``mu``.
+     curvature is, by ``qmodel_curvature``, the exact Fisher of the batch
+     (``"exact"``, the default, as Martens & Grosse 2015 §7: Fisher-vector
+     products by a double backward pass, ``exact_fisher.py``) plus
+     ``(lambda + l2_reg) I``, or the estimator's damped K-FAC matrix ``F~``
+     (``"kfac"``); ``learning_rate`` and ``momentum`` then record
+     ``-alpha`` and ``mu``.
 
    ``F~`` is damped by ``lambda + l2_reg`` in the blocks' convention
    (``pi``-split Tikhonov damping of each Kronecker factor). With
