@@ -10,6 +10,7 @@ from kfac_graph.auto_register import (RegisteredFunction, auto_register, registe
                                       register_saved_model)
 from kfac_graph.estimator import FisherEstimator
 from kfac_graph.optimizer import KFAC
+from kfac_graph.keras_fit import KFACKerasOptimizer, KFACModel
 from kfac_graph.dp import DPSGD, dp_gradients
 from kfac_graph.per_example_api import per_example_gradient_norms, per_example_gradients
 from kfac_graph.registration import GraphVariable, Layer, LossSpec, Registration
@@ -20,6 +21,7 @@ __all__ = [
     "Registration", "Layer", "LossSpec", "GraphVariable",
     "per_example_gradients", "per_example_gradient_norms", "dp_gradients", "DPSGD",
     "FisherEstimator", "KFAC",
+    "KFACModel", "KFACKerasOptimizer",
     "KfacGraphError", "TraceError", "LoadError", "LossNotFoundError",
 ]
 __version__ = "0.1.0"

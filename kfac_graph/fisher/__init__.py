@@ -4,31 +4,58 @@ The blocks take plain tensors (layer inputs and output gradients, or
 per-example gradients); they know nothing of how layers were found.  See
 `blocks_base` for the block contract and data layout.
 """
+
 from kfac_graph.fisher.blocks_base import FisherBlock, FullBlock, DiagonalBlock
 from kfac_graph.fisher.blocks_full import (
-    NaiveFullBlock, NaiveDiagonalBlock, FullyConnectedDiagonalBlock,
-    ConvDiagonalBlock, DepthwiseConvDiagonalBlock, ScaleAndShiftFullBlock,
-    ScaleAndShiftDiagonalBlock)
+    NaiveFullBlock,
+    NaiveDiagonalBlock,
+    FullyConnectedDiagonalBlock,
+    ConvDiagonalBlock,
+    DepthwiseConvDiagonalBlock,
+    ScaleAndShiftFullBlock,
+    ScaleAndShiftDiagonalBlock,
+)
 from kfac_graph.fisher.blocks_kron import (
-    KroneckerBlock, FullyConnectedKroneckerBlock, FullyConnectedMultiIndepBlock,
-    ConvKroneckerBlock, ConvMultiIndepBlock, DepthwiseConvKroneckerBlock,
-    EmbeddingKroneckerBlock)
+    KroneckerBlock,
+    FullyConnectedKroneckerBlock,
+    FullyConnectedMultiIndepBlock,
+    ConvKroneckerBlock,
+    ConvMultiIndepBlock,
+    DepthwiseConvKroneckerBlock,
+    EmbeddingKroneckerBlock,
+)
 from kfac_graph.fisher.blocks_series import FullyConnectedSeriesBlock
 from kfac_graph.fisher.defaults import (
-    DEFAULT_BLOCKS, SCALE_AND_SHIFT_FULL_MAX_PARAMS, block_factory, make_block)
-from kfac_graph.fisher.distributions import (
-    Bernoulli, Categorical, Normal, make_distribution)
+    DEFAULT_BLOCKS,
+    SCALE_AND_SHIFT_FULL_MAX_PARAMS,
+    block_factory,
+    make_block,
+)
+from kfac_graph.fisher.distributions import Bernoulli, Categorical, Normal, make_distribution
 from kfac_graph.fisher.ema import DebiasedEMA
 from kfac_graph.fisher.factors_base import CovarianceFactor
 from kfac_graph.fisher.factors_grad import (
-    ExampleGradientFactor, NaiveFactor, DenseGradientFactor,
-    ConvGradientFactor, DepthwiseGradientFactor, ScaleAndShiftGradientFactor)
+    ExampleGradientFactor,
+    NaiveFactor,
+    DenseGradientFactor,
+    ConvGradientFactor,
+    DepthwiseGradientFactor,
+    ScaleAndShiftGradientFactor,
+)
 from kfac_graph.fisher.factors_kron import (
-    DenseInputFactor, OutputFactor, ConvInputFactor, DepthwiseInputFactor,
-    DepthwiseOutputFactor, EmbeddingInputFactor)
+    DenseInputFactor,
+    OutputFactor,
+    ConvInputFactor,
+    DepthwiseInputFactor,
+    DepthwiseOutputFactor,
+    EmbeddingInputFactor,
+)
 from kfac_graph.fisher.patches import ConvGeometry, extract_patches
 
 import types as _types
 
-__all__ = sorted(n for n, v in globals().items()
-                 if not n.startswith("_") and not isinstance(v, _types.ModuleType))
+__all__ = sorted(
+    n
+    for n, v in globals().items()
+    if not n.startswith("_") and not isinstance(v, _types.ModuleType)
+)

@@ -34,6 +34,7 @@ Unsupported methods raise NotImplementedError naming block and method.
 
 Full and diagonal blocks damp as `F + l I`.
 """
+
 import re
 
 import numpy as np
@@ -43,154 +44,160 @@ from kfac_graph.fisher import linalg
 
 
 def as_uses(data):
-  """Normalises `(a, g)` or `[(a, g), ...]` to a list of pairs."""
-  data = list(data)
-  if data and not isinstance(data[0], (list, tuple)):
-    if len(data) != 2:
-      raise ValueError("expected (a, g) or a list of (a, g) pairs")
-    return [tuple(data)]
-  return [tuple(u) for u in data]
+    """Normalises `(a, g)` or `[(a, g), ...]` to a list of pairs."""
+    data = list(data)
+    if data and not isinstance(data[0], (list, tuple)):
+        if len(data) != 2:
+            raise ValueError("expected (a, g) or a list of (a, g) pairs")
+        return [tuple(data)]
+    return [tuple(u) for u in data]
 
 
 def _shape_of(v):
-  shape = v.shape if hasattr(v, "shape") else v
-  return tuple(int(d) for d in shape)
+    shape = v.shape if hasattr(v, "shape") else v
+    return tuple(int(d) for d in shape)
 
 
 class FisherBlock(tf.Module):
-  """Base class: the contract of the module docstring."""
+    """Base class: the contract of the module docstring."""
 
-  stats = "activations"
+    stats = "activations"
 
-  def __init__(self, var_shapes, attrs=None, *, num_uses=1, damping=1e-3,
-               ema_decay=0.95, dtype=tf.float32, name=None):
-    """var_shapes: the layer's variables (or their shapes), in layer order;
-    attrs: the op's attributes (conv geometry), unused by most blocks;
-    num_uses: `Layer.uses`, kept for reference (the replica count R and the
-    series length T are read from the data at each update);
-    name: any string (characters other than [A-Za-z0-9_] become "_")."""
-    name = re.sub(r"\W", "_", name or type(self).__name__)
-    if not name[0].isalpha():
-      name = "block_" + name
-    super().__init__(name=name)
-    self.var_shapes = tuple(_shape_of(v) for v in var_shapes)
-    self.num_params = int(sum(np.prod(s) for s in self.var_shapes))
-    self.attrs = dict(attrs or {})
-    self.num_uses = int(num_uses)
-    self.ema_decay = ema_decay
-    self.dtype = tf.as_dtype(dtype)
-    self._damping_source = damping
+    def __init__(
+        self,
+        var_shapes,
+        attrs=None,
+        *,
+        num_uses=1,
+        damping=1e-3,
+        ema_decay=0.95,
+        dtype=tf.float32,
+        name=None,
+    ):
+        """var_shapes: the layer's variables (or their shapes), in layer order;
+        attrs: the op's attributes (conv geometry), unused by most blocks;
+        num_uses: `Layer.uses`, kept for reference (the replica count R and the
+        series length T are read from the data at each update);
+        name: any string (characters other than [A-Za-z0-9_] become "_")."""
+        name = re.sub(r"\W", "_", name or type(self).__name__)
+        if not name[0].isalpha():
+            name = "block_" + name
+        super().__init__(name=name)
+        self.var_shapes = tuple(_shape_of(v) for v in var_shapes)
+        self.num_params = int(sum(np.prod(s) for s in self.var_shapes))
+        self.attrs = dict(attrs or {})
+        self.num_uses = int(num_uses)
+        self.ema_decay = ema_decay
+        self.dtype = tf.as_dtype(dtype)
+        self._damping_source = damping
 
-  # -- helpers -------------------------------------------------------------
-  def damping(self):
-    """The current damping as a scalar tensor of the block's dtype."""
-    d = self._damping_source
-    if callable(d) and not isinstance(d, tf.Variable):
-      d = d()
-    return linalg.cast(d, self.dtype)
+    # -- helpers -------------------------------------------------------------
+    def damping(self):
+        """The current damping as a scalar tensor of the block's dtype."""
+        d = self._damping_source
+        if callable(d) and not isinstance(d, tf.Variable):
+            d = d()
+        return linalg.cast(d, self.dtype)
 
-  def _decay(self, decay):
-    return self.ema_decay if decay is None else decay
+    def _decay(self, decay):
+        return self.ema_decay if decay is None else decay
 
-  def _unsupported(self, method, why="not available for this approximation"):
-    raise NotImplementedError(f"{type(self).__name__}.{method}: {why}")
+    def _unsupported(self, method, why="not available for this approximation"):
+        raise NotImplementedError(f"{type(self).__name__}.{method}: {why}")
 
-  def _flat(self, vs):
-    return linalg.flatten([tf.cast(v, self.dtype) for v in vs])
+    def _flat(self, vs):
+        return linalg.flatten([tf.cast(v, self.dtype) for v in vs])
 
-  def _unflat(self, vec):
-    return linalg.unflatten(vec, self.var_shapes)
+    def _unflat(self, vec):
+        return linalg.unflatten(vec, self.var_shapes)
 
-  # -- the contract ----------------------------------------------------------
-  def update(self, data, decay=None, combine="sum"):
-    self._unsupported("update")
+    # -- the contract ----------------------------------------------------------
+    def update(self, data, decay=None, combine="sum"):
+        self._unsupported("update")
 
-  def update_inverses(self):
-    self._unsupported("update_inverses")
+    def update_inverses(self):
+        self._unsupported("update_inverses")
 
-  def multiply(self, vs):
-    return self.multiply_matpower(vs, 1)
+    def multiply(self, vs):
+        return self.multiply_matpower(vs, 1)
 
-  def multiply_inverse(self, vs):
-    return self.multiply_matpower(vs, -1)
+    def multiply_inverse(self, vs):
+        return self.multiply_matpower(vs, -1)
 
-  def multiply_matpower(self, vs, exp):
-    self._unsupported("multiply_matpower")
+    def multiply_matpower(self, vs, exp):
+        self._unsupported("multiply_matpower")
 
-  def multiply_cholesky(self, vs, transpose=False):
-    self._unsupported("multiply_cholesky")
+    def multiply_cholesky(self, vs, transpose=False):
+        self._unsupported("multiply_cholesky")
 
-  def multiply_cholesky_inverse(self, vs, transpose=False):
-    self._unsupported("multiply_cholesky_inverse")
+    def multiply_cholesky_inverse(self, vs, transpose=False):
+        self._unsupported("multiply_cholesky_inverse")
 
-  def full_matrix(self):
-    self._unsupported("full_matrix")
+    def full_matrix(self):
+        self._unsupported("full_matrix")
 
 
 class FullBlock(FisherBlock):
-  """A block held as one dense `[n, n]` factor (`self.factor`), damped `+ l I`."""
+    """A block held as one dense `[n, n]` factor (`self.factor`), damped `+ l I`."""
 
-  factor = None  # set by subclasses: a CovarianceFactor of dim n
+    factor = None  # set by subclasses: a CovarianceFactor of dim n
 
-  def _init_cache(self):
-    self.cache = linalg.EigCache([], self.num_params, False, self.dtype,
-                                 name="inverse_cache")
+    def _init_cache(self):
+        self.cache = linalg.EigCache([], self.num_params, False, self.dtype, name="inverse_cache")
 
-  def update_inverses(self):
-    self.cache.refresh(self.factor.value())
+    def update_inverses(self):
+        self.cache.refresh(self.factor.value())
 
-  def full_matrix(self):
-    return self.factor.value()
+    def full_matrix(self):
+        return self.factor.value()
 
-  def _damped(self):
-    return linalg.add_damping(self.factor.value(), self.damping(), False)
+    def _damped(self):
+        return linalg.add_damping(self.factor.value(), self.damping(), False)
 
-  def multiply_matpower(self, vs, exp):
-    v = self._flat(vs)[:, None]
-    if exp == 1:
-      out = tf.matmul(self._damped(), v)
-    else:
-      out = self.cache.left(v, self.damping(), exp)
-    return self._unflat(out[:, 0])
+    def multiply_matpower(self, vs, exp):
+        v = self._flat(vs)[:, None]
+        if exp == 1:
+            out = tf.matmul(self._damped(), v)
+        else:
+            out = self.cache.left(v, self.damping(), exp)
+        return self._unflat(out[:, 0])
 
-  def multiply_cholesky(self, vs, transpose=False):
-    chol = tf.linalg.cholesky(self._damped())
-    out = tf.matmul(chol, self._flat(vs)[:, None], transpose_a=transpose)
-    return self._unflat(out[:, 0])
+    def multiply_cholesky(self, vs, transpose=False):
+        chol = tf.linalg.cholesky(self._damped())
+        out = tf.matmul(chol, self._flat(vs)[:, None], transpose_a=transpose)
+        return self._unflat(out[:, 0])
 
-  def multiply_cholesky_inverse(self, vs, transpose=False):
-    chol = tf.linalg.cholesky(self._damped())
-    out = linalg.solve_tril_left(chol, self._flat(vs)[:, None], False,
-                                 transpose)
-    return self._unflat(out[:, 0])
+    def multiply_cholesky_inverse(self, vs, transpose=False):
+        chol = tf.linalg.cholesky(self._damped())
+        out = linalg.solve_tril_left(chol, self._flat(vs)[:, None], False, transpose)
+        return self._unflat(out[:, 0])
 
 
 class DiagonalBlock(FisherBlock):
-  """A block held as a diagonal `[n]` factor (`self.factor`), damped `+ l`."""
+    """A block held as a diagonal `[n]` factor (`self.factor`), damped `+ l`."""
 
-  factor = None
+    factor = None
 
-  def _init_cache(self):
-    self.cache = linalg.EigCache([], self.num_params, True, self.dtype,
-                                 name="inverse_cache")
+    def _init_cache(self):
+        self.cache = linalg.EigCache([], self.num_params, True, self.dtype, name="inverse_cache")
 
-  def update_inverses(self):
-    self.cache.refresh(self.factor.value())
+    def update_inverses(self):
+        self.cache.refresh(self.factor.value())
 
-  def full_matrix(self):
-    return tf.linalg.diag(self.factor.value())
+    def full_matrix(self):
+        return tf.linalg.diag(self.factor.value())
 
-  def _damped(self):
-    return self.factor.value() + self.damping()
+    def _damped(self):
+        return self.factor.value() + self.damping()
 
-  def multiply_matpower(self, vs, exp):
-    v = self._flat(vs)
-    if exp == 1:
-      return self._unflat(self._damped() * v)
-    return self._unflat(self.cache.left(v[:, None], self.damping(), exp)[:, 0])
+    def multiply_matpower(self, vs, exp):
+        v = self._flat(vs)
+        if exp == 1:
+            return self._unflat(self._damped() * v)
+        return self._unflat(self.cache.left(v[:, None], self.damping(), exp)[:, 0])
 
-  def multiply_cholesky(self, vs, transpose=False):
-    return self._unflat(tf.sqrt(self._damped()) * self._flat(vs))
+    def multiply_cholesky(self, vs, transpose=False):
+        return self._unflat(tf.sqrt(self._damped()) * self._flat(vs))
 
-  def multiply_cholesky_inverse(self, vs, transpose=False):
-    return self._unflat(self._flat(vs) / tf.sqrt(self._damped()))
+    def multiply_cholesky_inverse(self, vs, transpose=False):
+        return self._unflat(self._flat(vs) / tf.sqrt(self._damped()))

@@ -14,94 +14,98 @@ diagonal block this equals the seed's `T * (l / T)`).
 The layer blocks take uses `[(a, g), ...]`; multiple uses are exact here
 (the gradient sums over uses before squaring).
 """
+
 from kfac_graph.fisher import blocks_base
 from kfac_graph.fisher import factors_grad
 from kfac_graph.fisher import patches as patches_lib
 
 
 class _LayerMixin:
-  """`update` for blocks whose factor rebuilds gradients from (a, g)."""
+    """`update` for blocks whose factor rebuilds gradients from (a, g)."""
 
-  def update(self, data, decay=None, combine="sum"):
-    self.factor.update(blocks_base.as_uses(data), self._decay(decay), combine)
+    def update(self, data, decay=None, combine="sum"):
+        self.factor.update(blocks_base.as_uses(data), self._decay(decay), combine)
 
 
 class _NaiveMixin:
-  stats = "per_example_gradients"
+    stats = "per_example_gradients"
 
-  def update(self, data, decay=None, combine="sum"):
-    self.factor.update(data, self._decay(decay), combine)
+    def update(self, data, decay=None, combine="sum"):
+        self.factor.update(data, self._decay(decay), combine)
 
 
 class NaiveFullBlock(_NaiveMixin, blocks_base.FullBlock):
-  """Full Fisher of arbitrary variables from per-example gradients."""
+    """Full Fisher of arbitrary variables from per-example gradients."""
 
-  def __init__(self, var_shapes, attrs=None, **kwargs):
-    super().__init__(var_shapes, attrs, **kwargs)
-    self.factor = factors_grad.NaiveFactor(self.num_params, dtype=self.dtype)
-    self._init_cache()
+    def __init__(self, var_shapes, attrs=None, **kwargs):
+        super().__init__(var_shapes, attrs, **kwargs)
+        self.factor = factors_grad.NaiveFactor(self.num_params, dtype=self.dtype)
+        self._init_cache()
 
 
 class NaiveDiagonalBlock(_NaiveMixin, blocks_base.DiagonalBlock):
-  """Diagonal Fisher of arbitrary variables from per-example gradients."""
+    """Diagonal Fisher of arbitrary variables from per-example gradients."""
 
-  def __init__(self, var_shapes, attrs=None, **kwargs):
-    super().__init__(var_shapes, attrs, **kwargs)
-    self.factor = factors_grad.NaiveFactor(self.num_params, diagonal=True,
-                                           dtype=self.dtype)
-    self._init_cache()
+    def __init__(self, var_shapes, attrs=None, **kwargs):
+        super().__init__(var_shapes, attrs, **kwargs)
+        self.factor = factors_grad.NaiveFactor(self.num_params, diagonal=True, dtype=self.dtype)
+        self._init_cache()
 
 
 class FullyConnectedDiagonalBlock(_LayerMixin, blocks_base.DiagonalBlock):
-  """diag F for a dense layer: mean_i (sum_t abar_{i,t} g_{i,t}^T)^2."""
+    """diag F for a dense layer: mean_i (sum_t abar_{i,t} g_{i,t}^T)^2."""
 
-  def __init__(self, var_shapes, attrs=None, **kwargs):
-    super().__init__(var_shapes, attrs, **kwargs)
-    self.factor = factors_grad.DenseGradientFactor(
-        self.var_shapes[0], len(self.var_shapes) > 1, diagonal=True,
-        dtype=self.dtype)
-    self._init_cache()
+    def __init__(self, var_shapes, attrs=None, **kwargs):
+        super().__init__(var_shapes, attrs, **kwargs)
+        self.factor = factors_grad.DenseGradientFactor(
+            self.var_shapes[0], len(self.var_shapes) > 1, diagonal=True, dtype=self.dtype
+        )
+        self._init_cache()
 
 
 class ConvDiagonalBlock(_LayerMixin, blocks_base.DiagonalBlock):
-  """diag F for Conv2D: mean_i (sum_t P_{i,t} g_{i,t}^T)^2 (+ bias)."""
+    """diag F for Conv2D: mean_i (sum_t P_{i,t} g_{i,t}^T)^2 (+ bias)."""
 
-  _factor_cls = factors_grad.ConvGradientFactor
+    _factor_cls = factors_grad.ConvGradientFactor
 
-  def __init__(self, var_shapes, attrs=None, **kwargs):
-    super().__init__(var_shapes, attrs, **kwargs)
-    self.geometry = patches_lib.ConvGeometry.from_attrs(self.attrs)
-    self.factor = self._factor_cls(
-        self.var_shapes[0], self.geometry, len(self.var_shapes) > 1,
-        diagonal=True, dtype=self.dtype)
-    self._init_cache()
+    def __init__(self, var_shapes, attrs=None, **kwargs):
+        super().__init__(var_shapes, attrs, **kwargs)
+        self.geometry = patches_lib.ConvGeometry.from_attrs(self.attrs)
+        self.factor = self._factor_cls(
+            self.var_shapes[0],
+            self.geometry,
+            len(self.var_shapes) > 1,
+            diagonal=True,
+            dtype=self.dtype,
+        )
+        self._init_cache()
 
 
 class DepthwiseConvDiagonalBlock(ConvDiagonalBlock):
-  """diag F for DepthwiseConv2dNative (kernel [kh, kw, C, M], bias [C*M])."""
+    """diag F for DepthwiseConv2dNative (kernel [kh, kw, C, M], bias [C*M])."""
 
-  _factor_cls = factors_grad.DepthwiseGradientFactor
+    _factor_cls = factors_grad.DepthwiseGradientFactor
 
 
 class ScaleAndShiftFullBlock(_LayerMixin, blocks_base.FullBlock):
-  """Full F for `y = scale * xhat + shift`; data uses are `(xhat, g)`."""
+    """Full F for `y = scale * xhat + shift`; data uses are `(xhat, g)`."""
 
-  _diagonal = False
+    _diagonal = False
 
-  def __init__(self, var_shapes, attrs=None, **kwargs):
-    super().__init__(var_shapes, attrs, **kwargs)
-    self.factor = factors_grad.ScaleAndShiftGradientFactor(
-        self.var_shapes[0], len(self.var_shapes) > 1, diagonal=self._diagonal,
-        dtype=self.dtype)
-    self._init_cache()
+    def __init__(self, var_shapes, attrs=None, **kwargs):
+        super().__init__(var_shapes, attrs, **kwargs)
+        self.factor = factors_grad.ScaleAndShiftGradientFactor(
+            self.var_shapes[0], len(self.var_shapes) > 1, diagonal=self._diagonal, dtype=self.dtype
+        )
+        self._init_cache()
 
 
 class ScaleAndShiftDiagonalBlock(_LayerMixin, blocks_base.DiagonalBlock):
-  """Diagonal F for `y = scale * xhat + shift`."""
+    """Diagonal F for `y = scale * xhat + shift`."""
 
-  def __init__(self, var_shapes, attrs=None, **kwargs):
-    super().__init__(var_shapes, attrs, **kwargs)
-    self.factor = factors_grad.ScaleAndShiftGradientFactor(
-        self.var_shapes[0], len(self.var_shapes) > 1, diagonal=True,
-        dtype=self.dtype)
-    self._init_cache()
+    def __init__(self, var_shapes, attrs=None, **kwargs):
+        super().__init__(var_shapes, attrs, **kwargs)
+        self.factor = factors_grad.ScaleAndShiftGradientFactor(
+            self.var_shapes[0], len(self.var_shapes) > 1, diagonal=True, dtype=self.dtype
+        )
+        self._init_cache()

@@ -31,6 +31,7 @@ to a permutation of the canonical order; `L L^T` is the damped block.
 Embedding tables `[V, D]`: A is diagonal (id frequencies), so
 F ~= R diag(A) (x) G; exact for one example with one lookup.
 """
+
 import numpy as np
 import tensorflow as tf
 
@@ -41,231 +42,246 @@ from kfac_graph.fisher import patches as patches_lib
 
 
 def _mul_left_t(factor, x, diagonal, transpose):
-  if diagonal:
-    return factor[..., :, None] * x
-  return tf.matmul(factor, x, transpose_a=transpose)
+    if diagonal:
+        return factor[..., :, None] * x
+    return tf.matmul(factor, x, transpose_a=transpose)
 
 
 class KroneckerBlock(blocks_base.FisherBlock):
-  """Base: subclasses set `input_factor`, `output_factor`, `_out_width` and
-  call `_init_kron()`; `_to_mat`/`_from_mat` map variables <-> V."""
+    """Base: subclasses set `input_factor`, `output_factor`, `_out_width` and
+    call `_init_kron()`; `_to_mat`/`_from_mat` map variables <-> V."""
 
-  def _init_kron(self):
-    a, g = self.input_factor, self.output_factor
-    self.replicas = tf.Variable(tf.ones([], self.dtype), trainable=False,
-                                name="replicas")
-    self.input_cache = linalg.EigCache(a.batch_shape, a.dim, a.diagonal,
-                                       self.dtype, name="input_cache")
-    self.output_cache = linalg.EigCache(g.batch_shape, g.dim, g.diagonal,
-                                        self.dtype, name="output_cache")
+    def _init_kron(self):
+        a, g = self.input_factor, self.output_factor
+        self.replicas = tf.Variable(tf.ones([], self.dtype), trainable=False, name="replicas")
+        self.input_cache = linalg.EigCache(
+            a.batch_shape, a.dim, a.diagonal, self.dtype, name="input_cache"
+        )
+        self.output_cache = linalg.EigCache(
+            g.batch_shape, g.dim, g.diagonal, self.dtype, name="output_cache"
+        )
 
-  # -- variables <-> V ------------------------------------------------------
-  def _to_mat(self, vs):
-    vs = [tf.cast(v, self.dtype) for v in vs]
-    mat = tf.reshape(vs[0], [-1, self.var_shapes[0][-1]])
-    if len(vs) > 1:
-      mat = tf.concat([mat, vs[1][None, :]], axis=0)
-    return mat
+    # -- variables <-> V ------------------------------------------------------
+    def _to_mat(self, vs):
+        vs = [tf.cast(v, self.dtype) for v in vs]
+        mat = tf.reshape(vs[0], [-1, self.var_shapes[0][-1]])
+        if len(vs) > 1:
+            mat = tf.concat([mat, vs[1][None, :]], axis=0)
+        return mat
 
-  def _from_mat(self, mat):
-    if len(self.var_shapes) == 1:
-      return [tf.reshape(mat, self.var_shapes[0])]
-    return [tf.reshape(mat[:-1], self.var_shapes[0]), mat[-1]]
+    def _from_mat(self, mat):
+        if len(self.var_shapes) == 1:
+            return [tf.reshape(mat, self.var_shapes[0])]
+        return [tf.reshape(mat[:-1], self.var_shapes[0]), mat[-1]]
 
-  # -- statistics -------------------------------------------------------------
-  def _locations(self, use):
-    """T: positions / output locations of one use (from its gradient)."""
-    g = use[1][0] if isinstance(use[1], (list, tuple)) else use[1]
-    shape = tf.shape(g)
-    return tf.size(g) // (shape[0] * self._out_width)
+    # -- statistics -------------------------------------------------------------
+    def _locations(self, use):
+        """T: positions / output locations of one use (from its gradient)."""
+        g = use[1][0] if isinstance(use[1], (list, tuple)) else use[1]
+        shape = tf.shape(g)
+        return tf.size(g) // (shape[0] * self._out_width)
 
-  def update(self, data, decay=None, combine="sum"):
-    uses = blocks_base.as_uses(data)
-    decay = self._decay(decay)
-    self.input_factor.update([a for a, _ in uses], decay)
-    self.output_factor.update([g for _, g in uses], decay, combine)
-    self.replicas.assign(
-        tf.cast(self._locations(uses[0]) * len(uses), self.dtype))
+    def update(self, data, decay=None, combine="sum"):
+        uses = blocks_base.as_uses(data)
+        decay = self._decay(decay)
+        self.input_factor.update([a for a, _ in uses], decay)
+        self.output_factor.update([g for _, g in uses], decay, combine)
+        self.replicas.assign(tf.cast(self._locations(uses[0]) * len(uses), self.dtype))
 
-  def update_inverses(self):
-    self.input_cache.refresh(self.input_factor.value())
-    self.output_cache.refresh(self.output_factor.value())
+    def update_inverses(self):
+        self.input_cache.refresh(self.input_factor.value())
+        self.output_cache.refresh(self.output_factor.value())
 
-  # -- damping ------------------------------------------------------------------
-  def _split(self, trace_a, trace_g):
-    lam = self.damping() / self.replicas
-    return linalg.pi_split_damping(lam, trace_a, self.input_factor.dim,
-                                   trace_g, self.output_factor.dim)
+    # -- damping ------------------------------------------------------------------
+    def _split(self, trace_a, trace_g):
+        lam = self.damping() / self.replicas
+        return linalg.pi_split_damping(
+            lam, trace_a, self.input_factor.dim, trace_g, self.output_factor.dim
+        )
 
-  def _damped_factors(self):
-    a, g = self.input_factor, self.output_factor
-    av, gv = a.value(), g.value()
-    da, dg = self._split(linalg.trace(av, a.diagonal),
-                         linalg.trace(gv, g.diagonal))
-    return (linalg.add_damping(av, da, a.diagonal),
-            linalg.add_damping(gv, dg, g.diagonal))
+    def _damped_factors(self):
+        a, g = self.input_factor, self.output_factor
+        av, gv = a.value(), g.value()
+        da, dg = self._split(linalg.trace(av, a.diagonal), linalg.trace(gv, g.diagonal))
+        return (linalg.add_damping(av, da, a.diagonal), linalg.add_damping(gv, dg, g.diagonal))
 
-  # -- products -------------------------------------------------------------------
-  def multiply_matpower(self, vs, exp):
-    mat = self._to_mat(vs)
-    diag_a, diag_g = self.input_factor.diagonal, self.output_factor.diagonal
-    if exp == 1:
-      a, g = self._damped_factors()
-      out = linalg.mul_right(linalg.mul_left(a, mat, diag_a), g, diag_g)
-      return self._from_mat(self.replicas * out)
-    da, dg = self._split(self.input_cache.trace(), self.output_cache.trace())
-    out = self.output_cache.right(self.input_cache.left(mat, da, exp), dg, exp)
-    return self._from_mat(tf.pow(self.replicas, exp) * out)
+    # -- products -------------------------------------------------------------------
+    def multiply_matpower(self, vs, exp):
+        mat = self._to_mat(vs)
+        diag_a, diag_g = self.input_factor.diagonal, self.output_factor.diagonal
+        if exp == 1:
+            a, g = self._damped_factors()
+            out = linalg.mul_right(linalg.mul_left(a, mat, diag_a), g, diag_g)
+            return self._from_mat(self.replicas * out)
+        da, dg = self._split(self.input_cache.trace(), self.output_cache.trace())
+        out = self.output_cache.right(self.input_cache.left(mat, da, exp), dg, exp)
+        return self._from_mat(tf.pow(self.replicas, exp) * out)
 
-  def _cholesky_factors(self):
-    a, g = self._damped_factors()
-    return (linalg.cholesky(a, self.input_factor.diagonal),
-            linalg.cholesky(g, self.output_factor.diagonal))
+    def _cholesky_factors(self):
+        a, g = self._damped_factors()
+        return (
+            linalg.cholesky(a, self.input_factor.diagonal),
+            linalg.cholesky(g, self.output_factor.diagonal),
+        )
 
-  def multiply_cholesky(self, vs, transpose=False):
-    """L v with L = sqrt(R) L_A (x) L_G: V -> sqrt(R) L_A V L_G^T."""
-    la, lg = self._cholesky_factors()
-    diag_a, diag_g = self.input_factor.diagonal, self.output_factor.diagonal
-    out = _mul_left_t(la, self._to_mat(vs), diag_a, transpose)
-    out = linalg.mul_right(out, lg, diag_g,
-                           transpose=not transpose)
-    return self._from_mat(tf.sqrt(self.replicas) * out)
+    def multiply_cholesky(self, vs, transpose=False):
+        """L v with L = sqrt(R) L_A (x) L_G: V -> sqrt(R) L_A V L_G^T."""
+        la, lg = self._cholesky_factors()
+        diag_a, diag_g = self.input_factor.diagonal, self.output_factor.diagonal
+        out = _mul_left_t(la, self._to_mat(vs), diag_a, transpose)
+        out = linalg.mul_right(out, lg, diag_g, transpose=not transpose)
+        return self._from_mat(tf.sqrt(self.replicas) * out)
 
-  def multiply_cholesky_inverse(self, vs, transpose=False):
-    """L^{-1} v: V -> R^{-1/2} L_A^{-1} V L_G^{-T} (transposed: L^{-T})."""
-    la, lg = self._cholesky_factors()
-    diag_a, diag_g = self.input_factor.diagonal, self.output_factor.diagonal
-    out = linalg.solve_tril_left(la, self._to_mat(vs), diag_a, transpose)
-    out = linalg.solve_tril_right(out, lg, diag_g, transpose)
-    return self._from_mat(out / tf.sqrt(self.replicas))
+    def multiply_cholesky_inverse(self, vs, transpose=False):
+        """L^{-1} v: V -> R^{-1/2} L_A^{-1} V L_G^{-T} (transposed: L^{-T})."""
+        la, lg = self._cholesky_factors()
+        diag_a, diag_g = self.input_factor.diagonal, self.output_factor.diagonal
+        out = linalg.solve_tril_left(la, self._to_mat(vs), diag_a, transpose)
+        out = linalg.solve_tril_right(out, lg, diag_g, transpose)
+        return self._from_mat(out / tf.sqrt(self.replicas))
 
-  def _dense_factors(self):
-    a, g = self.input_factor, self.output_factor
-    av, gv = a.value(), g.value()
-    return (tf.linalg.diag(av) if a.diagonal else av,
-            tf.linalg.diag(gv) if g.diagonal else gv)
+    def _dense_factors(self):
+        a, g = self.input_factor, self.output_factor
+        av, gv = a.value(), g.value()
+        return (tf.linalg.diag(av) if a.diagonal else av, tf.linalg.diag(gv) if g.diagonal else gv)
 
-  def full_matrix(self):
-    a, g = self._dense_factors()
-    return self.replicas * linalg.kron(a, g)
+    def full_matrix(self):
+        a, g = self._dense_factors()
+        return self.replicas * linalg.kron(a, g)
 
 
 class FullyConnectedKroneckerBlock(KroneckerBlock):
-  """Dense kernel `[d_in, d_out]` (+ bias `[d_out]`): A from [a, 1], G from g.
+    """Dense kernel `[d_in, d_out]` (+ bias `[d_out]`): A from [a, 1], G from g.
 
-  Options: `diagonal_input`, `diagonal_output` keep only that factor's
-  diagonal.  Inputs `[B, ..., d_in]` with middle axes count as positions.
-  """
+    Options: `diagonal_input`, `diagonal_output` keep only that factor's
+    diagonal.  Inputs `[B, ..., d_in]` with middle axes count as positions.
+    """
 
-  def __init__(self, var_shapes, attrs=None, *, diagonal_input=False,
-               diagonal_output=False, lag_one=False, **kwargs):
-    super().__init__(var_shapes, attrs, **kwargs)
-    d_in, d_out = self.var_shapes[0]
-    has_bias = len(self.var_shapes) > 1
-    self._out_width = d_out
-    self.input_factor = factors_kron.DenseInputFactor(
-        d_in, has_bias, diagonal=diagonal_input, lag_one=lag_one,
-        dtype=self.dtype, name="input_factor")
-    self.output_factor = factors_kron.OutputFactor(
-        d_out, diagonal=diagonal_output, lag_one=lag_one, dtype=self.dtype,
-        name="output_factor")
-    self._init_kron()
+    def __init__(
+        self,
+        var_shapes,
+        attrs=None,
+        *,
+        diagonal_input=False,
+        diagonal_output=False,
+        lag_one=False,
+        **kwargs,
+    ):
+        super().__init__(var_shapes, attrs, **kwargs)
+        d_in, d_out = self.var_shapes[0]
+        has_bias = len(self.var_shapes) > 1
+        self._out_width = d_out
+        self.input_factor = factors_kron.DenseInputFactor(
+            d_in,
+            has_bias,
+            diagonal=diagonal_input,
+            lag_one=lag_one,
+            dtype=self.dtype,
+            name="input_factor",
+        )
+        self.output_factor = factors_kron.OutputFactor(
+            d_out, diagonal=diagonal_output, lag_one=lag_one, dtype=self.dtype, name="output_factor"
+        )
+        self._init_kron()
 
 
 class FullyConnectedMultiIndepBlock(FullyConnectedKroneckerBlock):
-  """A dense layer used U times, uses independent: U (A (x) G), l' = l / U,
-  with A, G averaged over the uses (and positions)."""
+    """A dense layer used U times, uses independent: U (A (x) G), l' = l / U,
+    with A, G averaged over the uses (and positions)."""
 
 
 class ConvKroneckerBlock(KroneckerBlock):
-  """Conv2D kernel `[kh, kw, Cin, Cout]` (+ bias `[Cout]`), KFC: T (A (x) G)."""
+    """Conv2D kernel `[kh, kw, Cin, Cout]` (+ bias `[Cout]`), KFC: T (A (x) G)."""
 
-  def __init__(self, var_shapes, attrs=None, **kwargs):
-    super().__init__(var_shapes, attrs, **kwargs)
-    self.geometry = patches_lib.ConvGeometry.from_attrs(self.attrs)
-    kernel = self.var_shapes[0]
-    self._out_width = kernel[-1]
-    self.input_factor = factors_kron.ConvInputFactor(
-        kernel, self.geometry, len(self.var_shapes) > 1, dtype=self.dtype,
-        name="input_factor")
-    self.output_factor = factors_kron.OutputFactor(
-        kernel[-1], data_format=self.geometry.data_format, dtype=self.dtype,
-        name="output_factor")
-    self._init_kron()
+    def __init__(self, var_shapes, attrs=None, **kwargs):
+        super().__init__(var_shapes, attrs, **kwargs)
+        self.geometry = patches_lib.ConvGeometry.from_attrs(self.attrs)
+        kernel = self.var_shapes[0]
+        self._out_width = kernel[-1]
+        self.input_factor = factors_kron.ConvInputFactor(
+            kernel, self.geometry, len(self.var_shapes) > 1, dtype=self.dtype, name="input_factor"
+        )
+        self.output_factor = factors_kron.OutputFactor(
+            kernel[-1],
+            data_format=self.geometry.data_format,
+            dtype=self.dtype,
+            name="output_factor",
+        )
+        self._init_kron()
 
 
 class ConvMultiIndepBlock(ConvKroneckerBlock):
-  """A Conv2D used U times, uses independent: T U (A (x) G), l' = l / (T U)."""
+    """A Conv2D used U times, uses independent: T U (A (x) G), l' = l / (T U)."""
 
 
 class EmbeddingKroneckerBlock(KroneckerBlock):
-  """Embedding table `[V, D]`; uses are `(ids [B, ...], g [B, ..., D])`."""
+    """Embedding table `[V, D]`; uses are `(ids [B, ...], g [B, ..., D])`."""
 
-  def __init__(self, var_shapes, attrs=None, **kwargs):
-    super().__init__(var_shapes, attrs, **kwargs)
-    vocab, width = self.var_shapes[0]
-    self._out_width = width
-    self.input_factor = factors_kron.EmbeddingInputFactor(
-        vocab, dtype=self.dtype, name="input_factor")
-    self.output_factor = factors_kron.OutputFactor(
-        width, dtype=self.dtype, name="output_factor")
-    self._init_kron()
+    def __init__(self, var_shapes, attrs=None, **kwargs):
+        super().__init__(var_shapes, attrs, **kwargs)
+        vocab, width = self.var_shapes[0]
+        self._out_width = width
+        self.input_factor = factors_kron.EmbeddingInputFactor(
+            vocab, dtype=self.dtype, name="input_factor"
+        )
+        self.output_factor = factors_kron.OutputFactor(
+            width, dtype=self.dtype, name="output_factor"
+        )
+        self._init_kron()
 
 
 class DepthwiseConvKroneckerBlock(KroneckerBlock):
-  """Depthwise kernel `[kh, kw, C, M]` (+ bias `[C*M]`): per channel KFC."""
+    """Depthwise kernel `[kh, kw, C, M]` (+ bias `[C*M]`): per channel KFC."""
 
-  def __init__(self, var_shapes, attrs=None, **kwargs):
-    super().__init__(var_shapes, attrs, **kwargs)
-    self.geometry = patches_lib.ConvGeometry.from_attrs(self.attrs)
-    kh, kw, channels, mult = self.var_shapes[0]
-    self._out_width = channels * mult
-    has_bias = len(self.var_shapes) > 1
-    self.input_factor = factors_kron.DepthwiseInputFactor(
-        self.var_shapes[0], self.geometry, has_bias, dtype=self.dtype,
-        name="input_factor")
-    self.output_factor = factors_kron.DepthwiseOutputFactor(
-        channels, mult, self.geometry.data_format, dtype=self.dtype,
-        name="output_factor")
-    self._init_kron()
-    self._index = self._canonical_index(kh * kw, channels, mult, has_bias)
+    def __init__(self, var_shapes, attrs=None, **kwargs):
+        super().__init__(var_shapes, attrs, **kwargs)
+        self.geometry = patches_lib.ConvGeometry.from_attrs(self.attrs)
+        kh, kw, channels, mult = self.var_shapes[0]
+        self._out_width = channels * mult
+        has_bias = len(self.var_shapes) > 1
+        self.input_factor = factors_kron.DepthwiseInputFactor(
+            self.var_shapes[0], self.geometry, has_bias, dtype=self.dtype, name="input_factor"
+        )
+        self.output_factor = factors_kron.DepthwiseOutputFactor(
+            channels, mult, self.geometry.data_format, dtype=self.dtype, name="output_factor"
+        )
+        self._init_kron()
+        self._index = self._canonical_index(kh * kw, channels, mult, has_bias)
 
-  @staticmethod
-  def _canonical_index(k, channels, mult, has_bias):
-    """index[c, j*M + m]: canonical position of channel c's entry (j, m)."""
-    c, j, m = np.meshgrid(np.arange(channels), np.arange(k + int(has_bias)),
-                          np.arange(mult), indexing="ij")
-    idx = (j * channels + c) * mult + m  # kernel [kh, kw, C, M] row-major
-    if has_bias:
-      idx[:, k, :] = k * channels * mult + c[:, k, :] * mult + m[:, k, :]
-    return idx.reshape(channels, -1)
+    @staticmethod
+    def _canonical_index(k, channels, mult, has_bias):
+        """index[c, j*M + m]: canonical position of channel c's entry (j, m)."""
+        c, j, m = np.meshgrid(
+            np.arange(channels), np.arange(k + int(has_bias)), np.arange(mult), indexing="ij"
+        )
+        idx = (j * channels + c) * mult + m  # kernel [kh, kw, C, M] row-major
+        if has_bias:
+            idx[:, k, :] = k * channels * mult + c[:, k, :] * mult + m[:, k, :]
+        return idx.reshape(channels, -1)
 
-  def _to_mat(self, vs):
-    kh, kw, channels, mult = self.var_shapes[0]
-    kernel = tf.cast(vs[0], self.dtype)
-    mat = tf.reshape(tf.transpose(kernel, [2, 0, 1, 3]),
-                     [channels, kh * kw, mult])
-    if len(vs) > 1:
-      bias = tf.reshape(tf.cast(vs[1], self.dtype), [channels, 1, mult])
-      mat = tf.concat([mat, bias], axis=1)
-    return mat
+    def _to_mat(self, vs):
+        kh, kw, channels, mult = self.var_shapes[0]
+        kernel = tf.cast(vs[0], self.dtype)
+        mat = tf.reshape(tf.transpose(kernel, [2, 0, 1, 3]), [channels, kh * kw, mult])
+        if len(vs) > 1:
+            bias = tf.reshape(tf.cast(vs[1], self.dtype), [channels, 1, mult])
+            mat = tf.concat([mat, bias], axis=1)
+        return mat
 
-  def _from_mat(self, mat):
-    kh, kw, channels, mult = self.var_shapes[0]
-    kernel = tf.reshape(mat[:, :kh * kw], [channels, kh, kw, mult])
-    out = [tf.transpose(kernel, [1, 2, 0, 3])]
-    if len(self.var_shapes) > 1:
-      out.append(tf.reshape(mat[:, kh * kw], [channels * mult]))
-    return out
+    def _from_mat(self, mat):
+        kh, kw, channels, mult = self.var_shapes[0]
+        kernel = tf.reshape(mat[:, : kh * kw], [channels, kh, kw, mult])
+        out = [tf.transpose(kernel, [1, 2, 0, 3])]
+        if len(self.var_shapes) > 1:
+            out.append(tf.reshape(mat[:, kh * kw], [channels * mult]))
+        return out
 
-  def full_matrix(self):
-    a, g = self._dense_factors()
-    per_channel = self.replicas * tf.einsum("cij,ckl->cikjl", a, g)
-    size = self._index.shape[1]
-    per_channel = tf.reshape(per_channel, [-1, size, size])
-    rows = np.broadcast_to(self._index[:, :, None], (len(self._index), size,
-                                                     size))
-    cols = np.broadcast_to(self._index[:, None, :], rows.shape)
-    indices = np.stack([rows, cols], axis=-1)
-    return tf.scatter_nd(indices, per_channel,
-                         [self.num_params, self.num_params])
+    def full_matrix(self):
+        a, g = self._dense_factors()
+        per_channel = self.replicas * tf.einsum("cij,ckl->cikjl", a, g)
+        size = self._index.shape[1]
+        per_channel = tf.reshape(per_channel, [-1, size, size])
+        rows = np.broadcast_to(self._index[:, :, None], (len(self._index), size, size))
+        cols = np.broadcast_to(self._index[:, None, :], rows.shape)
+        indices = np.stack([rows, cols], axis=-1)
+        return tf.scatter_nd(indices, per_channel, [self.num_params, self.num_params])

@@ -13,31 +13,31 @@ general it is the normalised weighted average
 `sum_s c_s x_s / sum_s c_s` with `c_s = (1 - d_s) prod_{r>s} d_r`.
 Before any update the value is zero.
 """
+
 import tensorflow as tf
 
 
 class DebiasedEMA(tf.Module):
-  """A debiased moving average of a tensor of a fixed shape."""
+    """A debiased moving average of a tensor of a fixed shape."""
 
-  def __init__(self, shape, dtype=tf.float32, name=None):
-    super().__init__(name=name)
-    self.raw = tf.Variable(tf.zeros(shape, dtype), trainable=False, name="raw")
-    self.weight = tf.Variable(tf.zeros([], dtype), trainable=False,
-                              name="weight")
+    def __init__(self, shape, dtype=tf.float32, name=None):
+        super().__init__(name=name)
+        self.raw = tf.Variable(tf.zeros(shape, dtype), trainable=False, name="raw")
+        self.weight = tf.Variable(tf.zeros([], dtype), trainable=False, name="weight")
 
-  @property
-  def dtype(self):
-    return self.raw.dtype
+    @property
+    def dtype(self):
+        return self.raw.dtype
 
-  def update(self, estimate, decay):
-    """Folds one batch `estimate` in with decay `decay` (0 keeps only it)."""
-    if isinstance(decay, (int, float)):
-      decay = tf.constant(decay, self.dtype)
-    decay = tf.cast(decay, self.dtype)
-    estimate = tf.cast(estimate, self.dtype)
-    self.raw.assign(decay * self.raw + (1.0 - decay) * estimate)
-    self.weight.assign(decay * self.weight + (1.0 - decay))
+    def update(self, estimate, decay):
+        """Folds one batch `estimate` in with decay `decay` (0 keeps only it)."""
+        if isinstance(decay, (int, float)):
+            decay = tf.constant(decay, self.dtype)
+        decay = tf.cast(decay, self.dtype)
+        estimate = tf.cast(estimate, self.dtype)
+        self.raw.assign(decay * self.raw + (1.0 - decay) * estimate)
+        self.weight.assign(decay * self.weight + (1.0 - decay))
 
-  def value(self):
-    """The debiased average `m_t / w_t` (zeros before the first update)."""
-    return tf.math.divide_no_nan(self.raw, self.weight)
+    def value(self):
+        """The debiased average `m_t / w_t` (zeros before the first update)."""
+        return tf.math.divide_no_nan(self.raw, self.weight)

@@ -19,6 +19,7 @@ normalised by all `N_s` rows (zero padding at the sequence end keeps
 [[C, C1^T], [C1, C]] positive semi-definite), as the series (RNN) blocks
 need.  Both are debiased moving averages (see `ema.py`).
 """
+
 import tensorflow as tf
 
 from kfac_graph.fisher import ema
@@ -27,80 +28,80 @@ COMBINE = ("sum", "mean")
 
 
 def _rows(x):
-  return tf.cast(tf.shape(x)[0], x.dtype)
+    return tf.cast(tf.shape(x)[0], x.dtype)
 
 
 def _outer(x, y, diagonal):
-  if diagonal:
-    return tf.reduce_sum(x * y, axis=0)
-  if len(x.shape) == 3:
-    return tf.einsum("ngi,ngj->gij", x, y)
-  return tf.matmul(x, y, transpose_a=True)
+    if diagonal:
+        return tf.reduce_sum(x * y, axis=0)
+    if len(x.shape) == 3:
+        return tf.einsum("ngi,ngj->gij", x, y)
+    return tf.matmul(x, y, transpose_a=True)
 
 
 def combine_sources(per_source, combine):
-  """Sums (exact mode) or averages (sampled mode) per-source estimates."""
-  if combine not in COMBINE:
-    raise ValueError(f"combine must be one of {COMBINE}, got {combine!r}")
-  total = tf.add_n(per_source)
-  return total / len(per_source) if combine == "mean" else total
+    """Sums (exact mode) or averages (sampled mode) per-source estimates."""
+    if combine not in COMBINE:
+        raise ValueError(f"combine must be one of {COMBINE}, got {combine!r}")
+    total = tf.add_n(per_source)
+    return total / len(per_source) if combine == "mean" else total
 
 
 def second_moment(sources, diagonal=False, combine="sum"):
-  """The batch estimate C of the module docstring."""
-  per_source = []
-  for uses in sources:
-    n = tf.add_n([_rows(x) for x in uses])
-    per_source.append(tf.add_n([_outer(x, x, diagonal) for x in uses]) / n)
-  return combine_sources(per_source, combine)
+    """The batch estimate C of the module docstring."""
+    per_source = []
+    for uses in sources:
+        n = tf.add_n([_rows(x) for x in uses])
+        per_source.append(tf.add_n([_outer(x, x, diagonal) for x in uses]) / n)
+    return combine_sources(per_source, combine)
 
 
 def lag_one_moment(sources, combine="sum"):
-  """The batch estimate C1 of the module docstring (needs >= 2 uses)."""
-  per_source = []
-  for uses in sources:
-    if len(uses) < 2:
-      raise ValueError("lag_one_moment needs at least two uses")
-    n = tf.add_n([_rows(x) for x in uses])
-    lagged = [_outer(uses[u + 1], uses[u], False)
-              for u in range(len(uses) - 1)]
-    per_source.append(tf.add_n(lagged) / n)
-  return combine_sources(per_source, combine)
+    """The batch estimate C1 of the module docstring (needs >= 2 uses)."""
+    per_source = []
+    for uses in sources:
+        if len(uses) < 2:
+            raise ValueError("lag_one_moment needs at least two uses")
+        n = tf.add_n([_rows(x) for x in uses])
+        lagged = [_outer(uses[u + 1], uses[u], False) for u in range(len(uses) - 1)]
+        per_source.append(tf.add_n(lagged) / n)
+    return combine_sources(per_source, combine)
 
 
 class CovarianceFactor(tf.Module):
-  """Moving average of a second moment `[(G,) d, d]` (or diagonal `[(G,) d]`)."""
+    """Moving average of a second moment `[(G,) d, d]` (or diagonal `[(G,) d]`)."""
 
-  def __init__(self, dim, *, groups=None, diagonal=False, lag_one=False,
-               dtype=tf.float32, name=None):
-    super().__init__(name=name)
-    self.dim = int(dim)
-    self.groups = groups
-    self.diagonal = bool(diagonal)
-    self.batch_shape = [] if groups is None else [int(groups)]
-    shape = self.batch_shape + ([self.dim] if diagonal else [self.dim] * 2)
-    self.cov = ema.DebiasedEMA(shape, dtype, name="cov")
-    self.cov_lag_one = None
-    if lag_one:
-      if diagonal or groups is not None:
-        raise ValueError("lag_one needs a dense, ungrouped factor")
-      self.cov_lag_one = ema.DebiasedEMA(shape, dtype, name="cov_lag_one")
+    def __init__(
+        self, dim, *, groups=None, diagonal=False, lag_one=False, dtype=tf.float32, name=None
+    ):
+        super().__init__(name=name)
+        self.dim = int(dim)
+        self.groups = groups
+        self.diagonal = bool(diagonal)
+        self.batch_shape = [] if groups is None else [int(groups)]
+        shape = self.batch_shape + ([self.dim] if diagonal else [self.dim] * 2)
+        self.cov = ema.DebiasedEMA(shape, dtype, name="cov")
+        self.cov_lag_one = None
+        if lag_one:
+            if diagonal or groups is not None:
+                raise ValueError("lag_one needs a dense, ungrouped factor")
+            self.cov_lag_one = ema.DebiasedEMA(shape, dtype, name="cov_lag_one")
 
-  @property
-  def dtype(self):
-    return self.cov.dtype
+    @property
+    def dtype(self):
+        return self.cov.dtype
 
-  def update_rows(self, sources, decay, combine="sum"):
-    """Folds in the batch estimate from `sources` (see module docstring)."""
-    sources = [[tf.cast(x, self.dtype) for x in uses] for uses in sources]
-    self.cov.update(second_moment(sources, self.diagonal, combine), decay)
-    if self.cov_lag_one is not None:
-      self.cov_lag_one.update(lag_one_moment(sources, combine), decay)
+    def update_rows(self, sources, decay, combine="sum"):
+        """Folds in the batch estimate from `sources` (see module docstring)."""
+        sources = [[tf.cast(x, self.dtype) for x in uses] for uses in sources]
+        self.cov.update(second_moment(sources, self.diagonal, combine), decay)
+        if self.cov_lag_one is not None:
+            self.cov_lag_one.update(lag_one_moment(sources, combine), decay)
 
-  def value(self):
-    return self.cov.value()
+    def value(self):
+        return self.cov.value()
 
-  def lag_one_value(self):
-    if self.cov_lag_one is None:
-      raise ValueError(f"{self.name}: lag-one moment not tracked")
-    return self.cov_lag_one.value()
+    def lag_one_value(self):
+        if self.cov_lag_one is None:
+            raise ValueError(f"{self.name}: lag-one moment not tracked")
+        return self.cov_lag_one.value()

@@ -5,170 +5,169 @@ diagonal, its diagonal `[..., n]`; the optional leading axes batch
 independent factors (one per depthwise channel).  Damping `d` has the
 leading shape (`[]` or `[groups]`) and is added to the diagonal.
 """
+
 import numpy as np
 import tensorflow as tf
 
 
 def cast(x, dtype):
-  """`tf.cast` that keeps full precision for Python numbers."""
-  if isinstance(x, (int, float, np.number)):
-    return tf.constant(x, dtype)
-  return tf.cast(x, dtype)
+    """`tf.cast` that keeps full precision for Python numbers."""
+    if isinstance(x, (int, float, np.number)):
+        return tf.constant(x, dtype)
+    return tf.cast(x, dtype)
 
 
 def flatten(vs):
-  """Concatenates tensors flattened row-major: the canonical vector order."""
-  return tf.concat([tf.reshape(v, [-1]) for v in vs], axis=0)
+    """Concatenates tensors flattened row-major: the canonical vector order."""
+    return tf.concat([tf.reshape(v, [-1]) for v in vs], axis=0)
 
 
 def unflatten(vec, shapes):
-  """Splits a flat vector into tensors of the given static shapes."""
-  sizes = [int(np.prod(s)) for s in shapes]
-  parts = tf.split(vec, sizes) if len(sizes) > 1 else [vec]
-  return [tf.reshape(p, s) for p, s in zip(parts, shapes)]
+    """Splits a flat vector into tensors of the given static shapes."""
+    sizes = [int(np.prod(s)) for s in shapes]
+    parts = tf.split(vec, sizes) if len(sizes) > 1 else [vec]
+    return [tf.reshape(p, s) for p, s in zip(parts, shapes)]
 
 
 def append_ones(x):
-  """Appends the homogeneous coordinate: `[..., d] -> [..., d + 1]`."""
-  ones = tf.ones(tf.concat([tf.shape(x)[:-1], [1]], 0), x.dtype)
-  return tf.concat([x, ones], axis=-1)
+    """Appends the homogeneous coordinate: `[..., d] -> [..., d + 1]`."""
+    ones = tf.ones(tf.concat([tf.shape(x)[:-1], [1]], 0), x.dtype)
+    return tf.concat([x, ones], axis=-1)
 
 
 def kron(a, b):
-  """Kronecker product of two matrices: kron(a, b)[i*p+k, j*q+l] = a[i,j] b[k,l]."""
-  m, n = a.shape[-2], a.shape[-1]
-  p, q = b.shape[-2], b.shape[-1]
-  out = a[:, None, :, None] * b[None, :, None, :]
-  return tf.reshape(out, [m * p, n * q])
+    """Kronecker product of two matrices: kron(a, b)[i*p+k, j*q+l] = a[i,j] b[k,l]."""
+    m, n = a.shape[-2], a.shape[-1]
+    p, q = b.shape[-2], b.shape[-1]
+    out = a[:, None, :, None] * b[None, :, None, :]
+    return tf.reshape(out, [m * p, n * q])
 
 
 def trace(factor, diagonal):
-  """Trace of a factor (batched over leading axes)."""
-  return (tf.reduce_sum(factor, -1) if diagonal
-          else tf.linalg.trace(factor))
+    """Trace of a factor (batched over leading axes)."""
+    return tf.reduce_sum(factor, -1) if diagonal else tf.linalg.trace(factor)
 
 
 def pi_split_damping(damping, trace_a, dim_a, trace_g, dim_g):
-  """Splits Tikhonov damping between two Kronecker factors.
+    """Splits Tikhonov damping between two Kronecker factors.
 
-  With `pi = sqrt((tr A / dim A) / (tr G / dim G))` returns
-  `(pi sqrt(damping), sqrt(damping) / pi)`, so that
-  `(A + pi sqrt(l) I) (x) (G + sqrt(l)/pi I)` = `A(x)G + l I + ...`.
-  When either trace is not positive (no statistics yet) `pi = 1`.
-  """
-  num = trace_a / dim_a
-  den = trace_g / dim_g
-  ok = tf.logical_and(num > 0, den > 0)
-  safe_den = tf.where(ok, den, tf.ones_like(den))
-  pi = tf.where(ok, tf.sqrt(num / safe_den), tf.ones_like(num))
-  root = tf.sqrt(cast(damping, pi.dtype))
-  return pi * root, root / pi
+    With `pi = sqrt((tr A / dim A) / (tr G / dim G))` returns
+    `(pi sqrt(damping), sqrt(damping) / pi)`, so that
+    `(A + pi sqrt(l) I) (x) (G + sqrt(l)/pi I)` = `A(x)G + l I + ...`.
+    When either trace is not positive (no statistics yet) `pi = 1`.
+    """
+    num = trace_a / dim_a
+    den = trace_g / dim_g
+    ok = tf.logical_and(num > 0, den > 0)
+    safe_den = tf.where(ok, den, tf.ones_like(den))
+    pi = tf.where(ok, tf.sqrt(num / safe_den), tf.ones_like(num))
+    root = tf.sqrt(cast(damping, pi.dtype))
+    return pi * root, root / pi
 
 
 def add_damping(factor, damping, diagonal):
-  """`factor + damping I`."""
-  if diagonal:
-    return factor + damping[..., None]
-  eye = tf.eye(factor.shape[-1], dtype=factor.dtype)
-  return factor + damping[..., None, None] * eye
+    """`factor + damping I`."""
+    if diagonal:
+        return factor + damping[..., None]
+    eye = tf.eye(factor.shape[-1], dtype=factor.dtype)
+    return factor + damping[..., None, None] * eye
 
 
 def mul_left(factor, x, diagonal):
-  """`factor @ x` for x `[..., n, m]`."""
-  return factor[..., :, None] * x if diagonal else tf.matmul(factor, x)
+    """`factor @ x` for x `[..., n, m]`."""
+    return factor[..., :, None] * x if diagonal else tf.matmul(factor, x)
 
 
 def mul_right(x, factor, diagonal, transpose=False):
-  """`x @ factor` (or `x @ factor^T`) for x `[..., m, n]`."""
-  if diagonal:
-    return x * factor[..., None, :]
-  return tf.matmul(x, factor, transpose_b=transpose)
+    """`x @ factor` (or `x @ factor^T`) for x `[..., m, n]`."""
+    if diagonal:
+        return x * factor[..., None, :]
+    return tf.matmul(x, factor, transpose_b=transpose)
 
 
 def cholesky(factor, diagonal):
-  """Lower Cholesky factor (the square root of a diagonal)."""
-  return tf.sqrt(factor) if diagonal else tf.linalg.cholesky(factor)
+    """Lower Cholesky factor (the square root of a diagonal)."""
+    return tf.sqrt(factor) if diagonal else tf.linalg.cholesky(factor)
 
 
 def solve_tril_left(chol, x, diagonal, transpose=False):
-  """`L^{-1} x` (or `L^{-T} x`) for a lower-triangular `L`."""
-  if diagonal:
-    return x / chol[..., :, None]
-  return tf.linalg.triangular_solve(chol, x, lower=True, adjoint=transpose)
+    """`L^{-1} x` (or `L^{-T} x`) for a lower-triangular `L`."""
+    if diagonal:
+        return x / chol[..., :, None]
+    return tf.linalg.triangular_solve(chol, x, lower=True, adjoint=transpose)
 
 
 def solve_tril_right(x, chol, diagonal, transpose=False):
-  """`x L^{-T}` (or `x L^{-1}` when transpose)."""
-  if diagonal:
-    return x / chol[..., None, :]
-  xt = tf.linalg.matrix_transpose(x)
-  out = tf.linalg.triangular_solve(chol, xt, lower=True, adjoint=transpose)
-  return tf.linalg.matrix_transpose(out)
+    """`x L^{-T}` (or `x L^{-1}` when transpose)."""
+    if diagonal:
+        return x / chol[..., None, :]
+    xt = tf.linalg.matrix_transpose(x)
+    out = tf.linalg.triangular_solve(chol, xt, lower=True, adjoint=transpose)
+    return tf.linalg.matrix_transpose(out)
 
 
 def psd_eig(matrix):
-  """Eigen-decomposition of the symmetrised matrix, eigenvalues clipped at 0."""
-  sym = 0.5 * (matrix + tf.linalg.matrix_transpose(matrix))
-  evals, evecs = tf.linalg.eigh(sym)
-  return tf.maximum(evals, 0.0), evecs
+    """Eigen-decomposition of the symmetrised matrix, eigenvalues clipped at 0."""
+    sym = 0.5 * (matrix + tf.linalg.matrix_transpose(matrix))
+    evals, evecs = tf.linalg.eigh(sym)
+    return tf.maximum(evals, 0.0), evecs
 
 
 def psd_power(matrix, exp, floor=None):
-  """`matrix^exp` for a PSD matrix; eigenvalues <= floor map to 0 (pinv)."""
-  evals, evecs = psd_eig(matrix)
-  if floor is None:
-    powered = tf.pow(evals, exp)
-  else:
-    keep = evals > floor
-    powered = tf.where(keep, tf.pow(tf.where(keep, evals, 1.0), exp), 0.0)
-  return tf.matmul(evecs * powered[..., None, :], evecs, transpose_b=True)
+    """`matrix^exp` for a PSD matrix; eigenvalues <= floor map to 0 (pinv)."""
+    evals, evecs = psd_eig(matrix)
+    if floor is None:
+        powered = tf.pow(evals, exp)
+    else:
+        keep = evals > floor
+        powered = tf.where(keep, tf.pow(tf.where(keep, evals, 1.0), exp), 0.0)
+    return tf.matmul(evecs * powered[..., None, :], evecs, transpose_b=True)
 
 
 class EigCache(tf.Module):
-  """A factor snapshot kept as eigenpairs (or as a diagonal) in variables.
+    """A factor snapshot kept as eigenpairs (or as a diagonal) in variables.
 
-  `refresh(F)` stores `F = Q diag(e) Q^T`; `left`/`right` then apply
-  `(F + d I)^p` for any power `p` without refactorising, so the damping
-  may change between refreshes.
-  """
+    `refresh(F)` stores `F = Q diag(e) Q^T`; `left`/`right` then apply
+    `(F + d I)^p` for any power `p` without refactorising, so the damping
+    may change between refreshes.
+    """
 
-  def __init__(self, batch_shape, dim, diagonal, dtype, name=None):
-    super().__init__(name=name)
-    self.diagonal = diagonal
-    shape = list(batch_shape) + [dim]
-    self.evals = tf.Variable(tf.zeros(shape, dtype), trainable=False,
-                             name="evals")
-    self.evecs = None
-    if not diagonal:
-      eye = tf.eye(dim, batch_shape=list(batch_shape), dtype=dtype)
-      self.evecs = tf.Variable(eye, trainable=False, name="evecs")
+    def __init__(self, batch_shape, dim, diagonal, dtype, name=None):
+        super().__init__(name=name)
+        self.diagonal = diagonal
+        shape = list(batch_shape) + [dim]
+        self.evals = tf.Variable(tf.zeros(shape, dtype), trainable=False, name="evals")
+        self.evecs = None
+        if not diagonal:
+            eye = tf.eye(dim, batch_shape=list(batch_shape), dtype=dtype)
+            self.evecs = tf.Variable(eye, trainable=False, name="evecs")
 
-  def refresh(self, factor):
-    if self.diagonal:
-      self.evals.assign(tf.maximum(factor, 0.0))
-    else:
-      evals, evecs = psd_eig(factor)
-      self.evals.assign(evals)
-      self.evecs.assign(evecs)
+    def refresh(self, factor):
+        if self.diagonal:
+            self.evals.assign(tf.maximum(factor, 0.0))
+        else:
+            evals, evecs = psd_eig(factor)
+            self.evals.assign(evals)
+            self.evecs.assign(evecs)
 
-  def trace(self):
-    return tf.reduce_sum(self.evals, -1)
+    def trace(self):
+        return tf.reduce_sum(self.evals, -1)
 
-  def _scaled(self, damping, exp):
-    return tf.pow(self.evals + damping[..., None], exp)
+    def _scaled(self, damping, exp):
+        return tf.pow(self.evals + damping[..., None], exp)
 
-  def left(self, x, damping, exp):
-    """`(F + d I)^exp @ x`."""
-    w = self._scaled(damping, exp)
-    if self.diagonal:
-      return w[..., :, None] * x
-    q = self.evecs
-    return tf.matmul(q, w[..., :, None] * tf.matmul(q, x, transpose_a=True))
+    def left(self, x, damping, exp):
+        """`(F + d I)^exp @ x`."""
+        w = self._scaled(damping, exp)
+        if self.diagonal:
+            return w[..., :, None] * x
+        q = self.evecs
+        return tf.matmul(q, w[..., :, None] * tf.matmul(q, x, transpose_a=True))
 
-  def right(self, x, damping, exp):
-    """`x @ (F + d I)^exp`."""
-    w = self._scaled(damping, exp)
-    if self.diagonal:
-      return x * w[..., None, :]
-    q = self.evecs
-    return tf.matmul(tf.matmul(x, q) * w[..., None, :], q, transpose_b=True)
+    def right(self, x, damping, exp):
+        """`x @ (F + d I)^exp`."""
+        w = self._scaled(damping, exp)
+        if self.diagonal:
+            return x * w[..., None, :]
+        q = self.evecs
+        return tf.matmul(tf.matmul(x, q) * w[..., None, :], q, transpose_b=True)

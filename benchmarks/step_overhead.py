@@ -1,0 +1,127 @@
+"""What a K-FAC step costs, as a multiple of an SGD-with-momentum step on the
+same model and batch (the digits models of ``digits.py``, batch 256).
+
+For each model and each compilation mode (the whole step under XLA, or
+TensorFlow's own kernels with only K-FAC's preconditioning compiled), the
+candidates are timed side by side in one process, interleaved: each round
+runs a block of ``inverse_update_period`` steps of every candidate, so every
+K-FAC block holds exactly one inverse refresh (the cost is amortised over
+the inverse period). Figures are medians over ``--reps`` rounds.
+
+Candidates: SGD (``keras.optimizers.SGD``, momentum 0.9, compiled like the
+mode), ``kg.KFAC`` with its defaults (``momentum_type="regular"``,
+covariance update every step, inverses every 10), and with
+``momentum_type="qmodel"`` and ``damping=0.1`` (the quadratic model chooses
+the learning rate and momentum: two more Fisher-vector products per step).
+
+Columns: ``/ SGD``: the block time over SGD's in the same mode; ``/ SGD
+no-XLA``: over SGD without XLA (the common baseline); ``inverse step /
+other``: the step that refreshes the inverses against the median of the
+other steps.
+
+    python benchmarks/step_overhead.py [--reps 5] [--models autoencoder,cnn]
+        [--modes no_xla,xla] [--markdown out.md]
+"""
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("ABSL_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+import digits  # noqa: E402
+import kfac_graph as kg  # noqa: E402
+
+tf.get_logger().setLevel("ERROR")
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("reps", 5, "interleaved rounds (medians)")
+flags.DEFINE_list("models", list(digits.MODELS), "models: autoencoder, cnn")
+flags.DEFINE_list("modes", ["no_xla", "xla"], "compilation modes: no_xla, xla")
+flags.DEFINE_integer("inverse_update_period", 10, "K-FAC's inverse period (the block length)")
+flags.DEFINE_integer("batch_size", 256, "batch size")
+flags.DEFINE_string("markdown", None, "also write the table as markdown here")
+
+# qmodel at damping 0.1: at the default 1e-3 it diverges on the CNN within 4 steps
+# (every later step is then skipped, so the timing would not be a real step's)
+KFAC_VARIANTS = {"K-FAC": {}, "K-FAC qmodel": {"momentum_type": "qmodel", "damping": 0.1}}
+
+
+def candidates(model):
+    """``[(mode, name, step)]`` for one model."""
+    out = []
+    for mode in FLAGS.modes:
+        xla = mode == "xla"
+        task = digits.make_task(model)
+        out.append((mode, "SGD", digits.keras_step(
+            task, keras.optimizers.SGD(0.01, momentum=0.9), jit_compile=xla)))
+        for name, options in KFAC_VARIANTS.items():
+            task = digits.make_task(model)
+            opt = kg.KFAC(task.loss_fn, jit_compile=xla,
+                          inverse_update_period=FLAGS.inverse_update_period, **options)
+            out.append((mode, name, opt.step))
+    return out
+
+
+def measure(model):
+    period = FLAGS.inverse_update_period
+    batches = digits.make_task(model).batches(period, FLAGS.batch_size)
+    runs = candidates(model)
+    for mode, name, step in runs:  # compile, and the first inverse refresh
+        start = time.perf_counter()
+        for x, t in batches:
+            step(x, t).numpy()
+        print(f"  {model} {mode} {name}: warm-up block {time.perf_counter() - start:.1f} s",
+              flush=True)
+    blocks = {(mode, name): [] for mode, name, _ in runs}
+    per_step = {(mode, name): [] for mode, name, _ in runs}
+    for _ in range(FLAGS.reps):
+        for mode, name, step in runs:
+            times = []
+            for x, t in batches:  # K-FAC's first step of a block refreshes the inverses
+                start = time.perf_counter()
+                step(x, t).numpy()
+                times.append(time.perf_counter() - start)
+            blocks[(mode, name)].append(sum(times))
+            per_step[(mode, name)].append(times)
+    rows = []
+    base = {mode: np.median(blocks[(mode, "SGD")]) for mode in FLAGS.modes}
+    common = base.get("no_xla")
+    for mode, name, _ in runs:
+        block = np.median(blocks[(mode, name)])
+        steps = np.array(per_step[(mode, name)])
+        inverse = np.median(steps[:, 0]) / np.median(steps[:, 1:])
+        rows.append((model, mode, name, block / base[mode],
+                     None if common is None else block / common, inverse))
+    return rows
+
+
+def main(argv):
+    del argv
+    rows = []
+    for model in FLAGS.models:
+        rows += measure(model)
+    lines = [f"K-FAC step / SGD step, amortised over the inverse period "
+             f"({FLAGS.inverse_update_period}), batch {FLAGS.batch_size}, medians of "
+             f"{FLAGS.reps} interleaved rounds", "",
+             "| model | mode | optimizer | / SGD | / SGD no-XLA | inverse step / other |",
+             "|---|---|---|---:|---:|---:|"]
+    for model, mode, name, ratio, common, inverse in rows:
+        common = "-" if common is None else f"{common:.2f}"
+        lines.append(f"| {model} | {mode} | {name} | {ratio:.2f} | {common} | {inverse:.1f} |")
+    text = "\n".join(lines)
+    print("\n" + text)
+    if FLAGS.markdown:
+        with open(FLAGS.markdown, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,341 @@
+"""Train a Keras 3 model with K-FAC through ``model.fit``.
+
+    kmodel = kg.KFACModel(model, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), learning_rate=0.1, damping=1e-3)
+    kmodel.compile(metrics=["accuracy"])        # no optimizer argument
+    kmodel.fit(x, y, batch_size=128, epochs=5, callbacks=[...])
+    kmodel.evaluate(x, y); kmodel.predict(x)
+
+``KFACModel`` is a ``keras.Model`` that wraps ``model`` (``call``
+delegates to it). Its ``train_step`` builds, once, the ``kg.auto_register``ed
+closure ``loss(x, y) = loss_obj(y, model(x, training=True)) (+ model.losses)``
+and runs ``kg.KFAC.step(x, y)`` on it; every other keyword of the
+constructor goes to ``kg.KFAC``. Progress bar, ``History``, ``EarlyStopping``,
+``ModelCheckpoint``, ``TensorBoard``, ``LearningRateScheduler`` and
+``ReduceLROnPlateau`` work as with any Keras optimizer; ``evaluate`` and
+``predict`` are Keras's own.
+
+Semantics:
+
+- The logged ``loss`` is K-FAC's step loss, at the weights before the
+  update, as in Keras's own ``train_step``. Compiled metrics are computed at
+  the same weights from one extra forward pass in training mode, run in a
+  ``keras.StatelessScope`` so batch-norm statistics and seeds move once per
+  step. Without compiled metrics there is no extra pass.
+- ``model.optimizer`` is a small Keras optimizer, ``KFACKerasOptimizer``,
+  that never applies gradients: it carries ``iterations``, the
+  ``learning_rate`` that callbacks read and set (copied into K-FAC's
+  learning rate before every step; with ``momentum_type="qmodel"``, which
+  chooses its own, the other way round, so the logs show the chosen step
+  size), and the ``kg.KFAC`` instance (``model.kfac``).
+- ``sample_weight`` and ``class_weight`` are not supported in training
+  (a weighted loss has no per-example Fisher the pass can read);
+  ``evaluate`` accepts them.
+- Each step runs eagerly from Python around two compiled calls (the metric
+  update and K-FAC's step); K-FAC decides its own XLA use
+  (``jit_compile=``), Keras's ``jit_compile`` only affects evaluate/predict.
+
+What ``ModelCheckpoint`` saves (``.weights.h5`` or ``.keras``): the model's
+weights, and under the optimizer's entry its ``iterations`` and
+``learning_rate`` followed by every variable of the ``kg.KFAC`` module
+(step counter, skipped steps, damping, learning rate, momentum, velocities
+and the Fisher factors and their cached inverses, in ``tf.Module.variables``
+order). Loading into a model whose K-FAC state is not built yet (before the
+first step) keeps the values and assigns them when the first batch builds
+it. ``tf.train.Checkpoint(model=kmodel)`` also reaches the K-FAC module
+through ``kmodel.optimizer.kfac``.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kfac_graph.auto_register import auto_register
+from kfac_graph.optimizer import KFAC
+
+_KFAC_PREFIX = "kfac_"
+
+
+def _kfac_default(name):
+    return inspect.signature(KFAC.__init__).parameters[name].default
+
+
+def _as_loss(loss):
+    """A callable ``(y_true, y_pred) -> scalar``; returns ``(callable, keras_loss)``
+    where ``keras_loss`` is what ``compile`` passes to Keras (for evaluate)."""
+    if loss is None:
+        raise ValueError("KFACModel needs a loss: KFACModel(model, loss=...) or "
+                         "compile(loss=...)")
+    obj = keras.losses.get(loss) if isinstance(loss, (str, dict)) else loss
+    if isinstance(obj, keras.losses.Loss):
+        return obj, obj
+    if not callable(obj):
+        raise ValueError(f"loss must be a keras loss, its name, or fn(y_true, y_pred); got {loss!r}")
+
+    def mean_loss(y_true, y_pred):
+        value = obj(y_true, y_pred)
+        return tf.reduce_mean(value) if value.shape.rank else value
+
+    return mean_loss, obj
+
+
+@keras.saving.register_keras_serializable(package="kfac_graph")
+class KFACKerasOptimizer(keras.optimizers.Optimizer):
+    """The Keras face of a ``kg.KFAC``: what callbacks and saving see.
+
+    It never applies gradients (``KFACModel.train_step`` runs K-FAC's own
+    step). ``save_own_variables`` writes Keras's ``iterations`` and
+    ``learning_rate``, then the K-FAC module's variables as ``kfac_<i>``."""
+
+    def __init__(self, learning_rate=0.1, name="kfac", **kwargs):
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self.kfac = None
+        self._pending_kfac_state = None
+        # The model's weights, which K-FAC's state leaves out; held by a plain
+        # holder so that Keras does not track them as optimizer variables.
+        self._model_weights = _Holder(())
+
+    def update_step(self, gradient, variable, learning_rate):
+        raise RuntimeError("KFACKerasOptimizer does not apply gradients; train with "
+                           "KFACModel.fit (kg.KFAC.step updates the weights)")
+
+    # -- state ------------------------------------------------------------------------
+    def kfac_variables(self, exclude=()) -> list:
+        """The K-FAC module's variables in a stable order (``tf.Module.variables``),
+        without any in ``exclude`` (the model's own weights)."""
+        if self.kfac is None:
+            return []
+        skip = {_ref(v) for v in exclude}
+        return [v for v in self.kfac.variables if _ref(v) not in skip]
+
+    def _model_variables(self):
+        return self._model_weights.value
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        if self.kfac is not None and self.kfac.built:
+            state = self.kfac_variables(self._model_variables())
+        elif self._pending_kfac_state is not None:  # loaded, not built yet: keep it
+            for i, value in enumerate(self._pending_kfac_state):
+                store[f"{_KFAC_PREFIX}{i}"] = value
+            return
+        else:
+            state = []
+        for i, v in enumerate(state):
+            store[f"{_KFAC_PREFIX}{i}"] = np.asarray(v.numpy())
+
+    def load_own_variables(self, store):
+        keys = list(store.keys())
+        own = sorted((k for k in keys if not k.startswith(_KFAC_PREFIX)), key=int)
+        if len(own) == len(self.variables):
+            for i, v in enumerate(self.variables):
+                v.assign(store[str(i)])
+        else:
+            warnings.warn(f"{self.name}: {len(own)} saved Keras optimizer variables, "
+                          f"{len(self.variables)} here; not restored", stacklevel=2)
+        kfac_keys = sorted((k for k in keys if k.startswith(_KFAC_PREFIX)),
+                           key=lambda k: int(k[len(_KFAC_PREFIX):]))
+        values = [np.asarray(store[k]) for k in kfac_keys]
+        if not values:
+            return
+        if self.kfac is not None and self.kfac.built:
+            self._assign_kfac_state(values)
+        else:
+            self._pending_kfac_state = values
+
+    def restore_pending(self):
+        """Assigns K-FAC state loaded before K-FAC was built (called after build)."""
+        if self._pending_kfac_state is not None:
+            values, self._pending_kfac_state = self._pending_kfac_state, None
+            with tf.init_scope():
+                self._assign_kfac_state(values)
+
+    def _assign_kfac_state(self, values):
+        state = self.kfac_variables(self._model_variables())
+        shapes_match = len(state) == len(values) and all(
+            tuple(v.shape) == tuple(np.shape(x)) for v, x in zip(state, values))
+        if not shapes_match:
+            warnings.warn(f"{self.name}: the saved K-FAC state ({len(values)} variables) does "
+                          f"not match this optimizer's ({len(state)}); K-FAC state not restored",
+                          stacklevel=3)
+            return
+        for v, x in zip(state, values):
+            v.assign(x)
+
+
+@keras.saving.register_keras_serializable(package="kfac_graph")
+class KFACModel(keras.Model):
+    """``model`` trained by K-FAC through ``fit`` (see the module docstring).
+
+    ``loss``: a ``keras.losses.Loss``, a Keras loss name, or
+    ``fn(y_true, y_pred)`` (reduced by a mean if it returns per-example
+    values); may also be given to ``compile``. ``loss_kind``: passed to
+    ``kg.auto_register(loss=...)`` when the pass cannot read the loss.
+    ``**kfac_options``: ``kg.KFAC``'s keywords (``learning_rate``,
+    ``damping``, ``momentum``, ``momentum_type``, ``estimation_mode``, ...).
+    """
+
+    def __init__(self, model, loss=None, loss_kind: str | None = None, name=None,
+                 **kfac_options):
+        super().__init__(name=name or f"kfac_{model.name}")
+        self.model = model
+        self.loss_kind = loss_kind
+        self.kfac_options = dict(kfac_options)
+        self._loss_spec = loss
+        self._kfac_built = False
+        self._step_function = None
+        self._shim = KFACKerasOptimizer(
+            learning_rate=kfac_options.get("learning_rate", _kfac_default("learning_rate")))
+        if loss is not None:
+            self._make_kfac(loss)
+        if model.built:
+            self.built = True
+
+    # -- Keras plumbing -------------------------------------------------------------------
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    @property
+    def kfac(self):
+        """The ``kg.KFAC`` instance (``None`` until a loss is known)."""
+        return self._shim.kfac
+
+    def compile(self, optimizer=None, loss=None, metrics=None, **kwargs):
+        """Keras's ``compile`` without an optimizer (K-FAC is the optimizer).
+        ``loss`` replaces the constructor's. ``jit_compile`` defaults to False and
+        applies to evaluate/predict only."""
+        if optimizer is not None and not isinstance(optimizer, KFACKerasOptimizer):
+            raise ValueError("KFACModel trains with K-FAC: give K-FAC's options to "
+                             "KFACModel(...), not an optimizer to compile()")
+        if loss is not None and loss is not self._loss_spec:
+            if self.kfac is not None and self._kfac_built:
+                warnings.warn("KFACModel.compile: a new loss starts a new K-FAC optimizer "
+                              "(its statistics are lost)", stacklevel=2)
+            self._make_kfac(loss)
+        if self._loss_spec is None:
+            _as_loss(None)  # raises
+        kwargs.setdefault("jit_compile", False)
+        super().compile(optimizer=self._shim, loss=self._keras_loss, metrics=metrics, **kwargs)
+        self._step_function = None
+
+    def get_compile_config(self):
+        config = dict(super().get_compile_config() or {})
+        config.pop("optimizer", None)
+        config.pop("loss", None)
+        return config
+
+    def compile_from_config(self, config):
+        config = keras.saving.deserialize_keras_object(config)
+        config = {k: v for k, v in config.items() if k not in ("optimizer", "loss")}
+        self.compile(**config)
+
+    def get_config(self):
+        serializable = {k: v for k, v in self.kfac_options.items()
+                        if isinstance(v, (bool, int, float, str, type(None)))}
+        return {"name": self.name, "model": keras.saving.serialize_keras_object(self.model),
+                "loss": keras.saving.serialize_keras_object(self._loss_spec),
+                "loss_kind": self.loss_kind, **serializable}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(config.pop("model"),
+                                                      custom_objects=custom_objects)
+        loss = keras.saving.deserialize_keras_object(config.pop("loss"),
+                                                     custom_objects=custom_objects)
+        return cls(model, loss=loss, **config)
+
+    # -- training -----------------------------------------------------------------------
+    def _make_kfac(self, loss):
+        loss_fn, keras_loss = _as_loss(loss)
+        inner = self.model
+
+        def kfac_loss(x, y):
+            value = loss_fn(y, inner(x, training=True))
+            if inner.losses:
+                value = value + tf.add_n([tf.cast(v, value.dtype) for v in inner.losses])
+            return value
+
+        kfac_loss.__name__ = f"{inner.name}_loss"
+        self._loss_spec = loss
+        self._keras_loss = keras_loss
+        self.loss_fn = auto_register(kfac_loss, loss=self.loss_kind)
+        self._shim.kfac = KFAC(self.loss_fn, **self.kfac_options)
+        self._shim._model_weights = _Holder(tuple(inner.variables))
+        self._kfac_built = False
+        self._step_function = None
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if sample_weight is not None:
+            raise ValueError("KFACModel.fit: sample_weight and class_weight are not supported "
+                             "(K-FAC needs the unweighted per-example loss)")
+        if y is None:
+            raise ValueError("KFACModel.fit needs targets y")
+        if self.kfac is None:
+            _as_loss(None)
+        if not self._kfac_built:
+            self.kfac.build(x, y)
+            self._shim.restore_pending()
+            self._kfac_built = True
+        if self._step_function is None:
+            step = self._kfac_step
+            self._step_function = step if self.run_eagerly else tf.function(step)
+        return self._step_function(x, y)
+
+    def _kfac_step(self, x, y):
+        kfac = self.kfac
+        y_pred = None
+        if self._compile_metrics is not None:
+            with keras.StatelessScope():
+                y_pred = self.model(x, training=True)
+        if kfac.momentum_type != "qmodel":
+            kfac.learning_rate.assign(tf.cast(self._shim.learning_rate, kfac.learning_rate.dtype))
+        loss = kfac.step(x, y)
+        if kfac.momentum_type == "qmodel":  # logs show the step size the model chose
+            self._shim.learning_rate.assign(tf.cast(kfac.learning_rate,
+                                                    self._shim.learning_rate.dtype))
+        self._shim.iterations.assign_add(1)
+        batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        self._loss_tracker.update_state(loss, sample_weight=batch)
+        return self.compute_metrics(x, y, y_pred, sample_weight=None)
+
+    def make_train_function(self, force=False):
+        """Python drives the steps; each step is K-FAC's compiled step plus a
+        compiled metric update (``steps_per_execution`` batches per call)."""
+        if self.train_function is not None and not force:
+            return self.train_function
+
+        def function(iterator):
+            logs = None
+            for _, data in zip(range(self.steps_per_execution), iterator):
+                data = tf.nest.map_structure(
+                    lambda t: None if isinstance(t, tf.experimental.Optional) else t, data)
+                logs = self.train_step(data)
+            if logs is None:
+                raise StopIteration
+            return logs
+
+        self.train_function = function
+        return function
+
+
+class _Holder:
+    """A plain box (Keras tracks neither it nor what it holds)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+
+
+
+def _ref(v):
+    try:
+        return v.ref()
+    except AttributeError:
+        return id(v)

@@ -1,0 +1,23 @@
+"""The examples run end to end with a tiny step count."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("sklearn")
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("script", ["keras_cnn.py", "custom_loop.py"])
+def test_example_runs(script):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--steps=4", "--log_every=2"
+         if script == "custom_loop.py" else "--steps_per_epoch=2", "--batch_size=32"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=EXAMPLES.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "test accuracy" in result.stdout
+    assert "(K-FAC steps 4)" in result.stdout

@@ -1,0 +1,113 @@
+"""kg.KFACModel: K-FAC through Keras's fit, with metrics and callbacks."""
+import importlib.util
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import kfac_graph as kg
+
+HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+
+
+def _data(n=256, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 10)).astype("float32")
+    w = rng.normal(size=(10, 3))
+    y = np.argmax(x @ w + 0.3 * rng.normal(size=(n, 3)), axis=1)
+    return x, y
+
+
+def _model(seed=0, **options):
+    keras.utils.set_random_seed(seed)
+    inner = keras.Sequential([keras.Input((10,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(3)])
+    options.setdefault("damping", 1e-2)
+    model = kg.KFACModel(inner, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                         **options)
+    model.compile(metrics=["accuracy"])
+    return model
+
+
+def test_fit_with_metrics_and_callbacks(tmp_path):
+    x, y = _data()
+    model = _model()
+    weights = tmp_path / "ckpt.weights.h5"
+    logs = tmp_path / "tb"
+    stop = keras.callbacks.EarlyStopping(monitor="loss", min_delta=100.0, patience=2)
+    callbacks = [stop, keras.callbacks.ModelCheckpoint(str(weights), save_weights_only=True)]
+    if HAVE_TENSORBOARD:  # Keras's TensorBoard callback needs the tensorboard package
+        callbacks.append(keras.callbacks.TensorBoard(str(logs)))
+    history = model.fit(x, y, batch_size=64, epochs=10, verbose=0, callbacks=callbacks)
+    losses = history.history["loss"]
+    assert len(losses) == 3, "EarlyStopping (min_delta=100, patience=2) stops after 3 epochs"
+    assert stop.stopped_epoch == 2
+    assert losses[-1] < 0.7 * losses[0]
+    assert "accuracy" in history.history and history.history["accuracy"][-1] > 0.7
+    assert weights.exists()
+    if HAVE_TENSORBOARD:
+        assert any(files for _, _, files in os.walk(logs)), "TensorBoard wrote no event file"
+    assert int(model.kfac.iterations.numpy()) == 12
+    assert int(model.optimizer.iterations.numpy()) == 12
+    loss, accuracy = model.evaluate(x, y, verbose=0)
+    assert np.isfinite(loss) and accuracy > 0.7
+    assert model.predict(x[:5], verbose=0).shape == (5, 3)
+
+
+def test_checkpoint_restores_kfac_state(tmp_path):
+    """Weights and K-FAC's state (factors, inverses, counters) round-trip
+    through save_weights/load_weights, also into a model not trained yet."""
+    x, y = _data()
+    path = str(tmp_path / "state.weights.h5")
+    a = _model()
+    a.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    a.save_weights(path)
+    b = _model(seed=1)  # other initial weights
+    b.load_weights(path)
+    for model in (a, b):  # one more step each, same batch
+        model.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0, shuffle=False)
+    for u, v in zip(a.variables, b.variables):
+        np.testing.assert_array_equal(u.numpy(), v.numpy())
+    state_a = a.optimizer.kfac_variables(a.model.variables)
+    state_b = b.optimizer.kfac_variables(b.model.variables)
+    assert len(state_a) == len(state_b) > 3
+    for u, v in zip(state_a, state_b):
+        np.testing.assert_array_equal(u.numpy(), v.numpy())
+    assert int(b.kfac.iterations.numpy()) == 5
+
+
+def test_learning_rate_callback_reaches_kfac():
+    x, y = _data(128)
+    model = _model(learning_rate=0.2)
+    history = model.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.2 * 0.5 ** epoch)])
+    assert history.history["learning_rate"] == pytest.approx([0.2, 0.1])
+    assert float(model.kfac.learning_rate.numpy()) == pytest.approx(0.1)
+
+
+def test_misuse_is_reported():
+    inner = keras.Sequential([keras.Input((10,)), keras.layers.Dense(3)])
+    model = kg.KFACModel(inner, loss="sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="K-FAC"):
+        model.compile(optimizer="adam")
+    model.compile()
+    x, y = _data(32)
+    with pytest.raises(ValueError, match="sample_weight"):
+        model.fit(x, y, sample_weight=np.ones(32), verbose=0)
+    with pytest.raises(ValueError, match="needs a loss"):
+        kg.KFACModel(inner).compile()
+
+
+@pytest.mark.slow
+def test_full_model_save_and_load(tmp_path):
+    x, y = _data()
+    a = _model()
+    a.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    path = str(tmp_path / "model.keras")
+    a.save(path)
+    b = keras.models.load_model(path)
+    assert isinstance(b, kg.KFACModel)
+    np.testing.assert_allclose(b.evaluate(x, y, verbose=0), a.evaluate(x, y, verbose=0))
+    b.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0)
+    assert int(b.kfac.iterations.numpy()) == 5
