@@ -26,6 +26,7 @@ def test_qmodel_alpha_and_mu_are_the_numpy_2x2_solve():
     opt = kg.KFAC(fn, momentum_type="qmodel", damping=lam, estimation_mode="exact",
                   cov_ema_decay=0.0, inverse_update_period=1, jit_compile=False)
     prev = np.zeros_like(_stacked(w, b))
+    used_2x2 = 0
     for x, y in batches[:3]:
         theta = _stacked(w, b)
         grad, a, g, abar, p = _numpy_quantities(theta, x, y)
@@ -33,29 +34,108 @@ def test_qmodel_alpha_and_mu_are_the_numpy_2x2_solve():
         form = lambda u, v: _exact_fisher_form(u, v, abar, p) + lam * np.sum(u * v)
         m = np.array([[form(d, d), form(d, prev)], [form(prev, d), form(prev, prev)]])
         c = np.array([np.sum(grad * d), np.sum(grad * prev)])
-        if not prev.any():
-            alpha, mu = -c[0] / m[0, 0], 0.0
-        else:
-            alpha, mu = -np.linalg.solve(m, c)
+        alpha, mu = -c[0] / m[0, 0], 0.0
+        if prev.any():
+            alpha2, mu2 = -np.linalg.solve(m, c)
+            if 0 <= mu2 < 1:   # else the 1-D solve (qmodel.py's bound on mu)
+                alpha, mu = alpha2, mu2
+                used_2x2 += 1
         opt.step(x, y)
         np.testing.assert_allclose(-opt.learning_rate.numpy(), alpha, rtol=1e-8)
         np.testing.assert_allclose(opt.momentum.numpy(), mu, rtol=1e-8, atol=1e-12)
         np.testing.assert_allclose(_stacked(w, b), theta + alpha * d + mu * prev, rtol=1e-8,
                                    atol=1e-12)
         prev = _stacked(w, b) - theta
-    assert opt.momentum.numpy() != 0.0
+    assert used_2x2 > 0
+
+
+def _solve(m11, m12, m22, c1, c2, dtype=F64):
+    alpha, mu = qmodel.solve(*(tf.constant(v, dtype) for v in (m11, m12, m22, c1, c2)))
+    return alpha.numpy(), mu.numpy()
 
 
 def test_qmodel_solve_and_model_value():
     m = np.array([[3.0, 1.0], [1.0, 2.0]])
-    c = np.array([-1.0, 0.5])
+    c = np.array([-1.0, -0.5])
     alpha, mu = qmodel.solve(*(tf.constant(v, F64) for v in (m[0, 0], m[0, 1], m[1, 1], *c)))
     np.testing.assert_allclose([alpha, mu], -np.linalg.solve(m, c))
+    assert 0 <= mu < 1
     value = qmodel.model_value(alpha, mu, *(tf.constant(v, F64) for v in
                                             (m[0, 0], m[0, 1], m[1, 1], *c)))
     np.testing.assert_allclose(value, -0.5 * c @ np.linalg.solve(m, c))
-    alpha, mu = qmodel.solve(*(tf.constant(v, F64) for v in (3.0, 0.0, 0.0, -1.0, 0.0)))
-    assert (alpha.numpy(), mu.numpy()) == (pytest.approx(1 / 3), 0.0)
+    assert _solve(3.0, 0.0, 0.0, -1.0, 0.0) == (pytest.approx(1 / 3), 0.0)
+
+
+@pytest.mark.parametrize("m,c", [
+    ([[3.0, 1.0], [1.0, 2.0]], [-1.0, 0.5]),    # 2x2 mu = -0.5 < 0
+    ([[1.0, 0.0], [0.0, 1.0]], [-1.0, -2.0]),   # 2x2 mu = 2 >= 1
+    ([[1.0, 0.0], [0.0, 1.0]], [-1.0, -1.0]),   # 2x2 mu = 1 exactly
+    # the measured CNN step (damping 1e-3) whose 2x2 mu was -3.47:
+    ([[1.02698353e10, 18926.3516], [18926.3516, 9.73723602]], [367297.594, 34.3235703]),
+])
+def test_qmodel_solve_falls_back_to_1d_where_mu_is_outside_0_1(m, c):
+    m, c = np.array(m), np.array(c)
+    unconstrained_mu = -np.linalg.solve(m, c)[1]
+    assert not 0 <= unconstrained_mu < 1
+    alpha, mu = _solve(m[0, 0], m[0, 1], m[1, 1], *c)
+    assert mu == 0.0
+    assert alpha == pytest.approx(-c[0] / m[0, 0])
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, F64])
+def test_qmodel_solve_falls_back_to_1d_on_an_ill_conditioned_system(dtype):
+    # Delta and delta0 almost parallel in the C metric: det / (m11 m22) = 1e-9,
+    # with the 2x2 solution mu = 0.5 in exact arithmetic but dominated by
+    # round-off (and in float32 det rounds to 0 or below).
+    m11, m22, eps = 4.0, 1.0, 1e-9
+    m12 = np.sqrt(m11 * m22 * (1 - eps))
+    c1, c2 = -(m11 * 1.0 + m12 * 0.5), -(m12 * 1.0 + m22 * 0.5)   # solution (1, 0.5)
+    alpha, mu = _solve(m11, m12, m22, c1, c2, dtype)
+    assert mu == 0.0
+    assert alpha == pytest.approx(-c1 / m11, rel=1e-6)
+    # the same system well conditioned keeps its 2x2 solution
+    m12 = 1.0
+    c1, c2 = -(m11 + m12 * 0.5), -(m12 + m22 * 0.5)
+    alpha, mu = _solve(m11, m12, m22, c1, c2, dtype)
+    np.testing.assert_allclose([alpha, mu], [1.0, 0.5], rtol=1e-5)
+
+
+def test_qmodel_solve_without_positive_curvature_takes_no_step():
+    assert _solve(0.0, 0.0, 0.0, -1.0, 0.0) == (0.0, 0.0)
+    assert _solve(np.nan, 0.0, 1.0, -1.0, 0.5) == (0.0, 0.0)
+
+
+def test_qmodel_small_cnn_does_not_diverge_at_the_default_damping():
+    """A small CNN (conv, relu, strided conv, dense) on a learnable task with
+    the quadratic model at the default damping: before mu was bounded the
+    2x2 solve sent mu to -3.5, -11, -5e4 and the loss to 1e29 within four
+    steps on the digits CNN."""
+    import keras
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    means = rng.normal(size=(4, 8, 8, 1)).astype("float32")
+    labels = rng.integers(0, 4, size=512).astype("int32")
+    images = means[labels] + rng.normal(size=(512, 8, 8, 1)).astype("float32")
+    model = keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(16, 3, strides=2, padding="same", activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(4),
+    ])
+    fn = kg.auto_register(lambda x, y: tf.reduce_mean(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x))))
+    opt = kg.KFAC(fn, momentum_type="qmodel", jit_compile=False)
+    losses, mus = [], []
+    for step in range(30):
+        i = rng.choice(512, 64, replace=False)
+        losses.append(float(opt.step(tf.constant(images[i]), tf.constant(labels[i]))))
+        mus.append(float(opt.momentum.numpy()))
+    assert np.all(np.isfinite(losses)), losses
+    assert opt.skipped_steps.numpy() == 0
+    assert all(0 <= mu < 1 for mu in mus), mus
+    assert max(losses) < 10 * losses[0], losses
+    assert np.mean(losses[-5:]) < 0.5 * losses[0], losses
 
 
 @pytest.mark.parametrize("loss_change,model_change,factor", [
@@ -100,3 +180,12 @@ def test_lm_damping_rises_after_a_far_too_long_step():
     opt.step(x, y)
     assert opt.rho.numpy() < 0.25
     assert opt.damping.numpy() == pytest.approx(1e-3 / 0.95)
+
+
+def test_lm_damping_stops_at_its_floor():
+    floor = damping_lib.default_min_damping(0.1)
+    assert floor == pytest.approx(1e-5)
+    lam = tf.constant(0.1, F64)
+    for _ in range(200):   # the model always trustworthy: lambda only falls
+        lam, _ = damping_lib.adapt(lam, -1.0, -1.0, 0.95 ** 5, floor)
+    assert lam.numpy() == pytest.approx(floor)

@@ -14,10 +14,25 @@ with ``omega = decay ** interval`` (M&G: ``(19/20) ** T1``) and
 ``lambda >= min_damping``. As in tensorflow/kfac, a loss that fell where
 the model predicted a rise (``M > 0``) also counts as trustworthy, and a
 non-finite new loss as untrustworthy.
+
+The floor matters: on a problem the model fits ever better (the digits CNN
+memorising its data) ``rho > 3/4`` at every adaptation, so ``lambda`` falls
+by ``omega`` each time without end (0.1 -> 3e-8 in ~300 steps) until the
+damped factors are singular in float32 and the run blows up (steps
+300-430). ``default_min_damping`` (``RELATIVE_MIN_DAMPING`` times the
+initial damping) keeps it within four orders of magnitude of the start.
 """
 from __future__ import annotations
 
 import tensorflow as tf
+
+RELATIVE_MIN_DAMPING = 1e-4
+
+
+def default_min_damping(initial_damping: float) -> float:
+    """The floor of the adapted damping when none is given:
+    ``RELATIVE_MIN_DAMPING * initial_damping``."""
+    return RELATIVE_MIN_DAMPING * float(initial_damping)
 
 
 def reduction_ratio(loss_change, model_change):
