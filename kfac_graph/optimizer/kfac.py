@@ -104,7 +104,7 @@ class KFAC(tf.Module):
                  num_burnin_steps: int = 0, estimation_mode: str = "sampled",
                  num_samples: int = 1, adapt_damping: bool = False,
                  damping_adaptation_interval: int = 5, damping_adaptation_decay: float = 0.95,
-                 min_damping: float = 1e-8, qmodel_curvature: str = "exact",
+                 min_damping: float | None = None, qmodel_curvature: str = "exact",
                  approximations=None, seed: int = 0,
                  jit_compile="auto", summary_writer=None, summary_period: int = 1,
                  name: str | None = None):
@@ -136,7 +136,8 @@ class KFAC(tf.Module):
         self.adapt_damping = bool(adapt_damping)
         self.damping_adaptation_interval = int(damping_adaptation_interval)
         self.omega = float(damping_adaptation_decay) ** self.damping_adaptation_interval
-        self.min_damping = float(min_damping)
+        self.min_damping = (damping_lib.default_min_damping(damping) if min_damping is None
+                            else float(min_damping))
         self.jit_compile = jit_compile
         self.summary_writer = summary_writer
         self.summary_period = int(summary_period)
@@ -215,8 +216,9 @@ class KFAC(tf.Module):
         self.whole_step_jit = bool(jit)
         self._compiled.precondition = tf.function(self.estimator.multiply_inverse,
                                                   jit_compile=True, autograph=False)
-        self._compiled.core = tf.function(self._core, jit_compile=self.whole_step_jit,
-                                          autograph=False)
+        # without XLA the core is traced inline into the step (no nested call)
+        self._compiled.core = (tf.function(self._core, jit_compile=True, autograph=False)
+                               if self.whole_step_jit else self._core)
         self._compiled.step = tf.function(self._step, autograph=False)
         self._built = True
         return reg
@@ -256,7 +258,8 @@ class KFAC(tf.Module):
         do_cov = in_burnin | tf.equal(k % self.cov_update_period, 0)
         do_inv = ~in_burnin & tf.equal(k % self.inverse_update_period, 0)
         self.curvature_scale.assign(self._loss_scale(reg, args))
-        snapshot = [tf.identity(v.read_value()) for v in self._estimator_state]
+        # reads taken before the updates keep the old values (assignments copy on write)
+        snapshot = [v.read_value() for v in self._estimator_state]
 
         def with_statistics():
             loss = self.estimator.accumulate(*args)

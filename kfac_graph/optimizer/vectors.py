@@ -26,9 +26,17 @@ def combine(a, xs, b, ys) -> list:
 
 
 def all_finite(tensors) -> tf.Tensor:
-    """True when every entry of every tensor is finite (True for none)."""
-    flags = [tf.reduce_all(tf.math.is_finite(t)) for t in tensors
-             if t.dtype.is_floating or t.dtype.is_complex]
+    """True when every entry of every tensor is finite (True for none).
+
+    One check per dtype over the tensors flattened and concatenated (a
+    per-tensor check costs two graph ops each)."""
+    by_dtype = {}
+    for t in tensors:
+        t = tf.convert_to_tensor(t)
+        if t.dtype.is_floating or t.dtype.is_complex:
+            by_dtype.setdefault(t.dtype, []).append(tf.reshape(t, [-1]))
+    flags = [tf.reduce_all(tf.math.is_finite(ts[0] if len(ts) == 1 else tf.concat(ts, 0)))
+             for ts in by_dtype.values()]
     if not flags:
         return tf.constant(True)
-    return tf.reduce_all(tf.stack(flags))
+    return flags[0] if len(flags) == 1 else tf.reduce_all(tf.stack(flags))
