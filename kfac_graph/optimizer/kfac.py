@@ -89,7 +89,9 @@ class KFAC(tf.Module):
 
     ``learning_rate``, ``momentum``: used by ``"regular"`` and ``"adam"``
     (ignored by ``"qmodel"``, which chooses both each step). ``damping``:
-    the initial ``lambda`` (adapted when ``adapt_damping``). Estimator
+    the initial ``lambda`` (adapted when ``adapt_damping``, never below
+    ``min_damping``: by default ``RELATIVE_MIN_DAMPING`` (1e-4) times the
+    initial value, see ``damping.py``). Estimator
     options (``estimation_mode``, ``num_samples``, ``cov_ema_decay``,
     ``approximations``, ``seed``) go to ``kg.FisherEstimator``.
     ``summary_writer``: a ``tf.summary`` writer; loss, damping, learning
