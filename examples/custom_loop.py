@@ -14,9 +14,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
 
 import kfac_graph as kg  # noqa: E402
+from digits_common import cnn, digits  # noqa: E402
 
 flags.DEFINE_integer("steps", 100, "training steps (batches)")
 flags.DEFINE_integer("batch_size", 128, "batch size")
@@ -25,28 +25,6 @@ flags.DEFINE_float("learning_rate", 0.1, "K-FAC learning rate")
 flags.DEFINE_float("damping", 1e-2, "K-FAC damping")
 flags.DEFINE_integer("seed", 0, "random seed")
 FLAGS = flags.FLAGS
-
-
-def digits(seed):
-    """Train/test splits of the 8x8 digits, pixels scaled to [0, 1]."""
-    data = load_digits()
-    x = (data.images / 16.0).astype("float32")[..., None]
-    y = data.target.astype("int32")
-    order = np.random.default_rng(seed).permutation(len(x))
-    x, y = x[order], y[order]
-    n_test = len(x) // 5
-    return (x[n_test:], y[n_test:]), (x[:n_test], y[:n_test])
-
-
-def cnn():
-    return keras.Sequential([
-        keras.Input((8, 8, 1)),
-        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-        keras.layers.Conv2D(32, 3, strides=2, padding="same", activation="relu"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10),
-    ], name="digits_cnn")
 
 
 def main(argv):
