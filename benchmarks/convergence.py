@@ -58,7 +58,7 @@ flags.DEFINE_list("sgd_lrs", ["0.01", "0.03", "0.1"], "SGD learning rates")
 flags.DEFINE_float("momentum", 0.9, "SGD momentum")
 flags.DEFINE_multi_string(
     "kfac", ["label=defaults", "label=no-XLA jit_compile=False",
-             "label=qmodel momentum_type=qmodel adapt_damping=True damping=0.1"],
+             "label=regular momentum_type=regular adapt_damping=False damping=1e-3"],
     "K-FAC settings, one run each: space-separated key=value pairs for kg.KFAC, plus "
     "label=NAME ('' = the defaults); repeatable. A run that resolves to the same settings "
     "as an earlier one (jit_compile=False where 'auto' already chose no XLA) is left out")

@@ -79,7 +79,7 @@ def test_checkpoint_restores_kfac_state(tmp_path):
 
 def test_learning_rate_callback_reaches_kfac():
     x, y = _data(128)
-    model = _model(learning_rate=0.2)
+    model = _model(learning_rate=0.2, momentum_type="regular")  # qmodel picks its own rate
     history = model.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[
         keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.2 * 0.5 ** epoch)])
     assert history.history["learning_rate"] == pytest.approx([0.2, 0.1])

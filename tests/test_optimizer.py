@@ -78,7 +78,7 @@ def test_first_step_is_the_numpy_preconditioned_update(momentum_type, jit):
 def test_second_step_regular_momentum_and_l2_and_kl_clipping():
     w, b, fn, batches = _dense_problem(seed=1)
     lr, lam, mu, l2, c = 0.3, 1e-2, 0.5, 1e-2, 1e-3
-    opt = kg.KFAC(fn, learning_rate=lr, damping=lam, momentum=mu, l2_reg=l2, norm_constraint=c,
+    opt = kg.KFAC(fn, momentum_type="regular", adapt_damping=False, learning_rate=lr, damping=lam, momentum=mu, l2_reg=l2, norm_constraint=c,
                   estimation_mode="exact", cov_ema_decay=0.0, inverse_update_period=1,
                   jit_compile=False)
     v = _stacked(w, b)
@@ -96,7 +96,7 @@ def test_second_step_regular_momentum_and_l2_and_kl_clipping():
 
 def test_burn_in_and_update_periods():
     w, b, fn, batches = _dense_problem(seed=2)
-    opt = kg.KFAC(fn, num_burnin_steps=2, cov_update_period=2, inverse_update_period=3,
+    opt = kg.KFAC(fn, momentum_type="regular", adapt_damping=False, num_burnin_steps=2, cov_update_period=2, inverse_update_period=3,
                   estimation_mode="exact", jit_compile=False)
     opt.build(*batches[0])
     block = opt.estimator.blocks[0]
@@ -121,7 +121,7 @@ def test_burn_in_and_update_periods():
 
 def test_non_finite_batch_is_skipped_and_nothing_changes():
     w, b, fn, batches = _dense_problem(seed=3)
-    opt = kg.KFAC(fn, momentum=0.9, adapt_damping=True, damping_adaptation_interval=1,
+    opt = kg.KFAC(fn, momentum_type="regular", momentum=0.9, adapt_damping=True, damping_adaptation_interval=1,
                   jit_compile=True)
     for x, y in batches[:2]:
         opt.step(x, y)
@@ -168,7 +168,8 @@ def _mlp_problem(seed=0):
 
 
 def test_checkpoint_resume_is_bitwise_identical(tmp_path):
-    options = dict(momentum=0.9, adapt_damping=True, damping_adaptation_interval=2,
+    options = dict(momentum_type="regular", momentum=0.9, adapt_damping=True,
+                   damping_adaptation_interval=2,
                    inverse_update_period=2, estimation_mode="sampled", jit_compile=False)
     params, fn, batches = _mlp_problem()
     opt = kg.KFAC(fn, **options)
@@ -196,7 +197,7 @@ def test_checkpoint_resume_is_bitwise_identical(tmp_path):
 def test_summaries_are_written(tmp_path):
     params, fn, batches = _mlp_problem()
     writer = tf.summary.create_file_writer(str(tmp_path))
-    opt = kg.KFAC(fn, summary_writer=writer, summary_period=2, jit_compile=False)
+    opt = kg.KFAC(fn, momentum_type="regular", adapt_damping=False, summary_writer=writer, summary_period=2, jit_compile=False)
     for t in range(3):
         opt.step(*batches[t])
     writer.flush()
@@ -211,8 +212,9 @@ def test_summaries_are_written(tmp_path):
     assert steps == {0, 2}
 
 
-@pytest.mark.parametrize("options", [{}, {"momentum_type": "qmodel", "adapt_damping": True}],
-                         ids=["defaults", "qmodel"])
+@pytest.mark.parametrize("options", [{}, {"momentum_type": "regular", "damping": 1e-3,
+                                          "adapt_damping": False}],
+                         ids=["defaults", "regular"])
 def test_small_mlp_trains(options):
     params, fn, batches = _mlp_problem()
     opt = kg.KFAC(fn, **options)
@@ -228,7 +230,7 @@ def test_sum_loss_curvature_is_scaled_by_the_batch():
         w, b, _, batches = _dense_problem(seed=6)
         fn = kg.auto_register(lambda x, y: reduce(
             tf.nn.sparse_softmax_cross_entropy_with_logits(y, tf.matmul(x, w) + b)))
-        opt = kg.KFAC(fn, learning_rate=0.5, damping=lam, norm_constraint=None,
+        opt = kg.KFAC(fn, momentum_type="regular", adapt_damping=False, learning_rate=0.5, damping=lam, norm_constraint=None,
                       estimation_mode="exact", jit_compile=False)
         opt.step(*batches[0])
         results.append(_stacked(w, b))

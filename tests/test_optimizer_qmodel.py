@@ -158,7 +158,7 @@ def test_lm_damping_falls_where_the_quadratic_model_is_exact():
     w = tf.Variable(rng.normal(size=(3, 2)), dtype=F64)
     x, y = tf.constant(rng.normal(size=(16, 3))), tf.constant(rng.normal(size=(16, 2)))
     fn = kg.auto_register(lambda x, y: tf.reduce_mean(tf.reduce_sum(tf.square(y - x @ w), -1)))
-    opt = kg.KFAC(fn, damping=1.0, learning_rate=0.5, momentum=0.0, norm_constraint=None,
+    opt = kg.KFAC(fn, momentum_type="regular", damping=1.0, learning_rate=0.5, momentum=0.0, norm_constraint=None,
                   estimation_mode="exact", adapt_damping=True, damping_adaptation_interval=2,
                   jit_compile=False)
     omega = 0.95 ** 2
@@ -174,7 +174,7 @@ def test_lm_damping_rises_after_a_far_too_long_step():
     y = tf.constant(rng.integers(0, 4, size=64), tf.int32)
     fn = kg.auto_register(lambda x, y: tf.reduce_mean(
         tf.nn.sparse_softmax_cross_entropy_with_logits(y, x @ w)))
-    opt = kg.KFAC(fn, damping=1e-3, learning_rate=100.0, momentum=0.0, norm_constraint=None,
+    opt = kg.KFAC(fn, momentum_type="regular", damping=1e-3, learning_rate=100.0, momentum=0.0, norm_constraint=None,
                   estimation_mode="exact", adapt_damping=True, damping_adaptation_interval=1,
                   jit_compile=False)
     opt.step(x, y)
