@@ -89,7 +89,7 @@ def _compiled(fn: RegisteredFunction, reg: Registration, method: str):
         return fn.derived[key]
     registry = pe.default_registry()
     variables = list(reg.variables)
-    generic = [v for layer in reg.layers if layer.kind == "generic" for v in layer.variables]
+    generic = reg.generic_variables
 
     @tf.function
     def run(clip, noise, seed, *args):

@@ -179,8 +179,7 @@ class FisherEstimator(tf.Module):
 
     # -- the traced update -------------------------------------------------------------
     def _update(self, reg, args):
-        generic = [v for layer, block in zip(reg.layers, self._blocks)
-                   if layer.kind == "generic" for v in layer.variables]
+        generic = reg.generic_variables
         taps = LayerTaps.build(reg, args, read_variables=generic)
         if taps.model_output is None:
             raise ValueError("the loss pass found no model output to take the Fisher at")

@@ -92,11 +92,10 @@ def _compiled(fn: RegisteredFunction, reg: Registration, want: str, rules):
     if cached is not None:
         return cached
     registry = rules or pe.default_registry()
-    generic = [v for layer in reg.layers if layer.kind == "generic" for v in layer.variables]
 
     @tf.function
     def run(*args):
-        taps = LayerTaps.build(reg, args, read_variables=generic)
+        taps = LayerTaps.build(reg, args, read_variables=reg.generic_variables)
         per_layer = per_layer_results(reg, taps, registry, want)
         if want == "grads":
             return [g for grads in per_layer for g in grads]
@@ -112,7 +111,7 @@ def per_layer_results(reg: Registration, taps: LayerTaps, registry: pe.RuleRegis
     their ``[B]`` squared norms (``want="norms"``). Inside a tf.function;
     ``taps`` must read the generic variables (``read_variables``)."""
     generic_grads = {}
-    generic = [v for layer in reg.layers if layer.kind == "generic" for v in layer.variables]
+    generic = reg.generic_variables
     if generic:
         reads = [taps.variable_reads[v.ref()] for v in generic]
         jacobians = pfor_gradients.jacobian(taps.per_example_loss, reads)

@@ -100,6 +100,13 @@ class Registration:
         """Every trainable variable the loss depends on, in layer order."""
         return tuple(v for layer in self.layers for v in layer.variables)
 
+    @property
+    def generic_variables(self) -> tuple:
+        """The variables of generic layers (their per-example gradients need
+        the variables' own reads, ``LayerTaps.build(read_variables=...)``)."""
+        return tuple(v for layer in self.layers if layer.kind == "generic"
+                     for v in layer.variables)
+
     def summary(self) -> str:
         """A table: one row per layer, then the loss."""
         rows = [("#", "layer", "kind", "variables", "uses", "params")]

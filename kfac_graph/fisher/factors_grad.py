@@ -39,7 +39,8 @@ class ExampleGradientFactor(factors_base.CovarianceFactor):
         return tf.cast(a, self.dtype)
 
     def _example_grads(self, prepared, g):
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__}._example_grads: a layer-aware subclass defines it")
 
     def update(self, uses, decay, combine="sum"):
         """uses: `[(a, g), ...]`, g a tensor or a list over sources."""

@@ -78,19 +78,16 @@ def im2col_kernel_grads(a, g, geo):
 
 def grouped_kernel_grads(a, g, geo):
     """`[B, kh, kw, Cin, Cout]` via `Conv2DBackpropFilter` of a B-group conv."""
-    ap = cg.pad_input(a, geo)
+    x, dy, strides, dilations = cg.fold_batch_into_channels(a, g, geo)
     batch = uses_lib.batch_size(a)
-    _, hp, wp, cin = ap.shape
-    _, ho, wo, cout = g.shape
-    x = tf.reshape(tf.transpose(ap, [1, 2, 0, 3]), [1, hp, wp, batch * cin])
-    dy = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, ho, wo, batch * cout])
+    cin, cout = a.shape[-1], g.shape[-1]
     kh, kw = geo.kernel
     filt = tf.raw_ops.Conv2DBackpropFilter(
         input=x,
         filter_sizes=tf.stack([kh, kw, cin, batch * cout]),
         out_backprop=dy,
-        strides=[1, geo.strides[0], geo.strides[1], 1],
-        dilations=[1, geo.dilations[0], geo.dilations[1], 1],
+        strides=strides,
+        dilations=dilations,
         padding="VALID",
     )
     filt = tf.reshape(filt, [kh, kw, cin, batch, cout])

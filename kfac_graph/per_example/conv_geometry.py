@@ -20,6 +20,8 @@ import math
 
 import tensorflow as tf
 
+from kfac_graph.per_example import uses as uses_lib
+
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
@@ -139,3 +141,20 @@ def im2col(a, geo):
         return tf.reshape(views[0], [-1, geo.positions, c])
     patches = tf.stack(views, axis=3)  # [B, Ho, Wo, kh*kw, C]
     return tf.reshape(patches, [-1, geo.positions, len(views) * c])
+
+
+def fold_batch_into_channels(a, g, geo):
+    """A per-example filter gradient as one filter gradient: the padded input
+    and the output gradient with the batch folded into the channels
+    (``[1, Hp, Wp, B*C]`` and ``[1, Ho, Wo, B*Cout]``, example-major within
+    the channel axis), and the op's ``strides`` and ``dilations`` lists.
+    Used with ``padding="VALID"`` (the padding is already applied)."""
+    ap = pad_input(a, geo)
+    batch = uses_lib.batch_size(a)
+    _, hp, wp, c = ap.shape
+    _, ho, wo, cout = g.shape
+    x = tf.reshape(tf.transpose(ap, [1, 2, 0, 3]), [1, hp, wp, batch * c])
+    dy = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, ho, wo, batch * cout])
+    strides = [1, geo.strides[0], geo.strides[1], 1]
+    dilations = [1, geo.dilations[0], geo.dilations[1], 1]
+    return x, dy, strides, dilations

@@ -62,19 +62,16 @@ def taps_kernel_grads(a, g, geo):
 
 def grouped_kernel_grads(a, g, geo):
     """`[B, kh, kw, C, M]` via the depthwise filter gradient, batch in channels."""
-    ap = cg.pad_input(a, geo)
+    x, dy, strides, dilations = cg.fold_batch_into_channels(a, g, geo)
     batch = uses_lib.batch_size(a)
-    _, hp, wp, c = ap.shape
-    _, ho, wo, cm = g.shape
-    x = tf.reshape(tf.transpose(ap, [1, 2, 0, 3]), [1, hp, wp, batch * c])
-    dy = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, ho, wo, batch * cm])
+    c, cm = a.shape[-1], g.shape[-1]
     kh, kw = geo.kernel
     filt = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
         input=x,
         filter_sizes=tf.stack([kh, kw, batch * c, cm // c]),
         out_backprop=dy,
-        strides=[1, geo.strides[0], geo.strides[1], 1],
-        dilations=[1, geo.dilations[0], geo.dilations[1], 1],
+        strides=strides,
+        dilations=dilations,
         padding="VALID",
     )
     filt = tf.reshape(filt, [kh, kw, batch, c, cm // c])
