@@ -1,5 +1,4 @@
 """kg.KFACModel: K-FAC through Keras's fit, with metrics and callbacks."""
-import importlib.util
 import os
 
 import keras
@@ -7,9 +6,6 @@ import numpy as np
 import pytest
 
 import kfac_graph as kg
-
-HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
-
 
 def _data(n=256, seed=0):
     rng = np.random.default_rng(seed)
@@ -36,9 +32,8 @@ def test_fit_with_metrics_and_callbacks(tmp_path):
     weights = tmp_path / "ckpt.weights.h5"
     logs = tmp_path / "tb"
     stop = keras.callbacks.EarlyStopping(monitor="loss", min_delta=100.0, patience=2)
-    callbacks = [stop, keras.callbacks.ModelCheckpoint(str(weights), save_weights_only=True)]
-    if HAVE_TENSORBOARD:  # Keras's TensorBoard callback needs the tensorboard package
-        callbacks.append(keras.callbacks.TensorBoard(str(logs)))
+    callbacks = [stop, keras.callbacks.ModelCheckpoint(str(weights), save_weights_only=True),
+                 keras.callbacks.TensorBoard(str(logs))]
     history = model.fit(x, y, batch_size=64, epochs=10, verbose=0, callbacks=callbacks)
     losses = history.history["loss"]
     assert len(losses) == 3, "EarlyStopping (min_delta=100, patience=2) stops after 3 epochs"
@@ -46,8 +41,7 @@ def test_fit_with_metrics_and_callbacks(tmp_path):
     assert losses[-1] < 0.7 * losses[0]
     assert "accuracy" in history.history and history.history["accuracy"][-1] > 0.7
     assert weights.exists()
-    if HAVE_TENSORBOARD:
-        assert any(files for _, _, files in os.walk(logs)), "TensorBoard wrote no event file"
+    assert any(files for _, _, files in os.walk(logs)), "TensorBoard wrote no event file"
     assert int(model.kfac.iterations.numpy()) == 12
     assert int(model.optimizer.iterations.numpy()) == 12
     loss, accuracy = model.evaluate(x, y, verbose=0)
