@@ -129,6 +129,19 @@ class Registration:
                 out.append(f"{layer.kind} {layer.name}: {layer.reason}")
         return "\n".join(out)
 
+    def as_dict(self) -> dict:
+        """The registration as plain data (JSON-serialisable): per layer its
+        name, kind, variables (name, shape, dtype), uses, input and output
+        tensors and reason; the loss; and the variables in gradient order."""
+        layers = [{"name": layer.name, "kind": layer.kind,
+                   "variables": [_variable_dict(v) for v in layer.variables],
+                   "uses": layer.uses, "parameters": layer.num_parameters,
+                   "inputs": [list(i) for i in layer.inputs], "outputs": list(layer.outputs),
+                   **({"reason": layer.reason} if layer.reason else {})}
+                  for layer in self.layers]
+        return {"layers": layers, "loss": dataclasses.asdict(self.loss),
+                "variables": [_variable_dict(v)["name"] for v in self.variables]}
+
     def to_dot(self, path: str | None = None) -> str:
         """A Graphviz DOT picture of the analysed graph, each matched layer's
         ops filled with its kind's colour. Writes it to ``path`` if given."""
@@ -166,3 +179,10 @@ def _shape(v) -> tuple:
     if shape is None or getattr(shape, "rank", 0) is None:
         return ()
     return tuple(shape.as_list()) if hasattr(shape, "as_list") else tuple(shape)
+
+
+def _variable_dict(v) -> dict:
+    dtype = getattr(v.dtype, "name", v.dtype)
+    name = getattr(v, "path", None) or v.name  # a Keras 3 variable's path is unique
+    return {"name": name.removesuffix(":0"),
+            "shape": list(_shape(v)), "dtype": str(dtype)}

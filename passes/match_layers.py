@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import re
 from typing import Mapping
 
 import networkx as nx
@@ -309,11 +310,20 @@ def _scope_name(nodes) -> str:
     return "/".join(prefix) or nodes[0]
 
 
+_CALL_SCOPE = re.compile(r"^((Stateful)?PartitionedCall(_\d+)?/)+")
+
+
+def _readable(name: str) -> str:
+    """``name`` without the scopes of inlined function calls it starts with
+    (a restored SavedModel function wraps its body in one)."""
+    return _CALL_SCOPE.sub("", name) or name
+
+
 def _unique_names(layers):
     seen = collections.Counter()
     out = []
     for layer in layers:
-        name = layer.name
+        name = _readable(layer.name)
         seen[name] += 1
         if seen[name] > 1:
             name = f"{name}_{seen[name] - 1}"

@@ -1,0 +1,179 @@
+"""``kfac-rewrite``: turn a SavedModel into one that trains itself with K-FAC.
+
+    kfac-rewrite --input model_dir --function loss --output trained_dir
+    kfac-rewrite --input model_dir --function loss --dry_run
+    kfac-rewrite --input graph.pb --function loss/value --dry_run
+
+``--function`` names the saved ``tf.function`` computing the scalar loss
+(its input signature fixes the shapes); for a GraphDef file (``.pb`` /
+``.pbtxt``, inspection with ``--dry_run`` only) it names the loss tensor.
+The output SavedModel needs only TensorFlow: ``kfac_step(*inputs)``,
+``per_example_gradients(*inputs)``, ``update_inverses()``, the loss and
+every other saved function (``kfac_graph.emit``). ``--report`` writes the
+registration as JSON, ``--dot`` a Graphviz picture; ``--dry_run`` prints
+the registration and writes nothing. K-FAC flags left unset take
+``kg.KFAC``'s defaults. Bad input exits with status 2 and one line
+``kfac-rewrite: error: ...``; no output directory is left behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import flags
+
+PROG = "kfac-rewrite"
+GRAPH_DEF_SUFFIXES = (".pb", ".pbtxt")
+# (flag, kind, help): K-FAC options passed to kg.KFAC when set
+KFAC_FLAGS = (
+    ("learning_rate", "float", "Learning rate (momentum types regular and adam)."),
+    ("damping", "float", "Initial damping lambda."),
+    ("momentum", "float", "Momentum (regular and adam)."),
+    ("momentum_type", ("regular", "adam", "qmodel"), "How the update is formed."),
+    ("l2_reg", "float", "L2 regularisation added to the gradient and damping."),
+    ("norm_constraint", "float", "KL clipping bound (regular and adam); 0 turns it off."),
+    ("cov_update_period", "integer", "Steps between covariance updates."),
+    ("inverse_update_period", "integer", "Steps between inverse refreshes."),
+    ("cov_ema_decay", "float", "Decay of the factors' moving averages."),
+    ("num_burnin_steps", "integer", "Steps that only accumulate statistics."),
+    ("estimation_mode", ("sampled", "empirical", "exact"), "How the Fisher is estimated."),
+    ("num_samples", "integer", "Sampled targets per example (sampled mode)."),
+    ("adapt_damping", "boolean", "Adapt the damping by the Levenberg-Marquardt rule."),
+    ("damping_adaptation_interval", "integer", "Steps between damping adaptations."),
+    ("min_damping", "float", "Lower bound on the adapted damping."),
+    ("qmodel_curvature", ("exact", "kfac"), "The quadratic model's curvature."),
+    ("seed", "integer", "Seed of the sampled targets."),
+    ("jit_compile", ("true", "false", "auto"),
+     "XLA-compile the whole step (the preconditioning is compiled in every case)."),
+)
+
+
+class UsageError(Exception):
+    """A bad command line (reported like any other bad input)."""
+
+
+def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
+    """Defines the tool's flags on ``fv`` (a fresh ``FlagValues`` per run)."""
+    flags.DEFINE_string("input", None, "SavedModel directory (or a GraphDef file with "
+                        "--dry_run).", flag_values=fv)
+    flags.DEFINE_string("function", None, "Saved tf.function computing the loss (for a "
+                        "GraphDef: the loss tensor).", flag_values=fv)
+    flags.DEFINE_string("output", None, "Directory to write the training SavedModel to (must "
+                        "not exist).", flag_values=fv)
+    flags.DEFINE_string("report", None, "Also write the registration as JSON here.",
+                        flag_values=fv)
+    flags.DEFINE_string("dot", None, "Also write a Graphviz DOT picture here.", flag_values=fv)
+    flags.DEFINE_boolean("dry_run", False, "Print the registration; write nothing.",
+                         flag_values=fv)
+    flags.DEFINE_enum("loss", None, ["categorical", "bernoulli", "normal"],
+                      "Loss kind, if the pass cannot read it from the graph.", flag_values=fv)
+    for name, kind, text in KFAC_FLAGS:
+        if isinstance(kind, tuple):
+            flags.DEFINE_enum(name, None, list(kind), text, flag_values=fv)
+        else:
+            getattr(flags, f"DEFINE_{kind}")(name, None, text, flag_values=fv)
+    return fv
+
+
+def kfac_options(fv: flags.FlagValues) -> dict:
+    """The K-FAC flags that were set, as ``kg.KFAC`` keyword arguments."""
+    options = {name: fv[name].value for name, _, _ in KFAC_FLAGS if fv[name].value is not None}
+    if "norm_constraint" in options and options["norm_constraint"] <= 0:
+        options["norm_constraint"] = None
+    if "jit_compile" in options:
+        options["jit_compile"] = {"true": True, "false": False}.get(options["jit_compile"], "auto")
+    return options
+
+
+def main(argv: list[str]) -> int:
+    """Runs the tool on ``argv`` (``argv[0]`` is the program); the exit status."""
+    fv = define_flags(flags.FlagValues())
+    if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv[1:]):
+        print(__doc__.strip() + "\n\nflags:\n" + fv.get_help())
+        return 0
+    try:
+        rest = fv(argv)
+        if len(rest) > 1:
+            raise UsageError(f"unexpected arguments: {' '.join(rest[1:])}")
+        return _run(fv)
+    except flags.Error as e:
+        return _fail(str(e).splitlines()[0])
+    except UsageError as e:
+        return _fail(str(e))
+    except Exception as e:  # noqa: BLE001 - every failure is reported in one line
+        import kfac_graph as kg
+
+        if isinstance(e, kg.LossNotFoundError):
+            return _fail(f"{e.args[0].split('; name it')[0]}; name its kind with "
+                         "--loss=categorical|bernoulli|normal")
+        if isinstance(e, kg.KfacGraphError):
+            return _fail(str(e))
+        raise
+
+
+def _run(fv: flags.FlagValues) -> int:
+    for name in ("input", "function"):
+        if not fv[name].value:
+            raise UsageError(f"--{name} is required")
+    if fv.dry_run:
+        if fv.output or fv.report or fv.dot:
+            raise UsageError("--dry_run writes nothing; drop --output, --report and --dot")
+    elif not fv.output:
+        raise UsageError("--output is required (or --dry_run to only print the registration)")
+    graph_def = os.path.isfile(fv.input) and fv.input.endswith(GRAPH_DEF_SUFFIXES)
+    if graph_def and not fv.dry_run:
+        raise UsageError(f"{fv.input} is a GraphDef; it can only be inspected with --dry_run "
+                         "(rewriting needs a SavedModel)")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import kfac_graph as kg
+    from kfac_graph import emit
+
+    if fv.dry_run:
+        if graph_def:
+            registration = kg.register_graph_def(fv.input, fv.function, loss=fv.loss)
+        else:
+            _, fn, specs = emit.load_loss_function(fv.input, fv.function)
+            registration = emit.registered_loss(fn, fv.function, fv.loss).registration(*specs)
+        print(f"{fv.input} :: {fv.function}")
+        print(registration.summary())
+        return 0
+    for path in (fv.report, fv.dot):
+        if path:
+            _check_writable(path)
+    registration = emit.rewrite_saved_model(fv.input, fv.function, fv.output, loss=fv.loss,
+                                            **kfac_options(fv))
+    if fv.report:
+        _write_text(fv.report, json.dumps(registration.as_dict(), indent=2) + "\n")
+    if fv.dot:
+        _write_text(fv.dot, registration.to_dot())
+    print(registration.summary())
+    print(f"wrote {os.path.abspath(fv.output)}: kfac_step, per_example_gradients, "
+          f"update_inverses, {fv.function}")
+    return 0
+
+
+def _check_writable(path: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write {path}: {parent} is not a writable directory")
+
+
+def _write_text(path: str, text: str) -> None:
+    staging = f"{path}.partial"
+    with open(staging, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(staging, path)
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run() -> None:
+    sys.exit(main(sys.argv))
+
+
+if __name__ == "__main__":
+    run()
