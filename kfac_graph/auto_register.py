@@ -79,7 +79,7 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
     def variable(key):
         obj = traced.objects.get(key)
         if obj is not None:
-            return obj
+            return user_variable(obj)
         info = traced.variables[key]
         return GraphVariable(info.name, info.shape, info.dtype)
 
@@ -96,8 +96,8 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                         "as generic: %s", len(generic), ", ".join(generic))
     lm = result.loss
     loss = LossSpec(lm.kind, lm.reduction, lm.output, lm.targets, lm.scale)
-    placeholders = {node: traced.objects[key] for node, key in traced.placeholder_variables.items()
-                    if key in traced.objects}
+    placeholders = {node: user_variable(traced.objects[key])
+                    for node, key in traced.placeholder_variables.items() if key in traced.objects}
     reads = {}
     for node in traced.graph_def.node:
         if node.op == "ReadVariableOp" and node.input and node.input[0] in placeholders:
@@ -105,6 +105,16 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
     return Registration(layers, loss, traced.graph_def, traced.arguments, traced.output,
                         result.graph, dict(result.timings), placeholders,
                         {k: tuple(v) for k, v in reads.items()}, lm.terms, lm.terms_coefficient)
+
+
+def user_variable(variable):
+    """The variable as its user made it: under ``tf.distribute`` a trace
+    captures one replica's copy of a mirrored variable; the mirrored variable
+    (which reads as the current replica's copy) is what the user holds."""
+    container = getattr(variable, "_distributed_container", None)
+    if container is None:  # resource variables keep it on their handle
+        container = getattr(getattr(variable, "handle", None), "_distributed_container", None)
+    return variable if container is None else container()
 
 
 def _concrete(tf_function, args, name):

@@ -13,7 +13,8 @@ every layer use's output gradient ``g = v^T dz/ds``:
 - ``"sampled"``: the same at ``num_samples`` targets drawn from
   ``p(y | z_i)`` (stateless seeds from ``seed`` and an update counter;
   XLA's kernels draw other samples than TensorFlow's for the same seed),
-  averaged over samples;
+  averaged over samples (under ``tf.distribute`` the other replicas fold
+  their index into the seed);
 - ``"exact"``: the columns of the Fisher square root ``S_i`` (``F_i = S_i
   S_i^T``), summed. Exact for outputs ``[B, K]``; with more output axes
   (positions) one column index is shared by all positions, as in
@@ -41,7 +42,7 @@ from kfac_graph.estimator_blocks import (
     make_layer_block,
     prepare_use,
 )
-from kfac_graph.fisher import make_distribution
+from kfac_graph.fisher import ema, make_distribution
 from kfac_graph.layer_inputs import layer_input, layer_output_gradient
 from kfac_graph.layer_taps import LayerTaps
 from kfac_graph.per_example_api import spec_for
@@ -125,8 +126,7 @@ class FisherEstimator(tf.Module):
                                        dtype=tf.as_dtype(layer.variables[0].dtype),
                                        name=f"block_{i}_{layer.name}")
                       for i, layer in enumerate(reg.layers)]
-            self._counter = tf.Variable(tf.zeros([], tf.int64), trainable=False,
-                                        name="update_counter")
+            self._counter = ema.replica_local(tf.zeros([], tf.int64), name="update_counter")
         self._blocks = blocks
         self._registration = reg
         return reg
@@ -227,15 +227,27 @@ class FisherEstimator(tf.Module):
         else:
             # int32 seeds: XLA has no StatelessMultinomial kernel for int64 ones.
             first = tf.cast(self._counter.read_value() * self.num_samples, tf.int32)
-            targets = [tf.stop_gradient(dist0.sample(tf.stack(
-                [tf.constant(self.seed, tf.int32), first + s])))
-                for s in range(self.num_samples)]
+            seeds = [_per_replica(tf.stack([tf.constant(self.seed, tf.int32), first + s]))
+                     for s in range(self.num_samples)]
+            targets = [tf.stop_gradient(dist0.sample(seed)) for seed in seeds]
         dist = make_distribution(reg.loss.kind, z)
         cotangents, terms = [], []
         for y in targets:
             cotangents.append(tf.gradients(-tf.reduce_sum(dist0.log_prob(y)), z0)[0])
             terms.append(per_example(-dist.log_prob(y)))
         return cotangents, terms
+
+
+def _per_replica(seed):
+    """``seed`` on the first replica (and outside ``tf.distribute``); folded
+    with the replica's index on the others, so replicas draw independently."""
+    context = tf.distribute.get_replica_context()
+    replica = 0 if context is None else context.replica_id_in_sync_group
+    if isinstance(replica, int) and replica == 0:
+        return seed
+    replica = tf.cast(replica, tf.int32)
+    return tf.where(tf.equal(replica, 0), seed,
+                    tf.random.experimental.stateless_fold_in(seed, replica))
 
 
 def _rule_gradients(rules, layer, uses):

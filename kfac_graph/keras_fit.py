@@ -34,6 +34,10 @@ Semantics:
 - Each step runs eagerly from Python around two compiled calls (the metric
   update and K-FAC's step); K-FAC decides its own XLA use
   (``jit_compile=``), Keras's ``jit_compile`` only affects evaluate/predict.
+- Under ``strategy.scope()`` (``MirroredStrategy`` and the others
+  ``kg.KFAC`` supports) ``fit`` feeds each replica its share of the batch;
+  K-FAC's step is ``kg.KFAC``'s distributed one, the metrics are updated per
+  replica and read across them.
 
 What ``ModelCheckpoint`` saves (``.weights.h5`` or ``.keras``): the model's
 weights, and under the optimizer's entry its ``iterations`` and
@@ -255,7 +259,7 @@ class KFACModel(keras.Model):
         inner = self.model
 
         def kfac_loss(x, y):
-            value = loss_fn(y, inner(x, training=True))
+            value = _unscaled(loss_fn, loss_fn(y, inner(x, training=True)))
             if inner.losses:
                 value = value + tf.add_n([tf.cast(v, value.dtype) for v in inner.losses])
             return value
@@ -289,6 +293,8 @@ class KFACModel(keras.Model):
 
     def _kfac_step(self, x, y):
         kfac = self.kfac
+        if kfac.strategy is not None:
+            return self._distributed_kfac_step(x, y)
         y_pred = None
         if self._compile_metrics is not None:
             with keras.StatelessScope():
@@ -303,6 +309,33 @@ class KFACModel(keras.Model):
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         self._loss_tracker.update_state(loss, sample_weight=batch)
         return self.compute_metrics(x, y, y_pred, sample_weight=None)
+
+    def _distributed_kfac_step(self, x, y):
+        """``_kfac_step`` under ``tf.distribute``: the metrics' forward pass and
+        updates run per replica (on its share), K-FAC's step on all of them."""
+        kfac, strategy = self.kfac, self.kfac.strategy
+        y_pred = None
+        if self._compile_metrics is not None:
+            y_pred = strategy.run(self._metric_predictions, args=(x,))
+        if kfac.momentum_type != "qmodel":
+            kfac.learning_rate.assign(tf.cast(self._shim.learning_rate, kfac.learning_rate.dtype))
+        loss = kfac.step(x, y)
+        if kfac.momentum_type == "qmodel":
+            self._shim.learning_rate.assign(tf.cast(kfac.learning_rate,
+                                                    self._shim.learning_rate.dtype))
+        self._shim.iterations.assign_add(1)
+        strategy.run(self._update_metrics, args=(x, y, y_pred, loss))
+        return self.get_metrics_result()
+
+    def _metric_predictions(self, x):
+        with keras.StatelessScope():
+            return self.model(x, training=True)
+
+    def _update_metrics(self, x, y, y_pred, loss):
+        batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        self._loss_tracker.update_state(loss, sample_weight=batch)
+        if y_pred is not None:
+            self.compute_metrics(x, y, y_pred, sample_weight=None)
 
     def make_train_function(self, force=False):
         """Python drives the steps; each step is K-FAC's compiled step plus a
@@ -322,6 +355,17 @@ class KFACModel(keras.Model):
 
         self.train_function = function
         return function
+
+
+def _unscaled(loss_fn, value):
+    """A Keras loss's value without the ``1 / replicas`` factor Keras puts on mean
+    losses under ``tf.distribute`` (its convention for summed gradients): K-FAC
+    takes each replica's own mean and averages the replicas' (``distributed.py``)."""
+    mean = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+    if not isinstance(loss_fn, keras.losses.Loss) or loss_fn.reduction not in mean:
+        return value
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    return value * tf.cast(replicas, value.dtype) if replicas > 1 else value
 
 
 class _Holder:

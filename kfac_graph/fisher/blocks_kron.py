@@ -36,6 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from kfac_graph.fisher import blocks_base
+from kfac_graph.fisher import ema
 from kfac_graph.fisher import factors_kron
 from kfac_graph.fisher import linalg
 from kfac_graph.fisher import patches as patches_lib
@@ -53,7 +54,7 @@ class KroneckerBlock(blocks_base.FisherBlock):
 
     def _init_kron(self):
         a, g = self.input_factor, self.output_factor
-        self.replicas = tf.Variable(tf.ones([], self.dtype), trainable=False, name="replicas")
+        self.replicas = ema.replica_local(tf.ones([], self.dtype), name="replicas")
         self.input_cache = linalg.EigCache(
             a.batch_shape, a.dim, a.diagonal, self.dtype, name="input_cache"
         )

@@ -12,9 +12,27 @@ the first update the value equals that batch's estimate exactly, and in
 general it is the normalised weighted average
 `sum_s c_s x_s / sum_s c_s` with `c_s = (1 - d_s) prod_{r>s} d_r`.
 Before any update the value is zero.
+
+Under ``tf.distribute`` each replica keeps its own average of its own
+batches (``raw`` is ``ON_READ`` with ``MEAN`` aggregation: written
+locally, averaged when read in cross-replica context). The update is
+linear in ``x`` and ``w_t`` depends on the decays alone (the same on every
+replica; ``ONLY_FIRST_REPLICA``), so the mean over replicas of their
+averages is exactly the average of the replicas' mean estimates: syncing
+may wait until the value is read. Outside a strategy these are plain
+variables.
 """
 
 import tensorflow as tf
+
+
+def replica_local(initial, name):
+    """A variable every replica updates alike (so any replica's copy is the
+    value): ``ON_READ`` with ``ONLY_FIRST_REPLICA`` aggregation, so that
+    updates stay local and reads need no reduction."""
+    return tf.Variable(initial, trainable=False, name=name,
+                       synchronization=tf.VariableSynchronization.ON_READ,
+                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
 
 class DebiasedEMA(tf.Module):
@@ -22,8 +40,10 @@ class DebiasedEMA(tf.Module):
 
     def __init__(self, shape, dtype=tf.float32, name=None):
         super().__init__(name=name)
-        self.raw = tf.Variable(tf.zeros(shape, dtype), trainable=False, name="raw")
-        self.weight = tf.Variable(tf.zeros([], dtype), trainable=False, name="weight")
+        self.raw = tf.Variable(tf.zeros(shape, dtype), trainable=False, name="raw",
+                               synchronization=tf.VariableSynchronization.ON_READ,
+                               aggregation=tf.VariableAggregation.MEAN)
+        self.weight = replica_local(tf.zeros([], dtype), name="weight")
 
     @property
     def dtype(self):

@@ -58,6 +58,14 @@ step about 20x slower (670 ms against 30 ms on the digits autoencoder,
 ``benchmarks/convergence.py``), so even convolution-free models train
 faster without it there. The preconditioning is compiled in every case.
 Summaries and the skip warning run outside XLA.
+
+Under ``tf.distribute`` (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``,
+``TPUStrategy``; the strategy in scope when the optimizer is made) the same
+``step`` takes distributed batches, or whole batches that it splits evenly
+over the replicas, and runs the step in phases (``distributed.py``): the
+replicas' statistics are averaged lazily, at inverse steps
+(``sync_statistics="lazy"``), or after every covariance update
+(``"eager"``); the result is the single-device step's on the whole batch.
 """
 from __future__ import annotations
 
@@ -67,6 +75,7 @@ from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.estimator import FisherEstimator
 from kfac_graph.fisher import linalg
 from kfac_graph.optimizer import damping as damping_lib
+from kfac_graph.optimizer import distributed
 from kfac_graph.optimizer import exact_fisher
 from kfac_graph.optimizer import qmodel
 from kfac_graph.optimizer import vectors as vec
@@ -100,7 +109,10 @@ class KFAC(tf.Module):
     ``approximations``, ``seed``) go to ``kg.FisherEstimator``.
     ``summary_writer``: a ``tf.summary`` writer; loss, damping, learning
     rate, momentum, rho and each factor's trace are written every
-    ``summary_period`` steps.
+    ``summary_period`` steps. ``sync_statistics``: under ``tf.distribute``,
+    when the replicas' factor statistics are averaged: ``"lazy"`` (at
+    inverse updates and other reads) or ``"eager"`` (after every covariance
+    update); the steps are the same either way.
     """
 
     def __init__(self, fn, learning_rate: float = 0.1, damping: float = 0.1,
@@ -113,7 +125,7 @@ class KFAC(tf.Module):
                  min_damping: float | None = None, qmodel_curvature: str = "exact",
                  approximations=None, seed: int = 0,
                  jit_compile="auto", summary_writer=None, summary_period: int = 1,
-                 name: str | None = None):
+                 sync_statistics: str = "lazy", name: str | None = None):
         super().__init__(name=name or "kfac")
         if momentum_type not in MOMENTUM_TYPES:
             raise ValueError(f"momentum_type must be one of {MOMENTUM_TYPES}, got {momentum_type!r}")
@@ -130,6 +142,8 @@ class KFAC(tf.Module):
         if jit_compile not in (True, False, "auto"):
             raise ValueError(f"jit_compile must be True, False or 'auto', got {jit_compile!r}")
         self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
+        # None outside tf.distribute (the default strategy): the plain step
+        self._replicated = distributed.for_current_strategy(self, sync_statistics)
         self.momentum_type = momentum_type
         if qmodel_curvature not in ("exact", "kfac"):
             raise ValueError(f"qmodel_curvature must be 'exact' or 'kfac', got {qmodel_curvature!r}")
@@ -166,6 +180,11 @@ class KFAC(tf.Module):
         return self.estimator.registration
 
     @property
+    def strategy(self):
+        """The ``tf.distribute`` strategy the step runs under (None: one device)."""
+        return None if self._replicated is None else self._replicated.strategy
+
+    @property
     def variables_to_train(self) -> tuple:
         return tuple(self.registration.variables)
 
@@ -190,6 +209,12 @@ class KFAC(tf.Module):
         """Registers ``fn`` for ``args`` and creates every state variable
         (called by the first ``step``; call it yourself to restore a
         checkpoint into a built optimizer)."""
+        if self._replicated is not None:
+            with self._replicated.strategy.scope():
+                return self._build(*self._replicated.example_args(args))
+        return self._build(*args)
+
+    def _build(self, *args):
         reg = self.estimator.build(*args)
         if self._built:
             return reg
@@ -225,6 +250,8 @@ class KFAC(tf.Module):
         # without XLA the core is traced inline into the step (no nested call)
         self._compiled.core = (tf.function(self._core, jit_compile=True, autograph=False)
                                if self.whole_step_jit else self._core)
+        if self._replicated is not None:
+            self._compiled.core = self._replicated.core
         self._compiled.step = tf.function(self._step, autograph=False)
         self._built = True
         return reg
@@ -266,20 +293,7 @@ class KFAC(tf.Module):
         self.curvature_scale.assign(self._loss_scale(reg, args))
         # reads taken before the updates keep the old values (assignments copy on write)
         snapshot = [v.read_value() for v in self._estimator_state]
-
-        def with_statistics():
-            loss = self.estimator.accumulate(*args)
-            return [loss] + _dense(tf.gradients(loss, variables), variables)
-
-        def without_statistics():
-            with tf.GradientTape() as tape:
-                loss = self.fn.tf_function(*args)
-            grads = tape.gradient(loss, variables,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return [loss] + _dense(grads, variables)
-
-        out = tf.cond(do_cov, with_statistics, without_statistics)
-        loss, grads = out[0], out[1:]
+        loss, grads = self._loss_and_gradients(args, variables, do_cov)
         if self.l2_reg:
             grads = [g + tf.cast(self.l2_reg, g.dtype) * v for g, v in zip(grads, variables)]
         statistics_ok = (tf.reduce_all(tf.math.is_finite(loss)) & vec.all_finite(grads)
@@ -312,6 +326,35 @@ class KFAC(tf.Module):
 
         tf.cond(applied, commit, roll_back)
         return loss, applied, t
+
+    def _loss_and_gradients(self, args, variables, do_cov):
+        """The loss and its gradients on ``args``; on covariance steps the same
+        forward pass also folds the batch's statistics into the factors."""
+        def with_statistics():
+            loss = self.estimator.accumulate(*args)
+            return [loss] + _dense(tf.gradients(loss, variables), variables)
+
+        def without_statistics():
+            with tf.GradientTape() as tape:
+                loss = self.fn.tf_function(*args)
+            grads = tape.gradient(loss, variables,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return [loss] + _dense(grads, variables)
+
+        out = tf.cond(do_cov, with_statistics, without_statistics)
+        return out[0], out[1:]
+
+    def _batch_loss(self, args):
+        """The loss on the batch at the current parameters (all replicas')."""
+        if self._replicated is not None:
+            return self._replicated.batch_loss(args)
+        return self.fn.tf_function(*args)
+
+    def _fisher_forms(self, args, vectors):
+        """``[[u_a . F u_b]]`` with the exact Fisher ``F`` of the batch (all replicas')."""
+        if self._replicated is not None:
+            return self._replicated.fisher_forms(args, vectors)
+        return exact_fisher.quadratic_forms(self.registration, args, vectors)
 
     def _loss_scale(self, reg, args):
         """``c``: the loss's curvature is ``c F`` (``F`` per example, averaged)."""
@@ -378,7 +421,7 @@ class KFAC(tf.Module):
             products = [self.curvature_multiply(u) for u in vectors]
             return [[tf.cast(vec.dot(vectors[a], products[b]), dtype) for b in range(n)]
                     for a in range(n)]
-        fisher = exact_fisher.quadratic_forms(self.registration, args, vectors)
+        fisher = self._fisher_forms(args, vectors)
         total = self.damping + tf.constant(self.l2_reg, dtype)
         return [[self.curvature_scale * tf.cast(fisher[a][b], dtype)
                  + total * tf.cast(vec.dot(vectors[a], vectors[b]), dtype) for b in range(n)]
@@ -395,7 +438,7 @@ class KFAC(tf.Module):
 
     def _adapt_damping(self, args, loss, grads, delta, theta_dot_delta, model_change):
         dtype = self.dtype
-        new_loss = tf.cast(self.fn.tf_function(*args), dtype)
+        new_loss = tf.cast(self._batch_loss(args), dtype)
         loss_change = new_loss - tf.cast(loss, dtype)
         dd = tf.cast(vec.dot(delta, delta), dtype)
         if self.l2_reg:

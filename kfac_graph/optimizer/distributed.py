@@ -1,0 +1,324 @@
+"""``kg.KFAC``'s step under ``tf.distribute``: phases around the replicas.
+
+The contract: with ``R`` replicas on equal shares of a batch, one step
+equals the single-device step on the whole batch (up to rounding). It holds
+because everything the step decides on is a mean over examples, and the
+mean of the replicas' means over equal shares is the whole batch's mean:
+
+- the loss and its gradients are reduced by tf.distribute's convention:
+  each replica's loss is its share's (mean or sum, as the loss is
+  written), and the replicas' values are averaged for a mean loss and
+  summed for a sum (``c = scale * B`` then counts the whole batch);
+- factor statistics: every replica folds its own share's batch estimate
+  ``x_r`` into its own copy of each moving average (``ON_READ``
+  variables, ``ema.py``): ``m_r <- d m_r + (1 - d) x_r``. The update is
+  linear, so ``mean_r m_r`` is the average of ``mean_r x_r``, the whole
+  batch's estimate, whatever the replicas' copies were: averaging may wait
+  until the statistics are read (``"lazy"``: reading an ``ON_READ``
+  variable in cross-replica context averages it, which happens at inverse
+  updates and wherever the current factors are multiplied), or run after
+  every covariance update (``"eager"``: the average is written back to
+  every replica, so the copies always agree). Both give the same steps;
+  they differ in the bytes reduced (``benchmarks/distributed.py``);
+- every scalar the step branches on is reduced first: the loss, the
+  gradients' and the replicas' statistics' finiteness (one flag, summed),
+  the quadratic model's Fisher forms and the damping rule's new loss.
+
+The step, traced once (``core``), in cross-replica context:
+
+1. ``strategy.run``: per replica, the forward/backward pass and, on
+   covariance steps, the local statistics update; the loss, gradients and
+   a non-finite flag come back packed in one vector per replica, reduced
+   by one all-reduce;
+2. on inverse steps: block ``i``'s factors are averaged onto replica
+   ``i mod R``'s device, decomposed there once, and the result is written
+   to the (mirrored) inverse caches, i.e. broadcast to every replica;
+3. the update (preconditioning, momentum or quadratic model, damping rule)
+   is formed once from the reduced quantities and applied to the mirrored
+   variables (broadcast); the batch-dependent parts (the exact Fisher
+   forms, the loss at the new parameters) run per replica and are reduced;
+4. a skipped step restores the mirrored state centrally and each
+   replica's statistics locally.
+
+No synchronisation point sits inside a replica's control flow (the
+branches on the step counter are taken in cross-replica context, where
+``strategy.run`` and reductions may sit inside ``tf.cond``).
+``jit_compile=True`` (or ``"auto"`` on accelerators) compiles each
+per-replica function with XLA; the host-side parts are the reductions,
+the inverse placement and the update, whose operations are those of the
+single-device step (all XLA-compilable; no host callbacks outside the
+skip warning and the summaries, which ``_step`` runs after the core).
+
+With ``MultiWorkerMirroredStrategy`` every worker runs the cross-replica
+parts on its own devices: the inverses are spread over each worker's
+devices, so every worker computes each block once. Whole (undistributed)
+batches must then be the same on every worker: replica ``r`` takes the
+``r``-th share by its global index.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from kfac_graph.optimizer import exact_fisher
+from kfac_graph.optimizer import vectors as vec
+
+SYNC_MODES = ("lazy", "eager")
+_SUPPORTED = (
+    tf.distribute.MirroredStrategy,
+    tf.distribute.MultiWorkerMirroredStrategy,
+    tf.distribute.TPUStrategy,
+    tf.distribute.OneDeviceStrategy,
+)
+MEAN, SUM = tf.distribute.ReduceOp.MEAN, tf.distribute.ReduceOp.SUM
+
+
+def for_current_strategy(opt, sync_statistics: str = "lazy"):
+    """A ``Replicated`` for the strategy in scope, or ``None`` outside one."""
+    if sync_statistics not in SYNC_MODES:
+        raise ValueError(f"sync_statistics must be one of {SYNC_MODES}, got {sync_statistics!r}")
+    if not tf.distribute.has_strategy():
+        return None
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, _SUPPORTED):
+        raise ValueError(
+            f"kg.KFAC does not support {type(strategy).__name__}; use MirroredStrategy, "
+            "MultiWorkerMirroredStrategy or TPUStrategy"
+        )
+    return Replicated(opt, strategy, sync_statistics)
+
+
+def is_replica_local(variable) -> bool:
+    """Whether each replica keeps its own copy (``ON_READ``)."""
+    return getattr(variable, "synchronization", None) == tf.VariableSynchronization.ON_READ
+
+
+def is_statistic(variable) -> bool:
+    """A replica-local moving average that reads as the replicas' mean."""
+    return is_replica_local(variable) and variable.aggregation == tf.VariableAggregation.MEAN
+
+
+def _is_distributed(value) -> bool:
+    return isinstance(value, tf.distribute.DistributedValues)
+
+
+def _pack(tensors):
+    """One vector in the widest floating dtype of ``tensors``, and how to undo it."""
+    dtypes = [t.dtype for t in tensors]
+    wide = max((d for d in dtypes if d.is_floating), key=lambda d: d.size)
+    shapes = [t.shape for t in tensors]
+    flat = tf.concat([tf.reshape(tf.cast(t, wide), [-1]) for t in tensors], 0)
+
+    def unpack(vector):
+        out, start = [], 0
+        for shape, dtype in zip(shapes, dtypes):
+            size = shape.num_elements()
+            out.append(tf.cast(tf.reshape(vector[start : start + size], shape), dtype))
+            start += size
+        return out
+
+    return flat, unpack
+
+
+class Replicated:
+    """The distributed step of one ``kg.KFAC`` (see the module docstring).
+
+    A plain object (not tracked as state): the optimizer's variables stay
+    the single-device optimizer's, created under ``strategy.scope()``."""
+
+    def __init__(self, opt, strategy, sync_statistics: str):
+        self.opt = opt
+        self.strategy = strategy
+        self.sync_statistics = sync_statistics
+        self._replica_fns = {}
+
+    @property
+    def num_replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    # -- batches ------------------------------------------------------------------------
+    def example_args(self, args):
+        """One replica's share of ``args`` (what the registration is traced with)."""
+        if any(_is_distributed(a) for a in tf.nest.flatten(args)):
+            first = lambda a: self.strategy.experimental_local_results(a)[0]
+            return tf.nest.map_structure(
+                lambda a: first(a) if _is_distributed(a) else a, tuple(args)
+            )
+        return tf.nest.map_structure(lambda a: self._share(a, 0), tuple(args))
+
+    def distribute(self, args):
+        """``args`` as per-replica values: distributed values as they are, whole
+        batches split evenly along the first axis (replica ``r`` takes share ``r``)."""
+        args = tuple(args)
+        if any(_is_distributed(a) for a in tf.nest.flatten(args)):
+            return args
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.nest.map_structure(
+                lambda a: self._share(a, ctx.replica_id_in_sync_group), args
+            )
+        )
+
+    def _share(self, value, replica):
+        value = tf.convert_to_tensor(value)
+        if value.shape.rank == 0:
+            return value
+        n = self.num_replicas
+        batch = value.shape[0]
+        if batch is None:
+            batch = tf.shape(value)[0]
+        elif batch % n:
+            raise ValueError(
+                f"kg.KFAC: a batch of {batch} examples does not split evenly over {n} replicas"
+            )
+        size = batch // n
+        return value[replica * size : (replica + 1) * size]
+
+    # -- helpers ------------------------------------------------------------------------
+    def _replica_fn(self, key, fn):
+        """``fn`` compiled with XLA when the optimizer compiles its whole step
+        (called from a plain function: ``strategy.run`` given a compiled
+        ``tf.function`` itself launches it on the first replica's device)."""
+        if key not in self._replica_fns:
+            jit = self.opt.whole_step_jit
+            self._replica_fns[key] = (
+                tf.function(fn, jit_compile=True, autograph=False) if jit else fn
+            )
+        compiled = self._replica_fns[key]
+        return lambda *args: compiled(*args)
+
+    @property
+    def _loss_op(self):
+        return MEAN if self.opt.registration.loss.reduction == "mean" else SUM
+
+    def _local_state(self):
+        return [v for v in self.opt._estimator_state if is_replica_local(v)]
+
+    def _shared_state(self):
+        return [v for v in self.opt._estimator_state if not is_replica_local(v)]
+
+    # -- the step -----------------------------------------------------------------------
+    def core(self, *args):
+        """The distributed ``KFAC._core``: ``(loss, applied, t)``."""
+        opt, strategy = self.opt, self.strategy
+        args = self.distribute(args)
+        reg = opt.registration
+        variables = list(reg.variables)
+        t = opt.iterations.read_value()
+        in_burnin = t < opt.num_burnin_steps
+        k = t - opt.num_burnin_steps
+        do_cov = in_burnin | tf.equal(k % opt.cov_update_period, 0)
+        do_inv = ~in_burnin & tf.equal(k % opt.inverse_update_period, 0)
+        shared = self._shared_state()
+        snapshot = [v.read_value() for v in shared]
+
+        packed, local_snapshot = strategy.run(
+            self._replica_fn("gradients", self._gradients), args=(do_cov,) + tuple(args)
+        )
+        _, unpack = self._gradients_layout
+        reduced = unpack(strategy.reduce(self._loss_op, packed, axis=None))
+        loss, grads, flagged, batch = reduced[0], reduced[1:-2], reduced[-2], reduced[-1]
+        scale = tf.constant(float(reg.loss.scale), opt.dtype)
+        if reg.loss.reduction == "sum":
+            scale = scale * tf.cast(batch, opt.dtype)
+        opt.curvature_scale.assign(scale)
+        if self.sync_statistics == "eager":
+            tf.cond(do_cov, self._average_statistics, lambda: tf.constant(False))
+        if opt.l2_reg:
+            grads = [g + tf.cast(opt.l2_reg, g.dtype) * v for g, v in zip(grads, variables)]
+        statistics_ok = (
+            tf.reduce_all(tf.math.is_finite(loss))
+            & vec.all_finite(grads)
+            & tf.equal(flagged, 0)
+            & vec.all_finite([v.read_value() for v in shared])
+        )
+        refreshed = tf.cond(
+            do_inv & statistics_ok, self._refresh_inverses, lambda: tf.constant(False)
+        )
+        inverses_ok = tf.cond(
+            refreshed,
+            lambda: vec.all_finite([v.read_value() for v in shared]),
+            lambda: tf.constant(True),
+        )
+        statistics_ok = statistics_ok & inverses_ok
+
+        def update():
+            return opt._update(args, variables, loss, grads, statistics_ok, k)
+
+        applied = tf.cond(in_burnin, lambda: statistics_ok, update)
+
+        def commit():
+            opt.iterations.assign_add(1)
+            return tf.constant(True)
+
+        def roll_back():
+            for v, old in zip(shared, snapshot):
+                v.assign(old)
+            opt.skipped_steps.assign_add(1)
+            return tf.constant(True)
+
+        tf.cond(applied, commit, roll_back)
+        strategy.run(self._replica_fn("restore", self._restore), args=(applied, local_snapshot))
+        return loss, applied, t
+
+    def _gradients(self, do_cov, *args):
+        """Per replica: ``(packed [loss, grads, non-finite flag, batch], snapshot)``."""
+        opt = self.opt
+        variables = list(opt.registration.variables)
+        local = self._local_state()
+        snapshot = [v.read_value() for v in local]
+        loss, grads = opt._loss_and_gradients(args, variables, do_cov)
+        flagged = 1 - tf.cast(vec.all_finite([v.read_value() for v in local]), opt.dtype)
+        first = tf.convert_to_tensor(tf.nest.flatten(args)[0])
+        batch = tf.cast(tf.shape(first)[0], opt.dtype)
+        packed, unpack = _pack([loss] + list(grads) + [flagged, batch])
+        self._gradients_layout = (packed.shape, unpack)
+        return packed, snapshot
+
+    def _restore(self, applied, snapshot):
+        """Per replica: put back the statistics of a skipped step."""
+
+        def back():
+            for v, old in zip(self._local_state(), snapshot):
+                v.assign(old)
+            return tf.constant(True)
+
+        return tf.cond(applied, lambda: tf.constant(True), back)
+
+    def _average_statistics(self):
+        """Every replica's statistics replaced by the replicas' mean (one
+        batched all-reduce)."""
+        stats = [v for v in self.opt._estimator_state if is_statistic(v)]
+        means = self.strategy.extended.batch_reduce_to(MEAN, [(v, v) for v in stats])
+        for v, mean in zip(stats, means):
+            for component, value in zip(v.values, self.strategy.experimental_local_results(mean)):
+                component.assign(value)
+        return tf.constant(True)
+
+    def _refresh_inverses(self):
+        """Block ``i``'s inverses from its replica-averaged factors, computed once
+        on device ``i mod R`` and written to every replica's copy."""
+        devices = self.strategy.extended.worker_devices
+        for i, block in enumerate(self.opt.estimator.blocks):
+            with tf.device(devices[i % len(devices)]):
+                block.update_inverses()
+        return tf.constant(True)
+
+    # -- batch-dependent parts of the update (KFAC's seams) ----------------------------------
+    def batch_loss(self, args):
+        """The loss on every replica's share at the current parameters, reduced."""
+        fn = self._replica_fn("loss", lambda *a: self.opt.fn.tf_function(*a))
+        return self.strategy.reduce(self._loss_op, self.strategy.run(fn, args=args), axis=None)
+
+    def fisher_forms(self, args, vectors):
+        """``[[u_a . F u_b]]``, ``F`` the exact Fisher of the whole batch (the
+        replicas' per-example means, averaged)."""
+        n = len(vectors)
+
+        def local(vectors, *a):
+            forms = exact_fisher.quadratic_forms(self.opt.registration, a, vectors)
+            return tf.stack([tf.stack(row) for row in forms])
+
+        fn = self._replica_fn(f"fisher_forms_{n}", local)
+        per_replica = self.strategy.run(fn, args=(list(vectors),) + tuple(args))
+        forms = self.strategy.reduce(MEAN, per_replica, axis=None)
+        return [[forms[a, b] for b in range(n)] for a in range(n)]

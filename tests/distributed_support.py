@@ -1,0 +1,237 @@
+"""Runs ``kg.KFAC`` under ``tf.distribute`` in a fresh process (logical CPU
+devices and ``TF_CONFIG`` must be set before TensorFlow starts), and the
+single-device reference on the same problem; writes the results to an npz.
+
+    python tests/distributed_support.py mirrored --devices 2 --out r.npz
+    python tests/distributed_support.py keras --devices 2 --out r.npz
+    python tests/distributed_support.py worker --out r.npz   # TF_CONFIG set
+    python tests/distributed_support.py xla --devices 2 --out r.npz
+
+The problem: a float64 tanh MLP (5-8-3, softmax loss) and 20 batches of 16.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+STEPS, BATCH = 20, 16
+# regular momentum exercises the damping rule's curvature product, l2 and
+# burn-in; qmodel the exact Fisher forms; both refresh inverses every 3 steps
+CONFIGS = {
+    "regular": dict(
+        momentum_type="regular",
+        estimation_mode="exact",
+        inverse_update_period=3,
+        num_burnin_steps=2,
+        damping=1e-2,
+        damping_adaptation_interval=2,
+        l2_reg=1e-3,
+    ),
+    "qmodel": dict(
+        momentum_type="qmodel", estimation_mode="empirical", inverse_update_period=3, damping=1e-2
+    ),
+}
+
+
+def problem(seed=0):
+    rng = np.random.default_rng(seed)
+    weights = [
+        rng.normal(size=(5, 8)) * 0.5,
+        np.zeros(8),
+        rng.normal(size=(8, 3)) * 0.5,
+        np.zeros(3),
+    ]
+    batches = [
+        (rng.normal(size=(BATCH, 5)), rng.integers(0, 3, BATCH).astype(np.int32))
+        for _ in range(STEPS)
+    ]
+    return weights, batches
+
+
+def make_loss(weights):
+    import tensorflow as tf
+
+    import kfac_graph as kg
+
+    w1, b1, w2, b2 = [tf.Variable(w, dtype=tf.float64) for w in weights]
+
+    def loss_fn(x, y):
+        h = tf.tanh(tf.matmul(x, w1) + b1)
+        logits = tf.matmul(h, w2) + b2
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    return [w1, b1, w2, b2], kg.auto_register(loss_fn)
+
+
+def train(config, strategy=None, sync="lazy", counter=None, **extra):
+    """Final parameters (and the optimizer) after ``STEPS`` steps on whole batches."""
+    import contextlib
+
+    import tensorflow as tf
+
+    import kfac_graph as kg
+
+    weights, batches = problem()
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with scope:
+        variables, loss = make_loss(weights)
+        opt = kg.KFAC(loss, sync_statistics=sync, **CONFIGS[config], **extra)
+    losses = []
+    for x, y in batches:
+        losses.append(float(opt.step(tf.constant(x), tf.constant(y))))
+    return [v.numpy() for v in variables], opt, losses
+
+
+def logical_devices(n):
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def run_mirrored(devices, out):
+    import tensorflow as tf
+
+    from kfac_graph.optimizer.reduction_counter import ReductionCounter
+
+    names = logical_devices(devices)
+    results = {}
+    for config in CONFIGS:
+        ref, _, ref_losses = train(config)
+        results[f"{config}/reference"] = np.concatenate([p.ravel() for p in ref])
+        results[f"{config}/reference_losses"] = np.array(ref_losses)
+        for sync in ("lazy", "eager"):
+            strategy = tf.distribute.MirroredStrategy(names)
+            counter = ReductionCounter(strategy)
+            params, opt, losses = train(config, strategy, sync)
+            key = f"{config}/{sync}"
+            results[key] = np.concatenate([p.ravel() for p in params])
+            results[key + "_losses"] = np.array(losses)
+            results[key + "_bytes"] = np.array(int(counter.bytes.numpy()))
+            # every replica holds the same parameters
+            spread = max(
+                float(np.max(np.abs(c.numpy() - v.values[0].numpy())))
+                for v in opt.registration.variables
+                for c in v.values
+            )
+            results[key + "_replica_spread"] = np.array(spread)
+            results[key + "_skipped"] = np.array(int(opt.skipped_steps.numpy()))
+    np.savez(out, **results)
+
+
+def run_xla(devices, out):
+    """The distributed step with every per-replica function compiled by XLA,
+    and the op types in those compiled functions (for the host-callback check)."""
+    import tensorflow as tf
+
+    names = logical_devices(devices)
+    ref, _, _ = train("qmodel")
+    strategy = tf.distribute.MirroredStrategy(names)
+    params, opt, _ = train("qmodel", strategy, jit_compile=True)
+    op_types = set()
+    compiled = 0
+    for fn in opt._replicated._replica_fns.values():
+        for concrete in fn._list_all_concrete_functions():
+            if not concrete.function_def.attr["_XlaMustCompile"].b:
+                continue
+            compiled += 1
+            graph_def = concrete.graph.as_graph_def()
+            op_types.update(n.op for n in graph_def.node)
+            for f in graph_def.library.function:
+                op_types.update(n.op for n in f.node_def)
+    np.savez(
+        out,
+        reference=np.concatenate([p.ravel() for p in ref]),
+        xla=np.concatenate([p.ravel() for p in params]),
+        whole_step_jit=np.array(opt.whole_step_jit),
+        compiled=np.array(compiled),
+        op_types=np.array(sorted(op_types)),
+    )
+
+
+def run_keras(devices, out):
+    import keras
+    import tensorflow as tf
+
+    import kfac_graph as kg
+
+    names = logical_devices(devices)
+    keras.config.set_floatx("float64")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 6))
+    y = np.argmax(x @ rng.normal(size=(6, 3)), axis=1)
+
+    def fit(strategy):
+        keras.utils.set_random_seed(0)
+        scope = strategy.scope() if strategy is not None else tf.init_scope()
+        with scope:
+            inner = keras.Sequential(
+                [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]
+            )
+            model = kg.KFACModel(
+                inner,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                estimation_mode="exact",
+                damping=1e-2,
+                inverse_update_period=3,
+            )
+            model.compile(metrics=["accuracy"])
+        history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        params = np.concatenate([v.numpy().ravel() for v in inner.trainable_variables])
+        return params, history.history, int(model.kfac.iterations.numpy())
+
+    ref, ref_history, _ = fit(None)
+    strategy = tf.distribute.MirroredStrategy(names)
+    params, history, iterations = fit(strategy)
+    np.savez(
+        out,
+        reference=ref,
+        distributed=params,
+        iterations=np.array(iterations),
+        reference_loss=np.array(ref_history["loss"]),
+        loss=np.array(history["loss"]),
+        reference_accuracy=np.array(ref_history["accuracy"]),
+        accuracy=np.array(history["accuracy"]),
+    )
+
+
+def run_worker(out):
+    """One worker of a ``MultiWorkerMirroredStrategy`` cluster (``TF_CONFIG``)."""
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    results = {}
+    for config in CONFIGS:
+        for sync in ("lazy", "eager"):
+            params, _, _losses = train(config, strategy, sync)
+            results[f"{config}/{sync}"] = np.concatenate([p.ravel() for p in params])
+    results["replicas"] = np.array(strategy.num_replicas_in_sync)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    np.savez(out.replace(".npz", f"_{task}.npz"), **results)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["mirrored", "keras", "worker", "xla"])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.mode == "mirrored":
+        run_mirrored(args.devices, args.out)
+    elif args.mode == "keras":
+        run_keras(args.devices, args.out)
+    elif args.mode == "xla":
+        run_xla(args.devices, args.out)
+    else:
+        run_worker(args.out)
+
+
+if __name__ == "__main__":
+    main()
