@@ -150,8 +150,8 @@ class TransposedKernelBlock(blocks_base.FisherBlock):
     def update(self, data, decay=None, combine="sum"):
         return self.block.update(data, decay, combine)
 
-    def update_inverses(self):
-        return self.block.update_inverses()
+    def inverse_updates(self):
+        return self.block.inverse_updates()
 
     def multiply(self, vs):
         return self._outward(self.block.multiply(self._inward(vs)))

@@ -210,8 +210,9 @@ def run_worker(out):
     results = {}
     for config in CONFIGS:
         for sync in ("lazy", "eager"):
-            params, _, _losses = train(config, strategy, sync)
+            params, opt, _losses = train(config, strategy, sync)
             results[f"{config}/{sync}"] = np.concatenate([p.ravel() for p in params])
+            results[f"{config}/{sync}_blocks"] = np.array(opt._replicated.local_blocks)
     results["replicas"] = np.array(strategy.num_replicas_in_sync)
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     np.savez(out.replace(".npz", f"_{task}.npz"), **results)

@@ -1,7 +1,8 @@
 """kg.KFAC under MultiWorkerMirroredStrategy: two worker processes on
 localhost (``TF_CONFIG``, free ports), one replica each, 20 steps on the
 whole batches (each replica takes its half) end with the single-device
-parameters (float64, rtol 1e-6), lazy and eager syncing, on every worker.
+parameters (float64, rtol 1e-6), lazy and eager syncing, on every worker;
+each of the MLP's two blocks has its inverses computed by one worker only.
 Modes "exact" and "empirical" (see test_distributed_mirrored.py)."""
 
 import distributed_runner
@@ -23,3 +24,5 @@ def test_two_workers_match_single_device(workers, config):
         assert int(result["replicas"]) == 2
         for sync in ("lazy", "eager"):
             np.testing.assert_allclose(result[f"{config}/{sync}"], reference, rtol=1e-6, atol=1e-10)
+    for sync in ("lazy", "eager"):  # block i on worker i mod 2, nowhere else
+        assert [list(r[f"{config}/{sync}_blocks"]) for r in workers] == [[0], [1]]

@@ -29,7 +29,8 @@ zero-argument callable):
   multiply_cholesky_inverse(vs, transpose=False)  L^{-1} vs (L^{-T} vs), with
                                L L^T = F~ from the current factors.
   full_matrix()                the undamped block, dense `[n, n]`.
-  update_inverses()            refreshes the cached decompositions.
+  update_inverses()            refreshes the cached decompositions
+  inverse_updates()            ... as [(variable, value)], without storing them.
 Unsupported methods raise NotImplementedError naming block and method.
 
 Full and diagonal blocks damp as `F + l I`.
@@ -115,8 +116,16 @@ class FisherBlock(tf.Module):
     def update(self, data, decay=None, combine="sum"):
         self._unsupported("update")
 
-    def update_inverses(self):
+    def inverse_updates(self):
+        """``[(variable, new value)]``: the refreshed cached decompositions,
+        computed from the current factors but not stored (``update_inverses``
+        stores them; a distributed step may compute them on one replica and
+        share them)."""
         self._unsupported("update_inverses")
+
+    def update_inverses(self):
+        for variable, value in self.inverse_updates():
+            variable.assign(value)
 
     def multiply(self, vs):
         return self.multiply_matpower(vs, 1)
@@ -145,8 +154,8 @@ class FullBlock(FisherBlock):
     def _init_cache(self):
         self.cache = linalg.EigCache([], self.num_params, False, self.dtype, name="inverse_cache")
 
-    def update_inverses(self):
-        self.cache.refresh(self.factor.value())
+    def inverse_updates(self):
+        return self.cache.updates(self.factor.value())
 
     def full_matrix(self):
         return self.factor.value()
@@ -181,8 +190,8 @@ class DiagonalBlock(FisherBlock):
     def _init_cache(self):
         self.cache = linalg.EigCache([], self.num_params, True, self.dtype, name="inverse_cache")
 
-    def update_inverses(self):
-        self.cache.refresh(self.factor.value())
+    def inverse_updates(self):
+        return self.cache.updates(self.factor.value())
 
     def full_matrix(self):
         return tf.linalg.diag(self.factor.value())

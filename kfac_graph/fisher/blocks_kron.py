@@ -89,9 +89,9 @@ class KroneckerBlock(blocks_base.FisherBlock):
         self.output_factor.update([g for _, g in uses], decay, combine)
         self.replicas.assign(tf.cast(self._locations(uses[0]) * len(uses), self.dtype))
 
-    def update_inverses(self):
-        self.input_cache.refresh(self.input_factor.value())
-        self.output_cache.refresh(self.output_factor.value())
+    def inverse_updates(self):
+        return (self.input_cache.updates(self.input_factor.value())
+                + self.output_cache.updates(self.output_factor.value()))
 
     # -- damping ------------------------------------------------------------------
     def _split(self, trace_a, trace_g):

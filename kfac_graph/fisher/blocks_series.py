@@ -107,17 +107,18 @@ class FullyConnectedSeriesBlock(blocks_kron.FullyConnectedKroneckerBlock):
     def _damped_c0(self):
         return self._damped_factors()
 
-    def update_inverses(self):
+    def inverse_updates(self):
         a0, g0 = self._damped_c0()
         a1 = self.input_factor.lag_one_value()
         g1 = self.output_factor.lag_one_value()
+        pairs = []
         for quants, c0, c1 in ((self.input_quants, a0, a1), (self.output_quants, g0, g1)):
             if self.option == 1:
                 values = option1_quantities(c0, c1)[1:]
             else:
                 values = option2_quantities(c0, c1)
-            for var, value in zip(quants, values):
-                var.assign(value)
+            pairs += list(zip(quants, values))
+        return pairs
 
     def multiply_matpower(self, vs, exp):
         if exp == -1:

@@ -142,13 +142,16 @@ class EigCache(tf.Module):
             eye = tf.eye(dim, batch_shape=list(batch_shape), dtype=dtype)
             self.evecs = tf.Variable(eye, trainable=False, name="evecs")
 
-    def refresh(self, factor):
+    def updates(self, factor):
+        """``[(variable, new value)]`` that store ``factor`` (nothing assigned)."""
         if self.diagonal:
-            self.evals.assign(tf.maximum(factor, 0.0))
-        else:
-            evals, evecs = psd_eig(factor)
-            self.evals.assign(evals)
-            self.evecs.assign(evecs)
+            return [(self.evals, tf.maximum(factor, 0.0))]
+        evals, evecs = psd_eig(factor)
+        return [(self.evals, evals), (self.evecs, evecs)]
+
+    def refresh(self, factor):
+        for variable, value in self.updates(factor):
+            variable.assign(value)
 
     def trace(self):
         return tf.reduce_sum(self.evals, -1)

@@ -50,8 +50,9 @@ single-device step (all XLA-compilable; no host callbacks outside the
 skip warning and the summaries, which ``_step`` runs after the core).
 
 With ``MultiWorkerMirroredStrategy`` every worker runs the cross-replica
-parts on its own devices: the inverses are spread over each worker's
-devices, so every worker computes each block once. Whole (undistributed)
+parts on its own devices, and each block's inverses are computed by the
+worker that holds replica ``i mod R`` alone, then shared by one all-reduce
+at inverse steps (``_refresh_inverses``). Whole (undistributed)
 batches must then be the same on every worker: replica ``r`` takes the
 ``r``-th share by its global index.
 """
@@ -131,6 +132,7 @@ class Replicated:
         self.strategy = strategy
         self.sync_statistics = sync_statistics
         self._replica_fns = {}
+        self.local_blocks = ()
 
     @property
     def num_replicas(self) -> int:
@@ -171,6 +173,12 @@ class Replicated:
                 f"kg.KFAC: a batch of {batch} examples does not split evenly over {n} replicas"
             )
         size = batch // n
+        if isinstance(batch, tf.Tensor):  # known only when the step runs
+            check = tf.debugging.assert_equal(
+                batch % n, 0, message=f"kg.KFAC: the batch does not split evenly over {n} replicas"
+            )
+            with tf.control_dependencies([check]):
+                size = tf.identity(size)
         return value[replica * size : (replica + 1) * size]
 
     # -- helpers ------------------------------------------------------------------------
@@ -295,13 +303,61 @@ class Replicated:
         return tf.constant(True)
 
     def _refresh_inverses(self):
-        """Block ``i``'s inverses from its replica-averaged factors, computed once
-        on device ``i mod R`` and written to every replica's copy."""
-        devices = self.strategy.extended.worker_devices
-        for i, block in enumerate(self.opt.estimator.blocks):
-            with tf.device(devices[i % len(devices)]):
-                block.update_inverses()
+        """Block ``i``'s inverses from its replica-averaged factors, computed once,
+        by replica ``i mod R``, and shared with every replica.
+
+        On one worker the owner's device computes them and the assignment to
+        the mirrored caches copies them to every device. Across workers only
+        the owner's worker computes block ``i``; then one summed all-reduce, in
+        which the owner contributes the new caches and every other replica
+        zeros, hands every replica the owner's values."""
+        strategy = self.strategy
+        ids = self._local_replica_ids()
+        blocks = self.opt.estimator.blocks
+        owned = [i for i in range(len(blocks)) if i % self.num_replicas in ids]
+        self.local_blocks = owned  # which blocks this worker's step computes (trace time)
+        if len(ids) == self.num_replicas:
+            devices = strategy.extended.worker_devices
+            for i in owned:
+                with tf.device(devices[ids.index(i % self.num_replicas)]):
+                    blocks[i].update_inverses()
+            return tf.constant(True)
+        # Across workers, reading the statistics here would be a collective only
+        # the owners join: average them first (the same collective everywhere),
+        # then each owner computes from its own, now equal, copies.
+        self._average_statistics()
+        caches = [[v for v in block.variables if not is_replica_local(v)] for block in blocks]
+        flat = [v for group in caches for v in group]
+        contributions = strategy.run(
+            self._replica_fn("inverses", lambda: self._owned_inverses(caches))
+        )
+        shared = strategy.extended.batch_reduce_to(SUM, list(zip(contributions, flat)))
+        for v, value in zip(flat, shared):
+            for component, local in zip(v.values, strategy.experimental_local_results(value)):
+                component.assign(local)
         return tf.constant(True)
+
+    def _owned_inverses(self, caches):
+        """Per replica: for every block's cache variables, the refreshed values
+        where this replica owns the block (``i mod R``), zeros elsewhere."""
+        replica = tf.get_static_value(
+            tf.distribute.get_replica_context().replica_id_in_sync_group
+        )
+        out = []
+        for i, (block, group) in enumerate(zip(self.opt.estimator.blocks, caches)):
+            if i % self.num_replicas == replica:
+                fresh = {v.ref(): value for v, value in block.inverse_updates()}
+                out += [fresh.get(v.ref(), v.read_value()) for v in group]
+            else:
+                out += [tf.zeros(v.shape, v.dtype) for v in group]
+        return out
+
+    def _local_replica_ids(self) -> list:
+        """The global indices of this worker's replicas, in device order."""
+        ids = self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: ctx.replica_id_in_sync_group
+        )
+        return [int(i) for i in self.strategy.experimental_local_results(ids)]
 
     # -- batch-dependent parts of the update (KFAC's seams) ----------------------------------
     def batch_loss(self, args):
