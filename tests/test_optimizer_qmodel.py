@@ -7,7 +7,7 @@ import tensorflow as tf
 import kfac_graph as kg
 from kfac_graph.optimizer import damping as damping_lib
 from kfac_graph.optimizer import qmodel
-from test_optimizer import (_dense_problem, _numpy_precondition, _numpy_quantities, _softmax,
+from test_optimizer import (_dense_problem, _numpy_precondition, _numpy_quantities,
                             _stacked)
 
 F64 = tf.float64
