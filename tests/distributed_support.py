@@ -123,7 +123,35 @@ def run_mirrored(devices, out):
             )
             results[key + "_replica_spread"] = np.array(spread)
             results[key + "_skipped"] = np.array(int(opt.skipped_steps.numpy()))
+            results[key + "_nan_batch"] = nan_batch_changes_nothing(opt)
     np.savez(out, **results)
+
+
+def nan_batch_changes_nothing(opt):
+    """A batch with a NaN on one replica's share: the step is skipped on every
+    replica (counted once), every replica's parameters and statistics stay as
+    they were, and the next finite batch is applied. ``[skipped, changed,
+    applied next]``."""
+    import tensorflow as tf
+
+    _, batches = problem(seed=1)
+    x, y = batches[0]
+    bad = x.copy()
+    bad[-1, 0] = np.nan  # in the last replica's share
+
+    def state():  # every copy of every variable but the skip counter
+        return [c.numpy().copy() for v in opt.variables if v is not opt.skipped_steps
+                for c in getattr(v, "values", [v])]
+
+    before, skipped, iterations = state(), int(opt.skipped_steps.numpy()), int(opt.iterations.numpy())
+    opt.step(tf.constant(bad), tf.constant(y))
+    after = state()
+    changed = any(not np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after)
+                  if a.shape == b.shape)
+    counted = int(opt.skipped_steps.numpy()) - skipped
+    opt.step(tf.constant(x), tf.constant(y))
+    applied = int(opt.iterations.numpy()) == iterations + 1
+    return np.array([counted, int(changed), int(applied)])
 
 
 def run_xla(devices, out):

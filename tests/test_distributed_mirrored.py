@@ -3,7 +3,8 @@ fresh process, ``distributed_support.py``): 20 steps on batches split over
 the replicas end with the parameters of 20 single-device steps on the whole
 batches (float64, rtol 1e-6), with lazy and with eager syncing of the factor
 statistics; lazy syncing reduces fewer bytes (counted by
-``ReductionCounter``).
+``ReductionCounter``); a batch with a NaN in one replica's share is skipped
+on every replica, changing no copy of any variable but the skip counter.
 
 Estimation modes: "exact" (regular momentum) and "empirical" (qmodel); the
 sampled mode draws other targets on each replica, so it is not compared.
@@ -38,6 +39,15 @@ def test_replicas_match_single_device(mirrored, config, sync):
     assert int(mirrored[key + "_skipped"]) == 0
     # the run moved the parameters (the equality is not that of two idle runs)
     assert np.max(np.abs(mirrored[key] - _initial())) > 1e-2
+
+
+@pytest.mark.parametrize("config", list(distributed_support.CONFIGS))
+@pytest.mark.parametrize("sync", ["lazy", "eager"])
+def test_non_finite_batch_is_skipped_on_every_replica(mirrored, config, sync):
+    counted, changed, applied_next = mirrored[f"{config}/{sync}_nan_batch"]
+    assert counted == 1, "the skip was not counted once"
+    assert changed == 0, "a skipped step changed a parameter or statistic on some replica"
+    assert applied_next == 1
 
 
 @pytest.mark.parametrize("config", list(distributed_support.CONFIGS))
