@@ -108,10 +108,11 @@ class LayerTaps:
         like the model output): ``cotangent_i^T dz_i / ds_i``."""
         flat = [t for layer in self.outputs for t in layer]
         if cotangent is None:
-            grads = tf.gradients(self.loss, flat)
-            if self.registration.loss.reduction == "mean":
-                b = tf.cast(self.batch_size, self.loss.dtype)
-                grads = [None if g is None else g * tf.cast(b, g.dtype) for g in grads]
+            # Seeding the backward pass with B scales every layer's gradient for
+            # free (multiplying each gradient afterwards is a pass over each).
+            seed = (tf.cast(self.batch_size, self.loss.dtype)
+                    if self.registration.loss.reduction == "mean" else None)
+            grads = tf.gradients(self.loss, flat, grad_ys=seed)
         else:
             grads = tf.gradients(self.model_output, flat, grad_ys=cotangent)
         grads = [tf.zeros_like(t) if g is None else g for t, g in zip(flat, grads)]
