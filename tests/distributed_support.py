@@ -124,7 +124,42 @@ def run_mirrored(devices, out):
             results[key + "_replica_spread"] = np.array(spread)
             results[key + "_skipped"] = np.array(int(opt.skipped_steps.numpy()))
             results[key + "_nan_batch"] = nan_batch_changes_nothing(opt)
+            results[key + "_checkpoint"] = checkpoint_round_trip(
+                config, names, sync, os.path.dirname(os.path.abspath(out))
+            )
     np.savez(out, **results)
+
+
+def checkpoint_round_trip(config, names, sync, directory):
+    """``[uninterrupted, resumed]`` final parameters: 20 steps straight, and
+    10 steps, a ``tf.train.Checkpoint`` save, a fresh optimizer and fresh
+    variables (other initial values) under a new strategy restored from it,
+    then the last 10 steps."""
+    import tensorflow as tf
+
+    import kfac_graph as kg
+
+    weights, batches = problem()
+
+    def run(steps, restore=None, save=None, initial=weights):
+        strategy = tf.distribute.MirroredStrategy(names)
+        with strategy.scope():
+            variables, loss = make_loss(initial)
+            opt = kg.KFAC(loss, sync_statistics=sync, **CONFIGS[config])
+        checkpoint = tf.train.Checkpoint(params=variables, opt=opt)
+        if restore is not None:
+            opt.build(tf.constant(batches[0][0]), tf.constant(batches[0][1]))
+            checkpoint.restore(restore).assert_consumed()
+        for x, y in steps:
+            opt.step(tf.constant(x), tf.constant(y))
+        path = checkpoint.save(save) if save is not None else None
+        return np.concatenate([v.numpy().ravel() for v in variables]), path
+
+    straight, _ = run(batches)
+    _, path = run(batches[:10], save=os.path.join(directory, f"{config}_{sync}"))
+    other = [w + 1.0 for w in weights]  # overwritten by the restore
+    resumed, _ = run(batches[10:], restore=path, initial=other)
+    return np.stack([straight, resumed])
 
 
 def nan_batch_changes_nothing(opt):
