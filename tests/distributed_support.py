@@ -219,40 +219,44 @@ def run_xla(devices, out):
     )
 
 
-def run_keras(devices, out):
+def keras_fit(strategy):
+    """``(parameters, history, iterations)`` of ``KFACModel.fit`` (2 epochs of 4
+    batches of 32, float64, exact Fisher) under ``strategy`` (None: one device)."""
     import keras
     import tensorflow as tf
 
     import kfac_graph as kg
 
-    names = logical_devices(devices)
     keras.config.set_floatx("float64")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(128, 6))
     y = np.argmax(x @ rng.normal(size=(6, 3)), axis=1)
+    keras.utils.set_random_seed(0)
+    scope = strategy.scope() if strategy is not None else tf.init_scope()
+    with scope:
+        inner = keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]
+        )
+        model = kg.KFACModel(
+            inner,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            estimation_mode="exact",
+            damping=1e-2,
+            inverse_update_period=3,
+        )
+        model.compile(metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    params = np.concatenate([v.numpy().ravel() for v in inner.trainable_variables])
+    return params, history.history, int(model.kfac.iterations.numpy())
 
-    def fit(strategy):
-        keras.utils.set_random_seed(0)
-        scope = strategy.scope() if strategy is not None else tf.init_scope()
-        with scope:
-            inner = keras.Sequential(
-                [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]
-            )
-            model = kg.KFACModel(
-                inner,
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                estimation_mode="exact",
-                damping=1e-2,
-                inverse_update_period=3,
-            )
-            model.compile(metrics=["accuracy"])
-        history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-        params = np.concatenate([v.numpy().ravel() for v in inner.trainable_variables])
-        return params, history.history, int(model.kfac.iterations.numpy())
 
-    ref, ref_history, _ = fit(None)
+def run_keras(devices, out):
+    import tensorflow as tf
+
+    names = logical_devices(devices)
+    ref, ref_history, _ = keras_fit(None)
     strategy = tf.distribute.MirroredStrategy(names)
-    params, history, iterations = fit(strategy)
+    params, history, iterations = keras_fit(strategy)
     np.savez(
         out,
         reference=ref,
