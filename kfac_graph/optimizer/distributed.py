@@ -239,32 +239,19 @@ class Replicated:
             & tf.equal(flagged, 0)
             & vec.all_finite([v.read_value() for v in shared])
         )
-        refreshed = tf.cond(
-            do_inv & statistics_ok, self._refresh_inverses, lambda: tf.constant(False)
+        applied = opt._finish_step(
+            args,
+            variables,
+            loss,
+            grads,
+            statistics_ok,
+            k,
+            do_inv,
+            in_burnin,
+            self._refresh_inverses,
+            shared,
+            snapshot,
         )
-        inverses_ok = tf.cond(
-            refreshed,
-            lambda: vec.all_finite([v.read_value() for v in shared]),
-            lambda: tf.constant(True),
-        )
-        statistics_ok = statistics_ok & inverses_ok
-
-        def update():
-            return opt._update(args, variables, loss, grads, statistics_ok, k)
-
-        applied = tf.cond(in_burnin, lambda: statistics_ok, update)
-
-        def commit():
-            opt.iterations.assign_add(1)
-            return tf.constant(True)
-
-        def roll_back():
-            for v, old in zip(shared, snapshot):
-                v.assign(old)
-            opt.skipped_steps.assign_add(1)
-            return tf.constant(True)
-
-        tf.cond(applied, commit, roll_back)
         strategy.run(self._replica_fn("restore", self._restore), args=(applied, local_snapshot))
         return loss, applied, t
 
@@ -340,9 +327,7 @@ class Replicated:
     def _owned_inverses(self, caches):
         """Per replica: for every block's cache variables, the refreshed values
         where this replica owns the block (``i mod R``), zeros elsewhere."""
-        replica = tf.get_static_value(
-            tf.distribute.get_replica_context().replica_id_in_sync_group
-        )
+        replica = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
         out = []
         for i, (block, group) in enumerate(zip(self.opt.estimator.blocks, caches)):
             if i % self.num_replicas == replica:

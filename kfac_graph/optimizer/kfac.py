@@ -304,9 +304,19 @@ class KFAC(tf.Module):
                 block.update_inverses()
             return tf.constant(True)
 
+        applied = self._finish_step(args, variables, loss, grads, statistics_ok, k, do_inv,
+                                    in_burnin, refresh_inverses, self._estimator_state, snapshot)
+        return loss, applied, t
+
+    def _finish_step(self, args, variables, loss, grads, statistics_ok, k, do_inv, in_burnin,
+                     refresh_inverses, state, snapshot):
+        """After the gradients: on inverse steps ``refresh_inverses()``, then
+        (outside the burn-in) the update; commits the step counter if every
+        value was finite, else puts ``state`` back to ``snapshot`` and counts
+        the skip. True if the step was applied."""
         refreshed = tf.cond(do_inv & statistics_ok, refresh_inverses, lambda: tf.constant(False))
         inverses_ok = tf.cond(refreshed, lambda: vec.all_finite(
-            [v.read_value() for v in self._estimator_state]), lambda: tf.constant(True))
+            [v.read_value() for v in state]), lambda: tf.constant(True))
         statistics_ok = statistics_ok & inverses_ok
 
         def update():
@@ -319,13 +329,13 @@ class KFAC(tf.Module):
             return tf.constant(True)
 
         def roll_back():
-            for v, old in zip(self._estimator_state, snapshot):
+            for v, old in zip(state, snapshot):
                 v.assign(old)
             self.skipped_steps.assign_add(1)
             return tf.constant(True)
 
         tf.cond(applied, commit, roll_back)
-        return loss, applied, t
+        return applied
 
     def _loss_and_gradients(self, args, variables, do_cov):
         """The loss and its gradients on ``args``; on covariance steps the same
