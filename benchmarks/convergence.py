@@ -30,13 +30,9 @@ damping 1e-3 it diverges on the CNN).
 """
 import json
 import os
-import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ.setdefault("ABSL_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_env  # noqa: E402,F401  (first: quiet logs, the repository importable)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

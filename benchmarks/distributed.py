@@ -27,13 +27,9 @@ step; ``/ lazy``: eager's bytes over lazy's for the same devices.
         [--inverse_update_period 10] [--markdown out.md]
 """
 
-import os
-import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ.setdefault("ABSL_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_env  # noqa: E402,F401  (first: quiet logs, the repository importable)
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

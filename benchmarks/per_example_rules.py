@@ -23,8 +23,7 @@ import argparse
 import os
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ.setdefault("ABSL_MIN_LOG_LEVEL", "3")
+import bench_env  # noqa: E402,F401  (first: quiet logs, the repository importable)
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

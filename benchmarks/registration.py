@@ -12,10 +12,9 @@ as its kind and the batch norms as scale_and_shift (none generic).
 from __future__ import annotations
 
 import collections
-import os
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import bench_env  # noqa: E402,F401  (first: quiet logs, the repository importable)
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -19,14 +19,10 @@ between the two runs' losses over every step timed.
     python benchmarks/rewrite.py [--reps 5] [--models autoencoder,cnn]
 """
 import os
-import sys
 import tempfile
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ.setdefault("ABSL_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_env  # noqa: E402,F401  (first: quiet logs, the repository importable)
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
