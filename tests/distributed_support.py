@@ -281,6 +281,7 @@ def run_worker(out):
             results[f"{config}/{sync}"] = np.concatenate([p.ravel() for p in params])
             results[f"{config}/{sync}_blocks"] = np.array(opt._replicated.local_blocks)
     results["replicas"] = np.array(strategy.num_replicas_in_sync)
+    results["keras"], _, results["keras_iterations"] = keras_fit(strategy)
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     np.savez(out.replace(".npz", f"_{task}.npz"), **results)
 

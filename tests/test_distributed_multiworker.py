@@ -26,3 +26,13 @@ def test_two_workers_match_single_device(workers, config):
             np.testing.assert_allclose(result[f"{config}/{sync}"], reference, rtol=1e-6, atol=1e-10)
     for sync in ("lazy", "eager"):  # block i on worker i mod 2, nowhere else
         assert [list(r[f"{config}/{sync}_blocks"]) for r in workers] == [[0], [1]]
+
+
+def test_keras_fit_on_two_workers_matches_one_device(workers):
+    """``KFACModel.fit`` under the two-worker strategy (each worker feeds the
+    same arrays; Keras splits every batch over the replicas) ends with the
+    one-device weights after the same number of steps."""
+    reference, _, iterations = distributed_support.keras_fit(None)
+    for result in workers:
+        assert int(result["keras_iterations"]) == iterations
+        np.testing.assert_allclose(result["keras"], reference, rtol=1e-6, atol=1e-10)
