@@ -221,13 +221,24 @@ def run_xla(devices, out):
 
 def keras_fit(strategy):
     """``(parameters, history, iterations)`` of ``KFACModel.fit`` (2 epochs of 4
-    batches of 32, float64, exact Fisher) under ``strategy`` (None: one device)."""
+    batches of 32, float64, exact Fisher) under ``strategy`` (None: one device);
+    Keras's float type is put back afterwards."""
+    import keras
+
+    previous = keras.config.floatx()
+    keras.config.set_floatx("float64")
+    try:
+        return _keras_fit(strategy)
+    finally:
+        keras.config.set_floatx(previous)
+
+
+def _keras_fit(strategy):
     import keras
     import tensorflow as tf
 
     import kfac_graph as kg
 
-    keras.config.set_floatx("float64")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(128, 6))
     y = np.argmax(x @ rng.normal(size=(6, 3)), axis=1)
@@ -282,6 +293,7 @@ def run_worker(out):
             results[f"{config}/{sync}_blocks"] = np.array(opt._replicated.local_blocks)
     results["replicas"] = np.array(strategy.num_replicas_in_sync)
     results["keras"], _, results["keras_iterations"] = keras_fit(strategy)
+    results["keras_reference"], _, results["keras_reference_iterations"] = keras_fit(None)
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     np.savez(out.replace(".npz", f"_{task}.npz"), **results)
 
