@@ -8,7 +8,8 @@ per-example negative log-likelihood, and returns
 
 - ``kind``: ``"categorical"`` (softmax cross-entropy, sparse or dense
   targets; ``-sum(y * log_softmax(z))``), ``"bernoulli"`` (sigmoid
-  cross-entropy) or ``"normal"`` (squared error; variance 1/2);
+  cross-entropy, also written out on clipped sigmoid probabilities) or
+  ``"normal"`` (squared error; variance 1/2);
 - ``reduction``: ``"mean"`` when the batch is averaged, else ``"sum"``;
 - ``scale``: the constant ``c`` in ``L = c * (1/B) * sum_i l_i`` (mean) or
   ``L = c * sum_i l_i`` (sum), with ``l_i = -log p(y_i | z_i)`` summed over
@@ -154,7 +155,7 @@ def _terminal(g, node, params):
                 if g.nodes[inner]["op"] == "Softmax":
                     return "categorical", g.nodes[inner]["inputs"][0], inputs[1 - k], -1.0
     if op in ("AddV2", "Add"):
-        return _sigmoid_cross_entropy(g, inputs)
+        return _sigmoid_cross_entropy(g, inputs) or _bernoulli_from_probabilities(g, inputs)
     return None
 
 
@@ -187,6 +188,59 @@ def _sigmoid_cross_entropy(g, inputs):
     if z != logits:
         return None
     return "bernoulli", z, y, 1.0
+
+
+def _bernoulli_from_probabilities(g, inputs):
+    """``y * log(p) + (1 - y) * log(1 - p)`` with ``p`` a (clipped) sigmoid of
+    ``z``: Keras's binary cross-entropy on probabilities where it cannot
+    recover the logits itself (it negates the sum, hence the sign -1)."""
+    if len(inputs) != 2:
+        return None
+    logs = []
+    for t in inputs:
+        mul = g.nodes[ir.split_tensor(t)[0]]
+        if mul["op"] != "Mul":
+            return None
+        found = [(x, w) for x, w in (mul["inputs"], mul["inputs"][::-1])
+                 if g.nodes[ir.split_tensor(x)[0]]["op"] == "Log"]
+        if len(found) != 1:
+            return None
+        log_tensor, weight = found[0]
+        logs.append((g.nodes[ir.split_tensor(log_tensor)[0]]["inputs"][0], weight))
+    for (p, y), (q, y_complement) in (logs, logs[::-1]):
+        if _one_minus(g, q) == p and _one_minus(g, y_complement) == y:
+            z = _logits_of_sigmoid(g, p)
+            return None if z is None else ("bernoulli", z, y, -1.0)
+    return None
+
+
+def _one_minus(g, tensor):
+    """``x`` when ``tensor`` is ``1 - x``, else None."""
+    node = g.nodes[ir.split_tensor(tensor)[0]]
+    if node["op"] != "Sub":
+        return None
+    one = _evaluate(g, node["inputs"][0])
+    if one is None or np.size(one) != 1 or float(np.asarray(one).reshape(())) != 1.0:
+        return None
+    return node["inputs"][1]
+
+
+def _logits_of_sigmoid(g, tensor):
+    """``z`` when ``tensor`` is ``sigmoid(z)``, seen through a clip to
+    ``[eps, 1 - eps]`` (Minimum / Maximum with constants) and casts."""
+    for _ in range(8):
+        node = g.nodes[ir.split_tensor(tensor)[0]]
+        if node["op"] == "Sigmoid":
+            return node["inputs"][0]
+        if node["op"] in ("Minimum", "Maximum"):
+            _, tensor = _const_operand(g, node["inputs"])
+            if tensor is None:
+                return None
+        elif node["op"] in _PASS_THROUGH:
+            tensor = node["inputs"][0]
+        else:
+            return None
+    return None
 
 
 def _unflatten(g, tensor: str) -> str:

@@ -1,0 +1,59 @@
+"""The loss pass reads binary cross-entropy written out on probabilities.
+
+Keras's ``BinaryCrossentropy`` on a sigmoid layer's output normally recovers
+the logits itself; when the loss's dtype differs from the model's (a float32
+loss on a float64 model, as when Keras's float type changes between making
+the two) it casts its input first, loses the sigmoid, and writes
+``-(y log(clip(p)) + (1 - y) log(1 - clip(p)))``. The pass must still find a
+Bernoulli loss on the pre-sigmoid logits, with the per-example terms that
+give the per-example gradients (checked against a loop of one-example
+gradients; the loss arithmetic is float32, hence rtol 1e-5)."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+
+
+def _problem():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,), dtype="float64"),
+                              keras.layers.Dense(5, activation="tanh", dtype="float64"),
+                              keras.layers.Dense(3, activation="sigmoid", dtype="float64")])
+    bce = keras.losses.BinaryCrossentropy(dtype="float32")
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(7, 4)))
+    y = tf.constant(rng.integers(0, 2, (7, 3)).astype(np.float64))
+    return model, kg.auto_register(lambda x, y: bce(y, model(x))), x, y
+
+
+def test_written_out_binary_cross_entropy_is_bernoulli():
+    model, loss_fn, x, y = _problem()
+    reg = loss_fn.registration(x, y)
+    assert (reg.loss.kind, reg.loss.reduction) == ("bernoulli", "mean")
+    assert reg.loss.scale == pytest.approx(1 / 3)  # Keras averages over the 3 outputs
+    assert reg.loss.output.endswith("BiasAdd:0"), reg.loss.output  # the logits, not p
+    ops = {data["op"] for _, data in reg.ir.nodes(data=True)}
+    assert {"Minimum", "Maximum", "Log"} <= ops  # the written-out form, not tf.nn's
+    assert [layer.kind for layer in reg.layers] == ["dense", "dense"]
+
+
+def test_per_example_gradients_match_a_loop():
+    model, loss_fn, x, y = _problem()
+    grads = kg.per_example_gradients(loss_fn, x, y)
+    variables = list(loss_fn.registration(x, y).variables)
+    for i in range(int(x.shape[0])):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(x[i:i + 1], y[i:i + 1])
+        for got, want in zip(grads, tape.gradient(loss, variables)):
+            np.testing.assert_allclose(got[i].numpy(), want.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_a_probability_that_is_not_a_sigmoid_is_refused():
+    w = tf.Variable(tf.ones([4, 3], tf.float64))
+    bce = keras.losses.BinaryCrossentropy(dtype="float32")
+    fn = kg.auto_register(lambda x, y: bce(y, tf.clip_by_value(x @ w, 0.0, 1.0)))
+    x, y = tf.ones([2, 4], tf.float64), tf.ones([2, 3], tf.float64)
+    with pytest.raises(kg.LossNotFoundError, match="binary_crossentropy"):
+        fn.registration(x, y)
