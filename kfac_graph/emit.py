@@ -38,7 +38,7 @@ from kfac_graph.optimizer import KFAC
 from kfac_graph.per_example_api import per_example_gradients
 from kfac_graph.registration import Registration
 from passes.errors import KfacGraphError, LoadError
-from passes.frontends import error_line
+from passes.frontends import error_line, read_saved_model
 
 EXPORTED = ("kfac_step", "per_example_gradients", "update_inverses", "kfac")
 REPORT_PATH = os.path.join("assets.extra", "kfac_registration.json")
@@ -52,14 +52,7 @@ def load_loss_function(path: str, function: str):
     """``(loaded root, restored function, input signature)``; one-line
     ``LoadError``s for a missing directory, a directory that is not a
     SavedModel, an unknown function, or one saved without an input signature."""
-    if not os.path.isdir(path):
-        raise LoadError(f"no SavedModel directory at {path}")
-    if not tf.saved_model.contains_saved_model(path):
-        raise LoadError(f"{path} is not a SavedModel (no saved_model.pb in it)")
-    try:
-        loaded = tf.saved_model.load(path)
-    except Exception as e:  # noqa: BLE001 - TF raises many types here
-        raise LoadError(f"could not load the SavedModel at {path}: {error_line(e)}") from e
+    loaded = read_saved_model(path)
     fn = getattr(loaded, function, None) if not function.startswith("_") else None
     if fn is None or not hasattr(fn, "concrete_functions"):
         found = sorted(name for name, child in _children(loaded).items()
@@ -107,8 +100,11 @@ def training_module(loaded, function: str, fn, specs, *, loss: str | None = None
     module.per_example_gradients = tf.function(
         lambda *args: per_example_gradients(registered, *args), input_signature=specs,
         autograph=False)
-    module.update_inverses = tf.function(_refresh(optimizer), input_signature=[],
-                                         autograph=False)
+    def update_inverses():
+        optimizer.estimator.refresh_inverses()
+        return optimizer.iterations.read_value()
+
+    module.update_inverses = tf.function(update_inverses, input_signature=[], autograph=False)
     signatures = dict(getattr(loaded, "signatures", {}) or {})
     return module, registration, signatures
 
@@ -165,14 +161,6 @@ def check_output(output: str) -> str:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ExportError(f"cannot write {output}: no write permission in {parent}")
     return output
-
-
-def _refresh(optimizer: KFAC):
-    def update_inverses():
-        for block in optimizer.estimator.blocks:
-            block.update_inverses()
-        return optimizer.iterations.read_value()
-    return update_inverses
 
 
 def _children(loaded) -> dict:

@@ -146,11 +146,14 @@ class FisherEstimator(tf.Module):
     def update_inverses(self):
         """Refreshes every block's cached inverses / decompositions."""
         if self._cache.inverses is None:
-            def refresh():
-                for block in self.blocks:
-                    block.update_inverses()
-            self._cache.inverses = tf.function(refresh, autograph=False)
+            self._cache.inverses = tf.function(self.refresh_inverses, autograph=False)
         return self._cache.inverses()
+
+    def refresh_inverses(self):
+        """``update_inverses`` inside a ``tf.function`` of the caller's (the
+        optimizer's step, an exported function)."""
+        for block in self.blocks:
+            block.update_inverses()
 
     # -- products over all layers ------------------------------------------------------
     @_plain_python

@@ -80,15 +80,23 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=()) -> Tr
                   infos, placeholders, objects, name)
 
 
+def read_saved_model(path: str):
+    """The SavedModel at ``path``, loaded; a one-line ``LoadError`` for a
+    missing directory, one that is not a SavedModel, or a failed load."""
+    if not os.path.isdir(path):
+        raise LoadError(f"no SavedModel directory at {path}")
+    if not tf.saved_model.contains_saved_model(path):
+        raise LoadError(f"{path} is not a SavedModel (no saved_model.pb in it)")
+    try:
+        return tf.saved_model.load(path)
+    except Exception as e:  # noqa: BLE001 - TF raises many types here
+        raise LoadError(f"could not load the SavedModel at {path}: {error_line(e)}") from e
+
+
 def load_saved_model(path: str, function: str, args: Sequence[Any] | None = None) -> Traced:
     """The ``Traced`` of the saved ``tf.function`` (or signature) ``function``
     of the SavedModel at ``path``. ``args`` picks one of several traces."""
-    if not os.path.isdir(path):
-        raise LoadError(f"no SavedModel directory at {path}")
-    try:
-        loaded = tf.saved_model.load(path)
-    except Exception as e:  # noqa: BLE001 - TF raises many types here
-        raise LoadError(f"could not load the SavedModel at {path}: {error_line(e)}") from e
+    loaded = read_saved_model(path)
     fn = getattr(loaded, function, None)
     if fn is None and function in getattr(loaded, "signatures", {}):
         fn = loaded.signatures[function]

@@ -300,8 +300,7 @@ class KFAC(tf.Module):
                          & vec.all_finite([v.read_value() for v in self._estimator_state]))
 
         def refresh_inverses():
-            for block in self.estimator.blocks:
-                block.update_inverses()
+            self.estimator.refresh_inverses()
             return tf.constant(True)
 
         applied = self._finish_step(args, variables, loss, grads, statistics_ok, k, do_inv,
