@@ -176,7 +176,7 @@ METHOD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("method", ["taps", "im2col", "grouped"])
+@pytest.mark.parametrize("method", ["taps", "gather", "im2col", "grouped"])
 @pytest.mark.parametrize("name", METHOD_CASES)
 def test_conv_methods(method, name):
     # The grouped filter gradient has a CPU kernel for float32 only.
@@ -185,9 +185,20 @@ def test_conv_methods(method, name):
     _check(rule, name, dtype, "function")
 
 
-@pytest.mark.parametrize("method", ["taps", "im2col"])
+@pytest.mark.parametrize("method", ["taps", "gather", "im2col"])
 def test_conv_methods_under_xla(method):
     _check(pe.ConvRule(method=method), "stride2_same_odd", tf.float32, "xla")
+
+
+def test_conv_auto_method():
+    strided = S((3, 3, 2, 3), strides=(1, 2, 2, 1), padding="SAME")
+    unit = S((3, 3, 2, 3), padding="SAME")
+    assert pe.ConvRule(xla=False).choose_method(strided) == "gather"
+    assert pe.ConvRule(xla=False).choose_method(unit) == "taps"
+    assert pe.ConvRule(xla=True).choose_method(strided) == "taps"
+    assert pe.ConvRule(method="im2col").choose_method(strided) == "im2col"
+    with pytest.raises(ValueError, match="unknown conv method"):
+        pe.ConvRule(method="loop").choose_method(unit)
 
 
 def test_conv_forced_gram_norms():

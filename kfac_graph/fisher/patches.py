@@ -15,6 +15,8 @@ import dataclasses
 
 import tensorflow as tf
 
+from kfac_graph import patch_gather
+
 
 def _text(x):
     return x.decode() if isinstance(x, bytes) else str(x)
@@ -81,16 +83,26 @@ def output_locations(g, data_format):
 
 
 def extract_patches(x, kernel_hw, geometry):
-    """Input patches `[B, T, kh*kw*C]` of the convolution (module docstring)."""
+    """Input patches `[B, T, kh*kw*C]` of the convolution (module docstring).
+
+    One gather (`patch_gather.py`) when the spatial size is static, else
+    `tf.image.extract_patches` (EXPLICIT padding applied first)."""
     x = channels_last(x, geometry.data_format)
+    kh, kw = kernel_hw
+    strides, dilations = geometry.spatial_strides, geometry.spatial_dilations
+    explicit = geometry.spatial_paddings if geometry.padding == "EXPLICIT" else ((0, 0), (0, 0))
+    if x.shape[1] is not None and x.shape[2] is not None:
+        outs, pads = zip(*(patch_gather.output_and_padding(x.shape[1 + i], kernel_hw[i], strides[i], dilations[i],
+                                         geometry.padding, explicit[i]) for i in range(2)))
+        if any(p != (0, 0) for p in pads):
+            x = tf.pad(x, [[0, 0], list(pads[0]), list(pads[1]), [0, 0]])
+        return patch_gather.gather_patches(x, kernel_hw, strides, dilations, outs)
     padding = geometry.padding
     if padding == "EXPLICIT":
-        (pt, pb), (pl, pr) = geometry.spatial_paddings
-        x = tf.pad(x, [[0, 0], [pt, pb], [pl, pr], [0, 0]])
+        x = tf.pad(x, [[0, 0], list(explicit[0]), list(explicit[1]), [0, 0]])
         padding = "VALID"
-    kh, kw = kernel_hw
-    sh, sw = geometry.spatial_strides
-    dh, dw = geometry.spatial_dilations
+    sh, sw = strides
+    dh, dw = dilations
     patches = tf.image.extract_patches(
         x, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1], rates=[1, dh, dw, 1], padding=padding
     )

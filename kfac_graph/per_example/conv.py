@@ -7,34 +7,38 @@ multiplies at output position `(y, x)` (see `conv_geometry.py`),
     dW_i[p, q, c, o] = sum_{uses} sum_{y,x} tap_{p,q}(a_i)[y, x, c] g_i[y, x, o]
     db_i[o]          = sum_{uses} sum_{y,x} g_i[y, x, o]
 
-i.e. a dense layer over the `T = Ho*Wo` im2col patches. Three kernels compute
+i.e. a dense layer over the `T = Ho*Wo` im2col patches. Four kernels compute
 `dW_i` (no Python loop over examples in any of them):
 
 * `"taps"`: for each of the kh*kw taps one batched matmul
   `[B, Cin, T] x [B, T, Cout]`; never builds the patch matrix.
-* `"im2col"`: stacks the taps into `[B, T, kh*kw*Cin]` and does one batched
-  matmul.
+* `"gather"`: the patch matrix `[B, T, kh*kw*Cin]` by one gather of the
+  padded input (`patch_gather.py`), then one batched matmul.
+* `"im2col"`: the same matmul on the taps stacked into the patch matrix.
 * `"grouped"`: folds the batch into channel groups, `[1, H, W, B*Cin]`, and
   runs the filter-gradient op `Conv2DBackpropFilter` for a B-group
   convolution, whose filter `[kh, kw, Cin, B*Cout]` is the per-example
   gradient. TF's CPU kernel supports this only for float32 (oneDNN).
 
-`"auto"` is "taps", with and without XLA. Measured by
-benchmarks/per_example_rules.py (batch 64, 2 CPU cores, float32; time of the
-per-example kernel / the same layer's batch filter gradient, no XLA | XLA;
-two runs, 25 and 20 calls):
+`"auto"`: without XLA "gather" for strided convolutions and "taps" otherwise;
+under XLA "taps". Measured by benchmarks/per_example_rules.py (batch 64,
+2 CPU cores, float32; time of the per-example kernel / the same layer's batch
+filter gradient, 20 calls):
 
-    layer                  taps              im2col            grouped
-    conv 3->32 3x3 @32     2.04 1.81 | 1.37 1.81  2.56 2.47 | 1.51 1.85  2.73 2.68 | >100
-    conv 32->64 3x3 s2     1.35 1.38 | 0.90 1.41  1.51 1.53 | 1.23 1.11  1.83 1.81 | >100
-    conv 1x1 64->64 @16    0.95 0.86 | 0.56 1.16  0.89 0.80 | 0.52 1.15  2.78 2.55 | >100
+    layer (3x3, SAME)          no XLA: taps  gather  im2col |  XLA: taps  gather  im2col
+    3->32 @32x32                       1.45  1.94    1.97   |       2.19  3.71    2.64
+    16->32 @32x32                      1.77  2.09    2.59   |       3.30  4.69    2.53
+    32->32 @16x16                      1.55  1.83    2.36   |       2.95  3.92    2.55
+    64->64 @16x16                      1.48  1.45    1.79   |       3.49  3.77    2.57
+    32->64 stride 2 @32x32             1.41  1.28    1.51   |       2.55  2.59    2.02
+    64->128 stride 2 @16x16            1.69  1.45    1.63   |       1.62  1.86    1.50
 
-Without XLA "taps" wins on the 3x3 layers; under XLA "taps" and "im2col"
-trade places from run to run, so one code path is kept.
-("taps" never writes the 9x larger patch matrix; "grouped" pays for transposes
-and oneDNN's grouped kernel, and XLA's CPU lowering of a batch-grouped filter
-gradient takes seconds; `tf.image.extract_patches` + matmul was 2-10x slower
-still and was dropped.) A 1x1 conv is the one-tap case: a dense layer.
+Without XLA the strided taps cost a reshaped slice each and "gather" wins;
+at stride 1 the taps are plain slices and win. Under XLA "taps" and "im2col"
+trade places from layer to layer (and from run to run), so one path is kept.
+"grouped" pays for transposes and oneDNN's grouped kernel (1.8-2.7x), and
+XLA's CPU lowering of a batch-grouped filter gradient takes seconds. A 1x1
+conv is the one-tap case: a dense layer.
 
 Norms: Gram form on the im2col patches (uses concatenated along positions, so
 cross terms are counted) iff `T (kh kw Cin + Cout) < kh kw Cin Cout`, else the
@@ -51,8 +55,9 @@ import tensorflow as tf
 from kfac_graph.per_example import conv_geometry as cg
 from kfac_graph.per_example import norms
 from kfac_graph.per_example import uses as uses_lib
+from kfac_graph.per_example import xla as xla_lib
 
-METHODS = ("taps", "im2col", "grouped")
+METHODS = ("taps", "gather", "im2col", "grouped")
 
 
 def taps_kernel_grads(a, g, geo):
@@ -67,13 +72,21 @@ def taps_kernel_grads(a, g, geo):
     return tf.reshape(stacked, [-1, geo.kernel[0], geo.kernel[1], cin, cout])
 
 
-def im2col_kernel_grads(a, g, geo):
-    """`[B, kh, kw, Cin, Cout]` by one batched matmul on the patch matrix."""
+def _patch_matmul(patches, a, g, geo):
     cin, cout = a.shape[-1], g.shape[-1]
-    patches = cg.im2col(a, geo)
     g2 = tf.reshape(g, [-1, geo.positions, cout])
     out = tf.matmul(patches, g2, transpose_a=True)
     return tf.reshape(out, [-1, geo.kernel[0], geo.kernel[1], cin, cout])
+
+
+def gather_kernel_grads(a, g, geo):
+    """`[B, kh, kw, Cin, Cout]` by one matmul on the gathered patch matrix."""
+    return _patch_matmul(cg.gather_im2col(a, geo), a, g, geo)
+
+
+def im2col_kernel_grads(a, g, geo):
+    """`[B, kh, kw, Cin, Cout]` by one matmul on the stacked taps."""
+    return _patch_matmul(cg.im2col(a, geo), a, g, geo)
 
 
 def grouped_kernel_grads(a, g, geo):
@@ -96,6 +109,7 @@ def grouped_kernel_grads(a, g, geo):
 
 _KERNELS = {
     "taps": taps_kernel_grads,
+    "gather": gather_kernel_grads,
     "im2col": im2col_kernel_grads,
     "grouped": grouped_kernel_grads,
 }
@@ -108,24 +122,27 @@ class ConvRule:
     Attributes:
       method: `"auto"` or one of `METHODS` (see the module docstring).
       norm_method: `"auto"` (the cost rule), `"gram"` or `"materialize"`.
+      xla: whether the caller compiles with XLA; None detects it while tracing.
     """
 
     method: str = "auto"
     norm_method: str = "auto"
+    xla: bool = None
 
-    def choose_method(self):
-        """The kernel `"auto"` resolves to ("taps", see the module docstring)."""
-        if self.method == "auto":
-            return "taps"
-        if self.method not in METHODS:
-            raise ValueError(f"unknown conv method {self.method!r}")
-        return self.method
+    def choose_method(self, spec=None):
+        """The kernel for `spec` (`"auto"`: see the module docstring)."""
+        if self.method != "auto":
+            if self.method not in METHODS:
+                raise ValueError(f"unknown conv method {self.method!r}")
+            return self.method
+        strided = spec is not None and tuple(spec.strides_hw) != (1, 1)
+        return "gather" if strided and not xla_lib.resolve_xla(self.xla) else "taps"
 
     def _uses(self, uses, spec):
         return [cg.nhwc_use(a, g, spec) for a, g in uses_lib.as_uses(uses)]
 
-    def _kernel_grads(self, nhwc_uses):
-        kernel = _KERNELS[self.choose_method()]
+    def _kernel_grads(self, nhwc_uses, spec):
+        kernel = _KERNELS[self.choose_method(spec)]
         return uses_lib.add_all([kernel(a, g, geo) for a, g, geo in nhwc_uses])
 
     @staticmethod
@@ -135,7 +152,7 @@ class ConvRule:
     def per_example_grads(self, uses, spec):
         """`[B, kh, kw, Cin, Cout]` and, if `spec.has_bias`, `[B, Cout]`."""
         nhwc_uses = self._uses(uses, spec)
-        out = [self._kernel_grads(nhwc_uses)]
+        out = [self._kernel_grads(nhwc_uses, spec)]
         if spec.has_bias:
             out.append(self._bias_grads(nhwc_uses))
         return out
@@ -158,7 +175,7 @@ class ConvRule:
             gs = [tf.reshape(g, [-1, geo.positions, g.shape[-1]]) for _, g, geo in nhwc_uses]
             total = norms.gram_squared_norms(tf.concat(patches, 1), tf.concat(gs, 1))
         else:
-            total = norms.sum_of_squares(self._kernel_grads(nhwc_uses))
+            total = norms.sum_of_squares(self._kernel_grads(nhwc_uses, spec))
         if spec.has_bias:
             total += norms.sum_of_squares(self._bias_grads(nhwc_uses))
         return total

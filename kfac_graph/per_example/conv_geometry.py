@@ -20,6 +20,7 @@ import math
 
 import tensorflow as tf
 
+from kfac_graph import patch_gather
 from kfac_graph.per_example import uses as uses_lib
 
 
@@ -39,24 +40,12 @@ class Geometry:
         return self.out_size[0] * self.out_size[1]
 
 
-def _one_dim(size, k, s, d, padding, explicit):
-    span = (k - 1) * d + 1
-    if padding == "SAME":
-        out = -(-size // s)
-        total = max((out - 1) * s + span - size, 0)
-        return out, (total // 2, total - total // 2)
-    if padding == "VALID":
-        return -(-(size - span + 1) // s), (0, 0)
-    before, after = explicit
-    return (size + before + after - span) // s + 1, (before, after)
-
-
 def geometry(spec, in_size):
     """The `Geometry` of `spec` (a conv/depthwise spec) on input `(H, W)`."""
     explicit = spec.explicit_paddings_hw or ((0, 0), (0, 0))
     outs, pads = [], []
     for i in range(2):
-        out, pad = _one_dim(
+        out, pad = patch_gather.output_and_padding(
             in_size[i],
             spec.kernel_hw[i],
             spec.strides_hw[i],
@@ -141,6 +130,13 @@ def im2col(a, geo):
         return tf.reshape(views[0], [-1, geo.positions, c])
     patches = tf.stack(views, axis=3)  # [B, Ho, Wo, kh*kw, C]
     return tf.reshape(patches, [-1, geo.positions, len(views) * c])
+
+
+def gather_im2col(a, geo):
+    """`im2col(a, geo)` by one gather of the padded input (`patch_gather.py`)."""
+    return patch_gather.gather_patches(
+        pad_input(a, geo), geo.kernel, geo.strides, geo.dilations, geo.out_size
+    )
 
 
 def fold_batch_into_channels(a, g, geo):

@@ -91,14 +91,15 @@ def default_registry(xla=None) -> RuleRegistry:
     """The built-in rules for the kinds the layer matcher produces.
 
     Args:
-      xla: whether the rules will run under XLA (picks the depthwise kernel);
+      xla: whether the rules will run under XLA (picks the conv and depthwise
+        kernels);
         None detects it at trace time, which is right for `tf.function(
         jit_compile=True)`.
     """
     return RuleRegistry(
         {
             "dense": DenseRule(),
-            "conv2d": ConvRule(),
+            "conv2d": ConvRule(xla=xla),
             "depthwise_conv2d": DepthwiseRule(xla=xla),
             "scale_and_shift": ScaleShiftRule(),
             "embedding": EmbeddingRule(),
