@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from kfac_graph import fisher
+from kfac_graph.fisher import factors_base, linalg
 
 F64 = tf.float64
 
@@ -96,3 +97,20 @@ def test_conv_geometry_validation():
         {"strides": [1, 1, 2, 3], "data_format": b"NCHW", "padding": b"SAME"}
     )
     assert g.spatial_strides == (2, 3) and g.padding == "SAME"
+
+
+@pytest.mark.parametrize("diagonal", [False, True])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_homogeneous_border_equals_appended_ones(diagonal, grouped):
+    rng = np.random.default_rng(3)
+    shape = (7, 2, 3) if grouped else (7, 3)
+    uses = [tf.constant(rng.standard_normal(shape)) for _ in range(3)]
+    appended = [linalg.append_ones(x) for x in uses]
+    for combine in ("sum", "mean"):
+        got = factors_base.second_moment([uses], diagonal, combine, ones=True)
+        want = factors_base.second_moment([appended], diagonal, combine)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12)
+    if not (diagonal or grouped):
+        got = factors_base.lag_one_moment([uses, uses[::-1]], ones=True)
+        want = factors_base.lag_one_moment([appended, appended[::-1]])
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12)

@@ -18,6 +18,13 @@ cross moment between consecutive uses (time steps) u and u+1:
 normalised by all `N_s` rows (zero padding at the sequence end keeps
 [[C, C1^T], [C1, C]] positive semi-definite), as the series (RNN) blocks
 need.  Both are debiased moving averages (see `ema.py`).
+
+`ones=True` appends the homogeneous coordinate 1 to every row (the bias's
+input) without copying the rows: with `x` the rows of one use,
+
+    [x 1]^T [y 1] = [[x^T y, x^T 1], [1^T y, N]],
+
+so only the column sums and the row count are added to the border.
 """
 
 import tensorflow as tf
@@ -31,12 +38,23 @@ def _rows(x):
     return tf.cast(tf.shape(x)[0], x.dtype)
 
 
-def _outer(x, y, diagonal):
+def _outer(x, y, diagonal, ones=False):
+    """`sum_n x_n y_n^T` (or its diagonal); with `ones`, of `[x_n 1]`, `[y_n 1]`."""
     if diagonal:
-        return tf.reduce_sum(x * y, axis=0)
-    if len(x.shape) == 3:
-        return tf.einsum("ngi,ngj->gij", x, y)
-    return tf.matmul(x, y, transpose_a=True)
+        out = tf.reduce_sum(x * y, axis=0)
+    elif len(x.shape) == 3:
+        out = tf.einsum("ngi,ngj->gij", x, y)
+    else:
+        out = tf.matmul(x, y, transpose_a=True)
+    if not ones:
+        return out
+    sum_x, sum_y = tf.reduce_sum(x, 0), tf.reduce_sum(y, 0)  # [(G,) d]
+    n = tf.fill(tf.concat([tf.shape(sum_y)[:-1], [1]], 0), _rows(x))  # [(G,) 1]
+    if diagonal:
+        return tf.concat([out, n], -1)
+    top = tf.concat([out, sum_x[..., :, None]], -1)
+    bottom = tf.concat([sum_y, n], -1)[..., None, :]
+    return tf.concat([top, bottom], -2)
 
 
 def combine_sources(per_source, combine):
@@ -47,23 +65,23 @@ def combine_sources(per_source, combine):
     return total / len(per_source) if combine == "mean" else total
 
 
-def second_moment(sources, diagonal=False, combine="sum"):
+def second_moment(sources, diagonal=False, combine="sum", ones=False):
     """The batch estimate C of the module docstring."""
     per_source = []
     for uses in sources:
         n = tf.add_n([_rows(x) for x in uses])
-        per_source.append(tf.add_n([_outer(x, x, diagonal) for x in uses]) / n)
+        per_source.append(tf.add_n([_outer(x, x, diagonal, ones) for x in uses]) / n)
     return combine_sources(per_source, combine)
 
 
-def lag_one_moment(sources, combine="sum"):
+def lag_one_moment(sources, combine="sum", ones=False):
     """The batch estimate C1 of the module docstring (needs >= 2 uses)."""
     per_source = []
     for uses in sources:
         if len(uses) < 2:
             raise ValueError("lag_one_moment needs at least two uses")
         n = tf.add_n([_rows(x) for x in uses])
-        lagged = [_outer(uses[u + 1], uses[u], False) for u in range(len(uses) - 1)]
+        lagged = [_outer(uses[u + 1], uses[u], False, ones) for u in range(len(uses) - 1)]
         per_source.append(tf.add_n(lagged) / n)
     return combine_sources(per_source, combine)
 
@@ -91,12 +109,13 @@ class CovarianceFactor(tf.Module):
     def dtype(self):
         return self.cov.dtype
 
-    def update_rows(self, sources, decay, combine="sum"):
-        """Folds in the batch estimate from `sources` (see module docstring)."""
+    def update_rows(self, sources, decay, combine="sum", ones=False):
+        """Folds in the batch estimate from `sources` (see module docstring);
+        `ones`: the rows get the homogeneous coordinate 1 appended."""
         sources = [[tf.cast(x, self.dtype) for x in uses] for uses in sources]
-        self.cov.update(second_moment(sources, self.diagonal, combine), decay)
+        self.cov.update(second_moment(sources, self.diagonal, combine, ones), decay)
         if self.cov_lag_one is not None:
-            self.cov_lag_one.update(lag_one_moment(sources, combine), decay)
+            self.cov_lag_one.update(lag_one_moment(sources, combine, ones), decay)
 
     def value(self):
         return self.cov.value()

@@ -19,7 +19,6 @@ outputs it feeds), summed ("exact") or averaged ("sampled") over sources:
 import tensorflow as tf
 
 from kfac_graph.fisher import factors_base
-from kfac_graph.fisher import linalg
 from kfac_graph.fisher import patches as patches_lib
 
 
@@ -45,9 +44,7 @@ class DenseInputFactor(factors_base.CovarianceFactor):
 
     def update(self, inputs, decay):
         rows = [_rows(tf.cast(a, self.dtype), self.d_in) for a in inputs]
-        if self.has_bias:
-            rows = [linalg.append_ones(r) for r in rows]
-        self.update_rows([rows], decay)
+        self.update_rows([rows], decay, ones=self.has_bias)
 
 
 class OutputFactor(factors_base.CovarianceFactor):
@@ -83,9 +80,8 @@ class ConvInputFactor(factors_base.CovarianceFactor):
         rows = []
         for a in inputs:
             p = patches_lib.extract_patches(tf.cast(a, self.dtype), self.kernel_hw, self.geometry)
-            r = tf.reshape(p, [-1, p.shape[-1]])
-            rows.append(linalg.append_ones(r) if self.has_bias else r)
-        self.update_rows([rows], decay)
+            rows.append(tf.reshape(p, [-1, p.shape[-1]]))
+        self.update_rows([rows], decay, ones=self.has_bias)
 
 
 class DepthwiseInputFactor(factors_base.CovarianceFactor):
@@ -102,9 +98,8 @@ class DepthwiseInputFactor(factors_base.CovarianceFactor):
         for a in inputs:
             p = patches_lib.extract_patches(tf.cast(a, self.dtype), self.kernel_hw, self.geometry)
             r = tf.reshape(p, [-1, self.kernel_hw[0] * self.kernel_hw[1], self.channels])
-            r = tf.transpose(r, [0, 2, 1])
-            rows.append(linalg.append_ones(r) if self.has_bias else r)
-        self.update_rows([rows], decay)
+            rows.append(tf.transpose(r, [0, 2, 1]))
+        self.update_rows([rows], decay, ones=self.has_bias)
 
 
 class DepthwiseOutputFactor(factors_base.CovarianceFactor):
