@@ -91,7 +91,7 @@ def im2col_kernel_grads(a, g, geo):
 
 def grouped_kernel_grads(a, g, geo):
     """`[B, kh, kw, Cin, Cout]` via `Conv2DBackpropFilter` of a B-group conv."""
-    x, dy, strides, dilations = cg.fold_batch_into_channels(a, g, geo)
+    x, dy, strides, dilations, padding = cg.fold_batch_into_channels(a, g, geo)
     batch = uses_lib.batch_size(a)
     cin, cout = a.shape[-1], g.shape[-1]
     kh, kw = geo.kernel
@@ -101,7 +101,7 @@ def grouped_kernel_grads(a, g, geo):
         out_backprop=dy,
         strides=strides,
         dilations=dilations,
-        padding="VALID",
+        padding=padding,
     )
     filt = tf.reshape(filt, [kh, kw, cin, batch, cout])
     return tf.transpose(filt, [3, 0, 1, 2, 4])

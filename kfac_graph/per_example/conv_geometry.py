@@ -139,13 +139,26 @@ def gather_im2col(a, geo):
     )
 
 
+def _is_same_padding(geo):
+    """Whether `geo.pads` are the pads TF's "SAME" gives this geometry."""
+    return all(
+        patch_gather.output_and_padding(
+            geo.in_size[i], geo.kernel[i], geo.strides[i], geo.dilations[i], "SAME"
+        )[1] == tuple(geo.pads[i])
+        for i in range(2)
+    )
+
+
 def fold_batch_into_channels(a, g, geo):
-    """A per-example filter gradient as one filter gradient: the padded input
-    and the output gradient with the batch folded into the channels
-    (``[1, Hp, Wp, B*C]`` and ``[1, Ho, Wo, B*Cout]``, example-major within
-    the channel axis), and the op's ``strides`` and ``dilations`` lists.
-    Used with ``padding="VALID"`` (the padding is already applied)."""
-    ap = pad_input(a, geo)
+    """A per-example filter gradient as one filter gradient: the input and the
+    output gradient with the batch folded into the channels (``[1, H, W, B*C]``
+    and ``[1, Ho, Wo, B*Cout]``, example-major within the channel axis), and
+    the op's ``strides``, ``dilations`` and ``padding``. The op pads "SAME"
+    itself (oneDNN's kernels are ~15% faster than on a padded copy, measured
+    on the depthwise CNN layer); other padding is applied here, then
+    ``"VALID"``."""
+    padding = "SAME" if _is_same_padding(geo) else "VALID"
+    ap = a if padding == "SAME" else pad_input(a, geo)
     batch = uses_lib.batch_size(a)
     _, hp, wp, c = ap.shape
     _, ho, wo, cout = g.shape
@@ -153,4 +166,4 @@ def fold_batch_into_channels(a, g, geo):
     dy = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, ho, wo, batch * cout])
     strides = [1, geo.strides[0], geo.strides[1], 1]
     dilations = [1, geo.dilations[0], geo.dilations[1], 1]
-    return x, dy, strides, dilations
+    return x, dy, strides, dilations, padding

@@ -62,7 +62,7 @@ def taps_kernel_grads(a, g, geo):
 
 def grouped_kernel_grads(a, g, geo):
     """`[B, kh, kw, C, M]` via the depthwise filter gradient, batch in channels."""
-    x, dy, strides, dilations = cg.fold_batch_into_channels(a, g, geo)
+    x, dy, strides, dilations, padding = cg.fold_batch_into_channels(a, g, geo)
     batch = uses_lib.batch_size(a)
     c, cm = a.shape[-1], g.shape[-1]
     kh, kw = geo.kernel
@@ -72,7 +72,7 @@ def grouped_kernel_grads(a, g, geo):
         out_backprop=dy,
         strides=strides,
         dilations=dilations,
-        padding="VALID",
+        padding=padding,
     )
     filt = tf.reshape(filt, [kh, kw, batch, c, cm // c])
     return tf.transpose(filt, [2, 0, 1, 3, 4])
