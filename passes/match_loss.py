@@ -7,7 +7,8 @@ not depend on the data such as a weight penalty) to the op that computes the
 per-example negative log-likelihood, and returns
 
 - ``kind``: ``"categorical"`` (softmax cross-entropy, sparse or dense
-  targets; ``-sum(y * log_softmax(z))``), ``"bernoulli"`` (sigmoid
+  targets; ``-sum(y * log_softmax(z))``, also written out on clipped
+  softmax probabilities), ``"bernoulli"`` (sigmoid
   cross-entropy, also written out on clipped sigmoid probabilities) or
   ``"normal"`` (squared error; variance 1/2);
 - ``reduction``: ``"mean"`` when the batch is averaged, else ``"sum"``;
@@ -136,7 +137,7 @@ def _terminal(g, node, params):
     d = g.nodes[node]
     op, inputs = d["op"], d["inputs"]
     if op in ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"):
-        return "categorical", inputs[0], inputs[1], 1.0
+        return "categorical", _logits_of_log_softmax(g, inputs[0]) or inputs[0], inputs[1], 1.0
     if op in ("SquaredDifference",):
         return _regression(g, inputs, params)
     if op == "Square":
@@ -150,10 +151,9 @@ def _terminal(g, node, params):
             src = ir.split_tensor(t)[0]
             if g.nodes[src]["op"] == "LogSoftmax":
                 return "categorical", g.nodes[src]["inputs"][0], inputs[1 - k], -1.0
-            if g.nodes[src]["op"] == "Log":
-                inner = ir.split_tensor(g.nodes[src]["inputs"][0])[0]
-                if g.nodes[inner]["op"] == "Softmax":
-                    return "categorical", g.nodes[inner]["inputs"][0], inputs[1 - k], -1.0
+            z = _logits_of_log_softmax(g, t)
+            if z is not None:
+                return "categorical", z, inputs[1 - k], -1.0
     if op in ("AddV2", "Add"):
         return _sigmoid_cross_entropy(g, inputs) or _bernoulli_from_probabilities(g, inputs)
     return None
@@ -236,6 +236,38 @@ def _logits_of_sigmoid(g, tensor):
             _, tensor = _const_operand(g, node["inputs"])
             if tensor is None:
                 return None
+        elif node["op"] in _PASS_THROUGH:
+            tensor = node["inputs"][0]
+        else:
+            return None
+    return None
+
+
+def _logits_of_log_softmax(g, tensor):
+    """``z`` when ``tensor`` is ``log(softmax(z))``, seen through casts, a clip
+    to ``[eps, 1 - eps]`` and a renormalisation ``p / sum(p)``: Keras's
+    (sparse) categorical cross-entropy on probabilities where it cannot recover
+    the logits itself. ``softmax(log p) = p``, so the categorical on ``z`` is
+    the one the loss reads."""
+    node = g.nodes[ir.split_tensor(tensor)[0]]
+    if node["op"] == "LogSoftmax":
+        return node["inputs"][0]
+    if node["op"] != "Log":
+        return None
+    tensor = node["inputs"][0]
+    for _ in range(8):
+        node = g.nodes[ir.split_tensor(tensor)[0]]
+        if node["op"] == "Softmax":
+            return node["inputs"][0]
+        if node["op"] in ("Minimum", "Maximum"):
+            _, tensor = _const_operand(g, node["inputs"])
+            if tensor is None:
+                return None
+        elif node["op"] in ("RealDiv", "Div"):
+            total = g.nodes[ir.split_tensor(node["inputs"][1])[0]]
+            if total["op"] != "Sum" or total["inputs"][0] != node["inputs"][0]:
+                return None
+            tensor = node["inputs"][0]
         elif node["op"] in _PASS_THROUGH:
             tensor = node["inputs"][0]
         else:
