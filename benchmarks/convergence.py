@@ -9,9 +9,10 @@ whole training set (1797 digits) is recorded, outside the timed region.
 
 Candidates: ``kg.KFAC`` with its default settings (more with ``--kfac``),
 Adam over ``--adam_lrs`` and SGD with momentum ``--momentum`` over
-``--sgd_lrs``. The first-order steps are compiled like K-FAC's
-(``jit_compile="auto"``: XLA for the autoencoder, TensorFlow's own kernels
-for the CNN, whose convolutions XLA runs slowly on the CPU).
+``--sgd_lrs``. The first-order steps take their fastest setting here: the
+whole step under XLA for the autoencoder, TensorFlow's own kernels for the
+CNN, whose convolutions XLA runs slowly on the CPU (K-FAC's
+``jit_compile="auto"`` compiles the whole step on accelerators only).
 
 The target is Adam's best full-training-set loss at the last step; the table
 gives the steps and seconds each candidate needs to reach it (seconds: the
