@@ -15,6 +15,7 @@ shared: absolute times are noise, ratios of interleaved medians are not):
 Each with and without XLA (`tf.function(jit_compile=True)`).
 
     python benchmarks/per_example_rules.py [--reps 15] [--no-xla] [--slow]
+        [--only layers|cnn|mlp|patches]
 
 `--slow` also times the grouped kernels under XLA (seconds per call on CPU).
 """
@@ -28,6 +29,7 @@ import bench_env  # noqa: E402,F401  (first: quiet logs, the repository importab
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from kfac_graph import fisher  # noqa: E402
 from kfac_graph import per_example as pe  # noqa: E402
 
 tf.get_logger().setLevel("ERROR")  # distinct tf.functions per variant
@@ -198,9 +200,16 @@ def extract_patches_kernel(a, g, geo):
 
 def layer_table(reps, xla_modes, slow):
     rng = np.random.default_rng(0)
+    def same3x3(cin, cout, stride=1):
+        return pe.ConvSpec((3, 3, cin, cout), strides=(1, stride, stride, 1), padding="SAME")
+
     conv_cases = [
         ("conv 3->32 3x3 @32x32", 64, 32, cnn_layers()[0][1]),
+        ("conv 16->32 3x3 @32x32", 64, 32, same3x3(16, 32)),
+        ("conv 32->32 3x3 @16x16", 64, 16, same3x3(32, 32)),
+        ("conv 64->64 3x3 @16x16", 64, 16, same3x3(64, 64)),
         ("conv 32->64 3x3 s2 @32x32", 64, 32, cnn_layers()[1][1]),
+        ("conv 64->128 3x3 s2 @16x16", 64, 16, same3x3(64, 128, 2)),
         ("conv 1x1 64->64 @16x16", 64, 16, cnn_layers()[3][1]),
     ]
     rows = []
@@ -222,6 +231,7 @@ def layer_table(reps, xla_modes, slow):
                     padding=spec.padding,
                 ),
                 "taps": lambda a, g, geo=geo: conv_lib.taps_kernel_grads(a, g, geo),
+                "gather": lambda a, g, geo=geo: conv_lib.gather_kernel_grads(a, g, geo),
                 "im2col": lambda a, g, geo=geo: conv_lib.im2col_kernel_grads(a, g, geo),
                 "extract_patches": lambda a, g, geo=geo: extract_patches_kernel(a, g, geo),
             }
@@ -310,7 +320,7 @@ def model_table(title, layers, x, y, combos, reps, xla_modes, write_floor):
 
 def cnn_combos(xla):
     combos = [("pxg auto", pe.default_registry())]
-    conv_methods = ["taps", "im2col"] + ([] if xla else ["grouped"])
+    conv_methods = ["taps", "gather", "im2col"] + ([] if xla else ["grouped"])
     dw_methods = ["taps"] + ([] if xla else ["grouped"])
     for cm in conv_methods:
         for dm in dw_methods:
@@ -333,12 +343,40 @@ def mlp_combos(xla):
     return combos
 
 
+# --- table 4: patch matrices -------------------------------------------------
+
+
+def patches_table(reps, xla_modes):
+    rng = np.random.default_rng(3)
+    cases = [(256, 8, 1, 1, "SAME"), (256, 8, 16, 2, "SAME"), (64, 32, 3, 1, "SAME"),
+             (64, 32, 32, 2, "SAME"), (64, 16, 64, 1, "VALID")]
+    rows = []
+    for xla in xla_modes:
+        for batch, size, channels, stride, padding in cases:
+            geometry = fisher.ConvGeometry(strides=(1, stride, stride, 1), padding=padding)
+            x = tf.constant(rng.standard_normal((batch, size, size, channels)), tf.float32)
+            fns = {
+                "extract_patches": tf.function(
+                    lambda x: tf.image.extract_patches(
+                        x, [1, 3, 3, 1], [1, stride, stride, 1], [1, 1, 1, 1], padding),
+                    jit_compile=xla),
+                "gather": tf.function(
+                    lambda x, g=geometry: fisher.extract_patches(x, (3, 3), g), jit_compile=xla),
+            }
+            times = time_all({k: (lambda f=f: f(x)) for k, f in fns.items()}, reps)
+            name = f"B={batch} {size}x{size}x{channels} 3x3 s{stride} {padding}"
+            rows.append((name, "yes" if xla else "no",
+                         f"{times['extract_patches'] / times['gather']:.2f}"))
+    print_table("4. patch matrix: tf.image.extract_patches time / one gather's",
+                rows, ["input", "xla", "ratio"])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--no-xla", action="store_true")
     parser.add_argument("--slow", action="store_true")
-    parser.add_argument("--only", choices=["layers", "cnn", "mlp"])
+    parser.add_argument("--only", choices=["layers", "cnn", "mlp", "patches"])
     args = parser.parse_args()
     xla_modes = [False] if args.no_xla else [False, True]
     rng = np.random.default_rng(2)
@@ -374,6 +412,8 @@ def main():
             xla_modes,
             write_floor=True,
         )
+    if args.only in (None, "patches"):
+        patches_table(args.reps, xla_modes)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ order like the flattened kernel `[kh, kw, C, ...]`: the same matrix as
 `tf.image.extract_patches`, in one copy of contiguous C-channel rows.
 
 Measured on 2 CPU cores (float32, 3x3 kernels, batch 64-256, 8x8 to 32x32
-inputs with 1 to 64 channels, strided or not): 1.5-4x faster than
-`tf.image.extract_patches` without XLA and 2-5x under XLA
-(`python benchmarks/per_example_rules.py`, table 4). The
+inputs with 1 to 64 channels, strided or not): 1.7-5x faster than
+`tf.image.extract_patches` without XLA and 1.6-9x under XLA
+(`python benchmarks/per_example_rules.py --only patches`, table 4). The
 indices are computed in the graph (constant-folded), so a large image adds no
 constant to a saved graph.
 """

@@ -195,7 +195,8 @@ def test_conv_auto_method():
     unit = S((3, 3, 2, 3), padding="SAME")
     assert pe.ConvRule(xla=False).choose_method(strided) == "gather"
     assert pe.ConvRule(xla=False).choose_method(unit) == "taps"
-    assert pe.ConvRule(xla=True).choose_method(strided) == "taps"
+    assert pe.ConvRule(xla=True).choose_method(strided) == "im2col"
+    assert pe.ConvRule(xla=True).choose_method(unit) == "taps"
     assert pe.ConvRule(method="im2col").choose_method(strided) == "im2col"
     with pytest.raises(ValueError, match="unknown conv method"):
         pe.ConvRule(method="loop").choose_method(unit)

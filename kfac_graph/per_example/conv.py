@@ -20,24 +20,26 @@ i.e. a dense layer over the `T = Ho*Wo` im2col patches. Four kernels compute
   convolution, whose filter `[kh, kw, Cin, B*Cout]` is the per-example
   gradient. TF's CPU kernel supports this only for float32 (oneDNN).
 
-`"auto"`: without XLA "gather" for strided convolutions and "taps" otherwise;
-under XLA "taps". Measured by benchmarks/per_example_rules.py (batch 64,
-2 CPU cores, float32; time of the per-example kernel / the same layer's batch
-filter gradient, 20 calls):
+`"auto"`: for strided convolutions a patch-matrix kernel ("gather" without
+XLA, "im2col" under XLA), else "taps". Measured by
+`python benchmarks/per_example_rules.py --only layers` (batch 64, 2 CPU
+cores, float32; time of the per-example kernel / the same layer's batch
+filter gradient, median of 15 calls):
 
-    layer (3x3, SAME)          no XLA: taps  gather  im2col |  XLA: taps  gather  im2col
-    3->32 @32x32                       1.45  1.94    1.97   |       2.19  3.71    2.64
-    16->32 @32x32                      1.77  2.09    2.59   |       3.30  4.69    2.53
-    32->32 @16x16                      1.55  1.83    2.36   |       2.95  3.92    2.55
-    64->64 @16x16                      1.48  1.45    1.79   |       3.49  3.77    2.57
-    32->64 stride 2 @32x32             1.41  1.28    1.51   |       2.55  2.59    2.02
-    64->128 stride 2 @16x16            1.69  1.45    1.63   |       1.62  1.86    1.50
+    layer (3x3, SAME)        no XLA: taps  gather  im2col  grouped |  XLA: taps  gather  im2col
+    3->32 @32x32                     1.39  1.99    2.11    2.24    |       1.74  2.66    1.86
+    16->32 @32x32                    2.05  2.31    3.01    2.05    |       2.22  2.64    1.51
+    32->32 @16x16                    1.55  1.82    2.56    1.69    |       1.52  2.84    1.79
+    64->64 @16x16                    1.49  1.44    1.79    1.59    |       2.29  2.28    1.61
+    32->64 stride 2 @32x32           1.31  1.18    1.47    1.74    |       1.60  1.67    1.17
+    64->128 stride 2 @16x16          1.60  1.23    1.51    2.43    |       1.42  1.59    1.26
 
-Without XLA the strided taps cost a reshaped slice each and "gather" wins;
-at stride 1 the taps are plain slices and win. Under XLA "taps" and "im2col"
-trade places from layer to layer (and from run to run), so one path is kept.
-"grouped" pays for transposes and oneDNN's grouped kernel (1.8-2.7x), and
-XLA's CPU lowering of a batch-grouped filter gradient takes seconds. A 1x1
+Strided taps cost a reshaped slice each, and the patch matrix wins (one
+gather without XLA; XLA fuses the stacked slices better than its gather);
+at stride 1 the taps are plain slices and win or tie without XLA, and
+under XLA "taps" and "im2col" trade places from layer to layer and run to
+run. "grouped" pays for transposes and oneDNN's grouped kernel, and XLA's
+CPU lowering of a batch-grouped filter gradient takes seconds. A 1x1
 conv is the one-tap case: a dense layer.
 
 Norms: Gram form on the im2col patches (uses concatenated along positions, so
@@ -135,8 +137,9 @@ class ConvRule:
             if self.method not in METHODS:
                 raise ValueError(f"unknown conv method {self.method!r}")
             return self.method
-        strided = spec is not None and tuple(spec.strides_hw) != (1, 1)
-        return "gather" if strided and not xla_lib.resolve_xla(self.xla) else "taps"
+        if spec is None or tuple(spec.strides_hw) == (1, 1):
+            return "taps"
+        return "im2col" if xla_lib.resolve_xla(self.xla) else "gather"
 
     def _uses(self, uses, spec):
         return [cg.nhwc_use(a, g, spec) for a, g in uses_lib.as_uses(uses)]
