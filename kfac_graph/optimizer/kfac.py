@@ -297,7 +297,7 @@ class KFAC(tf.Module):
         if self.l2_reg:
             grads = [g + tf.cast(self.l2_reg, g.dtype) * v for g, v in zip(grads, variables)]
         statistics_ok = (tf.reduce_all(tf.math.is_finite(loss)) & vec.all_finite(grads)
-                         & vec.all_finite([v.read_value() for v in self._estimator_state]))
+                         & tf.cond(do_cov, self._statistics_finite, lambda: tf.constant(True)))
 
         def refresh_inverses():
             self.estimator.refresh_inverses()
@@ -306,6 +306,14 @@ class KFAC(tf.Module):
         applied = self._finish_step(args, variables, loss, grads, statistics_ok, k, do_inv,
                                     in_burnin, refresh_inverses, self._estimator_state, snapshot)
         return loss, applied, t
+
+    def _statistics_finite(self):
+        """Whether the moving averages a covariance update writes are finite.
+        The cached decompositions change only at inverse refreshes, which
+        ``_finish_step`` checks, so a step without a covariance update needs
+        no check of the estimator's state (a committed step left it finite)."""
+        written = [v for v in self._estimator_state if distributed.is_replica_local(v)]
+        return vec.all_finite([v.read_value() for v in written])
 
     def _finish_step(self, args, variables, loss, grads, statistics_ok, k, do_inv, in_burnin,
                      refresh_inverses, state, snapshot):
