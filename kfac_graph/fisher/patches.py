@@ -88,12 +88,13 @@ def extract_patches(x, kernel_hw, geometry):
     One gather (`patch_gather.py`) when the spatial size is static, else
     `tf.image.extract_patches` (EXPLICIT padding applied first)."""
     x = channels_last(x, geometry.data_format)
-    kh, kw = kernel_hw
     strides, dilations = geometry.spatial_strides, geometry.spatial_dilations
     explicit = geometry.spatial_paddings if geometry.padding == "EXPLICIT" else ((0, 0), (0, 0))
     if x.shape[1] is not None and x.shape[2] is not None:
-        outs, pads = zip(*(patch_gather.output_and_padding(x.shape[1 + i], kernel_hw[i], strides[i], dilations[i],
-                                         geometry.padding, explicit[i]) for i in range(2)))
+        outs, pads = zip(*(
+            patch_gather.output_and_padding(x.shape[1 + i], kernel_hw[i], strides[i],
+                                            dilations[i], geometry.padding, explicit[i])
+            for i in range(2)))
         if any(p != (0, 0) for p in pads):
             x = tf.pad(x, [[0, 0], list(pads[0]), list(pads[1]), [0, 0]])
         return patch_gather.gather_patches(x, kernel_hw, strides, dilations, outs)
@@ -101,8 +102,7 @@ def extract_patches(x, kernel_hw, geometry):
     if padding == "EXPLICIT":
         x = tf.pad(x, [[0, 0], list(explicit[0]), list(explicit[1]), [0, 0]])
         padding = "VALID"
-    sh, sw = strides
-    dh, dw = dilations
+    (kh, kw), (sh, sw), (dh, dw) = kernel_hw, strides, dilations
     patches = tf.image.extract_patches(
         x, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1], rates=[1, dh, dw, 1], padding=padding
     )
