@@ -225,22 +225,33 @@ def _one_minus(g, tensor):
     return node["inputs"][1]
 
 
-def _logits_of_sigmoid(g, tensor):
-    """``z`` when ``tensor`` is ``sigmoid(z)``, seen through a clip to
-    ``[eps, 1 - eps]`` (Minimum / Maximum with constants) and casts."""
+def _input_of(g, tensor, op, renormalised=False):
+    """The input of the ``op`` node that ``tensor`` reads through casts, a clip
+    to ``[eps, 1 - eps]`` (Minimum / Maximum with constants) and, with
+    ``renormalised``, ``p / sum(p)``; None if it reads anything else."""
     for _ in range(8):
         node = g.nodes[ir.split_tensor(tensor)[0]]
-        if node["op"] == "Sigmoid":
+        if node["op"] == op:
             return node["inputs"][0]
         if node["op"] in ("Minimum", "Maximum"):
             _, tensor = _const_operand(g, node["inputs"])
             if tensor is None:
                 return None
+        elif renormalised and node["op"] in ("RealDiv", "Div"):
+            total = g.nodes[ir.split_tensor(node["inputs"][1])[0]]
+            if total["op"] != "Sum" or total["inputs"][0] != node["inputs"][0]:
+                return None
+            tensor = node["inputs"][0]
         elif node["op"] in _PASS_THROUGH:
             tensor = node["inputs"][0]
         else:
             return None
     return None
+
+
+def _logits_of_sigmoid(g, tensor):
+    """``z`` when ``tensor`` is ``sigmoid(z)``, seen through casts and a clip."""
+    return _input_of(g, tensor, "Sigmoid")
 
 
 def _logits_of_log_softmax(g, tensor):
@@ -254,25 +265,7 @@ def _logits_of_log_softmax(g, tensor):
         return node["inputs"][0]
     if node["op"] != "Log":
         return None
-    tensor = node["inputs"][0]
-    for _ in range(8):
-        node = g.nodes[ir.split_tensor(tensor)[0]]
-        if node["op"] == "Softmax":
-            return node["inputs"][0]
-        if node["op"] in ("Minimum", "Maximum"):
-            _, tensor = _const_operand(g, node["inputs"])
-            if tensor is None:
-                return None
-        elif node["op"] in ("RealDiv", "Div"):
-            total = g.nodes[ir.split_tensor(node["inputs"][1])[0]]
-            if total["op"] != "Sum" or total["inputs"][0] != node["inputs"][0]:
-                return None
-            tensor = node["inputs"][0]
-        elif node["op"] in _PASS_THROUGH:
-            tensor = node["inputs"][0]
-        else:
-            return None
-    return None
+    return _input_of(g, node["inputs"][0], "Softmax", renormalised=True)
 
 
 def _unflatten(g, tensor: str) -> str:
