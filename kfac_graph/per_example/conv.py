@@ -131,13 +131,13 @@ class ConvRule:
     norm_method: str = "auto"
     xla: bool = None
 
-    def choose_method(self, spec=None):
+    def choose_method(self, spec):
         """The kernel for `spec` (`"auto"`: see the module docstring)."""
         if self.method != "auto":
             if self.method not in METHODS:
                 raise ValueError(f"unknown conv method {self.method!r}")
             return self.method
-        if spec is None or tuple(spec.strides_hw) == (1, 1):
+        if tuple(spec.strides_hw) == (1, 1):
             return "taps"
         return "im2col" if xla_lib.resolve_xla(self.xla) else "gather"
 
