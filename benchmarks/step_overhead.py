@@ -15,8 +15,9 @@ mode), ``kg.KFAC`` with ``momentum_type="regular"`` and a fixed damping
 model chooses the learning rate and momentum from two more Fisher-vector
 products per step; the damping adapts every 5 steps, re-evaluating the loss).
 
-Columns: ``/ SGD``: the block time over SGD's in the same mode; ``/ SGD
-no-XLA``: over SGD without XLA (the common baseline); ``inverse step /
+Columns: ``/ SGD``: the block time over SGD's in the same mode; ``per
+round``: the lowest and highest of that ratio within single rounds (the
+spread the shared machine's load leaves); ``/ SGD no-XLA``: over SGD without XLA (the common baseline); ``inverse step /
 other``: the step that refreshes the inverses against the median of the
 other steps.
 
@@ -93,9 +94,11 @@ def measure(model):
     common = base.get("no_xla")
     for mode, name, _ in runs:
         block = np.median(blocks[(mode, name)])
+        # the same ratio within each round: the spread the machine's load leaves
+        per_round = np.array(blocks[(mode, name)]) / np.array(blocks[(mode, "SGD")])
         steps = np.array(per_step[(mode, name)])
         inverse = np.median(steps[:, 0]) / np.median(steps[:, 1:])
-        rows.append((model, mode, name, block / base[mode],
+        rows.append((model, mode, name, block / base[mode], per_round.min(), per_round.max(),
                      None if common is None else block / common, inverse))
     return rows
 
@@ -108,11 +111,12 @@ def main(argv):
     lines = [f"K-FAC step / SGD step, amortised over the inverse period "
              f"({FLAGS.inverse_update_period}), batch {FLAGS.batch_size}, medians of "
              f"{FLAGS.reps} interleaved rounds", "",
-             "| model | mode | optimizer | / SGD | / SGD no-XLA | inverse step / other |",
-             "|---|---|---|---:|---:|---:|"]
-    for model, mode, name, ratio, common, inverse in rows:
+             "| model | mode | optimizer | / SGD | per round | / SGD no-XLA | inverse step / other |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for model, mode, name, ratio, low, high, common, inverse in rows:
         common = "-" if common is None else f"{common:.2f}"
-        lines.append(f"| {model} | {mode} | {name} | {ratio:.2f} | {common} | {inverse:.1f} |")
+        lines.append(f"| {model} | {mode} | {name} | {ratio:.2f} | {low:.2f}-{high:.2f} | {common} "
+                     f"| {inverse:.1f} |")
     text = "\n".join(lines)
     print("\n" + text)
     if FLAGS.markdown:
