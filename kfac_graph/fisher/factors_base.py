@@ -48,7 +48,8 @@ def _outer(x, y, diagonal, ones=False):
         out = tf.matmul(x, y, transpose_a=True)
     if not ones:
         return out
-    sum_x, sum_y = tf.reduce_sum(x, 0), tf.reduce_sum(y, 0)  # [(G,) d]
+    sum_x = tf.reduce_sum(x, 0)  # [(G,) d]
+    sum_y = sum_x if y is x else tf.reduce_sum(y, 0)
     n = tf.fill(tf.concat([tf.shape(sum_y)[:-1], [1]], 0), _rows(x))  # [(G,) 1]
     if diagonal:
         return tf.concat([out, n], -1)

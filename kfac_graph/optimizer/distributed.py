@@ -211,11 +211,7 @@ class Replicated:
         args = self.distribute(args)
         reg = opt.registration
         variables = list(reg.variables)
-        t = opt.iterations.read_value()
-        in_burnin = t < opt.num_burnin_steps
-        k = t - opt.num_burnin_steps
-        do_cov = in_burnin | tf.equal(k % opt.cov_update_period, 0)
-        do_inv = ~in_burnin & tf.equal(k % opt.inverse_update_period, 0)
+        t, in_burnin, k, do_cov, do_inv = opt._schedule()
         shared = self._shared_state()
         snapshot = [v.read_value() for v in shared]
 

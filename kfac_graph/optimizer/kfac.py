@@ -282,14 +282,21 @@ class KFAC(tf.Module):
         """Whether the state (factors, velocities, counters) exists yet."""
         return self._built
 
-    def _core(self, *args):
-        reg = self.estimator.build(*args)
-        variables = list(reg.variables)
+    def _schedule(self):
+        """``(t, in_burnin, k, do_cov, do_inv)`` for this step: the counter, whether
+        it is a burn-in step, the steps since the burn-in, and whether this step
+        updates the covariances and refreshes the inverses."""
         t = self.iterations.read_value()
         in_burnin = t < self.num_burnin_steps
         k = t - self.num_burnin_steps
         do_cov = in_burnin | tf.equal(k % self.cov_update_period, 0)
         do_inv = ~in_burnin & tf.equal(k % self.inverse_update_period, 0)
+        return t, in_burnin, k, do_cov, do_inv
+
+    def _core(self, *args):
+        reg = self.estimator.build(*args)
+        variables = list(reg.variables)
+        t, in_burnin, k, do_cov, do_inv = self._schedule()
         self.curvature_scale.assign(self._loss_scale(reg, args))
         # reads taken before the updates keep the old values (assignments copy on write)
         snapshot = [v.read_value() for v in self._estimator_state]
