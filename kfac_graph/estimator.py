@@ -155,6 +155,11 @@ class FisherEstimator(tf.Module):
         for block in self.blocks:
             block.update_inverses()
 
+    def inverses_stale(self):
+        """Whether any block's cached inverses were made for another damping
+        (then ``multiply_inverse`` inverts those blocks on the fly)."""
+        return tf.reduce_any(tf.stack([block.inverses_stale() for block in self.blocks]))
+
     # -- products over all layers ------------------------------------------------------
     @_plain_python
     def multiply(self, vectors):
@@ -162,9 +167,13 @@ class FisherEstimator(tf.Module):
         return self._per_block(vectors, lambda b, vs: b.multiply(vs))
 
     @_plain_python
-    def multiply_inverse(self, vectors):
-        """The damped blocks' inverses (from the last ``update_inverses``) times ``vectors``."""
-        return self._per_block(vectors, lambda b, vs: b.multiply_inverse(vs))
+    def multiply_inverse(self, vectors, refreshed=False):
+        """The damped blocks' inverses (from the last ``update_inverses``) times
+        ``vectors``. ``refreshed=True``: no block's inverses are stale (the
+        caller refreshed them after any damping change), so the cached ones
+        are used without checking; the check's fallback reads the factors,
+        which an XLA-compiled caller under ``tf.distribute`` cannot reach."""
+        return self._per_block(vectors, lambda b, vs: b.multiply_inverse(vs, refreshed))
 
     def _per_block(self, vectors, op):
         vectors, out, k = list(vectors), [], 0

@@ -153,11 +153,14 @@ class TransposedKernelBlock(blocks_base.FisherBlock):
     def inverse_updates(self):
         return self.block.inverse_updates()
 
+    def inverses_stale(self):
+        return self.block.inverses_stale()
+
     def multiply(self, vs):
         return self._outward(self.block.multiply(self._inward(vs)))
 
-    def multiply_inverse(self, vs):
-        return self._outward(self.block.multiply_inverse(self._inward(vs)))
+    def multiply_inverse(self, vs, refreshed=False):
+        return self._outward(self.block.multiply_inverse(self._inward(vs), refreshed))
 
     def multiply_matpower(self, vs, exp):
         return self._outward(self.block.multiply_matpower(self._inward(vs), exp))

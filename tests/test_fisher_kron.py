@@ -379,3 +379,80 @@ def test_conv_input_factor_property(size, kernel, stride, dilation, padding, fmt
     factor.update([tf.constant(xin)], 0.0)
     want = _cov(_homog(np_patches(x, kh, kw, (stride, stride), (dilation, dilation), padding)))
     np.testing.assert_allclose(factor.value(), want, atol=1e-12)
+
+
+def test_inverse_follows_a_damping_change_until_refreshed():
+    """The cached inverses hold the damping of the last refresh; after a change
+    ``multiply_inverse`` inverts the current factors with the new damping (and
+    ``inverses_stale`` says so) until ``update_inverses`` caches them again."""
+    rng = np.random.default_rng(12)
+    damping = tf.Variable(LAM, dtype=F64)
+    block = fisher.FullyConnectedKroneckerBlock([(3, 2), (2,)], **dict(KW, damping=damping))
+    assert bool(block.inverses_stale())  # nothing cached yet
+    block.update((tf.constant(rng.normal(size=(5, 3))), tf.constant(rng.normal(size=(5, 2)))))
+    block.update_inverses()
+    assert not bool(block.inverses_stale())
+    cached = block.input_inverse.numpy()
+    damping.assign(0.02)
+    assert bool(block.inverses_stale())
+    damped = operator_matrix(block.multiply, block.var_shapes)
+    np.testing.assert_allclose(operator_matrix(block.multiply_inverse, block.var_shapes),
+                               np.linalg.inv(damped), rtol=1e-7, atol=1e-9)
+    np.testing.assert_array_equal(block.input_inverse.numpy(), cached)  # nothing written
+    block.update_inverses()
+    assert not bool(block.inverses_stale())
+    np.testing.assert_allclose(operator_matrix(block.multiply_inverse, block.var_shapes),
+                               np.linalg.inv(damped), rtol=1e-7, atol=1e-9)
+
+
+def test_singular_undamped_inverse_is_not_finite_rather_than_an_error():
+    """Zero damping on a rank-deficient factor: Cholesky fails, the cached
+    inverse is NaN (the optimizer skips such a step), nothing raises."""
+    block = fisher.FullyConnectedKroneckerBlock([(3, 2)], **dict(KW, damping=0.0))
+    block.update((tf.ones([4, 3], F64), tf.ones([4, 2], F64)))
+    block.update_inverses()
+    assert not np.isfinite(block.multiply_inverse([tf.ones([3, 2], F64)])[0].numpy()).all()
+
+
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_depthwise_and_diagonal_inverses_after_a_damping_change(diagonal):
+    """Batched (per-channel) and diagonal factors take the same cached path."""
+    rng = np.random.default_rng(13)
+    damping = tf.Variable(LAM, dtype=F64)
+    kw = dict(KW, damping=damping)
+    if diagonal:
+        block = fisher.FullyConnectedKroneckerBlock([(3, 2), (2,)], diagonal_input=True,
+                                                    diagonal_output=True, **kw)
+        block.update((tf.constant(rng.normal(size=(6, 3))), tf.constant(rng.normal(size=(6, 2)))))
+    else:
+        attrs = dict(strides=[1, 1, 1, 1], padding="SAME")
+        block = fisher.DepthwiseConvKroneckerBlock([(2, 2, 2, 1), (2,)], attrs, **kw)
+        block.update((tf.constant(rng.normal(size=(3, 3, 3, 2))),
+                      tf.constant(rng.normal(size=(3, 3, 3, 2)))))
+    for lam in (LAM, 0.05):
+        damping.assign(lam)
+        for refresh in (False, True):
+            if refresh:
+                block.update_inverses()
+            damped = operator_matrix(block.multiply, block.var_shapes)
+            np.testing.assert_allclose(operator_matrix(block.multiply_inverse, block.var_shapes),
+                                       np.linalg.inv(damped), rtol=1e-7, atol=1e-9)
+
+
+def test_refreshed_inverse_skips_the_staleness_check():
+    """``multiply_inverse(vs, refreshed=True)`` reads the caches as they are
+    (the optimizer refreshes them first): after a damping change it still
+    gives the old damping's inverse, where the checked call follows the change."""
+    rng = np.random.default_rng(14)
+    damping = tf.Variable(LAM, dtype=F64)
+    block = fisher.FullyConnectedKroneckerBlock([(3, 2), (2,)], **dict(KW, damping=damping))
+    block.update((tf.constant(rng.normal(size=(5, 3))), tf.constant(rng.normal(size=(5, 2)))))
+    block.update_inverses()
+    cached = operator_matrix(block.multiply_inverse, block.var_shapes)
+    np.testing.assert_allclose(cached, np.linalg.inv(operator_matrix(block.multiply,
+                                                                     block.var_shapes)), rtol=1e-7)
+    damping.assign(0.02)
+    np.testing.assert_allclose(
+        operator_matrix(lambda v: block.multiply_inverse(v, refreshed=True), block.var_shapes),
+        cached, rtol=1e-12)
+    assert not np.allclose(operator_matrix(block.multiply_inverse, block.var_shapes), cached)

@@ -101,22 +101,41 @@ def test_burn_in_and_update_periods():
     opt.build(*batches[0])
     block = opt.estimator.blocks[0]
     factor = block.input_factor.value().numpy()
-    evals = block.input_cache.evals.numpy()
+    cached = block.input_inverse.numpy()
     seen = []
     for t in range(7):
         before = _stacked(w, b)
         opt.step(*batches[t])
         cov = not np.array_equal(block.input_factor.value().numpy(), factor)
-        inv = not np.array_equal(block.input_cache.evals.numpy(), evals)
+        inv = not np.array_equal(block.input_inverse.numpy(), cached)
         moved = not np.array_equal(_stacked(w, b), before)
         seen.append((cov, inv, moved))
         factor = block.input_factor.value().numpy()
-        evals = block.input_cache.evals.numpy()
+        cached = block.input_inverse.numpy()
     # k = t - 2: covariances every step of the burn-in, then on even k;
     # inverses at k = 0, 3; parameters only after the burn-in.
     assert seen == [(True, False, False), (True, False, False), (True, True, True),
                     (False, False, True), (True, False, True), (False, True, True),
                     (True, False, True)]
+
+
+def test_inverses_are_refreshed_after_each_damping_change():
+    """The blocks cache damped inverses: a step that starts with a damping the
+    caches were not made for refreshes them first, so every update is
+    preconditioned by the cache (never the on-the-fly fallback)."""
+    w, b, fn, batches = _dense_problem(seed=4)
+    opt = kg.KFAC(fn, momentum_type="regular", adapt_damping=True, damping_adaptation_interval=2,
+                  inverse_update_period=100, jit_compile=False)
+    opt.build(*batches[0])
+    block = opt.estimator.blocks[0]
+    changes = 0
+    for x, y in batches:
+        lam = float(opt.damping) / float(opt.curvature_scale) / float(block.replicas)
+        refreshed_for = float(block.inverse_damping)
+        opt.step(x, y)
+        np.testing.assert_allclose(float(block.inverse_damping), lam, rtol=1e-12)
+        changes += refreshed_for != float(block.inverse_damping)
+    assert changes >= 2  # the first step's refresh and at least one damping change
 
 
 def test_non_finite_batch_is_skipped_and_nothing_changes():

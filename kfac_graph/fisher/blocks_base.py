@@ -23,7 +23,8 @@ Methods (damping l >= 0, read on every call; a float, tensor, variable or
 zero-argument callable):
   multiply(vs)                 (F~) vs with F~ the damped block, built from the
                                current factors.
-  multiply_inverse(vs)         F~^{-1} vs from the snapshot taken by the last
+  multiply_inverse(vs, refreshed=False)
+                               F~^{-1} vs from the snapshot taken by the last
   multiply_matpower(vs, exp)   update_inverses() (exp = 1 means multiply).
   multiply_cholesky(vs, transpose=False)          L vs (L^T vs) and
   multiply_cholesky_inverse(vs, transpose=False)  L^{-1} vs (L^{-T} vs), with
@@ -31,6 +32,8 @@ zero-argument callable):
   full_matrix()                the undamped block, dense `[n, n]`.
   update_inverses()            refreshes the cached decompositions
   inverse_updates()            ... as [(variable, value)], without storing them.
+  inverses_stale()             whether the caches were made for another damping
+                               (Kronecker blocks cache damped inverses).
 Unsupported methods raise NotImplementedError naming block and method.
 
 Full and diagonal blocks damp as `F + l I`.
@@ -127,10 +130,17 @@ class FisherBlock(tf.Module):
         for variable, value in self.inverse_updates():
             variable.assign(value)
 
+    def inverses_stale(self):
+        """Whether the cached inverses were made for another damping (a scalar
+        bool tensor); False for blocks whose caches follow the damping."""
+        return tf.constant(False)
+
     def multiply(self, vs):
         return self.multiply_matpower(vs, 1)
 
-    def multiply_inverse(self, vs):
+    def multiply_inverse(self, vs, refreshed=False):
+        """``refreshed=True``: the caller has refreshed any stale caches
+        (``inverses_stale()`` is False), so blocks may skip that check."""
         return self.multiply_matpower(vs, -1)
 
     def multiply_matpower(self, vs, exp):

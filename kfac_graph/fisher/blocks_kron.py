@@ -15,10 +15,14 @@ ConvKFCBasicMultiIndepFB of tensorflow/kfac are the same math).
 
 Damping (tensorflow/kfac's convention): l' = l / R,
 pi = sqrt((tr A / dim A) / (tr G / dim G)), and the damped block is
-R (A + pi sqrt(l') I) (x) (G + sqrt(l')/pi I).  Inverses and powers use
-eigendecompositions of A and G cached by `update_inverses()`; pi is then
-taken from the cached traces.  The Cholesky factor is
-sqrt(R) chol(A~) (x) chol(G~), computed on demand from the current factors.
+R (A + pi sqrt(l') I) (x) (G + sqrt(l')/pi I).  `update_inverses()`
+caches the damped factors' inverses X_A, X_G (by Cholesky) and the l' they
+were made for, so the inverse is V -> X_A V X_G / R: one matmul per side,
+where an eigenbasis costs two (tensorflow/kfac caches such inverses too).
+If l' has since changed (relative difference above 1e-6), `multiply_inverse`
+inverts the current factors on the fly instead, and `inverses_stale()`
+says so (the optimizer then refreshes).  Other powers, `multiply` and the
+Cholesky factor sqrt(R) chol(A~) (x) chol(G~) use the current factors.
 
 Depthwise kernels `[kh, kw, C, M]` are treated as C independent convs
 (one per input channel, feeding outputs c*M ... c*M+M-1, its M bias
@@ -53,14 +57,24 @@ class KroneckerBlock(blocks_base.FisherBlock):
     call `_init_kron()`; `_to_mat`/`_from_mat` map variables <-> V."""
 
     def _init_kron(self):
-        a, g = self.input_factor, self.output_factor
         self.replicas = ema.replica_local(tf.ones([], self.dtype), name="replicas")
-        self.input_cache = linalg.EigCache(
-            a.batch_shape, a.dim, a.diagonal, self.dtype, name="input_cache"
-        )
-        self.output_cache = linalg.EigCache(
-            g.batch_shape, g.dim, g.diagonal, self.dtype, name="output_cache"
-        )
+        self._init_inverses()
+
+    def _init_inverses(self):
+        """The cached inverses: ``(0 + 1 I)^{-1}`` until the first refresh, whose
+        damping (-1) matches no real one, so they count as stale until then."""
+
+        def cache(factor, name):
+            shape = list(factor.batch_shape) + [factor.dim]
+            if factor.diagonal:
+                return tf.Variable(tf.ones(shape, self.dtype), trainable=False, name=name)
+            eye = tf.eye(factor.dim, batch_shape=list(factor.batch_shape), dtype=self.dtype)
+            return tf.Variable(eye, trainable=False, name=name)
+
+        self.input_inverse = cache(self.input_factor, "input_inverse")
+        self.output_inverse = cache(self.output_factor, "output_inverse")
+        self.inverse_damping = tf.Variable(tf.constant(-1.0, self.dtype), trainable=False,
+                                           name="inverse_damping")
 
     # -- variables <-> V ------------------------------------------------------
     def _to_mat(self, vs):
@@ -90,33 +104,64 @@ class KroneckerBlock(blocks_base.FisherBlock):
         self.replicas.assign(tf.cast(self._locations(uses[0]) * len(uses), self.dtype))
 
     def inverse_updates(self):
-        return (self.input_cache.updates(self.input_factor.value())
-                + self.output_cache.updates(self.output_factor.value()))
+        xa, xg, lam = self._current_inverses()
+        return [(self.input_inverse, xa), (self.output_inverse, xg), (self.inverse_damping, lam)]
+
+    def _current_inverses(self):
+        """``(X_A, X_G, l')`` from the current factors and damping."""
+        a, g = self.input_factor, self.output_factor
+        (av, da), (gv, dg) = self._split_factors()
+        return (linalg.damped_inverse(av, da, a.diagonal),
+                linalg.damped_inverse(gv, dg, g.diagonal), self._normalised_damping())
+
+    def inverses_stale(self):
+        """Whether the damping ``l'`` differs from the cached inverses' (or none are cached)."""
+        lam, cached = self._normalised_damping(), self.inverse_damping.read_value()
+        return tf.abs(lam - cached) > 1e-6 * tf.abs(cached)
 
     # -- damping ------------------------------------------------------------------
-    def _split(self, trace_a, trace_g):
-        lam = self.damping() / self.replicas
-        return linalg.pi_split_damping(
-            lam, trace_a, self.input_factor.dim, trace_g, self.output_factor.dim
-        )
+    def _normalised_damping(self):
+        return self.damping() / self.replicas
+
+    def _split_factors(self):
+        """``((A, d_A), (G, d_G))``: the current factors and their pi-split damping."""
+        a, g = self.input_factor, self.output_factor
+        av, gv = a.value(), g.value()
+        da, dg = linalg.pi_split_damping(self._normalised_damping(),
+                                         linalg.trace(av, a.diagonal), a.dim,
+                                         linalg.trace(gv, g.diagonal), g.dim)
+        return (av, da), (gv, dg)
 
     def _damped_factors(self):
         a, g = self.input_factor, self.output_factor
-        av, gv = a.value(), g.value()
-        da, dg = self._split(linalg.trace(av, a.diagonal), linalg.trace(gv, g.diagonal))
+        (av, da), (gv, dg) = self._split_factors()
         return (linalg.add_damping(av, da, a.diagonal), linalg.add_damping(gv, dg, g.diagonal))
 
     # -- products -------------------------------------------------------------------
+    def multiply_inverse(self, vs, refreshed=False):
+        if not refreshed:
+            return self.multiply_matpower(vs, -1)
+        return self._from_mat(self._kron_product(self._to_mat(vs), self.input_inverse,
+                                                 self.output_inverse) / self.replicas)
+
+    def _kron_product(self, mat, left, right):
+        """``left @ mat @ right`` (either factor may be a diagonal)."""
+        out = linalg.mul_left(left, mat, self.input_factor.diagonal)
+        return linalg.mul_right(out, right, self.output_factor.diagonal)
+
     def multiply_matpower(self, vs, exp):
         mat = self._to_mat(vs)
-        diag_a, diag_g = self.input_factor.diagonal, self.output_factor.diagonal
         if exp == 1:
             a, g = self._damped_factors()
-            out = linalg.mul_right(linalg.mul_left(a, mat, diag_a), g, diag_g)
-            return self._from_mat(self.replicas * out)
-        da, dg = self._split(self.input_cache.trace(), self.output_cache.trace())
-        out = self.output_cache.right(self.input_cache.left(mat, da, exp), dg, exp)
-        return self._from_mat(tf.pow(self.replicas, exp) * out)
+            return self._from_mat(self.replicas * self._kron_product(mat, a, g))
+        if exp == -1:
+            cached = lambda: (self.input_inverse.read_value(), self.output_inverse.read_value())
+            xa, xg = tf.cond(self.inverses_stale(), lambda: self._current_inverses()[:2], cached)
+        else:
+            (av, da), (gv, dg) = self._split_factors()
+            xa = linalg.damped_power(av, da, self.input_factor.diagonal, exp)
+            xg = linalg.damped_power(gv, dg, self.output_factor.diagonal, exp)
+        return self._from_mat(tf.pow(self.replicas, exp) * self._kron_product(mat, xa, xg))
 
     def _cholesky_factors(self):
         a, g = self._damped_factors()

@@ -21,7 +21,9 @@ Option 2 takes sequences as infinitely long:  F = T sum_{d in Z} M^A_d (x) M^G_d
     F^{-1} = (1/T) (I - P^T) K D K^T (I - P),   P = C1^T C0^{-1} per factor,
     hat Psi^T hat Psi = E diag(mu) E^T,  K = C0^{-1/2} E,
     D = diag(1 / (1 - mu_A mu_G^T)).
-Damping: l' = l / U split by pi between the factors, added to C0 only.
+Damping: l' = l / U split by pi between the factors, added to C0 only,
+when `update_inverses()` makes the quantities (`inverses_stale()` says
+when l' has changed since).
 Supported: multiply_inverse (both), multiply (option 1 only, from the
 current factors), full_matrix (undamped, pseudo-inverting a singular C0;
 dense, meant for tests); no Cholesky, no other powers.
@@ -107,6 +109,11 @@ class FullyConnectedSeriesBlock(blocks_kron.FullyConnectedKroneckerBlock):
     def _damped_c0(self):
         return self._damped_factors()
 
+    def _init_inverses(self):
+        """Only the damping of the last refresh: the quantities below hold the rest."""
+        self.inverse_damping = tf.Variable(tf.constant(-1.0, self.dtype), trainable=False,
+                                           name="inverse_damping")
+
     def inverse_updates(self):
         a0, g0 = self._damped_c0()
         a1 = self.input_factor.lag_one_value()
@@ -118,7 +125,7 @@ class FullyConnectedSeriesBlock(blocks_kron.FullyConnectedKroneckerBlock):
             else:
                 values = option2_quantities(c0, c1)
             pairs += list(zip(quants, values))
-        return pairs
+        return pairs + [(self.inverse_damping, self._normalised_damping())]
 
     def multiply_matpower(self, vs, exp):
         if exp == -1:

@@ -106,6 +106,27 @@ def solve_tril_right(x, chol, diagonal, transpose=False):
     return tf.linalg.matrix_transpose(out)
 
 
+def damped_inverse(factor, damping, diagonal):
+    """`(factor + d I)^{-1}` by a Cholesky factorisation (NaN, not an error,
+    where `factor + d I` is not positive definite: the optimizer then skips
+    the step)."""
+    if diagonal:
+        return 1.0 / (tf.maximum(factor, 0.0) + damping[..., None])
+    sym = 0.5 * (factor + tf.linalg.matrix_transpose(factor))
+    chol = tf.linalg.cholesky(add_damping(sym, damping, False))
+    eye = tf.eye(factor.shape[-1], batch_shape=factor.shape[:-2], dtype=factor.dtype)
+    return tf.linalg.cholesky_solve(chol, eye)
+
+
+def damped_power(factor, damping, diagonal, exp):
+    """`(factor + d I)^exp` (negative eigenvalues of the factor clipped at 0)."""
+    if diagonal:
+        return tf.pow(tf.maximum(factor, 0.0) + damping[..., None], exp)
+    evals, evecs = psd_eig(factor)
+    powered = tf.pow(evals + damping[..., None], exp)
+    return tf.matmul(evecs * powered[..., None, :], evecs, transpose_b=True)
+
+
 def psd_eig(matrix):
     """Eigen-decomposition of the symmetrised matrix, eigenvalues clipped at 0."""
     sym = 0.5 * (matrix + tf.linalg.matrix_transpose(matrix))

@@ -8,7 +8,8 @@ Each ``step(*args)`` runs one ``tf.function`` that, on the step counter
    re-run of the registered graph also folds the batch's statistics into
    the estimator's factors (``cov_ema_decay``);
 2. on inverse steps (``k % inverse_update_period == 0``, never in the
-   burn-in) refreshes the estimator's cached inverses, after (1);
+   burn-in), and after the damping has changed (the blocks cache damped
+   inverses), refreshes the estimator's cached inverses, after (1);
 3. outside the burn-in, preconditions the gradient ``g`` (plus
    ``l2_reg * theta``) with the damped blocks' inverses (an inner
    ``tf.function(jit_compile=True)``), forms the update by the momentum
@@ -245,8 +246,10 @@ class KFAC(tf.Module):
                                or tf.config.list_physical_devices("TPU"))
             jit = accelerated
         self.whole_step_jit = bool(jit)
-        self._compiled.precondition = tf.function(self.estimator.multiply_inverse,
-                                                  jit_compile=True, autograph=False)
+        # the step refreshes stale inverses before it preconditions
+        self._compiled.precondition = tf.function(
+            lambda vectors: self.estimator.multiply_inverse(vectors, refreshed=True),
+            jit_compile=True, autograph=False)
         # without XLA the core is traced inline into the step (no nested call)
         self._compiled.core = (tf.function(self._core, jit_compile=True, autograph=False)
                                if self.whole_step_jit else self._core)
@@ -328,7 +331,11 @@ class KFAC(tf.Module):
         (outside the burn-in) the update; commits the step counter if every
         value was finite, else puts ``state`` back to ``snapshot`` and counts
         the skip. True if the step was applied."""
-        refreshed = tf.cond(do_inv & statistics_ok, refresh_inverses, lambda: tf.constant(False))
+        # a damping changed by the Levenberg-Marquardt rule also refreshes the
+        # (damped) inverses, so the compiled preconditioning reads them as cached
+        stale = ~in_burnin & self.estimator.inverses_stale()
+        refreshed = tf.cond((do_inv | stale) & statistics_ok, refresh_inverses,
+                            lambda: tf.constant(False))
         inverses_ok = tf.cond(refreshed, lambda: vec.all_finite(
             [v.read_value() for v in state]), lambda: tf.constant(True))
         statistics_ok = statistics_ok & inverses_ok
@@ -365,7 +372,10 @@ class KFAC(tf.Module):
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             return [loss] + _dense(grads, variables)
 
-        out = tf.cond(do_cov, with_statistics, without_statistics)
+        if self.cov_update_period == 1:  # every step: no branch
+            out = with_statistics()
+        else:
+            out = tf.cond(do_cov, with_statistics, without_statistics)
         return out[0], out[1:]
 
     def _batch_loss(self, args):
