@@ -53,9 +53,18 @@ def _outer(x, y, diagonal, ones=False):
     n = tf.fill(tf.concat([tf.shape(sum_y)[:-1], [1]], 0), _rows(x))  # [(G,) 1]
     if diagonal:
         return tf.concat([out, n], -1)
-    top = tf.concat([out, sum_x[..., :, None]], -1)
-    bottom = tf.concat([sum_y, n], -1)[..., None, :]
-    return tf.concat([top, bottom], -2)
+    last_row = tf.concat([sum_y, n], -1)  # [(G,) d + 1]
+    # Three zero-padded terms: TensorFlow's concat along an inner axis copies
+    # row by row (about 4x slower here for a 256 x 256 factor).
+    d = out.shape[-1]
+    return (tf.pad(out, _pad_last(out, 2, [0, 1], [0, 1]))
+            + tf.pad(sum_x[..., :, None], _pad_last(out, 2, [0, 1], [d, 0]))
+            + tf.pad(last_row[..., None, :], _pad_last(out, 2, [d, 0], [0, 0])))
+
+
+def _pad_last(x, count, *pads):
+    """`tf.pad` paddings: none on the leading axes, `pads` on the last `count`."""
+    return [[0, 0]] * (len(x.shape) - count) + [list(p) for p in pads]
 
 
 def combine_sources(per_source, combine):

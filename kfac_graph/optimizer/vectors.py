@@ -26,17 +26,25 @@ def combine(a, xs, b, ys) -> list:
 
 
 def all_finite(tensors) -> tf.Tensor:
-    """True when every entry of every tensor is finite (True for none).
+    """True when every entry of every floating tensor is finite (True for none).
 
-    One check per dtype over the tensors flattened and concatenated (a
-    per-tensor check costs two graph ops each)."""
-    by_dtype = {}
+    Checked on the tensors' sums, one per tensor and read in place: a
+    non-finite entry makes its sum non-finite (concatenating the tensors
+    for one elementwise check would copy them all). A sum that overflows,
+    possible only with entries near the dtype's largest value, counts as
+    non-finite too; narrower floats than 32 bits are summed in float32."""
+    sums = []
     for t in tensors:
         t = tf.convert_to_tensor(t)
-        if t.dtype.is_floating or t.dtype.is_complex:
-            by_dtype.setdefault(t.dtype, []).append(tf.reshape(t, [-1]))
-    flags = [tf.reduce_all(tf.math.is_finite(ts[0] if len(ts) == 1 else tf.concat(ts, 0)))
-             for ts in by_dtype.values()]
-    if not flags:
+        if not t.dtype.is_floating:
+            continue
+        if t.dtype.size < 4:
+            t = tf.cast(t, tf.float32)
+        sums.append(tf.reduce_sum(t))
+    if not sums:
         return tf.constant(True)
+    by_dtype = {}
+    for s in sums:
+        by_dtype.setdefault(s.dtype, []).append(s)
+    flags = [tf.reduce_all(tf.math.is_finite(tf.stack(group))) for group in by_dtype.values()]
     return flags[0] if len(flags) == 1 else tf.reduce_all(tf.stack(flags))
