@@ -13,7 +13,10 @@ mode), ``kg.KFAC`` with ``momentum_type="regular"`` and a fixed damping
 (the plain step: covariance update every step, inverses every 10), and
 ``kg.KFAC`` with its defaults (``momentum_type="qmodel"``: the quadratic
 model chooses the learning rate and momentum from two more Fisher-vector
-products per step; the damping adapts every 5 steps, re-evaluating the loss).
+products per step; the damping adapts every 5 steps, re-evaluating the loss),
+and the plain optimizer's compiled preconditioning alone, applied to a
+gradient (``preconditioning``): what every K-FAC step adds to its gradient
+at the least, whatever its statistics cost.
 
 Columns: ``/ SGD``: the block time over SGD's in the same mode; ``per
 round``: the lowest and highest of that ratio within single rounds (the
@@ -65,7 +68,29 @@ def candidates(model):
             opt = kg.KFAC(task.loss_fn, jit_compile=xla,
                           inverse_update_period=FLAGS.inverse_update_period, **options)
             out.append((mode, name, opt.step))
+            if name == "K-FAC":
+                task = digits.make_task(model)
+                opt = kg.KFAC(task.loss_fn, jit_compile=xla, **options)
+                out.append((mode, "preconditioning", preconditioning_only(opt)))
     return out
+
+
+def preconditioning_only(opt):
+    """``step(x, t)``: ``opt``'s compiled preconditioning of a fixed vector shaped
+    like the gradient (the first call takes one step, which builds ``opt`` and
+    caches its inverses)."""
+    vectors = None
+    precondition = tf.function(opt.precondition, autograph=False)
+
+    def step(x, t):
+        nonlocal vectors
+        if vectors is None:
+            opt.step(x, t)
+            vectors = [tf.random.stateless_normal(v.shape, [0, i], dtype=v.dtype)
+                       for i, v in enumerate(opt.variables_to_train)]
+        return precondition(vectors)[0]
+
+    return step
 
 
 def measure(model):

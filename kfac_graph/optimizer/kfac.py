@@ -54,11 +54,11 @@ it was, adds one to ``skipped_steps`` and logs a warning.
 
 ``jit_compile``: ``True`` compiles the whole step with XLA; ``"auto"`` does
 so on accelerators only. On the CPU, XLA's convolutions are about 10x
-slower than oneDNN's, and its eigendecomposition makes the inverse-refresh
-step about 20x slower (670 ms against 30 ms on the digits autoencoder,
-``benchmarks/convergence.py``), so even convolution-free models train
-faster without it there. The preconditioning is compiled in every case.
-Summaries and the skip warning run outside XLA.
+slower than oneDNN's and its Cholesky factorisations about 20x slower than
+TensorFlow's (the inverse refresh of the digits autoencoder), and even
+its matmuls trail oneDNN's, so even convolution-free models train faster
+without it there (``benchmarks/step_overhead.py``). The preconditioning
+is compiled in every case. Summaries and the skip warning run outside XLA.
 
 Under ``tf.distribute`` (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``,
 ``TPUStrategy``; the strategy in scope when the optimizer is made) the same
