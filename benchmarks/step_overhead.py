@@ -16,7 +16,8 @@ model chooses the learning rate and momentum from two more Fisher-vector
 products per step; the damping adapts every 5 steps, re-evaluating the loss),
 and the plain optimizer's compiled preconditioning alone, applied to a
 gradient (``preconditioning``): what every K-FAC step adds to its gradient
-at the least, whatever its statistics cost.
+at the least, whatever its statistics cost; and the same products with
+TensorFlow's kernels instead of XLA's (``preconditioning, TF kernels``).
 
 Columns: ``/ SGD``: the block time over SGD's in the same mode; ``per
 round``: the lowest and highest of that ratio within single rounds (the
@@ -71,16 +72,21 @@ def candidates(model):
             if name == "K-FAC":
                 task = digits.make_task(model)
                 opt = kg.KFAC(task.loss_fn, jit_compile=xla, **options)
-                out.append((mode, "preconditioning", preconditioning_only(opt)))
+                out.append((mode, "preconditioning", preconditioning_only(opt, opt.precondition)))
+                if mode == "no_xla":
+                    uncompiled = lambda vs, opt=opt: opt.estimator.multiply_inverse(vs,
+                                                                                    refreshed=True)
+                    out.append((mode, "preconditioning, TF kernels",
+                                preconditioning_only(opt, uncompiled)))
     return out
 
 
-def preconditioning_only(opt):
-    """``step(x, t)``: ``opt``'s compiled preconditioning of a fixed vector shaped
-    like the gradient (the first call takes one step, which builds ``opt`` and
-    caches its inverses)."""
+def preconditioning_only(opt, products):
+    """``step(x, t)``: ``products`` (``opt``'s preconditioning) of a fixed vector
+    shaped like the gradient, in a ``tf.function`` (the first call takes one
+    step, which builds ``opt`` and caches its inverses)."""
     vectors = None
-    precondition = tf.function(opt.precondition, autograph=False)
+    precondition = tf.function(products, autograph=False)
 
     def step(x, t):
         nonlocal vectors
