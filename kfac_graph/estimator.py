@@ -138,7 +138,7 @@ class FisherEstimator(tf.Module):
         reg = self.build(*args)
         run = self._cache.update.get(id(reg))
         if run is None:
-            run = tf.function(lambda *a: self._update(reg, a), autograph=False)
+            run = tf.function(lambda *a: self._update(reg, a).loss, autograph=False)
             self._cache.update[id(reg)] = run
         return run(*args)
 
@@ -187,6 +187,11 @@ class FisherEstimator(tf.Module):
         """Inside a ``tf.function``: add this batch's statistics to the
         blocks and return the loss (the same forward pass), for callers that
         build their own step (the optimizer)."""
+        return self.accumulate_taps(*args).loss
+
+    def accumulate_taps(self, *args):
+        """``accumulate``, returning the forward pass's ``LayerTaps`` (the loss,
+        the model output), from which a caller may take more derivatives."""
         return self._update(self.build(*args), args)
 
     # -- the traced update -------------------------------------------------------------
@@ -220,7 +225,7 @@ class FisherEstimator(tf.Module):
                         else uses)
             block.update(data, combine=combine)
         self._counter.assign_add(1)
-        return taps.loss
+        return taps
 
     def _cotangents(self, reg, taps):
         """The cotangents at ``z`` and, per source, the ``[B]`` per-example

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 import kfac_graph as kg
 from kfac_graph.optimizer import damping as damping_lib
+from kfac_graph.optimizer import exact_fisher
 from kfac_graph.optimizer import qmodel
 from test_optimizer import (_dense_problem, _numpy_precondition, _numpy_quantities,
                             _stacked)
@@ -47,6 +48,33 @@ def test_qmodel_alpha_and_mu_are_the_numpy_2x2_solve():
                                    atol=1e-12)
         prev = _stacked(w, b) - theta
     assert used_2x2 > 0
+
+
+def test_fisher_forms_of_the_step_forward_pass_equal_those_of_a_fresh_one():
+    """The step differentiates its own forward pass (the statistics pass) for
+    the quadratic model's Fisher forms when it can; a separate import gives
+    the same forms (and is what runs under a burn-in or a covariance period)."""
+    w, b, fn, batches = _dense_problem(seed=5)
+    x, y = batches[0]
+    est = kg.FisherEstimator(fn, estimation_mode="sampled")
+    reg = est.build(x, y)
+    rng = np.random.default_rng(0)
+    vectors = [[tf.constant(rng.normal(size=v.shape)) for v in reg.variables] for _ in range(2)]
+
+    @tf.function(autograph=False)
+    def both():
+        taps = est.accumulate_taps(x, y)
+        return (tf.stack([tf.stack(r) for r in exact_fisher.quadratic_forms(reg, (x, y), vectors,
+                                                                            taps)]),
+                tf.stack([tf.stack(r) for r in exact_fisher.quadratic_forms(reg, (x, y), vectors)]))
+
+    shared, fresh = both()
+    np.testing.assert_allclose(shared.numpy(), fresh.numpy(), rtol=1e-12)
+    x_np, y_np = x.numpy(), y.numpy()
+    _, _, _, abar, p = _numpy_quantities(_stacked(w, b), x_np, y_np)
+    u, v = (np.concatenate([vs[0].numpy(), vs[1].numpy()[None]], 0) for vs in vectors)
+    np.testing.assert_allclose(shared.numpy()[0, 1], _exact_fisher_form(u, v, abar, p),
+                               rtol=1e-10)
 
 
 def _solve(m11, m12, m22, c1, c2, dtype=F64):

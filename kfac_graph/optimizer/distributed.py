@@ -257,7 +257,7 @@ class Replicated:
         variables = list(opt.registration.variables)
         local = self._local_state()
         snapshot = [v.read_value() for v in local]
-        loss, grads = opt._loss_and_gradients(args, variables, do_cov)
+        loss, grads, _ = opt._loss_and_gradients(args, variables, do_cov)
         flagged = 1 - tf.cast(vec.all_finite([v.read_value() for v in local]), opt.dtype)
         first = tf.convert_to_tensor(tf.nest.flatten(args)[0])
         batch = tf.cast(tf.shape(first)[0], opt.dtype)

@@ -16,13 +16,16 @@ from kfac_graph.fisher import make_distribution
 from kfac_graph.layer_taps import LayerTaps
 
 
-def jacobian_vector_products(registration, args, vectors):
-    """``[J u for u in vectors]`` (each shaped like the model output) and ``z``."""
+def jacobian_vector_products(registration, args, vectors, taps=None):
+    """``[J u for u in vectors]`` (each shaped like the model output) and ``z``.
+    ``taps``: a forward pass of ``args`` already in this graph (``LayerTaps``)
+    to differentiate, instead of importing the graph again."""
     reg = registration
     variables = list(reg.variables)
-    inner = tf.nest.map_structure(lambda a: tf.identity(a) if isinstance(a, tf.Tensor) else a,
-                                  args)
-    taps = LayerTaps.build(reg, inner)
+    if taps is None:
+        inner = tf.nest.map_structure(
+            lambda a: tf.identity(a) if isinstance(a, tf.Tensor) else a, args)
+        taps = LayerTaps.build(reg, inner)
     z = taps.model_output
     if z is None:
         raise ValueError("the loss pass found no model output to take the Fisher at")
@@ -37,10 +40,10 @@ def jacobian_vector_products(registration, args, vectors):
     return out, z
 
 
-def quadratic_forms(registration, args, vectors):
+def quadratic_forms(registration, args, vectors, taps=None):
     """``[[u_a . F u_b]]`` over ``vectors`` (each a list aligned with the
-    registration's variables)."""
-    jvs, z = jacobian_vector_products(registration, args, vectors)
+    registration's variables); ``taps`` as for ``jacobian_vector_products``."""
+    jvs, z = jacobian_vector_products(registration, args, vectors, taps)
     dist = make_distribution(registration.loss.kind, tf.stop_gradient(z))
     batch = tf.cast(tf.shape(z)[0], z.dtype)
     fjvs = [dist.multiply_fisher(jv) for jv in jvs]

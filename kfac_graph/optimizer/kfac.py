@@ -21,7 +21,9 @@ Each ``step(*args)`` runs one ``tf.function`` that, on the step counter
      ``(alpha, mu)`` minimising the quadratic model (``qmodel.py``); its
      curvature is, by ``qmodel_curvature``, the exact Fisher of the batch
      (``"exact"``, the default, as Martens & Grosse 2015 §7: Fisher-vector
-     products by a double backward pass, ``exact_fisher.py``) plus
+     products by a double backward pass, ``exact_fisher.py``, through the
+     step's own forward pass when every step updates the covariances and
+     there is no burn-in, else through a second one) plus
      ``(lambda + l2_reg) I``, or the estimator's damped K-FAC matrix ``F~``
      (``"kfac"``); ``learning_rate`` and ``momentum`` then record
      ``-alpha`` and ``mu``.
@@ -303,7 +305,7 @@ class KFAC(tf.Module):
         self.curvature_scale.assign(self._loss_scale(reg, args))
         # reads taken before the updates keep the old values (assignments copy on write)
         snapshot = [v.read_value() for v in self._estimator_state]
-        loss, grads = self._loss_and_gradients(args, variables, do_cov)
+        loss, grads, forward = self._loss_and_gradients(args, variables, do_cov)
         if self.l2_reg:
             grads = [g + tf.cast(self.l2_reg, g.dtype) * v for g, v in zip(grads, variables)]
         statistics_ok = (tf.reduce_all(tf.math.is_finite(loss)) & vec.all_finite(grads)
@@ -314,7 +316,8 @@ class KFAC(tf.Module):
             return tf.constant(True)
 
         applied = self._finish_step(args, variables, loss, grads, statistics_ok, k, do_inv,
-                                    in_burnin, refresh_inverses, self._estimator_state, snapshot)
+                                    in_burnin, refresh_inverses, self._estimator_state, snapshot,
+                                    forward)
         return loss, applied, t
 
     def _statistics_finite(self):
@@ -326,11 +329,14 @@ class KFAC(tf.Module):
         return vec.all_finite([v.read_value() for v in written])
 
     def _finish_step(self, args, variables, loss, grads, statistics_ok, k, do_inv, in_burnin,
-                     refresh_inverses, state, snapshot):
+                     refresh_inverses, state, snapshot, forward=None):
         """After the gradients: on inverse steps ``refresh_inverses()``, then
         (outside the burn-in) the update; commits the step counter if every
         value was finite, else puts ``state`` back to ``snapshot`` and counts
-        the skip. True if the step was applied."""
+        the skip. True if the step was applied. ``forward``: the step's
+        forward pass (``LayerTaps``) when it sits in this graph's top level,
+        for the quadratic model's Fisher forms; they can use it only if the
+        update does too (no burn-in branch around it)."""
         # a damping changed by the Levenberg-Marquardt rule also refreshes the
         # (damped) inverses, so the compiled preconditioning reads them as cached
         stale = ~in_burnin & self.estimator.inverses_stale()
@@ -340,10 +346,11 @@ class KFAC(tf.Module):
             [v.read_value() for v in state]), lambda: tf.constant(True))
         statistics_ok = statistics_ok & inverses_ok
 
-        def update():
-            return self._update(args, variables, loss, grads, statistics_ok, k)
-
-        applied = tf.cond(in_burnin, lambda: statistics_ok, update)
+        if self.num_burnin_steps:
+            applied = tf.cond(in_burnin, lambda: statistics_ok, lambda: self._update(
+                args, variables, loss, grads, statistics_ok, k))
+        else:  # never in the burn-in: the update, and the forward pass, at the top level
+            applied = self._update(args, variables, loss, grads, statistics_ok, k, forward)
 
         def commit():
             self.iterations.assign_add(1)
@@ -360,7 +367,13 @@ class KFAC(tf.Module):
 
     def _loss_and_gradients(self, args, variables, do_cov):
         """The loss and its gradients on ``args``; on covariance steps the same
-        forward pass also folds the batch's statistics into the factors."""
+        forward pass also folds the batch's statistics into the factors. Third:
+        that forward pass (``LayerTaps``) when every step is a covariance
+        step, so that it is not inside a branch (else None)."""
+        if self.cov_update_period == 1:
+            taps = self.estimator.accumulate_taps(*args)
+            return taps.loss, _dense(tf.gradients(taps.loss, variables), variables), taps
+
         def with_statistics():
             loss = self.estimator.accumulate(*args)
             return [loss] + _dense(tf.gradients(loss, variables), variables)
@@ -372,11 +385,8 @@ class KFAC(tf.Module):
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             return [loss] + _dense(grads, variables)
 
-        if self.cov_update_period == 1:  # every step: no branch
-            out = with_statistics()
-        else:
-            out = tf.cond(do_cov, with_statistics, without_statistics)
-        return out[0], out[1:]
+        out = tf.cond(do_cov, with_statistics, without_statistics)
+        return out[0], out[1:], None
 
     def _batch_loss(self, args):
         """The loss on the batch at the current parameters (all replicas')."""
@@ -384,11 +394,12 @@ class KFAC(tf.Module):
             return self._replicated.batch_loss(args)
         return self.fn.tf_function(*args)
 
-    def _fisher_forms(self, args, vectors):
-        """``[[u_a . F u_b]]`` with the exact Fisher ``F`` of the batch (all replicas')."""
+    def _fisher_forms(self, args, vectors, forward=None):
+        """``[[u_a . F u_b]]`` with the exact Fisher ``F`` of the batch (all
+        replicas'), differentiating ``forward`` when given."""
         if self._replicated is not None:
             return self._replicated.fisher_forms(args, vectors)
-        return exact_fisher.quadratic_forms(self.registration, args, vectors)
+        return exact_fisher.quadratic_forms(self.registration, args, vectors, forward)
 
     def _loss_scale(self, reg, args):
         """``c``: the loss's curvature is ``c F`` (``F`` per example, averaged)."""
@@ -398,9 +409,9 @@ class KFAC(tf.Module):
             c = c * tf.cast(tf.shape(first)[0], self.dtype)
         return c
 
-    def _update(self, args, variables, loss, grads, statistics_ok, k):
+    def _update(self, args, variables, loss, grads, statistics_ok, k, forward=None):
         """Forms and (if everything is finite) applies the update; True if applied."""
-        delta, velocity, lr, mu, model_change = self._direction(args, grads)
+        delta, velocity, lr, mu, model_change = self._direction(args, grads, forward)
         ok = statistics_ok & vec.all_finite(delta) & vec.all_finite(velocity)
 
         def apply():
@@ -422,7 +433,7 @@ class KFAC(tf.Module):
 
         return tf.cond(ok, apply, lambda: tf.constant(False))
 
-    def _direction(self, args, grads):
+    def _direction(self, args, grads, forward=None):
         """``(delta, new velocities, lr, mu, model change or None)`` by the momentum rule."""
         dtype = self.dtype
         lr = tf.cast(self.learning_rate, dtype)
@@ -437,7 +448,7 @@ class KFAC(tf.Module):
             p = self._clip(velocity, self.precondition(velocity), lr)
             return vec.scale(-lr, p), velocity, lr, mu, None
         p = self.precondition(grads)
-        (m11, m12), (_, m22) = self._curvature_quadratics(args, [p, old])
+        (m11, m12), (_, m22) = self._curvature_quadratics(args, [p, old], forward)
         c1, c2 = tf.cast(vec.dot(grads, p), dtype), tf.cast(vec.dot(grads, old), dtype)
         alpha, mu = qmodel.solve(m11, m12, m22, c1, c2)
         delta = vec.combine(alpha, p, mu, old)
@@ -445,7 +456,7 @@ class KFAC(tf.Module):
         change = qmodel.model_value(alpha, mu, m11, m12, m22, c1, c2) - 0.5 * self.damping * dd
         return delta, delta, -alpha, mu, change
 
-    def _curvature_quadratics(self, args, vectors):
+    def _curvature_quadratics(self, args, vectors, forward=None):
         """``[[u_a . C u_b]]`` for the quadratic model's curvature ``C``:
         ``c F + (lambda + l2_reg) I`` with the exact Fisher ``F`` of this
         batch (``qmodel_curvature="exact"``) or the damped K-FAC matrix."""
@@ -455,7 +466,7 @@ class KFAC(tf.Module):
             products = [self.curvature_multiply(u) for u in vectors]
             return [[tf.cast(vec.dot(vectors[a], products[b]), dtype) for b in range(n)]
                     for a in range(n)]
-        fisher = self._fisher_forms(args, vectors)
+        fisher = self._fisher_forms(args, vectors, forward)
         total = self.damping + tf.constant(self.l2_reg, dtype)
         return [[self.curvature_scale * tf.cast(fisher[a][b], dtype)
                  + total * tf.cast(vec.dot(vectors[a], vectors[b]), dtype) for b in range(n)]
