@@ -1,7 +1,7 @@
 """``python -m kfac_graph`` / ``kfac-graph``: print a registration table.
 
 With no flags it registers the built-in Keras CNN, prints its table, then
-trains it with ``kg.KFAC`` for ``--train_steps`` steps (default 30; 0 skips
+trains it with ``kg.KFAC`` for ``--train_steps`` steps (default 200; 0 skips
 training) on scikit-learn's digits (upsampled to the CNN's 16x16x3 input;
 a synthetic task when scikit-learn is not importable), printing the loss
 and the held-out accuracy. With ``--saved_model`` and ``--function`` it
@@ -21,7 +21,7 @@ flags.DEFINE_string("saved_model", None, "SavedModel directory to register.")
 flags.DEFINE_string("function", None, "Name of the saved tf.function (or signature) computing the loss.")
 flags.DEFINE_string("loss", None, 'Loss kind, if the pass cannot read it: "categorical", "bernoulli" or "normal".')
 flags.DEFINE_string("dot", None, "Also write a Graphviz DOT picture of the graph to this path.")
-flags.DEFINE_integer("train_steps", 30, "K-FAC steps to train the built-in CNN for (0: no training).")
+flags.DEFINE_integer("train_steps", 200, "K-FAC steps to train the built-in CNN for (0: no training).")
 flags.DEFINE_integer("batch_size", 64, "Batch size of the built-in CNN's training run.")
 
 
@@ -52,7 +52,7 @@ def main(argv):
     if not FLAGS.saved_model and FLAGS.train_steps > 0:
         print()
         examples.train_small_cnn(steps=FLAGS.train_steps, batch_size=FLAGS.batch_size,
-                                 log_every=max(1, FLAGS.train_steps // 3),
+                                 log_every=max(1, FLAGS.train_steps // 4),
                                  momentum_type="qmodel", damping=1e-2)
     return 0
 
