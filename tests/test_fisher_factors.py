@@ -99,11 +99,12 @@ def test_conv_geometry_validation():
     assert g.spatial_strides == (2, 3) and g.padding == "SAME"
 
 
+@pytest.mark.parametrize("rows", [7, 20])  # below and above 4 x the width: copied / border
 @pytest.mark.parametrize("diagonal", [False, True])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_homogeneous_border_equals_appended_ones(diagonal, grouped):
+def test_homogeneous_border_equals_appended_ones(diagonal, grouped, rows):
     rng = np.random.default_rng(3)
-    shape = (7, 2, 3) if grouped else (7, 3)
+    shape = (rows, 2, 3) if grouped else (rows, 3)
     uses = [tf.constant(rng.standard_normal(shape)) for _ in range(3)]
     appended = [linalg.append_ones(x) for x in uses]
     for combine in ("sum", "mean"):

@@ -20,11 +20,14 @@ normalised by all `N_s` rows (zero padding at the sequence end keeps
 need.  Both are debiased moving averages (see `ema.py`).
 
 `ones=True` appends the homogeneous coordinate 1 to every row (the bias's
-input) without copying the rows: with `x` the rows of one use,
+input). Many rows (N >= 4 d, e.g. a convolution's patches) are not copied:
+with `x` the rows of one use,
 
     [x 1]^T [y 1] = [[x^T y, x^T 1], [1^T y, N]],
 
-so only the column sums and the row count are added to the border.
+so only the column sums and the row count are added to the border; fewer
+rows (a dense layer's batch) are copied with the 1 appended, which costs
+less than the border's passes over the `(d + 1)^2` result.
 """
 
 import tensorflow as tf
@@ -40,6 +43,9 @@ def _rows(x):
 
 def _outer(x, y, diagonal, ones=False):
     """`sum_n x_n y_n^T` (or its diagonal); with `ones`, of `[x_n 1]`, `[y_n 1]`."""
+    if ones and not diagonal and len(x.shape) == 2 and _few_rows(x):
+        x1 = _append_one(x)
+        return tf.matmul(x1, x1 if y is x else _append_one(y), transpose_a=True)
     if diagonal:
         out = tf.reduce_sum(x * y, axis=0)
     elif len(x.shape) == 3:
@@ -60,6 +66,16 @@ def _outer(x, y, diagonal, ones=False):
     return (tf.pad(out, _pad_last(out, 2, [0, 1], [0, 1]))
             + tf.pad(sum_x[..., :, None], _pad_last(out, 2, [0, 1], [d, 0]))
             + tf.pad(last_row[..., None, :], _pad_last(out, 2, [d, 0], [0, 0])))
+
+
+def _few_rows(x):
+    """Whether the (static) row count of `x` `[N, d]` is below `4 d`."""
+    rows = x.shape[0]
+    return rows is not None and rows < 4 * x.shape[-1]
+
+
+def _append_one(x):
+    return tf.pad(x, [[0, 0], [0, 1]], constant_values=1)
 
 
 def _pad_last(x, count, *pads):
