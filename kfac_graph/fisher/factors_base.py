@@ -33,6 +33,7 @@ less than the border's passes over the `(d + 1)^2` result.
 import tensorflow as tf
 
 from kfac_graph.fisher import ema
+from kfac_graph.fisher import linalg
 
 COMBINE = ("sum", "mean")
 
@@ -44,8 +45,8 @@ def _rows(x):
 def _outer(x, y, diagonal, ones=False):
     """`sum_n x_n y_n^T` (or its diagonal); with `ones`, of `[x_n 1]`, `[y_n 1]`."""
     if ones and not diagonal and len(x.shape) == 2 and _few_rows(x):
-        x1 = _append_one(x)
-        return tf.matmul(x1, x1 if y is x else _append_one(y), transpose_a=True)
+        x1 = linalg.append_ones(x)
+        return tf.matmul(x1, x1 if y is x else linalg.append_ones(y), transpose_a=True)
     if diagonal:
         out = tf.reduce_sum(x * y, axis=0)
     elif len(x.shape) == 3:
@@ -54,11 +55,12 @@ def _outer(x, y, diagonal, ones=False):
         out = tf.matmul(x, y, transpose_a=True)
     if not ones:
         return out
-    sum_x = tf.reduce_sum(x, 0)  # [(G,) d]
-    sum_y = sum_x if y is x else tf.reduce_sum(y, 0)
-    n = tf.fill(tf.concat([tf.shape(sum_y)[:-1], [1]], 0), _rows(x))  # [(G,) 1]
+    groups = tf.shape(out)[:-1] if diagonal else tf.shape(out)[:-2]  # [] or [G]
+    n = tf.fill(tf.concat([groups, [1]], 0), _rows(x))  # [(G,) 1]
     if diagonal:
         return tf.concat([out, n], -1)
+    sum_x = tf.reduce_sum(x, 0)  # [(G,) d]
+    sum_y = sum_x if y is x else tf.reduce_sum(y, 0)
     last_row = tf.concat([sum_y, n], -1)  # [(G,) d + 1]
     # Three zero-padded terms: TensorFlow's concat along an inner axis copies
     # row by row (about 4x slower here for a 256 x 256 factor).
@@ -72,10 +74,6 @@ def _few_rows(x):
     """Whether the (static) row count of `x` `[N, d]` is below `4 d`."""
     rows = x.shape[0]
     return rows is not None and rows < 4 * x.shape[-1]
-
-
-def _append_one(x):
-    return tf.pad(x, [[0, 0], [0, 1]], constant_values=1)
 
 
 def _pad_last(x, count, *pads):

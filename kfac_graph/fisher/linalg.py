@@ -30,9 +30,9 @@ def unflatten(vec, shapes):
 
 
 def append_ones(x):
-    """Appends the homogeneous coordinate: `[..., d] -> [..., d + 1]`."""
-    ones = tf.ones(tf.concat([tf.shape(x)[:-1], [1]], 0), x.dtype)
-    return tf.concat([x, ones], axis=-1)
+    """Appends the homogeneous coordinate: `[..., d] -> [..., d + 1]` (by
+    padding: TensorFlow's concat along the last axis copies row by row)."""
+    return tf.pad(x, [[0, 0]] * (len(x.shape) - 1) + [[0, 1]], constant_values=1)
 
 
 def kron(a, b):
@@ -170,13 +170,6 @@ class EigCache(tf.Module):
         evals, evecs = psd_eig(factor)
         return [(self.evals, evals), (self.evecs, evecs)]
 
-    def refresh(self, factor):
-        for variable, value in self.updates(factor):
-            variable.assign(value)
-
-    def trace(self):
-        return tf.reduce_sum(self.evals, -1)
-
     def _scaled(self, damping, exp):
         return tf.pow(self.evals + damping[..., None], exp)
 
@@ -187,11 +180,3 @@ class EigCache(tf.Module):
             return w[..., :, None] * x
         q = self.evecs
         return tf.matmul(q, w[..., :, None] * tf.matmul(q, x, transpose_a=True))
-
-    def right(self, x, damping, exp):
-        """`x @ (F + d I)^exp`."""
-        w = self._scaled(damping, exp)
-        if self.diagonal:
-            return x * w[..., None, :]
-        q = self.evecs
-        return tf.matmul(tf.matmul(x, q) * w[..., None, :], q, transpose_b=True)
