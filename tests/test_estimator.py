@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import kfac_graph as kg
 from kfac_graph import fisher
+from kfac_graph.fisher import block_choice
 
 F64 = tf.float64
 
@@ -72,7 +73,7 @@ def test_single_dense_one_example_linear_model_is_exact(transposed):
     est.update(x, y)
     (layer,), (block,) = est.registration.layers, est.blocks
     assert layer.kind == "dense" and est.registration.loss.kind == "normal"
-    assert isinstance(block, kg.estimator_blocks.TransposedKernelBlock) == transposed
+    assert isinstance(block, block_choice.TransposedKernelBlock) == transposed
     reference = _brute(lambda: model(x), [w, b], _normal_fisher)
     np.testing.assert_allclose(block.full_matrix(), reference, rtol=1e-10, atol=1e-12)
 

@@ -75,7 +75,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from kfac_graph.auto_register import RegisteredFunction, auto_register
-from kfac_graph.estimator import FisherEstimator
+from kfac_graph.fisher.estimator import FisherEstimator
 from kfac_graph.fisher import linalg
 from kfac_graph.optimizer import damping as damping_lib
 from kfac_graph.optimizer import distributed

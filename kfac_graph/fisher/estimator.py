@@ -1,0 +1,291 @@
+"""``kg.FisherEstimator``: one Fisher block per registered layer, updated
+from one re-run of the registered graph.
+
+With ``l_i = -log p(y_i | z_i)`` for the loss's predictive distribution at
+the model output ``z`` (the loss's ``scale`` and reduction do not enter),
+
+    F = (1/B) sum_i E_y [grad l_i grad l_i^T],
+
+estimated from cotangents ``v`` at ``z``, one backward pass each, which give
+every layer use's output gradient ``g = v^T dz/ds``:
+
+- ``"empirical"``: ``v_i = dl_i/dz_i`` at the data's targets;
+- ``"sampled"``: the same at ``num_samples`` targets drawn from
+  ``p(y | z_i)`` (stateless seeds from ``seed`` and an update counter;
+  XLA's kernels draw other samples than TensorFlow's for the same seed),
+  averaged over samples (under ``tf.distribute`` the other replicas fold
+  their index into the seed);
+- ``"exact"``: the columns of the Fisher square root ``S_i`` (``F_i = S_i
+  S_i^T``), summed. Exact for outputs ``[B, K]``; with more output axes
+  (positions) one column index is shared by all positions, as in
+  tensorflow/kfac, which leaves out no term but adds cross-position ones.
+
+Generic layers get per-example gradients of the variable itself (a
+vectorised Jacobian of the per-example ``l_i``, or ``v_i . z_i`` in exact
+mode). Block choice and data layout: ``block_choice.py``. All blocks
+keep debiased moving averages with decay ``cov_ema_decay``, so after the
+first update a block equals that batch's estimate.
+
+``update`` and ``update_inverses`` run eagerly (each is a cached
+``tf.function``), inside the caller's ``tf.function``, and under XLA.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.ops.parallel_for import gradients as pfor_gradients
+
+from kfac_graph import per_example as pe
+from kfac_graph.auto_register import RegisteredFunction, auto_register
+from kfac_graph.fisher.block_choice import (
+    PER_EXAMPLE,
+    block_stats,
+    make_layer_block,
+    prepare_use,
+)
+from kfac_graph.fisher import ema, make_distribution
+from kfac_graph.layer_inputs import layer_input, layer_output_gradient
+from kfac_graph.layer_taps import LayerTaps
+from kfac_graph.per_example_api import spec_for
+
+MODES = ("sampled", "empirical", "exact")
+# Called from a user's tf.function, AutoGraph would otherwise convert the
+# registration pass (plain Python over networkx graphs) too.
+_plain_python = tf.autograph.experimental.do_not_convert
+
+
+class _Cache:
+    """Plain holder for traced functions (kept out of tf.Module tracking)."""
+
+    def __init__(self):
+        self.update = {}
+        self.inverses = None
+
+
+class FisherEstimator(tf.Module):
+    """Fisher blocks for the layers of ``fn``'s registration.
+
+    ``fn``: a ``kg.auto_register``ed loss function (a plain one is wrapped).
+    ``approximations``: ``{kind or layer name: factory or alias}``, see
+    ``kfac_graph.fisher.block_choice``. ``damping``: a float, variable or
+    zero-argument callable, read by the blocks at every multiply.
+    """
+
+    def __init__(self, fn, estimation_mode: str = "sampled", num_samples: int = 1,
+                 damping=1e-3, cov_ema_decay: float = 0.95, approximations=None,
+                 seed: int = 0, name: str | None = None):
+        super().__init__(name=name or "fisher_estimator")
+        if estimation_mode not in MODES:
+            raise ValueError(f"estimation_mode must be one of {MODES}, got {estimation_mode!r}")
+        if int(num_samples) < 1:
+            raise ValueError(f"num_samples must be at least 1, got {num_samples}")
+        self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
+        self.estimation_mode = estimation_mode
+        self.num_samples = int(num_samples)
+        self._damping = damping
+        self.cov_ema_decay = cov_ema_decay
+        self.approximations = dict(approximations or {})
+        self.seed = int(seed)
+        self._registration = None
+        self._blocks = None
+        self._counter = None
+        self._cache = _Cache()
+
+    # -- structure ------------------------------------------------------------------
+    @property
+    def registration(self):
+        if self._registration is None:
+            raise ValueError("the estimator is not built yet: call build(*args) or update(*args)")
+        return self._registration
+
+    @property
+    def blocks(self) -> tuple:
+        """One block per layer, aligned with ``registration.layers``."""
+        self.registration  # noqa: B018  (raises when not built)
+        return tuple(self._blocks)
+
+    @property
+    def damping(self):
+        """As given: the blocks read it at every multiply (pass a variable
+        or a callable to change it later)."""
+        return self._damping
+
+    @property
+    def layers(self) -> tuple:
+        return self.registration.layers
+
+    @_plain_python
+    def build(self, *args):
+        """Registers ``fn`` for ``args`` and creates the blocks (once)."""
+        reg = self.fn.registration(*args)
+        if self._registration is not None:
+            _check_same_layers(self._registration, reg)
+            return reg
+        with tf.init_scope():
+            blocks = [make_layer_block(layer, self.approximations, damping=self._damping,
+                                       ema_decay=self.cov_ema_decay,
+                                       dtype=tf.as_dtype(layer.variables[0].dtype),
+                                       name=f"block_{i}_{layer.name}")
+                      for i, layer in enumerate(reg.layers)]
+            self._counter = ema.replica_local(tf.zeros([], tf.int64), name="update_counter")
+        self._blocks = blocks
+        self._registration = reg
+        return reg
+
+    # -- updates ------------------------------------------------------------------
+    @_plain_python
+    def update(self, *args):
+        """Folds one batch's statistics into every block; returns the loss."""
+        reg = self.build(*args)
+        run = self._cache.update.get(id(reg))
+        if run is None:
+            run = tf.function(lambda *a: self._update(reg, a).loss, autograph=False)
+            self._cache.update[id(reg)] = run
+        return run(*args)
+
+    @_plain_python
+    def update_inverses(self):
+        """Refreshes every block's cached inverses / decompositions."""
+        if self._cache.inverses is None:
+            self._cache.inverses = tf.function(self.refresh_inverses, autograph=False)
+        return self._cache.inverses()
+
+    def refresh_inverses(self):
+        """``update_inverses`` inside a ``tf.function`` of the caller's (the
+        optimizer's step, an exported function)."""
+        for block in self.blocks:
+            block.update_inverses()
+
+    def inverses_stale(self):
+        """Whether any block's cached inverses were made for another damping
+        (then ``multiply_inverse`` inverts those blocks on the fly)."""
+        return tf.reduce_any(tf.stack([block.inverses_stale() for block in self.blocks]))
+
+    # -- products over all layers ------------------------------------------------------
+    @_plain_python
+    def multiply(self, vectors):
+        """The damped blocks times ``vectors`` (aligned with ``registration.variables``)."""
+        return self._per_block(vectors, lambda b, vs: b.multiply(vs))
+
+    @_plain_python
+    def multiply_inverse(self, vectors, refreshed=False):
+        """The damped blocks' inverses (from the last ``update_inverses``) times
+        ``vectors``. ``refreshed=True``: no block's inverses are stale (the
+        caller refreshed them after any damping change), so the cached ones
+        are used without checking; the check's fallback reads the factors,
+        which an XLA-compiled caller under ``tf.distribute`` cannot reach."""
+        return self._per_block(vectors, lambda b, vs: b.multiply_inverse(vs, refreshed))
+
+    def _per_block(self, vectors, op):
+        vectors, out, k = list(vectors), [], 0
+        for layer, block in zip(self.layers, self.blocks):
+            n = len(layer.variables)
+            out += list(op(block, vectors[k:k + n]))
+            k += n
+        return out
+
+    def accumulate(self, *args):
+        """Inside a ``tf.function``: add this batch's statistics to the
+        blocks and return the loss (the same forward pass), for callers that
+        build their own step (the optimizer)."""
+        return self.accumulate_taps(*args).loss
+
+    def accumulate_taps(self, *args):
+        """``accumulate``, returning the forward pass's ``LayerTaps`` (the loss,
+        the model output), from which a caller may take more derivatives."""
+        return self._update(self.build(*args), args)
+
+    # -- the traced update -------------------------------------------------------------
+    def _update(self, reg, args):
+        generic = reg.generic_variables
+        taps = LayerTaps.build(reg, args, read_variables=generic)
+        if taps.model_output is None:
+            raise ValueError("the loss pass found no model output to take the Fisher at")
+        cotangents, per_example_terms = self._cotangents(reg, taps)
+        sources = [taps.output_gradients(v) for v in cotangents]
+        jacobians = {}
+        if generic:
+            reads = [taps.variable_reads[v.ref()] for v in generic]
+            stacked = pfor_gradients.jacobian(tf.stack(per_example_terms), reads)
+            jacobians = {v.ref(): j for v, j in zip(generic, stacked)}
+        combine = "sum" if self.estimation_mode == "exact" else "mean"
+        rules = pe.default_registry()
+        for index, (layer, block) in enumerate(zip(reg.layers, self._blocks)):
+            if layer.kind == "generic":
+                if block_stats(block) != PER_EXAMPLE:
+                    raise ValueError(f"generic layer {layer.name!r} needs a block fed "
+                                     "per-example gradients (NaiveDiagonalBlock, NaiveFullBlock)")
+                data = [[jacobians[v.ref()][s] for v in layer.variables]
+                        for s in range(len(cotangents))]
+            else:
+                uses = [prepare_use(layer, u, layer_input(layer, u, taps.inputs[index][u]),
+                                    [layer_output_gradient(layer, u, grads[index][u])
+                                     for grads in sources])
+                        for u in range(layer.uses)]
+                data = (_rule_gradients(rules, layer, uses) if block_stats(block) == PER_EXAMPLE
+                        else uses)
+            block.update(data, combine=combine)
+        self._counter.assign_add(1)
+        return taps
+
+    def _cotangents(self, reg, taps):
+        """The cotangents at ``z`` and, per source, the ``[B]`` per-example
+        scalars whose parameter gradients are the per-example gradients."""
+        z = taps.model_output
+        batch_axes = list(range(1, z.shape.rank - 1))
+        per_example = lambda t: tf.reduce_sum(t, axis=batch_axes) if batch_axes else t
+        z0 = tf.stop_gradient(z)
+        dist0 = make_distribution(reg.loss.kind, z0)
+        if self.estimation_mode == "exact":
+            columns = [tf.stop_gradient(c) for c in dist0.sqrt_fisher_columns()]
+            return columns, [per_example(tf.reduce_sum(z * c, axis=-1)) for c in columns]
+        if self.estimation_mode == "empirical":
+            y = taps.targets if taps.targets is not None else tf.zeros_like(z0)
+            targets = [tf.stop_gradient(y)]
+        else:
+            # int32 seeds: XLA has no StatelessMultinomial kernel for int64 ones.
+            first = tf.cast(self._counter.read_value() * self.num_samples, tf.int32)
+            seeds = [_per_replica(tf.stack([tf.constant(self.seed, tf.int32), first + s]))
+                     for s in range(self.num_samples)]
+            targets = [tf.stop_gradient(dist0.sample(seed)) for seed in seeds]
+        dist = make_distribution(reg.loss.kind, z)
+        cotangents, terms = [], []
+        for y in targets:
+            cotangents.append(tf.gradients(-tf.reduce_sum(dist0.log_prob(y)), z0)[0])
+            terms.append(per_example(-dist.log_prob(y)))
+        return cotangents, terms
+
+
+def _per_replica(seed):
+    """``seed`` on the first replica (and outside ``tf.distribute``); folded
+    with the replica's index on the others, so replicas draw independently."""
+    context = tf.distribute.get_replica_context()
+    replica = 0 if context is None else context.replica_id_in_sync_group
+    if isinstance(replica, int) and replica == 0:
+        return seed
+    replica = tf.cast(replica, tf.int32)
+    return tf.where(tf.equal(replica, 0), seed,
+                    tf.random.experimental.stateless_fold_in(seed, replica))
+
+
+def _rule_gradients(rules, layer, uses):
+    """Per source, the per-example gradients of ``layer``'s variables from
+    its uses ``[(a, [g per source])]``: each use's rule result, summed."""
+    specs = [spec_for(layer, u) for u in range(layer.uses)]
+    out = []
+    for s in range(len(uses[0][1])):
+        per_use = []
+        for (a, gs), spec in zip(uses, specs):
+            shift_only = isinstance(spec, tuple)
+            grads = rules.per_example_grads(layer.kind, [(a, gs[s])], spec[1] if shift_only
+                                            else spec)
+            per_use.append(grads[1:] if shift_only else grads)
+        out.append([tf.add_n(list(parts)) for parts in zip(*per_use)])
+    return out
+
+
+def _check_same_layers(old, new):
+    def key(reg):
+        return [(layer.kind, tuple(id(v) for v in layer.variables)) for layer in reg.layers]
+    if key(old) != key(new):
+        raise ValueError("these arguments register different layers than those the estimator "
+                         "was built for; make a new FisherEstimator for them")
