@@ -206,16 +206,16 @@ def test_full_and_diagonal_blocks_match_brute_force(name):
     kw = dict(dtype=F64, ema_decay=0.0)
 
     naive_full = fisher.NaiveFullBlock(shapes, **kw)
-    naive_full.update(pex, combine="sum")
+    naive_full.update(pex)
     np.testing.assert_allclose(naive_full.full_matrix(), expected, atol=1e-10)
     naive_diag = fisher.NaiveDiagonalBlock(shapes, **kw)
-    naive_diag.update(pex, combine="sum")
+    naive_diag.update(pex)
     np.testing.assert_allclose(naive_diag.full_matrix(), np.diag(np.diag(expected)), atol=1e-10)
     for key, want in (("full", expected), ("diag", np.diag(np.diag(expected)))):
         if case[key] is None:
             continue
         block = case[key](shapes, case["attrs"], **kw)
-        block.update([(a, gs)], combine="sum")
+        block.update([(a, gs)])
         np.testing.assert_allclose(block.full_matrix(), want, atol=1e-10)
 
 

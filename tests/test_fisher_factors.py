@@ -48,15 +48,14 @@ def test_output_factor_sources_and_uses():
     g1 = np.array([[1.0, 0.0], [0.0, 2.0]])
     g2 = np.array([[1.0, 1.0], [1.0, 1.0]])
     factor = fisher.OutputFactor(2, dtype=F64)
-    factor.update([[tf.constant(g1), tf.constant(g2)]], 0.0, combine="sum")
+    factor.update([[tf.constant(g1), tf.constant(g2)]], 0.0)  # two sources add up
     want = g1.T @ g1 / 2 + g2.T @ g2 / 2
     np.testing.assert_allclose(factor.value(), want)
-    factor.update([[tf.constant(g1), tf.constant(g2)]], 0.0, combine="mean")
+    w = 2 ** -0.5  # the mean over two sources: each scaled by 1/sqrt(2)
+    factor.update([[tf.constant(w * g1), tf.constant(w * g2)]], 0.0)
     np.testing.assert_allclose(factor.value(), want / 2)
     factor.update([tf.constant(g1), tf.constant(g2)], 0.0)  # two uses
     np.testing.assert_allclose(factor.value(), (g1.T @ g1 + g2.T @ g2) / 4)
-    with pytest.raises(ValueError, match="combine"):
-        factor.update([tf.constant(g1)], 0.0, combine="max")
 
 
 def test_lag_one_by_hand():
@@ -107,9 +106,10 @@ def test_homogeneous_border_equals_appended_ones(diagonal, grouped, rows):
     shape = (rows, 2, 3) if grouped else (rows, 3)
     uses = [tf.constant(rng.standard_normal(shape)) for _ in range(3)]
     appended = [linalg.append_ones(x) for x in uses]
-    for combine in ("sum", "mean"):
-        got = factors_base.second_moment([uses], diagonal, combine, ones=True)
-        want = factors_base.second_moment([appended], diagonal, combine)
+    for sources in ([uses], [uses, uses[::-1]]):  # one source, two
+        appended_sources = [[linalg.append_ones(x) for x in s] for s in sources]
+        got = factors_base.second_moment(sources, diagonal, ones=True)
+        want = factors_base.second_moment(appended_sources, diagonal)
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12)
     if not (diagonal or grouped):
         got = factors_base.lag_one_moment([uses, uses[::-1]], ones=True)

@@ -146,11 +146,13 @@ def test_single_location_one_example_is_exact(kind):
 
 @pytest.mark.parametrize("combine", ["sum", "mean"])
 def test_dense_positions_and_sources(combine):
+    """Sources add up; a mean over samples is their sum scaled by 1/sqrt(S) each."""
     rng = np.random.default_rng(2)
     a = rng.normal(size=(3, 2, 4))
     gs = [rng.normal(size=(3, 2, 2)) for _ in range(3)]
     block = fisher.FullyConnectedKroneckerBlock([(4, 2), (2,)], **KW)
-    block.update([(tf.constant(a), [tf.constant(g) for g in gs])], combine=combine)
+    weight = len(gs) ** -0.5 if combine == "mean" else 1.0
+    block.update([(tf.constant(a), [tf.constant(weight * g) for g in gs])])
     a_np = _cov(_homog(a))
     g_np = sum(_cov(g) for g in gs) / (len(gs) if combine == "mean" else 1)
     np.testing.assert_allclose(block.full_matrix(), 2 * np.kron(a_np, g_np), atol=1e-12)

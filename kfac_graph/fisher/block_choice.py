@@ -144,34 +144,35 @@ class TransposedKernelBlock(blocks_base.FisherBlock):
     def _outward(self, vs):
         return [tf.transpose(vs[0])] + list(vs[1:])
 
-    def damping(self):
-        return self.block.damping()
+    def damping(self, value=None):
+        return self.block.damping(value)
 
-    def update(self, data, decay=None, combine="sum"):
-        return self.block.update(data, decay, combine)
+    def update(self, data, decay=None):
+        return self.block.update(data, decay)
 
-    def inverse_updates(self):
-        return self.block.inverse_updates()
+    def inverse_updates(self, damping=None):
+        return self.block.inverse_updates(damping)
 
-    def inverses_stale(self):
-        return self.block.inverses_stale()
+    def inverses_stale(self, damping=None):
+        return self.block.inverses_stale(damping)
 
-    def multiply(self, vs):
-        return self._outward(self.block.multiply(self._inward(vs)))
+    def multiply(self, vs, damping=None):
+        return self._outward(self.block.multiply(self._inward(vs), damping))
 
-    def multiply_inverse(self, vs, refreshed=False):
-        return self._outward(self.block.multiply_inverse(self._inward(vs), refreshed))
+    def multiply_inverse(self, vs, refreshed=False, damping=None):
+        return self._outward(self.block.multiply_inverse(self._inward(vs), refreshed, damping))
 
-    def multiply_matpower(self, vs, exp):
-        return self._outward(self.block.multiply_matpower(self._inward(vs), exp))
+    def multiply_matpower(self, vs, exp, damping=None):
+        return self._outward(self.block.multiply_matpower(self._inward(vs), exp, damping))
 
-    def multiply_cholesky(self, vs, transpose=False):
+    def multiply_cholesky(self, vs, transpose=False, damping=None):
         """``P L P^T`` for the inner ``L`` (``P`` the layout permutation):
         not triangular, but its product with its transpose is the block."""
-        return self._outward(self.block.multiply_cholesky(self._inward(vs), transpose))
+        return self._outward(self.block.multiply_cholesky(self._inward(vs), transpose, damping))
 
-    def multiply_cholesky_inverse(self, vs, transpose=False):
-        return self._outward(self.block.multiply_cholesky_inverse(self._inward(vs), transpose))
+    def multiply_cholesky_inverse(self, vs, transpose=False, damping=None):
+        return self._outward(self.block.multiply_cholesky_inverse(self._inward(vs), transpose,
+                                                                  damping))
 
     def full_matrix(self):
         inner = self.block.full_matrix()

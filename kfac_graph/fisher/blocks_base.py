@@ -8,31 +8,34 @@ over the layer's variables; vectors are lists of tensors shaped like those
 variables, flattened (for `full_matrix`) row-major and concatenated in
 variable order (kernel or scale first, then bias or shift).
 
-Data (`update(data, decay=None, combine="sum")`), by `block.stats`:
+Data (`update(data, decay=None)`), by `block.stats`:
   "activations": `data` is a list over uses of `(a, g)` pairs (one pair may
       be passed bare): `a` the layer input of that use, `g` the gradient of
       each example's own loss term with respect to that use's
       pre-activation output (not scaled by 1/B), either a tensor or a list
-      over sources: the Fisher-square-root columns in "exact" mode
-      (`combine="sum"`) or the samples in "sampled" mode (`combine="mean"`).
+      over sources whose contributions add up: the Fisher-square-root
+      columns in "exact" mode, or the S samples of "sampled" mode, each
+      scaled by 1/sqrt(S) by the caller so that their sum is the mean.
   "per_example_gradients": `data` is a list over variables of per-example
       gradients `[B, *var.shape]`, or a list over sources of such lists.
 `decay` defaults to the block's `ema_decay`; the averages are debiased.
 
-Methods (damping l >= 0, read on every call; a float, tensor, variable or
-zero-argument callable):
-  multiply(vs)                 (F~) vs with F~ the damped block, built from the
+Methods. Every method that damps takes `damping=l` (l >= 0, a float or a
+scalar tensor), passed by the caller as a value; `None` means the block's
+own `damping` (given at construction: a float, tensor, variable or
+zero-argument callable, read on every call).
+  multiply(vs, damping)        (F~) vs with F~ the damped block, built from the
                                current factors.
-  multiply_inverse(vs, refreshed=False)
+  multiply_inverse(vs, refreshed=False, damping)
                                F~^{-1} vs from the snapshot taken by the last
-  multiply_matpower(vs, exp)   update_inverses() (exp = 1 means multiply).
-  multiply_cholesky(vs, transpose=False)          L vs (L^T vs) and
-  multiply_cholesky_inverse(vs, transpose=False)  L^{-1} vs (L^{-T} vs), with
-                               L L^T = F~ from the current factors.
+  multiply_matpower(vs, exp, damping)   update_inverses() (exp = 1 means multiply).
+  multiply_cholesky(vs, transpose=False, damping)          L vs (L^T vs) and
+  multiply_cholesky_inverse(vs, transpose=False, damping)  L^{-1} vs (L^{-T} vs),
+                               with L L^T = F~ from the current factors.
   full_matrix()                the undamped block, dense `[n, n]`.
-  update_inverses()            refreshes the cached decompositions
-  inverse_updates()            ... as [(variable, value)], without storing them.
-  inverses_stale()             whether the caches were made for another damping
+  update_inverses(damping)     refreshes the cached decompositions
+  inverse_updates(damping)     ... as [(variable, value)], without storing them.
+  inverses_stale(damping)      whether the caches were made for another damping
                                (Kronecker blocks cache damped inverses).
 Unsupported methods raise NotImplementedError naming block and method.
 
@@ -96,9 +99,10 @@ class FisherBlock(tf.Module):
         self._damping_source = damping
 
     # -- helpers -------------------------------------------------------------
-    def damping(self):
-        """The current damping as a scalar tensor of the block's dtype."""
-        d = self._damping_source
+    def damping(self, value=None):
+        """``value`` (the damping a caller passed), else the block's own, as a
+        scalar tensor of the block's dtype."""
+        d = self._damping_source if value is None else value
         if callable(d) and not isinstance(d, tf.Variable):
             d = d()
         return linalg.cast(d, self.dtype)
@@ -116,40 +120,40 @@ class FisherBlock(tf.Module):
         return linalg.unflatten(vec, self.var_shapes)
 
     # -- the contract ----------------------------------------------------------
-    def update(self, data, decay=None, combine="sum"):
+    def update(self, data, decay=None):
         self._unsupported("update")
 
-    def inverse_updates(self):
+    def inverse_updates(self, damping=None):
         """``[(variable, new value)]``: the refreshed cached decompositions,
         computed from the current factors but not stored (``update_inverses``
         stores them; a distributed step may compute them on one replica and
         share them)."""
         self._unsupported("update_inverses")
 
-    def update_inverses(self):
-        for variable, value in self.inverse_updates():
+    def update_inverses(self, damping=None):
+        for variable, value in self.inverse_updates(damping):
             variable.assign(value)
 
-    def inverses_stale(self):
+    def inverses_stale(self, damping=None):
         """Whether the cached inverses were made for another damping (a scalar
         bool tensor); False for blocks whose caches follow the damping."""
         return tf.constant(False)
 
-    def multiply(self, vs):
-        return self.multiply_matpower(vs, 1)
+    def multiply(self, vs, damping=None):
+        return self.multiply_matpower(vs, 1, damping)
 
-    def multiply_inverse(self, vs, refreshed=False):
+    def multiply_inverse(self, vs, refreshed=False, damping=None):
         """``refreshed=True``: the caller has refreshed any stale caches
-        (``inverses_stale()`` is False), so blocks may skip that check."""
-        return self.multiply_matpower(vs, -1)
+        (``inverses_stale(damping)`` is False), so blocks may skip that check."""
+        return self.multiply_matpower(vs, -1, damping)
 
-    def multiply_matpower(self, vs, exp):
+    def multiply_matpower(self, vs, exp, damping=None):
         self._unsupported("multiply_matpower")
 
-    def multiply_cholesky(self, vs, transpose=False):
+    def multiply_cholesky(self, vs, transpose=False, damping=None):
         self._unsupported("multiply_cholesky")
 
-    def multiply_cholesky_inverse(self, vs, transpose=False):
+    def multiply_cholesky_inverse(self, vs, transpose=False, damping=None):
         self._unsupported("multiply_cholesky_inverse")
 
     def full_matrix(self):
@@ -164,30 +168,30 @@ class FullBlock(FisherBlock):
     def _init_cache(self):
         self.cache = linalg.EigCache([], self.num_params, False, self.dtype, name="inverse_cache")
 
-    def inverse_updates(self):
+    def inverse_updates(self, damping=None):
         return self.cache.updates(self.factor.value())
 
     def full_matrix(self):
         return self.factor.value()
 
-    def _damped(self):
-        return linalg.add_damping(self.factor.value(), self.damping(), False)
+    def _damped(self, damping):
+        return linalg.add_damping(self.factor.value(), self.damping(damping), False)
 
-    def multiply_matpower(self, vs, exp):
+    def multiply_matpower(self, vs, exp, damping=None):
         v = self._flat(vs)[:, None]
         if exp == 1:
-            out = tf.matmul(self._damped(), v)
+            out = tf.matmul(self._damped(damping), v)
         else:
-            out = self.cache.left(v, self.damping(), exp)
+            out = self.cache.left(v, self.damping(damping), exp)
         return self._unflat(out[:, 0])
 
-    def multiply_cholesky(self, vs, transpose=False):
-        chol = tf.linalg.cholesky(self._damped())
+    def multiply_cholesky(self, vs, transpose=False, damping=None):
+        chol = tf.linalg.cholesky(self._damped(damping))
         out = tf.matmul(chol, self._flat(vs)[:, None], transpose_a=transpose)
         return self._unflat(out[:, 0])
 
-    def multiply_cholesky_inverse(self, vs, transpose=False):
-        chol = tf.linalg.cholesky(self._damped())
+    def multiply_cholesky_inverse(self, vs, transpose=False, damping=None):
+        chol = tf.linalg.cholesky(self._damped(damping))
         out = linalg.solve_tril_left(chol, self._flat(vs)[:, None], False, transpose)
         return self._unflat(out[:, 0])
 
@@ -200,23 +204,23 @@ class DiagonalBlock(FisherBlock):
     def _init_cache(self):
         self.cache = linalg.EigCache([], self.num_params, True, self.dtype, name="inverse_cache")
 
-    def inverse_updates(self):
+    def inverse_updates(self, damping=None):
         return self.cache.updates(self.factor.value())
 
     def full_matrix(self):
         return tf.linalg.diag(self.factor.value())
 
-    def _damped(self):
-        return self.factor.value() + self.damping()
+    def _damped(self, damping):
+        return self.factor.value() + self.damping(damping)
 
-    def multiply_matpower(self, vs, exp):
+    def multiply_matpower(self, vs, exp, damping=None):
         v = self._flat(vs)
         if exp == 1:
-            return self._unflat(self._damped() * v)
-        return self._unflat(self.cache.left(v[:, None], self.damping(), exp)[:, 0])
+            return self._unflat(self._damped(damping) * v)
+        return self._unflat(self.cache.left(v[:, None], self.damping(damping), exp)[:, 0])
 
-    def multiply_cholesky(self, vs, transpose=False):
-        return self._unflat(tf.sqrt(self._damped()) * self._flat(vs))
+    def multiply_cholesky(self, vs, transpose=False, damping=None):
+        return self._unflat(tf.sqrt(self._damped(damping)) * self._flat(vs))
 
-    def multiply_cholesky_inverse(self, vs, transpose=False):
-        return self._unflat(self._flat(vs) / tf.sqrt(self._damped()))
+    def multiply_cholesky_inverse(self, vs, transpose=False, damping=None):
+        return self._unflat(self._flat(vs) / tf.sqrt(self._damped(damping)))

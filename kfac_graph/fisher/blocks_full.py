@@ -1,7 +1,6 @@
 """Blocks without a Kronecker approximation: full or diagonal matrices.
 
-All estimate F = (1/B) sum_i grad_i grad_i^T (summed over sources in exact
-mode, averaged in sampled mode) from each example's own gradient, so their
+All estimate F = (1/B) sum_i grad_i grad_i^T (summed over sources) from each example's own gradient, so their
 full (diagonal) matrix equals the true Fisher block (its diagonal), not an
 approximation.  Damping: `F + l I` (no location normalisation: for the conv
 diagonal block this equals the seed's `T * (l / T)`).
@@ -23,15 +22,15 @@ from kfac_graph.fisher import patches as patches_lib
 class _LayerMixin:
     """`update` for blocks whose factor rebuilds gradients from (a, g)."""
 
-    def update(self, data, decay=None, combine="sum"):
-        self.factor.update(blocks_base.as_uses(data), self._decay(decay), combine)
+    def update(self, data, decay=None):
+        self.factor.update(blocks_base.as_uses(data), self._decay(decay))
 
 
 class _NaiveMixin:
     stats = "per_example_gradients"
 
-    def update(self, data, decay=None, combine="sum"):
-        self.factor.update(data, self._decay(decay), combine)
+    def update(self, data, decay=None):
+        self.factor.update(data, self._decay(decay))
 
 
 class NaiveFullBlock(_NaiveMixin, blocks_base.FullBlock):

@@ -96,51 +96,51 @@ class KroneckerBlock(blocks_base.FisherBlock):
         shape = tf.shape(g)
         return tf.size(g) // (shape[0] * self._out_width)
 
-    def update(self, data, decay=None, combine="sum"):
+    def update(self, data, decay=None):
         uses = blocks_base.as_uses(data)
         decay = self._decay(decay)
         self.input_factor.update([a for a, _ in uses], decay)
-        self.output_factor.update([g for _, g in uses], decay, combine)
+        self.output_factor.update([g for _, g in uses], decay)
         self.replicas.assign(tf.cast(self._locations(uses[0]) * len(uses), self.dtype))
 
-    def inverse_updates(self):
-        xa, xg, lam = self._current_inverses()
+    def inverse_updates(self, damping=None):
+        xa, xg, lam = self._current_inverses(damping)
         return [(self.input_inverse, xa), (self.output_inverse, xg), (self.inverse_damping, lam)]
 
-    def _current_inverses(self):
+    def _current_inverses(self, damping):
         """``(X_A, X_G, l')`` from the current factors and damping."""
         a, g = self.input_factor, self.output_factor
-        (av, da), (gv, dg) = self._split_factors()
+        (av, da), (gv, dg) = self._split_factors(damping)
         return (linalg.damped_inverse(av, da, a.diagonal),
-                linalg.damped_inverse(gv, dg, g.diagonal), self._normalised_damping())
+                linalg.damped_inverse(gv, dg, g.diagonal), self._normalised_damping(damping))
 
-    def inverses_stale(self):
+    def inverses_stale(self, damping=None):
         """Whether the damping ``l'`` differs from the cached inverses' (or none are cached)."""
-        lam, cached = self._normalised_damping(), self.inverse_damping.read_value()
+        lam, cached = self._normalised_damping(damping), self.inverse_damping.read_value()
         return tf.abs(lam - cached) > 1e-6 * tf.abs(cached)
 
     # -- damping ------------------------------------------------------------------
-    def _normalised_damping(self):
-        return self.damping() / self.replicas
+    def _normalised_damping(self, damping):
+        return self.damping(damping) / self.replicas
 
-    def _split_factors(self):
+    def _split_factors(self, damping):
         """``((A, d_A), (G, d_G))``: the current factors and their pi-split damping."""
         a, g = self.input_factor, self.output_factor
         av, gv = a.value(), g.value()
-        da, dg = linalg.pi_split_damping(self._normalised_damping(),
+        da, dg = linalg.pi_split_damping(self._normalised_damping(damping),
                                          linalg.trace(av, a.diagonal), a.dim,
                                          linalg.trace(gv, g.diagonal), g.dim)
         return (av, da), (gv, dg)
 
-    def _damped_factors(self):
+    def _damped_factors(self, damping):
         a, g = self.input_factor, self.output_factor
-        (av, da), (gv, dg) = self._split_factors()
+        (av, da), (gv, dg) = self._split_factors(damping)
         return (linalg.add_damping(av, da, a.diagonal), linalg.add_damping(gv, dg, g.diagonal))
 
     # -- products -------------------------------------------------------------------
-    def multiply_inverse(self, vs, refreshed=False):
+    def multiply_inverse(self, vs, refreshed=False, damping=None):
         if not refreshed:
-            return self.multiply_matpower(vs, -1)
+            return self.multiply_matpower(vs, -1, damping)
         return self._from_mat(self._kron_product(self._to_mat(vs), self.input_inverse,
                                                  self.output_inverse) / self.replicas)
 
@@ -149,38 +149,39 @@ class KroneckerBlock(blocks_base.FisherBlock):
         out = linalg.mul_left(left, mat, self.input_factor.diagonal)
         return linalg.mul_right(out, right, self.output_factor.diagonal)
 
-    def multiply_matpower(self, vs, exp):
+    def multiply_matpower(self, vs, exp, damping=None):
         mat = self._to_mat(vs)
         if exp == 1:
-            a, g = self._damped_factors()
+            a, g = self._damped_factors(damping)
             return self._from_mat(self.replicas * self._kron_product(mat, a, g))
         if exp == -1:
             cached = lambda: (self.input_inverse.read_value(), self.output_inverse.read_value())
-            xa, xg = tf.cond(self.inverses_stale(), lambda: self._current_inverses()[:2], cached)
+            xa, xg = tf.cond(self.inverses_stale(damping),
+                             lambda: self._current_inverses(damping)[:2], cached)
         else:
-            (av, da), (gv, dg) = self._split_factors()
+            (av, da), (gv, dg) = self._split_factors(damping)
             xa = linalg.damped_power(av, da, self.input_factor.diagonal, exp)
             xg = linalg.damped_power(gv, dg, self.output_factor.diagonal, exp)
         return self._from_mat(tf.pow(self.replicas, exp) * self._kron_product(mat, xa, xg))
 
-    def _cholesky_factors(self):
-        a, g = self._damped_factors()
+    def _cholesky_factors(self, damping):
+        a, g = self._damped_factors(damping)
         return (
             linalg.cholesky(a, self.input_factor.diagonal),
             linalg.cholesky(g, self.output_factor.diagonal),
         )
 
-    def multiply_cholesky(self, vs, transpose=False):
+    def multiply_cholesky(self, vs, transpose=False, damping=None):
         """L v with L = sqrt(R) L_A (x) L_G: V -> sqrt(R) L_A V L_G^T."""
-        la, lg = self._cholesky_factors()
+        la, lg = self._cholesky_factors(damping)
         diag_a, diag_g = self.input_factor.diagonal, self.output_factor.diagonal
         out = _mul_left_t(la, self._to_mat(vs), diag_a, transpose)
         out = linalg.mul_right(out, lg, diag_g, transpose=not transpose)
         return self._from_mat(tf.sqrt(self.replicas) * out)
 
-    def multiply_cholesky_inverse(self, vs, transpose=False):
+    def multiply_cholesky_inverse(self, vs, transpose=False, damping=None):
         """L^{-1} v: V -> R^{-1/2} L_A^{-1} V L_G^{-T} (transposed: L^{-T})."""
-        la, lg = self._cholesky_factors()
+        la, lg = self._cholesky_factors(damping)
         diag_a, diag_g = self.input_factor.diagonal, self.output_factor.diagonal
         out = linalg.solve_tril_left(la, self._to_mat(vs), diag_a, transpose)
         out = linalg.solve_tril_right(out, lg, diag_g, transpose)

@@ -97,25 +97,25 @@ class FullyConnectedSeriesBlock(blocks_kron.FullyConnectedKroneckerBlock):
             var([n_out] if k in ("psi", "mu") else [n_out, n_out], "output_" + k) for k in names
         ]
 
-    def update(self, data, decay=None, combine="sum"):
+    def update(self, data, decay=None):
         data = blocks_base.as_uses(data)
         for a, _ in data:
             if len(a.shape) != 2:
                 raise ValueError(
                     "FullyConnectedSeriesBlock.update: inputs must be [B, d_in] per time step"
                 )
-        super().update(data, decay, combine)
+        super().update(data, decay)
 
-    def _damped_c0(self):
-        return self._damped_factors()
+    def _damped_c0(self, damping):
+        return self._damped_factors(damping)
 
     def _init_inverses(self):
         """Only the damping of the last refresh: the quantities below hold the rest."""
         self.inverse_damping = tf.Variable(tf.constant(-1.0, self.dtype), trainable=False,
                                            name="inverse_damping")
 
-    def inverse_updates(self):
-        a0, g0 = self._damped_c0()
+    def inverse_updates(self, damping=None):
+        a0, g0 = self._damped_c0(damping)
         a1 = self.input_factor.lag_one_value()
         g1 = self.output_factor.lag_one_value()
         pairs = []
@@ -125,21 +125,28 @@ class FullyConnectedSeriesBlock(blocks_kron.FullyConnectedKroneckerBlock):
             else:
                 values = option2_quantities(c0, c1)
             pairs += list(zip(quants, values))
-        return pairs + [(self.inverse_damping, self._normalised_damping())]
+        return pairs + [(self.inverse_damping, self._normalised_damping(damping))]
 
-    def multiply_matpower(self, vs, exp):
+    def multiply_inverse(self, vs, refreshed=False, damping=None):
+        """From the quantities of the last ``update_inverses`` (no on-the-fly path)."""
+        return self.multiply_matpower(vs, -1, damping)
+
+    def multiply_matpower(self, vs, exp, damping=None):
+        """``exp = -1`` reads the quantities of the last ``update_inverses``
+        (made for the damping it was given); ``exp = 1`` (option 1) damps the
+        current factors with ``damping``."""
         if exp == -1:
             return self._from_mat(self._inverse(self._to_mat(vs)))
         if exp == 1 and self.option == 1:
-            return self._from_mat(self._forward(self._to_mat(vs)))
+            return self._from_mat(self._forward(self._to_mat(vs), damping))
         self._unsupported(
             f"multiply_matpower(exp={exp})",
             f"option {self.option} supports "
             + ("exp = 1 or -1" if self.option == 1 else "exp = -1"),
         )
 
-    def _forward(self, z):
-        a0, g0 = self._damped_c0()
+    def _forward(self, z, damping):
+        a0, g0 = self._damped_c0(damping)
         n_a, _, psi_a = option1_quantities(a0, self.input_factor.lag_one_value())
         n_g, _, psi_g = option1_quantities(g0, self.output_factor.lag_one_value())
         z = tf.matmul(tf.matmul(n_a, z, transpose_a=True), n_g)
@@ -162,10 +169,10 @@ class FullyConnectedSeriesBlock(blocks_kron.FullyConnectedKroneckerBlock):
         z = z - tf.matmul(tf.matmul(p_a, z, transpose_a=True), p_g)
         return z / steps
 
-    def multiply_cholesky(self, vs, transpose=False):
+    def multiply_cholesky(self, vs, transpose=False, damping=None):
         self._unsupported("multiply_cholesky")
 
-    def multiply_cholesky_inverse(self, vs, transpose=False):
+    def multiply_cholesky_inverse(self, vs, transpose=False, damping=None):
         self._unsupported("multiply_cholesky_inverse")
 
     def full_matrix(self):

@@ -10,10 +10,11 @@ estimated from cotangents ``v`` at ``z``, one backward pass each, which give
 every layer use's output gradient ``g = v^T dz/ds``:
 
 - ``"empirical"``: ``v_i = dl_i/dz_i`` at the data's targets;
-- ``"sampled"``: the same at ``num_samples`` targets drawn from
+- ``"sampled"``: the same at ``S = num_samples`` targets drawn from
   ``p(y | z_i)`` (stateless seeds from ``seed`` and an update counter;
   XLA's kernels draw other samples than TensorFlow's for the same seed),
-  averaged over samples (under ``tf.distribute`` the other replicas fold
+  each scaled by ``1/sqrt(S)`` so that the blocks' sums over sources are
+  the means over samples (under ``tf.distribute`` the other replicas fold
   their index into the seed);
 - ``"exact"``: the columns of the Fisher square root ``S_i`` (``F_i = S_i
   S_i^T``), summed. Exact for outputs ``[B, K]``; with more output axes
@@ -66,8 +67,10 @@ class FisherEstimator(tf.Module):
 
     ``fn``: a ``kg.auto_register``ed loss function (a plain one is wrapped).
     ``approximations``: ``{kind or layer name: factory or alias}``, see
-    ``kfac_graph.fisher.block_choice``. ``damping``: a float, variable or
-    zero-argument callable, read by the blocks at every multiply.
+    ``kfac_graph.fisher.block_choice``. ``damping``: the blocks' own damping
+    (a float, variable or zero-argument callable, read at every multiply)
+    for calls that pass none; every product, refresh and staleness check
+    also takes ``damping=`` as a value, which wins.
     """
 
     def __init__(self, fn, estimation_mode: str = "sampled", num_samples: int = 1,
@@ -143,37 +146,41 @@ class FisherEstimator(tf.Module):
         return run(*args)
 
     @_plain_python
-    def update_inverses(self):
-        """Refreshes every block's cached inverses / decompositions."""
+    def update_inverses(self, damping=None):
+        """Refreshes every block's cached inverses / decompositions (for
+        ``damping``, default the blocks' own)."""
         if self._cache.inverses is None:
             self._cache.inverses = tf.function(self.refresh_inverses, autograph=False)
-        return self._cache.inverses()
+        if damping is None:
+            return self._cache.inverses()
+        return self._cache.inverses(tf.cast(damping, tf.float64))
 
-    def refresh_inverses(self):
+    def refresh_inverses(self, damping=None):
         """``update_inverses`` inside a ``tf.function`` of the caller's (the
         optimizer's step, an exported function)."""
         for block in self.blocks:
-            block.update_inverses()
+            block.update_inverses(damping)
 
-    def inverses_stale(self):
+    def inverses_stale(self, damping=None):
         """Whether any block's cached inverses were made for another damping
-        (then ``multiply_inverse`` inverts those blocks on the fly)."""
-        return tf.reduce_any(tf.stack([block.inverses_stale() for block in self.blocks]))
+        than ``damping`` (then ``multiply_inverse`` inverts those blocks on
+        the fly)."""
+        return tf.reduce_any(tf.stack([block.inverses_stale(damping) for block in self.blocks]))
 
     # -- products over all layers ------------------------------------------------------
     @_plain_python
-    def multiply(self, vectors):
+    def multiply(self, vectors, damping=None):
         """The damped blocks times ``vectors`` (aligned with ``registration.variables``)."""
-        return self._per_block(vectors, lambda b, vs: b.multiply(vs))
+        return self._per_block(vectors, lambda b, vs: b.multiply(vs, damping))
 
     @_plain_python
-    def multiply_inverse(self, vectors, refreshed=False):
+    def multiply_inverse(self, vectors, refreshed=False, damping=None):
         """The damped blocks' inverses (from the last ``update_inverses``) times
         ``vectors``. ``refreshed=True``: no block's inverses are stale (the
         caller refreshed them after any damping change), so the cached ones
         are used without checking; the check's fallback reads the factors,
         which an XLA-compiled caller under ``tf.distribute`` cannot reach."""
-        return self._per_block(vectors, lambda b, vs: b.multiply_inverse(vs, refreshed))
+        return self._per_block(vectors, lambda b, vs: b.multiply_inverse(vs, refreshed, damping))
 
     def _per_block(self, vectors, op):
         vectors, out, k = list(vectors), [], 0
@@ -207,7 +214,6 @@ class FisherEstimator(tf.Module):
             reads = [taps.variable_reads[v.ref()] for v in generic]
             stacked = pfor_gradients.jacobian(tf.stack(per_example_terms), reads)
             jacobians = {v.ref(): j for v, j in zip(generic, stacked)}
-        combine = "sum" if self.estimation_mode == "exact" else "mean"
         rules = pe.default_registry()
         for index, (layer, block) in enumerate(zip(reg.layers, self._blocks)):
             if layer.kind == "generic":
@@ -223,7 +229,7 @@ class FisherEstimator(tf.Module):
                         for u in range(layer.uses)]
                 data = (_rule_gradients(rules, layer, uses) if block_stats(block) == PER_EXAMPLE
                         else uses)
-            block.update(data, combine=combine)
+            block.update(data)
         self._counter.assign_add(1)
         return taps
 
@@ -248,10 +254,14 @@ class FisherEstimator(tf.Module):
                      for s in range(self.num_samples)]
             targets = [tf.stop_gradient(dist0.sample(seed)) for seed in seeds]
         dist = make_distribution(reg.loss.kind, z)
+        # S samples, each scaled by 1/sqrt(S): the sums over sources are means
+        weight = tf.constant(len(targets) ** -0.5, z.dtype)
         cotangents, terms = [], []
         for y in targets:
-            cotangents.append(tf.gradients(-tf.reduce_sum(dist0.log_prob(y)), z0)[0])
-            terms.append(per_example(-dist.log_prob(y)))
+            cotangent = tf.gradients(-tf.reduce_sum(dist0.log_prob(y)), z0)[0]
+            term = per_example(-dist.log_prob(y))
+            cotangents.append(cotangent if len(targets) == 1 else weight * cotangent)
+            terms.append(term if len(targets) == 1 else weight * term)
         return cotangents, terms
 
 

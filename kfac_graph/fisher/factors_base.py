@@ -5,15 +5,15 @@ one per sample or per Fisher-square-root column for output gradients) of
 lists over uses of rows `[N, d]` (or `[N, groups, d]` for per-group
 factors).  The batch estimate is
 
-    C = combine_s  (1 / N_s) sum_u sum_n x_{s,u,n} x_{s,u,n}^T
+    C = sum_s  (1 / N_s) sum_u sum_n x_{s,u,n} x_{s,u,n}^T
 
-with `N_s = sum_u N_u` the number of rows (examples x positions x uses)
-and `combine` "sum" (exact mode: the Fisher square root's columns add up)
-or "mean" (sampled mode: average over samples).  A diagonal factor keeps
+with `N_s = sum_u N_u` the number of rows (examples x positions x uses).
+Sources add up: the Fisher square root's columns do (exact mode), and a
+caller averaging S samples scales each by 1/sqrt(S).  A diagonal factor keeps
 only `diag(C)`.  With `lag_one=True` the factor also tracks the lag-one
 cross moment between consecutive uses (time steps) u and u+1:
 
-    C1 = combine_s (1 / N_s) sum_{u < U-1} sum_n x_{s,u+1,n} x_{s,u,n}^T
+    C1 = sum_s (1 / N_s) sum_{u < U-1} sum_n x_{s,u+1,n} x_{s,u,n}^T
 
 normalised by all `N_s` rows (zero padding at the sequence end keeps
 [[C, C1^T], [C1, C]] positive semi-definite), as the series (RNN) blocks
@@ -34,9 +34,6 @@ import tensorflow as tf
 
 from kfac_graph.fisher import ema
 from kfac_graph.fisher import linalg
-
-COMBINE = ("sum", "mean")
-
 
 def _rows(x):
     return tf.cast(tf.shape(x)[0], x.dtype)
@@ -81,24 +78,16 @@ def _pad_last(x, count, *pads):
     return [[0, 0]] * (len(x.shape) - count) + [list(p) for p in pads]
 
 
-def combine_sources(per_source, combine):
-    """Sums (exact mode) or averages (sampled mode) per-source estimates."""
-    if combine not in COMBINE:
-        raise ValueError(f"combine must be one of {COMBINE}, got {combine!r}")
-    total = tf.add_n(per_source)
-    return total / len(per_source) if combine == "mean" else total
-
-
-def second_moment(sources, diagonal=False, combine="sum", ones=False):
+def second_moment(sources, diagonal=False, ones=False):
     """The batch estimate C of the module docstring."""
     per_source = []
     for uses in sources:
         n = tf.add_n([_rows(x) for x in uses])
         per_source.append(tf.add_n([_outer(x, x, diagonal, ones) for x in uses]) / n)
-    return combine_sources(per_source, combine)
+    return tf.add_n(per_source)
 
 
-def lag_one_moment(sources, combine="sum", ones=False):
+def lag_one_moment(sources, ones=False):
     """The batch estimate C1 of the module docstring (needs >= 2 uses)."""
     per_source = []
     for uses in sources:
@@ -107,7 +96,7 @@ def lag_one_moment(sources, combine="sum", ones=False):
         n = tf.add_n([_rows(x) for x in uses])
         lagged = [_outer(uses[u + 1], uses[u], False, ones) for u in range(len(uses) - 1)]
         per_source.append(tf.add_n(lagged) / n)
-    return combine_sources(per_source, combine)
+    return tf.add_n(per_source)
 
 
 class CovarianceFactor(tf.Module):
@@ -133,13 +122,13 @@ class CovarianceFactor(tf.Module):
     def dtype(self):
         return self.cov.dtype
 
-    def update_rows(self, sources, decay, combine="sum", ones=False):
+    def update_rows(self, sources, decay, ones=False):
         """Folds in the batch estimate from `sources` (see module docstring);
         `ones`: the rows get the homogeneous coordinate 1 appended."""
         sources = [[tf.cast(x, self.dtype) for x in uses] for uses in sources]
-        self.cov.update(second_moment(sources, self.diagonal, combine, ones), decay)
+        self.cov.update(second_moment(sources, self.diagonal, ones), decay)
         if self.cov_lag_one is not None:
-            self.cov_lag_one.update(lag_one_moment(sources, combine, ones), decay)
+            self.cov_lag_one.update(lag_one_moment(sources, ones), decay)
 
     def value(self):
         return self.cov.value()

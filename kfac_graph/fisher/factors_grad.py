@@ -1,13 +1,13 @@
 """Full and diagonal factors built from per-example gradients.
 
-    F = combine_s (1 / B) sum_i grad_{s,i} grad_{s,i}^T     (or its diagonal)
+    F = sum_s (1 / B) sum_i grad_{s,i} grad_{s,i}^T     (or its diagonal)
 
 where grad_{s,i} is example i's gradient (flattened in the canonical order)
 for source s (sampled target or Fisher-square-root column).  This is the
 low-variance "sum of squares" estimator: its expectation is the Fisher
 block itself, with no Kronecker approximation.
 
-`NaiveFactor.update(grads, decay, combine)` takes the gradients directly:
+`NaiveFactor.update(grads, decay)` takes the gradients directly:
 `grads` is a list over variables of `[B, *var.shape]`, or a list over
 sources of such lists.  The layer-aware factors instead take the uses
 `[(a, g), ...]` and rebuild each example's gradient from the layer input
@@ -30,9 +30,9 @@ class ExampleGradientFactor(factors_base.CovarianceFactor):
     def __init__(self, num_params, diagonal=False, **kwargs):
         super().__init__(num_params, diagonal=diagonal, **kwargs)
 
-    def update_grads(self, sources, decay, combine="sum"):
+    def update_grads(self, sources, decay):
         """sources: list over sources of `[B, n]` per-example gradients."""
-        self.update_rows([[s] for s in sources], decay, combine)
+        self.update_rows([[s] for s in sources], decay)
 
     # Layer-aware subclasses define these two.
     def _prepare(self, a):
@@ -42,7 +42,7 @@ class ExampleGradientFactor(factors_base.CovarianceFactor):
         raise NotImplementedError(
             f"{type(self).__name__}._example_grads: a layer-aware subclass defines it")
 
-    def update(self, uses, decay, combine="sum"):
+    def update(self, uses, decay):
         """uses: `[(a, g), ...]`, g a tensor or a list over sources."""
         prepared = [self._prepare(a) for a, _ in uses]
         sources = factors_kron.sources_by_use([g for _, g in uses])
@@ -56,17 +56,17 @@ class ExampleGradientFactor(factors_base.CovarianceFactor):
                     ]
                 )
             )
-        self.update_grads(grads, decay, combine)
+        self.update_grads(grads, decay)
 
 
 class NaiveFactor(ExampleGradientFactor):
     """F from per-example gradients of arbitrary variables."""
 
-    def update(self, grads, decay, combine="sum"):
+    def update(self, grads, decay):
         grads = list(grads)
         sources = grads if isinstance(grads[0], (list, tuple)) else [grads]
         flat = [lg.variable_example_grads([tf.cast(t, self.dtype) for t in s]) for s in sources]
-        self.update_grads(flat, decay, combine)
+        self.update_grads(flat, decay)
 
 
 class DenseGradientFactor(ExampleGradientFactor):
@@ -80,10 +80,10 @@ class DenseGradientFactor(ExampleGradientFactor):
     def _example_grads(self, a, g):
         return lg.dense_example_grads(a, g, self.has_bias)
 
-    def update(self, uses, decay, combine="sum"):
+    def update(self, uses, decay):
         single = len(uses) == 1 and len(uses[0][0].shape) == 2
         if not (self.diagonal and single):
-            return super().update(uses, decay, combine)
+            return super().update(uses, decay)
         # One outer product per example: diag = mean_i (abar_i^2)(g_i^2)^T.
         a = tf.cast(uses[0][0], self.dtype)
         if self.has_bias:
@@ -96,7 +96,7 @@ class DenseGradientFactor(ExampleGradientFactor):
             / b
             for s in sources
         ]
-        est = factors_base.combine_sources(est, combine)
+        est = tf.add_n(est)
         self.cov.update(est, decay)
 
 

@@ -7,8 +7,8 @@ with `a` the layer input (dense), the input patch at an output location
 its diagonal: the id counts / (B T U); no one-hot tensor is formed).
 Output factors average the same way over the output-gradient rows g
 (conv: at every output location; depthwise: per input channel, the M
-outputs it feeds), summed ("exact") or averaged ("sampled") over sources:
-    G = combine_s (1 / (B T U)) sum_{i,t,u} g_s g_s^T.
+outputs it feeds), summed over sources:
+    G = sum_s (1 / (B T U)) sum_{i,t,u} g_s g_s^T.
 
 `update` arguments (a list over uses; see `blocks_base` for the layout):
     input factors:  `inputs`  = [a_use0, a_use1, ...]
@@ -54,7 +54,7 @@ class OutputFactor(factors_base.CovarianceFactor):
         super().__init__(d_out, **kwargs)
         self.data_format = data_format
 
-    def update(self, grads, decay, combine="sum"):
+    def update(self, grads, decay):
         fmt = self.data_format
 
         def rows(g):
@@ -64,7 +64,7 @@ class OutputFactor(factors_base.CovarianceFactor):
             return _rows(g, self.dim)
 
         sources = sources_by_use(grads)
-        self.update_rows([[rows(g) for g in uses] for uses in sources], decay, combine)
+        self.update_rows([[rows(g) for g in uses] for uses in sources], decay)
 
 
 class ConvInputFactor(factors_base.CovarianceFactor):
@@ -109,13 +109,13 @@ class DepthwiseOutputFactor(factors_base.CovarianceFactor):
         super().__init__(multiplier, groups=channels, **kwargs)
         self.channels, self.data_format = int(channels), data_format
 
-    def update(self, grads, decay, combine="sum"):
+    def update(self, grads, decay):
         def rows(g):
             g = patches_lib.channels_last(tf.cast(g, self.dtype), self.data_format)
             return tf.reshape(g, [-1, self.channels, self.dim])
 
         sources = sources_by_use(grads)
-        self.update_rows([[rows(g) for g in uses] for uses in sources], decay, combine)
+        self.update_rows([[rows(g) for g in uses] for uses in sources], decay)
 
 
 class EmbeddingInputFactor(factors_base.CovarianceFactor):
