@@ -11,6 +11,6 @@ setup(
     install_requires=["tensorflow>=2.16", "tensorboard", "networkx>=3.0", "numpy", "absl-py"],
     extras_require={"test": ["pytest", "hypothesis", "scikit-learn"],
                     "bench": ["scikit-learn", "matplotlib"]},
-    entry_points={"console_scripts": ["kfac-graph=kfac_graph.__main__:run",
+    entry_points={"console_scripts": ["kfac-graph=tools.kfac_register:run",
                                         "kfac-rewrite=tools.kfac_rewrite:run"]},
 )

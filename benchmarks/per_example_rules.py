@@ -29,14 +29,13 @@ import bench_env  # noqa: E402,F401  (first: quiet logs, the repository importab
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from kfac_graph import fisher  # noqa: E402
 from kfac_graph import per_example as pe  # noqa: E402
 
 tf.get_logger().setLevel("ERROR")  # distinct tf.functions per variant
-from kfac_graph.per_example import conv as conv_lib  # noqa: E402
-from kfac_graph.per_example import conv_geometry as cg  # noqa: E402
-from kfac_graph.per_example import dense as dense_lib  # noqa: E402
-from kfac_graph.per_example import depthwise as dw_lib  # noqa: E402
+from kfac_graph.layers import conv as conv_lib  # noqa: E402
+from kfac_graph.layers import conv_geometry as cg  # noqa: E402
+from kfac_graph.layers import dense as dense_lib  # noqa: E402
+from kfac_graph.layers import depthwise as dw_lib  # noqa: E402
 
 
 def time_all(fns, reps):
@@ -353,7 +352,8 @@ def patches_table(reps, xla_modes):
     rows = []
     for xla in xla_modes:
         for batch, size, channels, stride, padding in cases:
-            geometry = fisher.ConvGeometry(strides=(1, stride, stride, 1), padding=padding)
+            geometry = cg.ConvAttrs((3, 3, channels, 1), strides=(1, stride, stride, 1),
+                                    padding=padding)
             x = tf.constant(rng.standard_normal((batch, size, size, channels)), tf.float32)
             fns = {
                 "extract_patches": tf.function(
@@ -361,7 +361,7 @@ def patches_table(reps, xla_modes):
                         x, [1, 3, 3, 1], [1, stride, stride, 1], [1, 1, 1, 1], padding),
                     jit_compile=xla),
                 "gather": tf.function(
-                    lambda x, g=geometry: fisher.extract_patches(x, (3, 3), g), jit_compile=xla),
+                    lambda x, g=geometry: cg.extract_patches(x, g), jit_compile=xla),
             }
             times = time_all({k: (lambda f=f: f(x)) for k, f in fns.items()}, reps)
             name = f"B={batch} {size}x{size}x{channels} 3x3 s{stride} {padding}"

@@ -24,8 +24,8 @@ import tensorflow as tf
 
 from kfac_graph import per_example as pe
 from kfac_graph.auto_register import RegisteredFunction, auto_register
-from kfac_graph.layer_taps import LayerTaps
-from kfac_graph.per_example_api import per_layer_results
+from kfac_graph.taps import LayerTaps
+from kfac_graph.per_example.gradients import per_layer_results
 from kfac_graph.registration import Registration
 
 _METHODS = ("auto", "reweight", "materialize")

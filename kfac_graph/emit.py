@@ -34,8 +34,8 @@ import tempfile
 import tensorflow as tf
 
 from kfac_graph.auto_register import RegisteredFunction
-from kfac_graph.optimizer import KFAC
-from kfac_graph.per_example_api import per_example_gradients
+from kfac_graph.optimizer.kfac import KFAC
+from kfac_graph.per_example.gradients import per_example_gradients
 from kfac_graph.registration import Registration
 from passes.errors import KfacGraphError, LoadError
 from passes.frontends import error_line, read_saved_model

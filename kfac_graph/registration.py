@@ -13,9 +13,9 @@ from typing import Any, Mapping
 import networkx as nx
 import numpy as np
 
-KINDS = ("dense", "conv2d", "depthwise_conv2d", "scale_and_shift", "embedding", "generic")
-_COLOURS = {"dense": "lightblue", "conv2d": "palegreen", "depthwise_conv2d": "khaki",
-            "scale_and_shift": "plum", "embedding": "lightsalmon", "generic": "lightgrey"}
+from kfac_graph import layers as layer_kinds
+
+KINDS = tuple(layer_kinds.KINDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,7 @@ class Registration:
     def generic_variables(self) -> tuple:
         """The variables of generic layers (their per-example gradients need
         the variables' own reads, ``LayerTaps.build(read_variables=...)``)."""
-        return tuple(v for layer in self.layers if layer.kind == "generic"
+        return tuple(v for layer in self.layers if layer.kind == layer_kinds.GENERIC
                      for v in layer.variables)
 
     def summary(self) -> str:
@@ -149,7 +149,7 @@ class Registration:
         for layer in self.layers:
             for ops in layer.ops:
                 for node in ops:
-                    colour[node] = _COLOURS[layer.kind]
+                    colour[node] = layer_kinds.kind(layer.kind).colour
                     label[node] = layer.name
         lines = ["digraph kfac_graph {", "  rankdir=TB;", '  node [shape=box, fontsize=10];']
         g = self.ir

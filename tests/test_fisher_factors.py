@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from kfac_graph import fisher
 from kfac_graph.fisher import factors_base, linalg
+from kfac_graph.layers import conv_geometry as cg
 
 F64 = tf.float64
 
@@ -88,14 +89,15 @@ def test_diagonal_and_grouped_factors():
 
 
 def test_conv_geometry_validation():
+    kernel = (3, 3, 1, 1)
     with pytest.raises(ValueError, match="padding"):
-        fisher.ConvGeometry.from_attrs({"padding": "CAUSAL"})
+        cg.ConvAttrs.from_attrs(kernel, {"padding": "CAUSAL"})
     with pytest.raises(ValueError, match="EXPLICIT"):
-        fisher.ConvGeometry.from_attrs({"padding": b"EXPLICIT"})
-    g = fisher.ConvGeometry.from_attrs(
-        {"strides": [1, 1, 2, 3], "data_format": b"NCHW", "padding": b"SAME"}
+        cg.ConvAttrs.from_attrs(kernel, {"padding": b"EXPLICIT"})
+    g = cg.ConvAttrs.from_attrs(
+        kernel, {"strides": [1, 1, 2, 3], "data_format": b"NCHW", "padding": b"SAME"}
     )
-    assert g.spatial_strides == (2, 3) and g.padding == "SAME"
+    assert g.strides_hw == (2, 3) and g.padding == "SAME"
 
 
 @pytest.mark.parametrize("rows", [7, 20])  # below and above 4 x the width: copied / border

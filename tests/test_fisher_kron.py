@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from kfac_graph import fisher
+from kfac_graph.layers.conv import ConvSpec
 from fisher_reference import (
     F64,
     brute_fisher,
@@ -373,10 +374,10 @@ def test_conv_input_factor_property(size, kernel, stride, dilation, padding, fmt
     x = np.random.default_rng(h * w).normal(size=(2, h, w, 2))
     sp = [1, 1, stride, stride] if fmt == "NCHW" else [1, stride, stride, 1]
     dl = [1, 1, dilation, dilation] if fmt == "NCHW" else [1, dilation, dilation, 1]
-    geometry = fisher.ConvGeometry.from_attrs(
-        dict(strides=sp, dilations=dl, padding=padding, data_format=fmt)
-    )
-    factor = fisher.ConvInputFactor((kh, kw, 2, 1), geometry, True, dtype=F64)
+    spec = ConvSpec.from_attrs(
+        (kh, kw, 2, 1), dict(strides=sp, dilations=dl, padding=padding, data_format=fmt),
+        has_bias=True)
+    factor = fisher.ConvInputFactor(spec, dtype=F64)
     xin = np.transpose(x, [0, 3, 1, 2]) if fmt == "NCHW" else x
     factor.update([tf.constant(xin)], 0.0)
     want = _cov(_homog(np_patches(x, kh, kw, (stride, stride), (dilation, dilation), padding)))

@@ -1,8 +1,11 @@
 """Fisher curvature for kfac_graph: distributions, factors and blocks.
 
 The blocks take plain tensors (layer inputs and output gradients, or
-per-example gradients); they know nothing of how layers were found.  See
-`blocks_base` for the block contract and data layout.
+per-example gradients); they know nothing of how layers were found, and
+read each layer kind's math (patches, rows, per-example rules) from
+`kfac_graph.layers`.  See `blocks_base` for the block contract and data
+layout. The estimator (`estimator.py`, one block per registered layer,
+chosen by `block_choice.py`) is imported from its module, not from here.
 """
 
 from kfac_graph.fisher.blocks_base import FisherBlock, FullBlock, DiagonalBlock
@@ -26,6 +29,7 @@ from kfac_graph.fisher.blocks_kron import (
 )
 from kfac_graph.fisher.blocks_series import FullyConnectedSeriesBlock
 from kfac_graph.fisher.defaults import (
+    BLOCK_FACTORIES,
     DEFAULT_BLOCKS,
     SCALE_AND_SHIFT_FULL_MAX_PARAMS,
     block_factory,
@@ -37,20 +41,18 @@ from kfac_graph.fisher.factors_base import CovarianceFactor
 from kfac_graph.fisher.factors_grad import (
     ExampleGradientFactor,
     NaiveFactor,
+    LayerGradientFactor,
     DenseGradientFactor,
-    ConvGradientFactor,
-    DepthwiseGradientFactor,
-    ScaleAndShiftGradientFactor,
 )
 from kfac_graph.fisher.factors_kron import (
     DenseInputFactor,
     OutputFactor,
     ConvInputFactor,
     DepthwiseInputFactor,
-    DepthwiseOutputFactor,
     EmbeddingInputFactor,
+    conv_output_factor,
+    depthwise_output_factor,
 )
-from kfac_graph.fisher.patches import ConvGeometry, extract_patches
 
 import types as _types
 

@@ -3,7 +3,7 @@
 ``make_layer_block(layer, approximations, **options)`` picks the block
 through ``fisher.make_block``'s override mechanism. ``approximations`` maps
 a layer kind or a ``Layer.name`` (the name wins) to a block factory or to
-one of the aliases below:
+one of the aliases its kind's record allows (``LayerKind.blocks``); today:
 
     kind              "kron"                   "diagonal"              "full"
     dense             FullyConnectedKronecker  FullyConnectedDiagonal  NaiveFull
@@ -13,7 +13,8 @@ one of the aliases below:
     embedding         EmbeddingKronecker       NaiveDiagonal           NaiveFull
     generic           -                        NaiveDiagonal           NaiveFull
 
-and ``"series"`` (dense: ``FullyConnectedSeriesBlock``, option 2).
+plus ``"series"`` (dense: ``FullyConnectedSeriesBlock``, option 2) and
+``"auto"`` (scale_and_shift: full up to 1024 parameters, else diagonal).
 
 Layouts the blocks do not assume, adapted here so that every block's
 vectors and ``full_matrix`` follow the variables' own row-major layout:
@@ -28,32 +29,21 @@ vectors and ``full_matrix`` follow the variables' own row-major layout:
 - a scale-and-shift layer without a scale (a bias alone) is fed ``xhat = 1``
   (its gradient is then the scale rule's); with a ``data_format`` of
   ``NC...`` (FusedBatchNorm, BiasAdd) ``xhat`` and ``g`` arrive channels-last
-  (``layer_inputs`` moves them), where the blocks broadcast a ``[C]`` scale.
+  (the kind's ``operands`` moves them), where the blocks broadcast a ``[C]`` scale.
 """
 from __future__ import annotations
+
+import types
 
 import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from kfac_graph import fisher
-from kfac_graph.fisher import blocks_base
+from kfac_graph import layers
+from kfac_graph.fisher import blocks_base, blocks_full, defaults
 
-_NAIVE = {"diagonal": fisher.NaiveDiagonalBlock, "full": fisher.NaiveFullBlock}
-ALIASES = {
-    "dense": {"kron": fisher.FullyConnectedKroneckerBlock,
-              "diagonal": fisher.FullyConnectedDiagonalBlock, "full": fisher.NaiveFullBlock,
-              "series": lambda *a, **k: fisher.FullyConnectedSeriesBlock(*a, option=2, **k)},
-    "conv2d": {"kron": fisher.ConvKroneckerBlock, "diagonal": fisher.ConvDiagonalBlock,
-               "full": fisher.NaiveFullBlock},
-    "depthwise_conv2d": {"kron": fisher.DepthwiseConvKroneckerBlock,
-                         "diagonal": fisher.DepthwiseConvDiagonalBlock,
-                         "full": fisher.NaiveFullBlock},
-    "scale_and_shift": {"diagonal": fisher.ScaleAndShiftDiagonalBlock,
-                        "full": fisher.ScaleAndShiftFullBlock},
-    "embedding": {"kron": fisher.EmbeddingKroneckerBlock, **_NAIVE},
-    "generic": dict(_NAIVE),
-}
+ALIASES = types.MappingProxyType({kind: types.MappingProxyType(defaults.kind_blocks(kind))
+                                   for kind in layers.KINDS})
 PER_EXAMPLE = "per_example_gradients"
 
 
@@ -92,7 +82,7 @@ def make_layer_block(layer, approximations=None, **options) -> blocks_base.Fishe
     overrides = {layer.kind: factory} if factory is not None else None
     shapes = [tuple(int(d) for d in v.shape) for v in layer.variables]
     attrs = dict(layer.attrs)
-    make = lambda kind, s, o: fisher.make_block(kind, s, attrs, num_uses=layer.uses,
+    make = lambda kind, s, o: defaults.make_block(kind, s, attrs, num_uses=layer.uses,
                                                 overrides=o, **options)
     orientation = kernel_orientation(layer)
     if orientation == "mixed":
@@ -101,7 +91,7 @@ def make_layer_block(layer, approximations=None, **options) -> blocks_base.Fishe
         logging.warning("kfac_graph: dense layer %s applies its kernel both as stored and "
                         "transposed; it gets a diagonal Fisher block from per-example "
                         "gradients", layer.name)
-        return fisher.NaiveDiagonalBlock(shapes, attrs, num_uses=layer.uses, **options)
+        return blocks_full.NaiveDiagonalBlock(shapes, attrs, num_uses=layer.uses, **options)
     if orientation == "oi":
         if getattr(factory, "stats", None) == PER_EXAMPLE:
             return make(layer.kind, shapes, overrides)
@@ -111,16 +101,6 @@ def make_layer_block(layer, approximations=None, **options) -> blocks_base.Fishe
             return make(layer.kind, shapes, overrides)
         return TransposedKernelBlock(inner, shapes, attrs, num_uses=layer.uses, **options)
     return make(layer.kind, shapes, overrides)
-
-
-def prepare_use(layer, use, a, gs):
-    """``(a, [g per source])`` of one use as the layer's block reads it."""
-    attrs = layer.use_attrs[use]
-    if layer.kind != "scale_and_shift":
-        return a, gs
-    if not attrs.get("has_scale", True):
-        a = tf.ones_like(gs[0])
-    return a, gs
 
 
 class TransposedKernelBlock(blocks_base.FisherBlock):

@@ -10,13 +10,14 @@ diagonal block this equals the seed's `T * (l / T)`).
   ConvDiagonalBlock                     Conv2D kernel [kh, kw, Cin, Cout].
   DepthwiseConvDiagonalBlock            depthwise kernel [kh, kw, C, M].
   ScaleAndShiftFullBlock / ...DiagonalBlock   scale (+ shift) over xhat.
-The layer blocks take uses `[(a, g), ...]`; multiple uses are exact here
-(the gradient sums over uses before squaring).
+The layer blocks take uses `[(a, g), ...]` and get each example's gradient
+from the layer kind's own per-example rule (`kfac_graph.layers`); multiple
+uses are exact here (the gradient sums over uses before squaring).
 """
 
 from kfac_graph.fisher import blocks_base
 from kfac_graph.fisher import factors_grad
-from kfac_graph.fisher import patches as patches_lib
+from kfac_graph.layers import conv, dense, depthwise, scale_shift
 
 
 class _LayerMixin:
@@ -56,34 +57,30 @@ class FullyConnectedDiagonalBlock(_LayerMixin, blocks_base.DiagonalBlock):
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
-        self.factor = factors_grad.DenseGradientFactor(
-            self.var_shapes[0], len(self.var_shapes) > 1, diagonal=True, dtype=self.dtype
-        )
+        spec = dense.DenseSpec(has_bias=len(self.var_shapes) > 1)
+        self.factor = factors_grad.DenseGradientFactor(dense.KIND.rule, spec, self.num_params,
+                                                       diagonal=True, dtype=self.dtype)
         self._init_cache()
 
 
 class ConvDiagonalBlock(_LayerMixin, blocks_base.DiagonalBlock):
     """diag F for Conv2D: mean_i (sum_t P_{i,t} g_{i,t}^T)^2 (+ bias)."""
 
-    _factor_cls = factors_grad.ConvGradientFactor
+    _spec_type, _rule = conv.ConvSpec, conv.KIND.rule
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
-        self.geometry = patches_lib.ConvGeometry.from_attrs(self.attrs)
-        self.factor = self._factor_cls(
-            self.var_shapes[0],
-            self.geometry,
-            len(self.var_shapes) > 1,
-            diagonal=True,
-            dtype=self.dtype,
-        )
+        self.spec = self._spec_type.from_attrs(self.var_shapes[0], self.attrs,
+                                               has_bias=len(self.var_shapes) > 1)
+        self.factor = factors_grad.LayerGradientFactor(self._rule, self.spec, self.num_params,
+                                                       diagonal=True, dtype=self.dtype)
         self._init_cache()
 
 
 class DepthwiseConvDiagonalBlock(ConvDiagonalBlock):
     """diag F for DepthwiseConv2dNative (kernel [kh, kw, C, M], bias [C*M])."""
 
-    _factor_cls = factors_grad.DepthwiseGradientFactor
+    _spec_type, _rule = depthwise.DepthwiseSpec, depthwise.KIND.rule
 
 
 class ScaleAndShiftFullBlock(_LayerMixin, blocks_base.FullBlock):
@@ -93,9 +90,10 @@ class ScaleAndShiftFullBlock(_LayerMixin, blocks_base.FullBlock):
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
-        self.factor = factors_grad.ScaleAndShiftGradientFactor(
-            self.var_shapes[0], len(self.var_shapes) > 1, diagonal=self._diagonal, dtype=self.dtype
-        )
+        spec = scale_shift.ScaleShiftSpec(self.var_shapes[0], has_shift=len(self.var_shapes) > 1)
+        self.factor = factors_grad.LayerGradientFactor(
+            scale_shift.KIND.rule, spec, self.num_params, diagonal=self._diagonal,
+            dtype=self.dtype)
         self._init_cache()
 
 
@@ -104,7 +102,7 @@ class ScaleAndShiftDiagonalBlock(_LayerMixin, blocks_base.DiagonalBlock):
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
-        self.factor = factors_grad.ScaleAndShiftGradientFactor(
-            self.var_shapes[0], len(self.var_shapes) > 1, diagonal=True, dtype=self.dtype
-        )
+        spec = scale_shift.ScaleShiftSpec(self.var_shapes[0], has_shift=len(self.var_shapes) > 1)
+        self.factor = factors_grad.LayerGradientFactor(
+            scale_shift.KIND.rule, spec, self.num_params, diagonal=True, dtype=self.dtype)
         self._init_cache()

@@ -43,7 +43,7 @@ from kfac_graph.fisher import blocks_base
 from kfac_graph.fisher import ema
 from kfac_graph.fisher import factors_kron
 from kfac_graph.fisher import linalg
-from kfac_graph.fisher import patches as patches_lib
+from kfac_graph.layers import conv, depthwise
 
 
 def _mul_left_t(factor, x, diagonal, transpose):
@@ -242,18 +242,13 @@ class ConvKroneckerBlock(KroneckerBlock):
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
-        self.geometry = patches_lib.ConvGeometry.from_attrs(self.attrs)
         kernel = self.var_shapes[0]
+        self.spec = conv.ConvSpec.from_attrs(kernel, self.attrs, has_bias=len(self.var_shapes) > 1)
         self._out_width = kernel[-1]
-        self.input_factor = factors_kron.ConvInputFactor(
-            kernel, self.geometry, len(self.var_shapes) > 1, dtype=self.dtype, name="input_factor"
-        )
-        self.output_factor = factors_kron.OutputFactor(
-            kernel[-1],
-            data_format=self.geometry.data_format,
-            dtype=self.dtype,
-            name="output_factor",
-        )
+        self.input_factor = factors_kron.ConvInputFactor(self.spec, dtype=self.dtype,
+                                                         name="input_factor")
+        self.output_factor = factors_kron.conv_output_factor(self.spec, dtype=self.dtype,
+                                                             name="output_factor")
         self._init_kron()
 
 
@@ -282,16 +277,14 @@ class DepthwiseConvKroneckerBlock(KroneckerBlock):
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
-        self.geometry = patches_lib.ConvGeometry.from_attrs(self.attrs)
         kh, kw, channels, mult = self.var_shapes[0]
         self._out_width = channels * mult
         has_bias = len(self.var_shapes) > 1
-        self.input_factor = factors_kron.DepthwiseInputFactor(
-            self.var_shapes[0], self.geometry, has_bias, dtype=self.dtype, name="input_factor"
-        )
-        self.output_factor = factors_kron.DepthwiseOutputFactor(
-            channels, mult, self.geometry.data_format, dtype=self.dtype, name="output_factor"
-        )
+        self.spec = depthwise.DepthwiseSpec.from_attrs(self.var_shapes[0], self.attrs, has_bias)
+        self.input_factor = factors_kron.DepthwiseInputFactor(self.spec, dtype=self.dtype,
+                                                              name="input_factor")
+        self.output_factor = factors_kron.depthwise_output_factor(self.spec, dtype=self.dtype,
+                                                                  name="output_factor")
         self._init_kron()
         self._index = self._canonical_index(kh * kw, channels, mult, has_bias)
 

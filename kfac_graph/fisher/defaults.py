@@ -1,10 +1,12 @@
-"""Which block a layer gets: defaults per layer kind, overridable per kind.
+"""Which block a layer gets: the block factories by name, and each kind's
+default, read from its record (`kfac_graph.layers.KINDS`).
 
 Plain data and functions, no module-level mutable state.  A "block factory"
 is any callable `factory(var_shapes, attrs, *, num_uses, **options)`
-returning a `FisherBlock`; every block class is one.
+returning a `FisherBlock`; every block class is one.  A kind's record
+names the factories it allows (alias -> a name in `BLOCK_FACTORIES`) and its
+default alias; today's defaults:
 
-Defaults:
   dense, conv2d, depthwise_conv2d -> Kronecker (K-FAC / KFC; with several
                                      uses, the independent-uses version)
   scale_and_shift                  -> full when the parameter count is at most
@@ -18,12 +20,12 @@ import types
 
 import numpy as np
 
+from kfac_graph import layers
 from kfac_graph.fisher import blocks_full
 from kfac_graph.fisher import blocks_kron
+from kfac_graph.fisher import blocks_series
 
 SCALE_AND_SHIFT_FULL_MAX_PARAMS = 1024
-
-LAYER_KINDS = ("dense", "conv2d", "depthwise_conv2d", "scale_and_shift", "embedding", "generic")
 
 
 def _num_params(var_shapes):
@@ -37,16 +39,27 @@ def scale_and_shift_block(var_shapes, attrs=None, **options):
     return cls(var_shapes, attrs, **options)
 
 
-DEFAULT_BLOCKS = types.MappingProxyType(
-    {
-        "dense": blocks_kron.FullyConnectedKroneckerBlock,
-        "conv2d": blocks_kron.ConvKroneckerBlock,
-        "depthwise_conv2d": blocks_kron.DepthwiseConvKroneckerBlock,
-        "scale_and_shift": scale_and_shift_block,
-        "embedding": blocks_kron.EmbeddingKroneckerBlock,
-        "generic": blocks_full.NaiveDiagonalBlock,
-    }
-)
+BLOCK_FACTORIES = types.MappingProxyType({
+    f.__name__: f for f in (
+        blocks_kron.FullyConnectedKroneckerBlock, blocks_kron.ConvKroneckerBlock,
+        blocks_kron.DepthwiseConvKroneckerBlock, blocks_kron.EmbeddingKroneckerBlock,
+        blocks_series.FullyConnectedSeriesBlock, blocks_full.FullyConnectedDiagonalBlock,
+        blocks_full.ConvDiagonalBlock, blocks_full.DepthwiseConvDiagonalBlock,
+        blocks_full.ScaleAndShiftFullBlock, blocks_full.ScaleAndShiftDiagonalBlock,
+        blocks_full.NaiveFullBlock, blocks_full.NaiveDiagonalBlock, scale_and_shift_block)
+})
+
+
+def kind_blocks(kind):
+    """``{alias: factory}``: the blocks the record of ``kind`` allows."""
+    return {alias: BLOCK_FACTORIES[name] for alias, name in layers.kind(kind).blocks.items()}
+
+
+DEFAULT_BLOCKS = types.MappingProxyType({
+    name: BLOCK_FACTORIES[record.blocks[record.default_block]]
+    for name, record in layers.KINDS.items()
+})
+LAYER_KINDS = tuple(layers.KINDS)
 
 
 def block_factory(kind, overrides=None):

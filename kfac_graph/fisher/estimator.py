@@ -33,20 +33,14 @@ first update a block equals that batch's estimate.
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.python.ops.parallel_for import gradients as pfor_gradients
 
-from kfac_graph import per_example as pe
 from kfac_graph.auto_register import RegisteredFunction, auto_register
-from kfac_graph.fisher.block_choice import (
-    PER_EXAMPLE,
-    block_stats,
-    make_layer_block,
-    prepare_use,
-)
-from kfac_graph.fisher import ema, make_distribution
-from kfac_graph.layer_inputs import layer_input, layer_output_gradient
-from kfac_graph.layer_taps import LayerTaps
-from kfac_graph.per_example_api import spec_for
+from kfac_graph.fisher import ema
+from kfac_graph.fisher.block_choice import PER_EXAMPLE, block_stats, make_layer_block
+from kfac_graph.fisher.distributions import make_distribution
+from kfac_graph.per_example import gradients as pe_gradients
+from kfac_graph.per_example.rules import default_registry
+from kfac_graph.taps import LayerTaps, layer_operands
 
 MODES = ("sampled", "empirical", "exact")
 # Called from a user's tf.function, AutoGraph would otherwise convert the
@@ -203,32 +197,25 @@ class FisherEstimator(tf.Module):
 
     # -- the traced update -------------------------------------------------------------
     def _update(self, reg, args):
-        generic = reg.generic_variables
-        taps = LayerTaps.build(reg, args, read_variables=generic)
+        taps = LayerTaps.build(reg, args, read_variables=reg.generic_variables)
         if taps.model_output is None:
             raise ValueError("the loss pass found no model output to take the Fisher at")
         cotangents, per_example_terms = self._cotangents(reg, taps)
-        sources = [taps.output_gradients(v) for v in cotangents]
-        jacobians = {}
-        if generic:
-            reads = [taps.variable_reads[v.ref()] for v in generic]
-            stacked = pfor_gradients.jacobian(tf.stack(per_example_terms), reads)
-            jacobians = {v.ref(): j for v, j in zip(generic, stacked)}
-        rules = pe.default_registry()
-        for index, (layer, block) in enumerate(zip(reg.layers, self._blocks)):
-            if layer.kind == "generic":
+        operands = layer_operands(reg, taps, [taps.output_gradients(v) for v in cotangents])
+        jacobians = pe_gradients.generic_jacobians(reg, taps, tf.stack(per_example_terms))
+        rules = default_registry()
+        for layer, block, uses in zip(reg.layers, self._blocks, operands):
+            if uses is None:
                 if block_stats(block) != PER_EXAMPLE:
                     raise ValueError(f"generic layer {layer.name!r} needs a block fed "
                                      "per-example gradients (NaiveDiagonalBlock, NaiveFullBlock)")
                 data = [[jacobians[v.ref()][s] for v in layer.variables]
                         for s in range(len(cotangents))]
+            elif block_stats(block) == PER_EXAMPLE:
+                data = [pe_gradients.layer_gradients(rules, layer, [(a, gs[s]) for a, gs in uses])
+                        for s in range(len(cotangents))]
             else:
-                uses = [prepare_use(layer, u, layer_input(layer, u, taps.inputs[index][u]),
-                                    [layer_output_gradient(layer, u, grads[index][u])
-                                     for grads in sources])
-                        for u in range(layer.uses)]
-                data = (_rule_gradients(rules, layer, uses) if block_stats(block) == PER_EXAMPLE
-                        else uses)
+                data = uses
             block.update(data)
         self._counter.assign_add(1)
         return taps
@@ -275,22 +262,6 @@ def _per_replica(seed):
     replica = tf.cast(replica, tf.int32)
     return tf.where(tf.equal(replica, 0), seed,
                     tf.random.experimental.stateless_fold_in(seed, replica))
-
-
-def _rule_gradients(rules, layer, uses):
-    """Per source, the per-example gradients of ``layer``'s variables from
-    its uses ``[(a, [g per source])]``: each use's rule result, summed."""
-    specs = [spec_for(layer, u) for u in range(layer.uses)]
-    out = []
-    for s in range(len(uses[0][1])):
-        per_use = []
-        for (a, gs), spec in zip(uses, specs):
-            shift_only = isinstance(spec, tuple)
-            grads = rules.per_example_grads(layer.kind, [(a, gs[s])], spec[1] if shift_only
-                                            else spec)
-            per_use.append(grads[1:] if shift_only else grads)
-        out.append([tf.add_n(list(parts)) for parts in zip(*per_use)])
-    return out
 
 
 def _check_same_layers(old, new):

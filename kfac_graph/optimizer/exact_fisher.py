@@ -13,7 +13,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from kfac_graph.fisher import make_distribution
-from kfac_graph.layer_taps import LayerTaps
+from kfac_graph.taps import LayerTaps
 
 
 def jacobian_vector_products(registration, args, vectors, taps=None):

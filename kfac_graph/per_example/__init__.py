@@ -1,6 +1,8 @@
-"""Per-example gradient rules: turn a layer's (activation, output-gradient)
-pairs into per-example gradients of its variables and per-example squared
-gradient norms, independent of how the layer was found.
+"""Per-example gradients: the registry of rules by layer kind, and the
+computation of every layer's per-example gradients or norms from one
+re-run of the registered graph (``gradients.py``). The rules and specs
+themselves live with their kinds in ``kfac_graph.layers``; they are
+re-exported here for callers that apply a rule to tensors of their own:
 
     from kfac_graph import per_example as pe
     reg = pe.default_registry()
@@ -8,22 +10,14 @@ gradient norms, independent of how the layer was found.
     sq = reg.squared_norms("conv2d", [(a1, g1), (a2, g2)], conv_spec)
 """
 
-from kfac_graph.per_example.conv import ConvRule
-from kfac_graph.per_example.dense import DenseRule
-from kfac_graph.per_example.depthwise import DepthwiseRule
-from kfac_graph.per_example.embedding import EmbeddingRule
-from kfac_graph.per_example.norms import gram_is_cheaper
-from kfac_graph.per_example.norms import gram_squared_norms
-from kfac_graph.per_example.registry import default_registry
-from kfac_graph.per_example.registry import PerExampleRule
-from kfac_graph.per_example.registry import RuleRegistry
-from kfac_graph.per_example.scale_shift import ScaleShiftRule
-from kfac_graph.per_example.specs import ConvSpec
-from kfac_graph.per_example.specs import DenseSpec
-from kfac_graph.per_example.specs import DepthwiseSpec
-from kfac_graph.per_example.specs import EmbeddingSpec
-from kfac_graph.per_example.specs import ScaleShiftSpec
-from kfac_graph.per_example.xla import in_xla_context
+from kfac_graph.layers.conv import ConvRule, ConvSpec
+from kfac_graph.layers.dense import DenseRule, DenseSpec
+from kfac_graph.layers.depthwise import DepthwiseRule, DepthwiseSpec
+from kfac_graph.layers.embedding import EmbeddingRule, EmbeddingSpec
+from kfac_graph.layers.norms import gram_is_cheaper, gram_squared_norms
+from kfac_graph.layers.scale_shift import ScaleShiftRule, ScaleShiftSpec
+from kfac_graph.layers.xla import in_xla_context
+from kfac_graph.per_example.rules import PerExampleRule, RuleRegistry, default_registry
 
 __all__ = [
     "ConvRule",

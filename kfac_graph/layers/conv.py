@@ -13,7 +13,7 @@ i.e. a dense layer over the `T = Ho*Wo` im2col patches. Four kernels compute
 * `"taps"`: for each of the kh*kw taps one batched matmul
   `[B, Cin, T] x [B, T, Cout]`; never builds the patch matrix.
 * `"gather"`: the patch matrix `[B, T, kh*kw*Cin]` by one gather of the
-  padded input (`patch_gather.py`), then one batched matmul.
+  padded input (`conv_geometry.gather_im2col`), then one batched matmul.
 * `"im2col"`: the same matmul on the taps stacked into the patch matrix.
 * `"grouped"`: folds the batch into channel groups, `[1, H, W, B*Cin]`, and
   runs the filter-gradient op `Conv2DBackpropFilter` for a B-group
@@ -21,25 +21,10 @@ i.e. a dense layer over the `T = Ho*Wo` im2col patches. Four kernels compute
   gradient. TF's CPU kernel supports this only for float32 (oneDNN).
 
 `"auto"`: for strided convolutions a patch-matrix kernel ("gather" without
-XLA, "im2col" under XLA), else "taps". Measured by
-`python benchmarks/per_example_rules.py --only layers` (batch 64, 2 CPU
-cores, float32; time of the per-example kernel / the same layer's batch
-filter gradient, median of 15 calls):
-
-    layer (3x3, SAME)        no XLA: taps  gather  im2col  grouped |  XLA: taps  gather  im2col
-    3->32 @32x32                     1.39  1.99    2.11    2.24    |       1.74  2.66    1.86
-    16->32 @32x32                    2.05  2.31    3.01    2.05    |       2.22  2.64    1.51
-    32->32 @16x16                    1.55  1.82    2.56    1.69    |       1.52  2.84    1.79
-    64->64 @16x16                    1.49  1.44    1.79    1.59    |       2.29  2.28    1.61
-    32->64 stride 2 @32x32           1.31  1.18    1.47    1.74    |       1.60  1.67    1.17
-    64->128 stride 2 @16x16          1.60  1.23    1.51    2.43    |       1.42  1.59    1.26
-
-Strided taps cost a reshaped slice each, and the patch matrix wins (one
-gather without XLA; XLA fuses the stacked slices better than its gather);
-at stride 1 the taps are plain slices and win or tie without XLA, and
-under XLA "taps" and "im2col" trade places from layer to layer and run to
-run. "grouped" pays for transposes and oneDNN's grouped kernel, and XLA's
-CPU lowering of a batch-grouped filter gradient takes seconds. A 1x1
+XLA, "im2col" under XLA), else "taps": a strided tap costs a reshaped slice
+while a unit-stride tap is a plain slice, so one patch matrix pays off only
+with strides; "grouped" is never picked. See README's kernel-choice table,
+measured by `python benchmarks/per_example_rules.py --only layers`. A 1x1
 conv is the one-tap case: a dense layer.
 
 Norms: Gram form on the im2col patches (uses concatenated along positions, so
@@ -54,10 +39,17 @@ import dataclasses
 
 import tensorflow as tf
 
-from kfac_graph.per_example import conv_geometry as cg
-from kfac_graph.per_example import norms
-from kfac_graph.per_example import uses as uses_lib
-from kfac_graph.per_example import xla as xla_lib
+from kfac_graph.layers import conv_geometry as cg
+from kfac_graph.layers import norms
+from kfac_graph.layers import uses as uses_lib
+from kfac_graph.layers import xla as xla_lib
+from kfac_graph.layers.kind import LayerKind, reshape_like, variable_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvSpec(cg.ConvAttrs):
+    """`Conv2D`: kernel_shape = (kh, kw, Cin, Cout); bias `[Cout]`."""
+
 
 METHODS = ("taps", "gather", "im2col", "grouped")
 
@@ -182,3 +174,49 @@ class ConvRule:
         if spec.has_bias:
             total += norms.sum_of_squares(self._bias_grads(nhwc_uses))
         return total
+
+
+# -- factor statistics (the Kronecker factors' rows) -------------------------------
+
+
+def input_rows(a, spec):
+    """The A factor's rows: the input patch at every output location,
+    `[N, kh*kw*Cin]` in the flattened kernel's `(p, q, c)` order."""
+    patches = cg.extract_patches(a, spec)
+    return tf.reshape(patches, [-1, patches.shape[-1]])
+
+
+def output_rows(g, spec):
+    """The G factor's rows: the output gradient at every location, `[N, Cout]`."""
+    g = cg.to_nhwc(g, spec.data_format)
+    return tf.reshape(g, [-1, g.shape[-1]])
+
+
+# -- the record --------------------------------------------------------------------
+
+
+def spec(layer, use):
+    """`ConvSpec` of one use, from the op's attributes and kernel shape (the
+    op's: Conv1D's kernel has a unit axis more than its variable)."""
+    attrs = layer.use_attrs[use]
+    shapes = variable_shapes(layer)
+    return ConvSpec.from_attrs(attrs.get("kernel_shape") or shapes[0], attrs,
+                          has_bias=len(shapes) == 2)
+
+
+def operands(layer, use, tensors, grads):
+    """`a` and each `g` reshaped to the op's static input and output shapes."""
+    attrs = layer.use_attrs[use]
+    return (reshape_like(tensors[0], attrs.get("input_shape")),
+            [reshape_like(g, attrs.get("output_shape")) for g in grads])
+
+
+KIND = LayerKind(
+    name="conv2d",
+    rule=ConvRule(),
+    spec=spec,
+    operands=operands,
+    blocks={"kron": "ConvKroneckerBlock", "diagonal": "ConvDiagonalBlock", "full": "NaiveFullBlock"},
+    default_block="kron",
+    colour="palegreen",
+)

@@ -1,4 +1,10 @@
-"""Layer taps: re-run a registered graph and read every layer's tensors.
+"""The bridge from a Registration to tensors: re-run the registered graph
+and read every layer use's inputs and output gradients.
+
+Both runtimes read layers through here: the per-example rules and the
+Fisher statistics take, per layer and per use, the operands `(a, [g, ...])`
+that `layer_operands` builds with the kind's record
+(`kfac_graph.layers`), one `g` per source (cotangent) of the backward pass.
 
 ``LayerTaps.build(registration, args)`` imports the registration's inlined
 graph into the current ``tf.function`` (it must run in graph mode: call it
@@ -21,8 +27,8 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+from kfac_graph import layers
 from kfac_graph.registration import Registration
-from passes import ir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,14 +140,19 @@ def _without_mapped_placeholders(graph_def, input_map):
     return out
 
 
-def reshape_like(tensor: tf.Tensor, shape) -> tf.Tensor:
-    """Reshapes to a static op shape whose batch axis may be unknown (only
-    unit axes differ: the pass sees through them)."""
-    if shape is None or tensor.shape.as_list() == list(shape):
-        return tensor
-    dims = [-1 if d is None else d for d in shape]
-    return tf.reshape(tensor, dims)
+def layer_operands(registration: Registration, taps: LayerTaps, sources) -> list:
+    """Per layer, per use: ``(a, [g per source])`` as the kind's rules and
+    blocks read them (``LayerKind.operands``); ``None`` for generic layers.
 
-
-def tensor_node(name: str) -> str:
-    return ir.split_tensor(name)[0]
+    ``sources``: a list over sources of ``taps.output_gradients(...)``
+    results (one backward pass each)."""
+    out = []
+    for index, layer in enumerate(registration.layers):
+        record = layers.kind(layer.kind)
+        if record.operands is None:
+            out.append(None)
+            continue
+        out.append([record.operands(layer, use, taps.inputs[index][use],
+                                    [grads[index][use] for grads in sources])
+                    for use in range(layer.uses)])
+    return out

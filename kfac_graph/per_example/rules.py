@@ -18,14 +18,11 @@ without global state:
     grads = reg.per_example_grads("my_kind", (a, g), my_spec)
 """
 
+import dataclasses
 import types
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
-from kfac_graph.per_example.conv import ConvRule
-from kfac_graph.per_example.dense import DenseRule
-from kfac_graph.per_example.depthwise import DepthwiseRule
-from kfac_graph.per_example.embedding import EmbeddingRule
-from kfac_graph.per_example.scale_shift import ScaleShiftRule
+from kfac_graph import layers
 
 
 @runtime_checkable
@@ -88,20 +85,17 @@ class RuleRegistry:
 
 
 def default_registry(xla=None) -> RuleRegistry:
-    """The built-in rules for the kinds the layer matcher produces.
+    """The rule of every kind in the table of kinds that has one.
 
     Args:
       xla: whether the rules will run under XLA (picks the conv and depthwise
-        kernels);
-        None detects it at trace time, which is right for `tf.function(
-        jit_compile=True)`.
+        kernels); None detects it at trace time, which is right for
+        `tf.function(jit_compile=True)`.
     """
-    return RuleRegistry(
-        {
-            "dense": DenseRule(),
-            "conv2d": ConvRule(xla=xla),
-            "depthwise_conv2d": DepthwiseRule(xla=xla),
-            "scale_and_shift": ScaleShiftRule(),
-            "embedding": EmbeddingRule(),
-        }
-    )
+    rules = {}
+    for name, record in layers.KINDS.items():
+        if record.rule is None:
+            continue
+        fields = {f.name for f in dataclasses.fields(record.rule)}
+        rules[name] = dataclasses.replace(record.rule, xla=xla) if "xla" in fields else record.rule
+    return RuleRegistry(rules)

@@ -1,5 +1,6 @@
-"""Small built-in examples: real models the command line and tests can run
-without downloading anything."""
+"""The built-in example: a small Keras CNN (``small_cnn``) and its K-FAC
+training run on scikit-learn's digits (``train_small_cnn``), a real model the
+command line (``kfac-graph``) and tests can run without downloading anything."""
 from __future__ import annotations
 
 import keras

@@ -20,12 +20,10 @@ Kernels (no Python loop over examples):
   positions.
 
 `"auto"`: without XLA "grouped", under XLA (and for dilations > 1) "taps".
-Measured by benchmarks/per_example_rules.py (16x16x64 depthwise 3x3, batch
-64, 2 CPU cores, float32; per-example kernel / batch filter gradient):
-grouped 2.51, taps 5.23 without XLA (one oneDNN call against nine
-multiply-reduce passes; running "taps" as an XLA island was still 3.8x slower
-than grouped); under XLA taps 0.74, while XLA's CPU lowering of the folded
-filter gradient took over a second (>100x).
+Without XLA one oneDNN call beats nine multiply-reduce passes; under XLA the
+CPU lowering of the folded filter gradient is very slow, and "taps" fuses.
+See README's kernel-choice table, measured by
+`python benchmarks/per_example_rules.py --only layers`.
 
 Norms: the per-example gradient `[kh, kw, C, M]` is small, so it is
 materialised and squared unless the per-channel Gram form is cheaper, i.e.
@@ -38,10 +36,17 @@ import dataclasses
 
 import tensorflow as tf
 
-from kfac_graph.per_example import conv_geometry as cg
-from kfac_graph.per_example import norms
-from kfac_graph.per_example import uses as uses_lib
-from kfac_graph.per_example import xla as xla_lib
+from kfac_graph.layers import conv_geometry as cg
+from kfac_graph.layers import norms
+from kfac_graph.layers import uses as uses_lib
+from kfac_graph.layers import xla as xla_lib
+from kfac_graph.layers.kind import LayerKind, reshape_like, variable_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthwiseSpec(cg.ConvAttrs):
+    """`DepthwiseConv2dNative`: kernel_shape = (kh, kw, C, M); bias `[C*M]`."""
+
 
 METHODS = ("taps", "grouped")
 
@@ -156,3 +161,52 @@ class DepthwiseRule:
         if spec.has_bias:
             total += norms.sum_of_squares(self._bias_grads(nhwc_uses))
         return total
+
+
+# -- factor statistics (the Kronecker factors' rows) -------------------------------
+
+
+def input_rows(a, spec):
+    """The per-channel A factors' rows: channel c's `kh*kw` patch at every
+    output location, `[N, C, kh*kw]`."""
+    kh, kw, channels, _ = spec.kernel_shape
+    patches = tf.reshape(cg.extract_patches(a, spec), [-1, kh * kw, channels])
+    return tf.transpose(patches, [0, 2, 1])
+
+
+def output_rows(g, spec):
+    """The per-channel G factors' rows: the M outputs channel c feeds, at
+    every location, `[N, C, M]`."""
+    _, _, channels, multiplier = spec.kernel_shape
+    return tf.reshape(cg.to_nhwc(g, spec.data_format), [-1, channels, multiplier])
+
+
+# -- the record --------------------------------------------------------------------
+
+
+def spec(layer, use):
+    """`DepthwiseSpec` of one use, from the op's attributes and kernel shape (the
+    op's: Conv1D's kernel has a unit axis more than its variable)."""
+    attrs = layer.use_attrs[use]
+    shapes = variable_shapes(layer)
+    return DepthwiseSpec.from_attrs(attrs.get("kernel_shape") or shapes[0], attrs,
+                          has_bias=len(shapes) == 2)
+
+
+def operands(layer, use, tensors, grads):
+    """`a` and each `g` reshaped to the op's static input and output shapes."""
+    attrs = layer.use_attrs[use]
+    return (reshape_like(tensors[0], attrs.get("input_shape")),
+            [reshape_like(g, attrs.get("output_shape")) for g in grads])
+
+
+KIND = LayerKind(
+    name="depthwise_conv2d",
+    rule=DepthwiseRule(),
+    spec=spec,
+    operands=operands,
+    blocks={"kron": "DepthwiseConvKroneckerBlock", "diagonal": "DepthwiseConvDiagonalBlock",
+            "full": "NaiveFullBlock"},
+    default_block="kron",
+    colour="khaki",
+)

@@ -10,18 +10,16 @@ example i's loss is
 Uses are concatenated along the position axis, so one formula covers tied
 weights, and the Gram norm below counts the cross terms between uses.
 
-Kernel choice (measured by benchmarks/per_example_rules.py, MLP 784-512-256-10
-at batch 128, 2 CPU cores): with one position the gradient is an outer product
-and its cost is writing `B d_in d_out` floats. XLA's fused broadcast multiply
-`a[:, :, None] * g[:, None, :]` wrote the MLP's 274 MB as fast as `tf.fill`
-(11.1 ms vs 11.2 ms), while TF's own broadcasting kernel took 1.7x that and
-a batched matmul with inner size 1 1.4x. So when tracing a graph that is not
-itself compiled, the outer product runs in a small `jit_compile=True` function
-(an "XLA island", `xla_island=True`): the whole MLP per-example pass,
-forward and backward included, then took 1.15-1.22x the write (1.86x without
-the island, 1.61x with the matmul); under XLA it is
-simply inlined, and eagerly it is the plain broadcast. With positions
-(`T > 1`) the batched matmul `a^T g` is used.
+Kernel choice: with one position the gradient is an outer product and its
+cost is writing `B d_in d_out` floats, which XLA's fused broadcast multiply
+`a[:, :, None] * g[:, None, :]` does at memory speed and TF's own kernels
+(broadcasting, or a batched matmul with inner size 1) do not. So when
+tracing a graph that is not itself compiled, the outer product runs in a
+small `jit_compile=True` function (an "XLA island", `xla_island=True`);
+under XLA it is simply inlined, and eagerly it is the plain broadcast. With
+positions (`T > 1`) the batched matmul `a^T g` is used. See README's
+kernel-choice table, measured by
+`python benchmarks/per_example_rules.py --only layers` (and `--only mlp`).
 
 Norms: Gram form iff `T (d_in + d_out) < d_in d_out` (see `norms.py`), else the
 materialised gradient is squared; the bias norm is always `|sum_t g_t|^2`.
@@ -31,9 +29,23 @@ import dataclasses
 
 import tensorflow as tf
 
-from kfac_graph.per_example import norms
-from kfac_graph.per_example import uses as uses_lib
-from kfac_graph.per_example import xla as xla_lib
+from kfac_graph.layers import norms
+from kfac_graph.layers import uses as uses_lib
+from kfac_graph.layers import xla as xla_lib
+from kfac_graph.layers.kind import LayerKind, reshape_like
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseSpec:
+    """A matmul `s = a @ W (+ b)` applied at every position of `a`.
+
+    Attributes:
+      has_bias: the layer has a bias `[d_out]` (its gradient comes second).
+      transpose_kernel: the kernel is stored `[d_out, d_in]` (`s = a @ W^T`).
+    """
+
+    has_bias: bool = False
+    transpose_kernel: bool = False
 
 
 def _outer(left, right):
@@ -120,3 +132,48 @@ class DenseRule:
         if spec.has_bias:
             total += norms.sum_of_squares(tf.reduce_sum(g, axis=1))
         return total
+
+
+# -- factor statistics (the Kronecker factors' rows) -------------------------------
+
+
+def input_rows(a):
+    """The A factor's rows: every position of `a [B, ..., d_in]`, `[N, d_in]`."""
+    return tf.reshape(a, [-1, a.shape[-1]])
+
+
+def output_rows(g):
+    """The G factor's rows: every position of `g [B, ..., d_out]`, `[N, d_out]`."""
+    return tf.reshape(g, [-1, g.shape[-1]])
+
+
+# -- the record --------------------------------------------------------------------
+
+
+def spec(layer, use):
+    """`DenseSpec` of one use: a bias if the layer has a second variable; the
+    kernel transposed if the op multiplies by `W^T`."""
+    return DenseSpec(has_bias=len(layer.variables) == 2,
+                     transpose_kernel=bool(layer.use_attrs[use].get("transpose_kernel")))
+
+
+def operands(layer, use, tensors, grads):
+    """`a` reshaped to the op's static input shape (Conv1D's unit axis, which
+    the pass saw through), each `g` to the same positions with `d_out`."""
+    shape = layer.use_attrs[use].get("input_shape")
+    a = reshape_like(tensors[0], shape)
+    if shape:
+        grads = [reshape_like(g, (*shape[:-1], g.shape[-1])) for g in grads]
+    return a, list(grads)
+
+
+KIND = LayerKind(
+    name="dense",
+    rule=DenseRule(),
+    spec=spec,
+    operands=operands,
+    blocks={"kron": "FullyConnectedKroneckerBlock", "diagonal": "FullyConnectedDiagonalBlock",
+            "full": "NaiveFullBlock", "series": "FullyConnectedSeriesBlock"},
+    default_block="kron",
+    colour="lightblue",
+)

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
-from kfac_graph.layer_taps import LayerTaps
+from kfac_graph.taps import LayerTaps
 
 
 def _model_and_loss(reduction):

@@ -6,8 +6,7 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
-from kfac_graph.layer_inputs import layer_input, layer_output_gradient
-from kfac_graph.layer_taps import LayerTaps
+from kfac_graph.taps import LayerTaps, layer_operands
 
 GAMMA = tf.Variable(tf.constant([1.5, -0.5, 2.0]), name="gamma")
 BETA = tf.Variable(tf.constant([0.1, 0.2, -0.3]), name="beta")
@@ -56,7 +55,8 @@ def test_normalised_input_reproduces_the_output(name, apply):
     def run(x):
         taps = LayerTaps.build(reg, (x,))
         index = reg.layers.index(layer)
-        return layer_input(layer, 0, taps.inputs[index][0]), taps.outputs[index][0]
+        xhat, _ = layer_operands(reg, taps, [taps.output_gradients()])[index][0]
+        return xhat, taps.outputs[index][0]
 
     xhat, out = run(x)
     np.testing.assert_allclose(xhat * scale + shift, out, rtol=1e-4, atol=1e-5)
@@ -77,8 +77,8 @@ def test_conv1d_tensors_take_the_op_shapes():
     @tf.function
     def run(x):
         taps = LayerTaps.build(reg, (x,))
-        return (layer_input(layer, 0, taps.inputs[0][0]),
-                layer_output_gradient(layer, 0, taps.output_gradients()[0][0]))
+        a, (g,) = layer_operands(reg, taps, [taps.output_gradients()])[0][0]
+        return a, g
 
     a, g = run(x)
     assert a.shape == (2, 1, 6, 4) and g.shape == (2, 1, 4, 2)

@@ -16,21 +16,31 @@ Its squared norm never needs that tensor. Three forms:
   `O(T D)` memory traffic plus an `O(T log BT)` sort per example.
 * `"materialize"`: build `dE_i` and square it; `V D` writes per example.
 
-`"auto"` compares costs in units of one Gram multiply-add, with the per-element
-costs of the other two measured on the CPU (batch 64, D = 64, 2 cores): a
-segment-form element (gather, sort, scatter-add) costs about 100 units and a
-materialised element about 25. So: Gram `T^2 (D+1)`, segment `100 T D`,
-materialise `25 (V D + T D)`; the smallest wins, which is Gram up to about
-`T = 100` positions (measured crossover: between T = 64 and T = 256), and
-segment when `T` is not static.
+`"auto"` compares costs in units of one Gram multiply-add: Gram `T^2 (D+1)`,
+segment `100 T D`, materialise `25 (V D + T D)`; the smallest wins, which is
+Gram for short sequences, and segment when `T` is not static. The unit costs
+100 (a segment-form element: gather, sort, scatter-add) and 25 (a
+materialised element) are CPU measurements, recorded in README's
+kernel-choice section.
 """
 
 import dataclasses
 
 import tensorflow as tf
 
-from kfac_graph.per_example import norms
-from kfac_graph.per_example import uses as uses_lib
+from kfac_graph.layers import norms
+from kfac_graph.layers import uses as uses_lib
+from kfac_graph.layers.kind import LayerKind, variable_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingSpec:
+    """`tf.gather(table, ids)` with `table [vocab_size, D]` (no bias)."""
+
+    vocab_size: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "vocab_size", int(self.vocab_size))
 
 NORM_METHODS = ("gram", "segment", "materialize")
 
@@ -123,3 +133,43 @@ class EmbeddingRule:
         if method == "segment":
             return _segment_norms(ids, g, spec.vocab_size)
         return norms.sum_of_squares(self.per_example_grads([(ids, g)], spec)[0])
+
+
+# -- factor statistics -------------------------------------------------------------
+
+
+def id_frequencies(ids_per_use, vocab_size, dtype):
+    """The diagonal A factor's batch estimate `[V]`: each id's share of all
+    lookups over the uses (no one-hot tensor is formed)."""
+    counts, total = [], []
+    for ids in ids_per_use:
+        flat = tf.reshape(ids, [-1])
+        ones = tf.ones(tf.shape(flat), dtype)
+        counts.append(tf.math.unsorted_segment_sum(ones, flat, vocab_size))
+        total.append(tf.reduce_sum(ones))
+    return tf.add_n(counts) / tf.add_n(total)
+
+
+# -- the record --------------------------------------------------------------------
+
+
+def spec(layer, use):
+    """`EmbeddingSpec` of the table `[V, D]`."""
+    return EmbeddingSpec(vocab_size=variable_shapes(layer)[0][0])
+
+
+def operands(layer, use, tensors, grads):
+    """The ids, and the gradients at the looked-up rows."""
+    return tensors[0], list(grads)
+
+
+KIND = LayerKind(
+    name="embedding",
+    rule=EmbeddingRule(),
+    spec=spec,
+    operands=operands,
+    blocks={"kron": "EmbeddingKroneckerBlock", "diagonal": "NaiveDiagonalBlock",
+            "full": "NaiveFullBlock"},
+    default_block="kron",
+    colour="lightsalmon",
+)

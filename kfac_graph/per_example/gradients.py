@@ -1,0 +1,132 @@
+"""``kg.per_example_gradients`` and ``kg.per_example_gradient_norms``: every
+layer's per-example gradients, or their squared norms, from one forward and
+one backward pass of the registered graph.
+
+For each layer use the bridge (``kfac_graph.taps``) gives its operands
+``(a, g)``, ``g`` the gradient of each example's own loss term at the use's
+output; the rule of the layer's kind (``RuleRegistry``) turns them into
+per-example gradients ``[B, *variable.shape]`` or ``[B]`` squared norms.
+Generic layers get a vectorised per-example Jacobian of the per-example
+loss terms with respect to their variables' reads.
+
+Entry ``i`` is the gradient of example ``i``'s own loss term: for a mean
+loss the batch gradient is the mean over examples, for a sum loss the sum.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.ops.parallel_for import gradients as pfor_gradients
+
+from kfac_graph import layers
+from kfac_graph.auto_register import RegisteredFunction, auto_register
+from kfac_graph.per_example.rules import RuleRegistry, default_registry
+from kfac_graph.registration import Layer, Registration
+from kfac_graph.taps import LayerTaps, layer_operands
+
+WANTS = ("grads", "norms")
+
+
+def layer_gradients(rules: RuleRegistry, layer: Layer, uses) -> list:
+    """``layer``'s per-example gradients ``[B, *variable.shape]`` from its
+    uses ``[(a, g)]``. Uses whose specs differ (a tied kernel applied
+    transposed in one of them) are summed use by use."""
+    record = layers.kind(layer.kind)
+    specs = [record.spec(layer, u) for u in range(layer.uses)]
+    if all(s == specs[0] for s in specs):
+        grads = rules.per_example_grads(layer.kind, uses, specs[0])
+    else:
+        per_use = [rules.per_example_grads(layer.kind, [use], spec)
+                   for use, spec in zip(uses, specs)]
+        grads = [tf.add_n(list(parts)) for parts in zip(*per_use)]
+    # back to the variables' own shapes (Conv1D's kernel has one axis less than the op's)
+    return [tf.reshape(g, [-1, *v.shape]) for g, v in zip(grads, layer.variables)]
+
+
+def layer_squared_norms(rules: RuleRegistry, layer: Layer, uses) -> tf.Tensor:
+    """``[B]``: the squared norm of each example's gradient over ``layer``'s
+    variables, by the rule's norm form when all uses share one spec."""
+    record = layers.kind(layer.kind)
+    specs = [record.spec(layer, u) for u in range(layer.uses)]
+    if all(s == specs[0] for s in specs):
+        return rules.squared_norms(layer.kind, uses, specs[0])
+    return squared_norms(layer_gradients(rules, layer, uses))
+
+
+def squared_norms(grads) -> tf.Tensor:
+    """``[B]``: the squared norm of each example's slice over several tensors."""
+    return tf.add_n([tf.reduce_sum(tf.square(tf.reshape(g, [tf.shape(g)[0], -1])), axis=1)
+                     for g in grads])
+
+
+def generic_jacobians(reg: Registration, taps: LayerTaps, terms) -> dict:
+    """``{variable.ref(): d terms / d variable}`` for the generic layers'
+    variables (``taps`` must read them: ``read_variables``); ``terms``:
+    ``[B]`` or ``[S, B]`` per-example scalars."""
+    generic = reg.generic_variables
+    if not generic:
+        return {}
+    reads = [taps.variable_reads[v.ref()] for v in generic]
+    return {v.ref(): j for v, j in zip(generic, pfor_gradients.jacobian(terms, reads))}
+
+
+def per_layer_results(reg: Registration, taps: LayerTaps, rules: RuleRegistry,
+                      want: str) -> list:
+    """Per layer: its per-example gradients (``want="grads"``, a list) or
+    their ``[B]`` squared norms (``want="norms"``). Inside a tf.function;
+    ``taps`` must read the generic variables (``read_variables``)."""
+    if want not in WANTS:
+        raise ValueError(f"want must be one of {WANTS}, got {want!r}")
+    jacobians = generic_jacobians(reg, taps, taps.per_example_loss)
+    operands = layer_operands(reg, taps, [taps.output_gradients()])
+    out = []
+    for layer, uses in zip(reg.layers, operands):
+        if uses is None:
+            grads = [jacobians[v.ref()] for v in layer.variables]
+            out.append(grads if want == "grads" else squared_norms(grads))
+            continue
+        uses = [(a, gs[0]) for a, gs in uses]
+        out.append(layer_gradients(rules, layer, uses) if want == "grads"
+                   else layer_squared_norms(rules, layer, uses))
+    return out
+
+
+def per_example_gradients(fn, *args, rules: RuleRegistry | None = None) -> list[tf.Tensor]:
+    """A list aligned with ``fn.registration(*args).variables``, entry ``k``
+    shaped ``[batch, *variable.shape]``."""
+    fn = _registered(fn)
+    reg = fn.registration(*args)
+    return list(_compiled(fn, reg, "grads", rules)(*args))
+
+
+def per_example_gradient_norms(fn, *args, rules: RuleRegistry | None = None) -> tf.Tensor:
+    """``[batch]``: the L2 norm of each example's whole gradient, computed
+    per layer without materialising per-example gradients where the rule's
+    cost model says that is cheaper."""
+    fn = _registered(fn)
+    reg = fn.registration(*args)
+    return _compiled(fn, reg, "norms", rules)(*args)
+
+
+def _compiled(fn: RegisteredFunction, reg: Registration, want: str, rules):
+    """One ``tf.function`` per registration, wanted result and rule set,
+    cached on the registered function."""
+    key = ("per_example", want, id(reg), id(rules))
+    cached = fn.derived.get(key)
+    if cached is not None:
+        return cached
+    registry = rules or default_registry()
+
+    @tf.function
+    def run(*args):
+        taps = LayerTaps.build(reg, args, read_variables=reg.generic_variables)
+        per_layer = per_layer_results(reg, taps, registry, want)
+        if want == "grads":
+            return [g for grads in per_layer for g in grads]
+        return tf.sqrt(tf.add_n(per_layer))
+
+    fn.derived[key] = run
+    return run
+
+
+def _registered(fn) -> RegisteredFunction:
+    return fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
