@@ -50,16 +50,6 @@ import tensorflow as tf
 from kfac_graph.fisher import linalg
 
 
-def as_uses(data):
-    """Normalises `(a, g)` or `[(a, g), ...]` to a list of pairs."""
-    data = list(data)
-    if data and not isinstance(data[0], (list, tuple)):
-        if len(data) != 2:
-            raise ValueError("expected (a, g) or a list of (a, g) pairs")
-        return [tuple(data)]
-    return [tuple(u) for u in data]
-
-
 def _shape_of(v):
     shape = v.shape if hasattr(v, "shape") else v
     return tuple(int(d) for d in shape)

@@ -18,13 +18,14 @@ uses are exact here (the gradient sums over uses before squaring).
 from kfac_graph.fisher import blocks_base
 from kfac_graph.fisher import factors_grad
 from kfac_graph.layers import conv, dense, depthwise, scale_shift
+from kfac_graph.layers.uses import as_pairs
 
 
 class _LayerMixin:
     """`update` for blocks whose factor rebuilds gradients from (a, g)."""
 
     def update(self, data, decay=None):
-        self.factor.update(blocks_base.as_uses(data), self._decay(decay))
+        self.factor.update(as_pairs(data), self._decay(decay))
 
 
 class _NaiveMixin:

@@ -44,6 +44,7 @@ from kfac_graph.fisher import ema
 from kfac_graph.fisher import factors_kron
 from kfac_graph.fisher import linalg
 from kfac_graph.layers import conv, depthwise
+from kfac_graph.layers.uses import as_pairs
 
 
 def _mul_left_t(factor, x, diagonal, transpose):
@@ -97,7 +98,7 @@ class KroneckerBlock(blocks_base.FisherBlock):
         return tf.size(g) // (shape[0] * self._out_width)
 
     def update(self, data, decay=None):
-        uses = blocks_base.as_uses(data)
+        uses = as_pairs(data)
         decay = self._decay(decay)
         self.input_factor.update([a for a, _ in uses], decay)
         self.output_factor.update([g for _, g in uses], decay)

@@ -31,9 +31,9 @@ dense, meant for tests); no Cholesky, no other powers.
 
 import tensorflow as tf
 
-from kfac_graph.fisher import blocks_base
 from kfac_graph.fisher import blocks_kron
 from kfac_graph.fisher import linalg
+from kfac_graph.layers.uses import as_pairs
 
 OPTIONS = (1, 2)
 
@@ -98,7 +98,7 @@ class FullyConnectedSeriesBlock(blocks_kron.FullyConnectedKroneckerBlock):
         ]
 
     def update(self, data, decay=None):
-        data = blocks_base.as_uses(data)
+        data = as_pairs(data)
         for a, _ in data:
             if len(a.shape) != 2:
                 raise ValueError(

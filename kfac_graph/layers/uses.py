@@ -11,23 +11,25 @@ the weights is the sum over uses of each use's contribution.
 import tensorflow as tf
 
 
-def as_uses(uses):
-    """Returns a tuple of `(a, g)` tensor pairs from one pair or a sequence."""
-    if (
-        isinstance(uses, (tuple, list))
-        and len(uses) == 2
-        and not isinstance(uses[0], (tuple, list))
-    ):
+def as_pairs(uses):
+    """A list of `(a, g)` pairs from one pair or a sequence of pairs, leaving
+    the elements as they are (`g` may be a list over sources)."""
+    uses = list(uses)
+    if len(uses) == 2 and not isinstance(uses[0], (tuple, list)):
         uses = [uses]
     out = []
     for use in uses:
-        if len(use) != 2:
-            raise ValueError("each use must be a pair (a, g)")
-        a, g = use
-        out.append((tf.convert_to_tensor(a), tf.convert_to_tensor(g)))
+        if not isinstance(use, (tuple, list)) or len(use) != 2:
+            raise ValueError("expected (a, g) or a list of (a, g) pairs")
+        out.append(tuple(use))
     if not out:
         raise ValueError("a layer needs at least one use")
-    return tuple(out)
+    return out
+
+
+def as_uses(uses):
+    """Returns a tuple of `(a, g)` tensor pairs from one pair or a sequence."""
+    return tuple((tf.convert_to_tensor(a), tf.convert_to_tensor(g)) for a, g in as_pairs(uses))
 
 
 def batch_size(t):
