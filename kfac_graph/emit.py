@@ -101,7 +101,7 @@ def training_module(loaded, function: str, fn, specs, *, loss: str | None = None
         lambda *args: per_example_gradients(registered, *args), input_signature=specs,
         autograph=False)
     def update_inverses():
-        optimizer.estimator.refresh_inverses()
+        optimizer.refresh_inverses()
         return optimizer.iterations.read_value()
 
     module.update_inverses = tf.function(update_inverses, input_signature=[], autograph=False)

@@ -22,12 +22,13 @@ Semantics:
   the same weights from one extra forward pass in training mode, run in a
   ``keras.StatelessScope`` so batch-norm statistics and seeds move once per
   step. Without compiled metrics there is no extra pass.
-- ``model.optimizer`` is a small Keras optimizer, ``KFACKerasOptimizer``,
-  that never applies gradients: it carries ``iterations``, the
-  ``learning_rate`` that callbacks read and set (copied into K-FAC's
-  learning rate before every step; with ``momentum_type="qmodel"``, which
-  chooses its own, the other way round, so the logs show the chosen step
-  size), and the ``kg.KFAC`` instance (``model.kfac``).
+- ``model.optimizer`` is a small Keras optimizer, ``KFACKerasOptimizer``
+  (``keras_optimizer.py``), that never applies gradients: it carries
+  ``iterations``, the ``learning_rate`` that callbacks read and set (copied
+  into K-FAC's learning rate before every step; with
+  ``momentum_type="qmodel"``, which chooses its own, the other way round,
+  so the logs show the chosen step size), and the ``kg.KFAC`` instance
+  (``model.kfac``).
 - ``sample_weight`` and ``class_weight`` are not supported in training
   (a weighted loss has no per-example Fisher the pass can read);
   ``evaluate`` accepts them.
@@ -55,13 +56,13 @@ import inspect
 import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from kfac_graph.auto_register import auto_register
-from kfac_graph.optimizer import KFAC
+from kfac_graph.keras_optimizer import KFACKerasOptimizer
+from kfac_graph.optimizer.kfac import KFAC
 
-_KFAC_PREFIX = "kfac_"
+__all__ = ["KFACModel", "KFACKerasOptimizer"]
 
 
 def _kfac_default(name):
@@ -85,90 +86,6 @@ def _as_loss(loss):
         return tf.reduce_mean(value) if value.shape.rank else value
 
     return mean_loss, obj
-
-
-@keras.saving.register_keras_serializable(package="kfac_graph")
-class KFACKerasOptimizer(keras.optimizers.Optimizer):
-    """The Keras face of a ``kg.KFAC``: what callbacks and saving see.
-
-    It never applies gradients (``KFACModel.train_step`` runs K-FAC's own
-    step). ``save_own_variables`` writes Keras's ``iterations`` and
-    ``learning_rate``, then the K-FAC module's variables as ``kfac_<i>``."""
-
-    def __init__(self, learning_rate=0.1, name="kfac", **kwargs):
-        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        self.kfac = None
-        self._pending_kfac_state = None
-        # The model's weights, which K-FAC's state leaves out; held by a plain
-        # holder so that Keras does not track them as optimizer variables.
-        self._model_weights = _Holder(())
-
-    def update_step(self, gradient, variable, learning_rate):
-        raise RuntimeError("KFACKerasOptimizer does not apply gradients; train with "
-                           "KFACModel.fit (kg.KFAC.step updates the weights)")
-
-    # -- state ------------------------------------------------------------------------
-    def kfac_variables(self, exclude=()) -> list:
-        """The K-FAC module's variables in a stable order (``tf.Module.variables``),
-        without any in ``exclude`` (the model's own weights)."""
-        if self.kfac is None:
-            return []
-        skip = {_ref(v) for v in exclude}
-        return [v for v in self.kfac.variables if _ref(v) not in skip]
-
-    def _model_variables(self):
-        return self._model_weights.value
-
-    def save_own_variables(self, store):
-        super().save_own_variables(store)
-        if self.kfac is not None and self.kfac.built:
-            state = self.kfac_variables(self._model_variables())
-        elif self._pending_kfac_state is not None:  # loaded, not built yet: keep it
-            for i, value in enumerate(self._pending_kfac_state):
-                store[f"{_KFAC_PREFIX}{i}"] = value
-            return
-        else:
-            state = []
-        for i, v in enumerate(state):
-            store[f"{_KFAC_PREFIX}{i}"] = np.asarray(v.numpy())
-
-    def load_own_variables(self, store):
-        keys = list(store.keys())
-        own = sorted((k for k in keys if not k.startswith(_KFAC_PREFIX)), key=int)
-        if len(own) == len(self.variables):
-            for i, v in enumerate(self.variables):
-                v.assign(store[str(i)])
-        else:
-            warnings.warn(f"{self.name}: {len(own)} saved Keras optimizer variables, "
-                          f"{len(self.variables)} here; not restored", stacklevel=2)
-        kfac_keys = sorted((k for k in keys if k.startswith(_KFAC_PREFIX)),
-                           key=lambda k: int(k[len(_KFAC_PREFIX):]))
-        values = [np.asarray(store[k]) for k in kfac_keys]
-        if not values:
-            return
-        if self.kfac is not None and self.kfac.built:
-            self._assign_kfac_state(values)
-        else:
-            self._pending_kfac_state = values
-
-    def restore_pending(self):
-        """Assigns K-FAC state loaded before K-FAC was built (called after build)."""
-        if self._pending_kfac_state is not None:
-            values, self._pending_kfac_state = self._pending_kfac_state, None
-            with tf.init_scope():
-                self._assign_kfac_state(values)
-
-    def _assign_kfac_state(self, values):
-        state = self.kfac_variables(self._model_variables())
-        shapes_match = len(state) == len(values) and all(
-            tuple(v.shape) == tuple(np.shape(x)) for v, x in zip(state, values))
-        if not shapes_match:
-            warnings.warn(f"{self.name}: the saved K-FAC state ({len(values)} variables) does "
-                          f"not match this optimizer's ({len(state)}); K-FAC state not restored",
-                          stacklevel=3)
-            return
-        for v, x in zip(state, values):
-            v.assign(x)
 
 
 @keras.saving.register_keras_serializable(package="kfac_graph")
@@ -269,7 +186,7 @@ class KFACModel(keras.Model):
         self._keras_loss = keras_loss
         self.loss_fn = auto_register(kfac_loss, loss=self.loss_kind)
         self._shim.kfac = KFAC(self.loss_fn, **self.kfac_options)
-        self._shim._model_weights = _Holder(tuple(inner.variables))
+        self._shim.set_model_weights(inner.variables)
         self._kfac_built = False
         self._step_function = None
 
@@ -389,20 +306,3 @@ def _unscaled(loss_fn, value):
         return value
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     return value * tf.cast(replicas, value.dtype) if replicas > 1 else value
-
-
-class _Holder:
-    """A plain box (Keras tracks neither it nor what it holds)."""
-
-    def __init__(self, value):
-        self.value = value
-
-
-
-
-
-def _ref(v):
-    try:
-        return v.ref()
-    except AttributeError:
-        return id(v)

@@ -24,15 +24,18 @@ mean of the replicas' means over equal shares is the whole batch's mean:
   gradients' and the replicas' statistics' finiteness (one flag, summed),
   the quadratic model's Fisher forms and the damping rule's new loss.
 
-The step, traced once (``core``), in cross-replica context:
+The step, traced once (``ReplicatedCore.step``, the shared
+``step_core.StepCore`` logic on this module's seams), in cross-replica
+context:
 
 1. ``strategy.run``: per replica, the forward/backward pass and, on
    covariance steps, the local statistics update; the loss, gradients and
    a non-finite flag come back packed in one vector per replica, reduced
    by one all-reduce;
 2. on inverse steps: block ``i``'s factors are averaged onto replica
-   ``i mod R``'s device, decomposed there once, and the result is written
-   to the (mirrored) inverse caches, i.e. broadcast to every replica;
+   ``i mod R``'s device, decomposed there once for the blocks' damping the
+   core passes, and the result is written to the (mirrored) inverse caches,
+   i.e. broadcast to every replica;
 3. the update (preconditioning, momentum or quadratic model, damping rule)
    is formed once from the reduced quantities and applied to the mirrored
    variables (broadcast); the batch-dependent parts (the exact Fisher
@@ -47,12 +50,12 @@ branches on the step counter are taken in cross-replica context, where
 per-replica function with XLA; the host-side parts are the reductions,
 the inverse placement and the update, whose operations are those of the
 single-device step (all XLA-compilable; no host callbacks outside the
-skip warning and the summaries, which ``_step`` runs after the core).
+skip warning and the summaries, which ``KFAC.step`` runs after the core).
 
 With ``MultiWorkerMirroredStrategy`` every worker runs the cross-replica
 parts on its own devices, and each block's inverses are computed by the
 worker that holds replica ``i mod R`` alone, then shared by one all-reduce
-at inverse steps (``_refresh_inverses``). Whole (undistributed)
+at inverse steps (``refresh_inverses``). Whole (undistributed)
 batches must then be the same on every worker: replica ``r`` takes the
 ``r``-th share by its global index.
 """
@@ -63,6 +66,7 @@ import tensorflow as tf
 
 from kfac_graph.optimizer import exact_fisher
 from kfac_graph.optimizer import vectors as vec
+from kfac_graph.optimizer.step_core import Gradients, StepCore, curvature_scale, forward_backward
 
 SYNC_MODES = ("lazy", "eager")
 _SUPPORTED = (
@@ -75,7 +79,7 @@ MEAN, SUM = tf.distribute.ReduceOp.MEAN, tf.distribute.ReduceOp.SUM
 
 
 def for_current_strategy(opt, sync_statistics: str = "lazy"):
-    """A ``Replicated`` for the strategy in scope, or ``None`` outside one."""
+    """A ``ReplicatedCore`` for the strategy in scope, or ``None`` outside one."""
     if sync_statistics not in SYNC_MODES:
         raise ValueError(f"sync_statistics must be one of {SYNC_MODES}, got {sync_statistics!r}")
     if not tf.distribute.has_strategy():
@@ -86,7 +90,7 @@ def for_current_strategy(opt, sync_statistics: str = "lazy"):
             f"kg.KFAC does not support {type(strategy).__name__}; use MirroredStrategy, "
             "MultiWorkerMirroredStrategy or TPUStrategy"
         )
-    return Replicated(opt, strategy, sync_statistics)
+    return ReplicatedCore(opt, strategy, sync_statistics)
 
 
 def is_replica_local(variable) -> bool:
@@ -121,14 +125,15 @@ def _pack(tensors):
     return flat, unpack
 
 
-class Replicated:
-    """The distributed step of one ``kg.KFAC`` (see the module docstring).
+class ReplicatedCore(StepCore):
+    """The distributed step of one ``kg.KFAC`` (see the module docstring): the
+    seams of ``step_core.StepCore`` under ``strategy``.
 
     A plain object (not tracked as state): the optimizer's variables stay
     the single-device optimizer's, created under ``strategy.scope()``."""
 
     def __init__(self, opt, strategy, sync_statistics: str):
-        self.opt = opt
+        super().__init__(opt)
         self.strategy = strategy
         self.sync_statistics = sync_statistics
         self._replica_fns = {}
@@ -199,57 +204,46 @@ class Replicated:
         return MEAN if self.opt.registration.loss.reduction == "mean" else SUM
 
     def _local_state(self):
-        return [v for v in self.opt._estimator_state if is_replica_local(v)]
+        return [v for v in self.opt.estimator_state if is_replica_local(v)]
 
     def _shared_state(self):
-        return [v for v in self.opt._estimator_state if not is_replica_local(v)]
+        return [v for v in self.opt.estimator_state if not is_replica_local(v)]
 
-    # -- the step -----------------------------------------------------------------------
-    def core(self, *args):
-        """The distributed ``KFAC._core``: ``(loss, applied, t)``."""
+    # -- the step's seams (step_core.StepCore) --------------------------------------------
+    def prepare(self, args):
+        return self.distribute(args), self.opt.registration
+
+    def rollback_state(self) -> list:
+        """The mirrored estimator variables (the cached inverses); each replica
+        snapshots and restores its own statistics (``finish``)."""
+        return self._shared_state()
+
+    def loss_and_gradients(self, args, registration, scheduled) -> Gradients:
+        """Per replica the forward/backward pass (and the local statistics
+        update), reduced by one all-reduce; ``extra``: the replicas' snapshots
+        of their statistics. With ``"eager"`` syncing, the statistics are then
+        averaged; ``statistics_ok`` covers every replica's statistics and the
+        mirrored state."""
         opt, strategy = self.opt, self.strategy
-        args = self.distribute(args)
-        reg = opt.registration
-        variables = list(reg.variables)
-        t, in_burnin, k, do_cov, do_inv = opt._schedule()
-        shared = self._shared_state()
-        snapshot = [v.read_value() for v in shared]
-
         packed, local_snapshot = strategy.run(
-            self._replica_fn("gradients", self._gradients), args=(do_cov,) + tuple(args)
+            self._replica_fn("gradients", self._gradients), args=(scheduled.do_cov,) + tuple(args)
         )
         _, unpack = self._gradients_layout
         reduced = unpack(strategy.reduce(self._loss_op, packed, axis=None))
         loss, grads, flagged, batch = reduced[0], reduced[1:-2], reduced[-2], reduced[-1]
-        scale = tf.constant(float(reg.loss.scale), opt.dtype)
-        if reg.loss.reduction == "sum":
-            scale = scale * tf.cast(batch, opt.dtype)
-        opt.curvature_scale.assign(scale)
+        scale = curvature_scale(registration, batch, opt.dtype)
         if self.sync_statistics == "eager":
-            tf.cond(do_cov, self._average_statistics, lambda: tf.constant(False))
-        if opt.l2_reg:
-            grads = [g + tf.cast(opt.l2_reg, g.dtype) * v for g, v in zip(grads, variables)]
-        statistics_ok = (
-            tf.reduce_all(tf.math.is_finite(loss))
-            & vec.all_finite(grads)
-            & tf.equal(flagged, 0)
-            & vec.all_finite([v.read_value() for v in shared])
+            tf.cond(scheduled.do_cov, self._average_statistics, lambda: tf.constant(False))
+        statistics_ok = tf.equal(flagged, 0) & vec.all_finite(
+            [v.read_value() for v in self._shared_state()]
         )
-        applied = opt._finish_step(
-            args,
-            variables,
-            loss,
-            grads,
-            statistics_ok,
-            k,
-            do_inv,
-            in_burnin,
-            self._refresh_inverses,
-            shared,
-            snapshot,
+        return Gradients(loss, grads, statistics_ok, scale, None, local_snapshot)
+
+    def finish(self, applied, gradients: Gradients):
+        """Per replica: a skipped step's statistics put back."""
+        self.strategy.run(
+            self._replica_fn("restore", self._restore), args=(applied, gradients.extra)
         )
-        strategy.run(self._replica_fn("restore", self._restore), args=(applied, local_snapshot))
-        return loss, applied, t
 
     def _gradients(self, do_cov, *args):
         """Per replica: ``(packed [loss, grads, non-finite flag, batch], snapshot)``."""
@@ -257,7 +251,7 @@ class Replicated:
         variables = list(opt.registration.variables)
         local = self._local_state()
         snapshot = [v.read_value() for v in local]
-        loss, grads, _ = opt._loss_and_gradients(args, variables, do_cov)
+        loss, grads, _ = forward_backward(opt, args, variables, do_cov)
         flagged = 1 - tf.cast(vec.all_finite([v.read_value() for v in local]), opt.dtype)
         first = tf.convert_to_tensor(tf.nest.flatten(args)[0])
         batch = tf.cast(tf.shape(first)[0], opt.dtype)
@@ -278,16 +272,17 @@ class Replicated:
     def _average_statistics(self):
         """Every replica's statistics replaced by the replicas' mean (one
         batched all-reduce)."""
-        stats = [v for v in self.opt._estimator_state if is_statistic(v)]
+        stats = [v for v in self.opt.estimator_state if is_statistic(v)]
         means = self.strategy.extended.batch_reduce_to(MEAN, [(v, v) for v in stats])
         for v, mean in zip(stats, means):
             for component, value in zip(v.values, self.strategy.experimental_local_results(mean)):
                 component.assign(value)
         return tf.constant(True)
 
-    def _refresh_inverses(self):
-        """Block ``i``'s inverses from its replica-averaged factors, computed once,
-        by replica ``i mod R``, and shared with every replica.
+    def refresh_inverses(self, damping):
+        """Block ``i``'s inverses, for the blocks' damping ``damping``, from its
+        replica-averaged factors, computed once, by replica ``i mod R``, and
+        shared with every replica.
 
         On one worker the owner's device computes them and the assignment to
         the mirrored caches copies them to every device. Across workers only
@@ -303,8 +298,8 @@ class Replicated:
             devices = strategy.extended.worker_devices
             for i in owned:
                 with tf.device(devices[ids.index(i % self.num_replicas)]):
-                    blocks[i].update_inverses()
-            return tf.constant(True)
+                    blocks[i].update_inverses(damping=damping)
+            return
         # Across workers, reading the statistics here would be a collective only
         # the owners join: average them first (the same collective everywhere),
         # then each owner computes from its own, now equal, copies.
@@ -312,22 +307,22 @@ class Replicated:
         caches = [[v for v in block.variables if not is_replica_local(v)] for block in blocks]
         flat = [v for group in caches for v in group]
         contributions = strategy.run(
-            self._replica_fn("inverses", lambda: self._owned_inverses(caches))
+            self._replica_fn("inverses", lambda d: self._owned_inverses(caches, d)),
+            args=(damping,),
         )
         shared = strategy.extended.batch_reduce_to(SUM, list(zip(contributions, flat)))
         for v, value in zip(flat, shared):
             for component, local in zip(v.values, strategy.experimental_local_results(value)):
                 component.assign(local)
-        return tf.constant(True)
 
-    def _owned_inverses(self, caches):
+    def _owned_inverses(self, caches, damping):
         """Per replica: for every block's cache variables, the refreshed values
         where this replica owns the block (``i mod R``), zeros elsewhere."""
         replica = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
         out = []
         for i, (block, group) in enumerate(zip(self.opt.estimator.blocks, caches)):
             if i % self.num_replicas == replica:
-                fresh = {v.ref(): value for v, value in block.inverse_updates()}
+                fresh = {v.ref(): value for v, value in block.inverse_updates(damping=damping)}
                 out += [fresh.get(v.ref(), v.read_value()) for v in group]
             else:
                 out += [tf.zeros(v.shape, v.dtype) for v in group]
@@ -340,15 +335,16 @@ class Replicated:
         )
         return [int(i) for i in self.strategy.experimental_local_results(ids)]
 
-    # -- batch-dependent parts of the update (KFAC's seams) ----------------------------------
+    # -- batch-dependent parts of the update ------------------------------------------------
     def batch_loss(self, args):
         """The loss on every replica's share at the current parameters, reduced."""
         fn = self._replica_fn("loss", lambda *a: self.opt.fn.tf_function(*a))
         return self.strategy.reduce(self._loss_op, self.strategy.run(fn, args=args), axis=None)
 
-    def fisher_forms(self, args, vectors):
+    def fisher_forms(self, args, vectors, forward=None):
         """``[[u_a . F u_b]]``, ``F`` the exact Fisher of the whole batch (the
-        replicas' per-example means, averaged)."""
+        replicas' per-example means, averaged); ``forward`` is not used (each
+        replica runs its own forward pass)."""
         n = len(vectors)
 
         def local(vectors, *a):

@@ -1,7 +1,8 @@
 """``kg.KFAC``: the K-FAC optimizer, one compiled step per call.
 
 Each ``step(*args)`` runs one ``tf.function`` that, on the step counter
-``t`` (only steps that were applied count) and ``k = t - num_burnin_steps``:
+``t`` (only steps that were applied count) and ``k = t - num_burnin_steps``
+(``schedule.py``):
 
 1. runs the loss forward and backward once; on covariance steps (every
    step of the burn-in, then ``k % cov_update_period == 0``) the same
@@ -13,7 +14,7 @@ Each ``step(*args)`` runs one ``tf.function`` that, on the step counter
 3. outside the burn-in, preconditions the gradient ``g`` (plus
    ``l2_reg * theta``) with the damped blocks' inverses (an inner
    ``tf.function(jit_compile=True)``), forms the update by the momentum
-   rule and applies it:
+   rule (``update_rules.py``) and applies it:
 
    - ``"regular"``: ``v <- mu v + F~^{-1} g``, ``delta = -lr v``;
    - ``"adam"``: ``v <- mu v + g``, ``delta = -lr F~^{-1} v``;
@@ -42,9 +43,16 @@ Each ``step(*args)`` runs one ``tf.function`` that, on the step counter
    by ``l2_reg`` alone (``c F~_0 delta``, not tensorflow/kfac's
    ``F~_lambda - lambda I``, which keeps the Kronecker cross terms).
 
+The step itself is a step core's (``step_core.py``: the logic above, on the
+seams that ``single_device.py`` and, under ``tf.distribute``,
+``distributed.py`` provide); ``KFAC`` holds the options, the state and the
+compiled functions, and reads and writes nothing else.
+
 The curvature is that of the loss as written: ``c F`` with ``c`` the
 loss's ``scale`` times ``B`` for a sum over the batch (1 for a mean), so
-the damping is in the loss's units (the blocks see ``lambda / c``).
+the damping is in the loss's units: the blocks see ``(lambda + l2_reg) /
+c`` (``blocks_damping``), passed as a value on every call that multiplies,
+inverts, refreshes or checks the staleness of the blocks.
 
 ``l2_reg``: the optimizer minimises ``L + l2_reg/2 |theta|^2`` (do not
 add the penalty to the loss yourself): ``l2_reg theta`` joins the
@@ -55,12 +63,12 @@ variable (parameters, factors, inverses, velocities, damping, counter) as
 it was, adds one to ``skipped_steps`` and logs a warning.
 
 ``jit_compile``: ``True`` compiles the whole step with XLA; ``"auto"`` does
-so on accelerators only. On the CPU, XLA's convolutions are about 10x
-slower than oneDNN's and its Cholesky factorisations about 20x slower than
-TensorFlow's (the inverse refresh of the digits autoencoder), and even
-its matmuls trail oneDNN's, so even convolution-free models train faster
-without it there (``benchmarks/step_overhead.py``). The preconditioning
-is compiled in every case. Summaries and the skip warning run outside XLA.
+so on accelerators only: on the CPU, XLA's convolutions, Cholesky
+factorisations and matmuls trail TensorFlow's own (oneDNN) kernels, so
+even convolution-free models train faster without it there (measured in
+``benchmarks/step_overhead.py``; figures in the README). The
+preconditioning is compiled in every case. Summaries and the skip warning
+run outside XLA.
 
 Under ``tf.distribute`` (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``,
 ``TPUStrategy``; the strategy in scope when the optimizer is made) the same
@@ -79,9 +87,8 @@ from kfac_graph.fisher.estimator import FisherEstimator
 from kfac_graph.fisher import linalg
 from kfac_graph.optimizer import damping as damping_lib
 from kfac_graph.optimizer import distributed
-from kfac_graph.optimizer import exact_fisher
-from kfac_graph.optimizer import qmodel
-from kfac_graph.optimizer import vectors as vec
+from kfac_graph.optimizer.schedule import StepSchedule
+from kfac_graph.optimizer.single_device import SingleDeviceCore
 
 MOMENTUM_TYPES = ("regular", "adam", "qmodel")
 _plain_python = tf.autograph.experimental.do_not_convert
@@ -101,8 +108,8 @@ class KFAC(tf.Module):
 
     Defaults follow Martens & Grosse 2015: the quadratic model picks the
     step size and momentum, and the damping (from 0.1) adapts by the
-    Levenberg-Marquardt rule; measured on the digits autoencoder this reaches
-    Adam's 1000-step loss in 110 steps (``benchmarks/convergence.py``).
+    Levenberg-Marquardt rule (how they compare with Adam: the README and
+    ``benchmarks/convergence.py``).
     ``learning_rate``, ``momentum``: used by ``"regular"`` and ``"adam"``
     (ignored by ``"qmodel"``, which chooses both each step). ``damping``:
     the initial ``lambda`` (adapted when ``adapt_damping``, never below
@@ -116,6 +123,16 @@ class KFAC(tf.Module):
     when the replicas' factor statistics are averaged: ``"lazy"`` (at
     inverse updates and other reads) or ``"eager"`` (after every covariance
     update); the steps are the same either way.
+
+    What the step core (``step_core.py``) reads, all public: the options
+    (``momentum_type``, ``qmodel_curvature``, ``l2_reg``, ``norm_constraint``,
+    ``adapt_damping``, ``damping_adaptation_interval``, ``omega``,
+    ``min_damping``, ``schedule``, ``whole_step_jit``), ``fn``,
+    ``estimator``, ``registration``, ``estimator_state``, ``dtype``, the
+    state variables (``iterations``, ``skipped_steps``, ``damping``,
+    ``learning_rate``, ``momentum``, ``rho``, ``qmodel_change``,
+    ``curvature_scale``, ``velocities``) and ``blocks_damping``,
+    ``precondition``, ``curvature_multiply``.
     """
 
     def __init__(self, fn, learning_rate: float = 0.1, damping: float = 0.1,
@@ -147,6 +164,7 @@ class KFAC(tf.Module):
         self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
         # None outside tf.distribute (the default strategy): the plain step
         self._replicated = distributed.for_current_strategy(self, sync_statistics)
+        self._core = self._replicated if self._replicated is not None else SingleDeviceCore(self)
         self.momentum_type = momentum_type
         if qmodel_curvature not in ("exact", "kfac"):
             raise ValueError(f"qmodel_curvature must be 'exact' or 'kfac', got {qmodel_curvature!r}")
@@ -156,6 +174,8 @@ class KFAC(tf.Module):
         self.cov_update_period = int(cov_update_period)
         self.inverse_update_period = int(inverse_update_period)
         self.num_burnin_steps = int(num_burnin_steps)
+        self.schedule = StepSchedule(self.num_burnin_steps, self.cov_update_period,
+                                     self.inverse_update_period)
         self.adapt_damping = bool(adapt_damping)
         self.damping_adaptation_interval = int(damping_adaptation_interval)
         self.omega = float(damping_adaptation_decay) ** self.damping_adaptation_interval
@@ -166,15 +186,15 @@ class KFAC(tf.Module):
         self.summary_period = int(summary_period)
         self._initial = dict(learning_rate=float(learning_rate), damping=float(damping),
                              momentum=float(momentum))
+        # the blocks' own damping is never read: the step passes blocks_damping()
         self.estimator = FisherEstimator(self.fn, estimation_mode=estimation_mode,
-                                         num_samples=num_samples, damping=self._block_damping,
+                                         num_samples=num_samples, damping=float(damping),
                                          cov_ema_decay=cov_ema_decay,
                                          approximations=approximations, seed=seed)
         self.iterations = tf.Variable(tf.zeros([], tf.int64), trainable=False, name="iterations")
         self.skipped_steps = tf.Variable(tf.zeros([], tf.int64), trainable=False,
                                          name="skipped_steps")
         self._built = False
-        self._undamped = False
         self._compiled = _Compiled()
 
     # -- state -------------------------------------------------------------------------
@@ -188,24 +208,50 @@ class KFAC(tf.Module):
         return None if self._replicated is None else self._replicated.strategy
 
     @property
+    def step_core(self):
+        """The ``step_core.StepCore`` that runs the step (single-device or replicated)."""
+        return self._core
+
+    @property
     def variables_to_train(self) -> tuple:
         return tuple(self.registration.variables)
 
-    def _block_damping(self):
-        """What the blocks damp with: ``(lambda + l2_reg) / c`` (``l2_reg / c``
-        while the damping rule evaluates its undamped model, a trace-time switch)."""
-        lam = tf.zeros([], self.dtype) if self._undamped else self.damping
+    @property
+    def estimator_state(self) -> tuple:
+        """The estimator's variables (factors, counters, cached inverses), in
+        ``tf.Module.variables`` order (set by ``build``)."""
+        return tuple(self._estimator_state)
+
+    def blocks_damping(self, lam=None):
+        """What the blocks damp with: ``(lam + l2_reg) / c``, by default with
+        ``lam = lambda`` (``damping``); the damping rule's undamped model
+        passes ``lam = 0``."""
+        lam = self.damping if lam is None else lam
         return (lam + tf.cast(self.l2_reg, self.dtype)) / self.curvature_scale
 
-    def precondition(self, vectors):
-        """``(c F~ + (lambda + l2_reg) I)^{-1} vectors`` (the compiled blocks' inverses)."""
-        out = self._compiled.precondition(list(vectors))
+    def precondition(self, vectors, damping=None):
+        """``(c F~ + (lambda + l2_reg) I)^{-1} vectors`` from the blocks' cached
+        inverses (compiled; the caches must be fresh for the blocks' damping
+        ``damping``, by default ``blocks_damping()``)."""
+        if damping is None:
+            damping = self.blocks_damping()
+        out = self._compiled.precondition(list(vectors), tf.cast(damping, self.dtype))
         return [v / tf.cast(self.curvature_scale, v.dtype) for v in out]
 
-    def curvature_multiply(self, vectors):
-        """``(c F~ + (lambda + l2_reg) I) vectors`` (the damped blocks, current factors)."""
-        out = self.estimator.multiply(list(vectors))
+    def curvature_multiply(self, vectors, damping=None):
+        """``(c F~ + (lambda + l2_reg) I) vectors`` (the damped blocks, current
+        factors); ``damping``: the blocks' damping, by default ``blocks_damping()``
+        (``blocks_damping(0)`` leaves ``lambda`` out)."""
+        if damping is None:
+            damping = self.blocks_damping()
+        out = self.estimator.multiply(list(vectors), damping=damping)
         return [v * tf.cast(self.curvature_scale, v.dtype) for v in out]
+
+    def refresh_inverses(self):
+        """Refreshes the estimator's cached inverses for the blocks' current
+        damping ``blocks_damping()`` (one device; in a ``tf.function`` or
+        eagerly). The step does this itself when due."""
+        self.estimator.refresh_inverses(damping=self.blocks_damping())
 
     @_plain_python
     def build(self, *args):
@@ -241,6 +287,7 @@ class KFAC(tf.Module):
             self.velocities = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
                                            name=f"velocity_{i}")
                                for i, v in enumerate(variables)]
+        # tracked under this name: it fixes the checkpoint keys and variable order
         self._estimator_state = tuple(self.estimator.variables)
         jit = self.jit_compile
         if jit == "auto":
@@ -250,13 +297,15 @@ class KFAC(tf.Module):
         self.whole_step_jit = bool(jit)
         # the step refreshes stale inverses before it preconditions
         self._compiled.precondition = tf.function(
-            lambda vectors: self.estimator.multiply_inverse(vectors, refreshed=True),
+            lambda vectors, damping: self.estimator.multiply_inverse(
+                vectors, refreshed=True, damping=damping),
             jit_compile=True, autograph=False)
-        # without XLA the core is traced inline into the step (no nested call)
-        self._compiled.core = (tf.function(self._core, jit_compile=True, autograph=False)
-                               if self.whole_step_jit else self._core)
-        if self._replicated is not None:
-            self._compiled.core = self._replicated.core
+        # without XLA the core is traced inline into the step (no nested call);
+        # the replicated core compiles its per-replica functions itself
+        core = self._core.step
+        if self.whole_step_jit and self._replicated is None:
+            core = tf.function(core, jit_compile=True, autograph=False)
+        self._compiled.core = core
         self._compiled.step = tf.function(self._step, autograph=False)
         self._built = True
         return reg
@@ -286,222 +335,6 @@ class KFAC(tf.Module):
     def built(self) -> bool:
         """Whether the state (factors, velocities, counters) exists yet."""
         return self._built
-
-    def _schedule(self):
-        """``(t, in_burnin, k, do_cov, do_inv)`` for this step: the counter, whether
-        it is a burn-in step, the steps since the burn-in, and whether this step
-        updates the covariances and refreshes the inverses."""
-        t = self.iterations.read_value()
-        in_burnin = t < self.num_burnin_steps
-        k = t - self.num_burnin_steps
-        do_cov = in_burnin | tf.equal(k % self.cov_update_period, 0)
-        do_inv = ~in_burnin & tf.equal(k % self.inverse_update_period, 0)
-        return t, in_burnin, k, do_cov, do_inv
-
-    def _core(self, *args):
-        reg = self.estimator.build(*args)
-        variables = list(reg.variables)
-        t, in_burnin, k, do_cov, do_inv = self._schedule()
-        self.curvature_scale.assign(self._loss_scale(reg, args))
-        # reads taken before the updates keep the old values (assignments copy on write)
-        snapshot = [v.read_value() for v in self._estimator_state]
-        loss, grads, forward = self._loss_and_gradients(args, variables, do_cov)
-        if self.l2_reg:
-            grads = [g + tf.cast(self.l2_reg, g.dtype) * v for g, v in zip(grads, variables)]
-        statistics_ok = (tf.reduce_all(tf.math.is_finite(loss)) & vec.all_finite(grads)
-                         & tf.cond(do_cov, self._statistics_finite, lambda: tf.constant(True)))
-
-        def refresh_inverses():
-            self.estimator.refresh_inverses()
-            return tf.constant(True)
-
-        applied = self._finish_step(args, variables, loss, grads, statistics_ok, k, do_inv,
-                                    in_burnin, refresh_inverses, self._estimator_state, snapshot,
-                                    forward)
-        return loss, applied, t
-
-    def _statistics_finite(self):
-        """Whether the moving averages a covariance update writes are finite.
-        The cached decompositions change only at inverse refreshes, which
-        ``_finish_step`` checks, so a step without a covariance update needs
-        no check of the estimator's state (a committed step left it finite)."""
-        written = [v for v in self._estimator_state if distributed.is_replica_local(v)]
-        return vec.all_finite([v.read_value() for v in written])
-
-    def _finish_step(self, args, variables, loss, grads, statistics_ok, k, do_inv, in_burnin,
-                     refresh_inverses, state, snapshot, forward=None):
-        """After the gradients: on inverse steps ``refresh_inverses()``, then
-        (outside the burn-in) the update; commits the step counter if every
-        value was finite, else puts ``state`` back to ``snapshot`` and counts
-        the skip. True if the step was applied. ``forward``: the step's
-        forward pass (``LayerTaps``) when it sits in this graph's top level,
-        for the quadratic model's Fisher forms; they can use it only if the
-        update does too (no burn-in branch around it)."""
-        # a damping changed by the Levenberg-Marquardt rule also refreshes the
-        # (damped) inverses, so the compiled preconditioning reads them as cached
-        stale = ~in_burnin & self.estimator.inverses_stale()
-        refreshed = tf.cond((do_inv | stale) & statistics_ok, refresh_inverses,
-                            lambda: tf.constant(False))
-        inverses_ok = tf.cond(refreshed, lambda: vec.all_finite(
-            [v.read_value() for v in state]), lambda: tf.constant(True))
-        statistics_ok = statistics_ok & inverses_ok
-
-        if self.num_burnin_steps:
-            applied = tf.cond(in_burnin, lambda: statistics_ok, lambda: self._update(
-                args, variables, loss, grads, statistics_ok, k))
-        else:  # never in the burn-in: the update, and the forward pass, at the top level
-            applied = self._update(args, variables, loss, grads, statistics_ok, k, forward)
-
-        def commit():
-            self.iterations.assign_add(1)
-            return tf.constant(True)
-
-        def roll_back():
-            for v, old in zip(state, snapshot):
-                v.assign(old)
-            self.skipped_steps.assign_add(1)
-            return tf.constant(True)
-
-        tf.cond(applied, commit, roll_back)
-        return applied
-
-    def _loss_and_gradients(self, args, variables, do_cov):
-        """The loss and its gradients on ``args``; on covariance steps the same
-        forward pass also folds the batch's statistics into the factors. Third:
-        that forward pass (``LayerTaps``) when every step is a covariance
-        step, so that it is not inside a branch (else None)."""
-        if self.cov_update_period == 1:
-            taps = self.estimator.accumulate_taps(*args)
-            return taps.loss, _dense(tf.gradients(taps.loss, variables), variables), taps
-
-        def with_statistics():
-            loss = self.estimator.accumulate(*args)
-            return [loss] + _dense(tf.gradients(loss, variables), variables)
-
-        def without_statistics():
-            with tf.GradientTape() as tape:
-                loss = self.fn.tf_function(*args)
-            grads = tape.gradient(loss, variables,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return [loss] + _dense(grads, variables)
-
-        out = tf.cond(do_cov, with_statistics, without_statistics)
-        return out[0], out[1:], None
-
-    def _batch_loss(self, args):
-        """The loss on the batch at the current parameters (all replicas')."""
-        if self._replicated is not None:
-            return self._replicated.batch_loss(args)
-        return self.fn.tf_function(*args)
-
-    def _fisher_forms(self, args, vectors, forward=None):
-        """``[[u_a . F u_b]]`` with the exact Fisher ``F`` of the batch (all
-        replicas'), differentiating ``forward`` when given."""
-        if self._replicated is not None:
-            return self._replicated.fisher_forms(args, vectors)
-        return exact_fisher.quadratic_forms(self.registration, args, vectors, forward)
-
-    def _loss_scale(self, reg, args):
-        """``c``: the loss's curvature is ``c F`` (``F`` per example, averaged)."""
-        c = tf.constant(float(reg.loss.scale), self.dtype)
-        if reg.loss.reduction == "sum":
-            first = tf.convert_to_tensor(tf.nest.flatten(args)[0])
-            c = c * tf.cast(tf.shape(first)[0], self.dtype)
-        return c
-
-    def _update(self, args, variables, loss, grads, statistics_ok, k, forward=None):
-        """Forms and (if everything is finite) applies the update; True if applied."""
-        delta, velocity, lr, mu, model_change = self._direction(args, grads, forward)
-        ok = statistics_ok & vec.all_finite(delta) & vec.all_finite(velocity)
-
-        def apply():
-            theta_dot_delta = vec.dot(variables, delta) if self.l2_reg else None
-            for v, d in zip(variables, delta):
-                v.assign_add(tf.cast(d, v.dtype))
-            for slot, new in zip(self.velocities, velocity):
-                slot.assign(new)
-            if self.momentum_type == "qmodel":
-                self.learning_rate.assign(tf.cast(lr, self.dtype))
-                self.momentum.assign(tf.cast(mu, self.dtype))
-            if self.adapt_damping:
-                adapt_now = tf.equal((k + 1) % self.damping_adaptation_interval, 0)
-                tf.cond(adapt_now,
-                        lambda: self._adapt_damping(args, loss, grads, delta, theta_dot_delta,
-                                                    model_change),
-                        lambda: tf.constant(True))
-            return tf.constant(True)
-
-        return tf.cond(ok, apply, lambda: tf.constant(False))
-
-    def _direction(self, args, grads, forward=None):
-        """``(delta, new velocities, lr, mu, model change or None)`` by the momentum rule."""
-        dtype = self.dtype
-        lr = tf.cast(self.learning_rate, dtype)
-        mu = tf.cast(self.momentum, dtype)
-        old = [v.read_value() for v in self.velocities]
-        if self.momentum_type == "regular":
-            p = self._clip(grads, self.precondition(grads), lr)
-            velocity = vec.axpy(mu, old, p)
-            return vec.scale(-lr, velocity), velocity, lr, mu, None
-        if self.momentum_type == "adam":
-            velocity = vec.axpy(mu, old, grads)
-            p = self._clip(velocity, self.precondition(velocity), lr)
-            return vec.scale(-lr, p), velocity, lr, mu, None
-        p = self.precondition(grads)
-        (m11, m12), (_, m22) = self._curvature_quadratics(args, [p, old], forward)
-        c1, c2 = tf.cast(vec.dot(grads, p), dtype), tf.cast(vec.dot(grads, old), dtype)
-        alpha, mu = qmodel.solve(m11, m12, m22, c1, c2)
-        delta = vec.combine(alpha, p, mu, old)
-        dd = tf.cast(vec.dot(delta, delta), dtype)
-        change = qmodel.model_value(alpha, mu, m11, m12, m22, c1, c2) - 0.5 * self.damping * dd
-        return delta, delta, -alpha, mu, change
-
-    def _curvature_quadratics(self, args, vectors, forward=None):
-        """``[[u_a . C u_b]]`` for the quadratic model's curvature ``C``:
-        ``c F + (lambda + l2_reg) I`` with the exact Fisher ``F`` of this
-        batch (``qmodel_curvature="exact"``) or the damped K-FAC matrix."""
-        dtype = self.dtype
-        n = len(vectors)
-        if self.qmodel_curvature == "kfac":
-            products = [self.curvature_multiply(u) for u in vectors]
-            return [[tf.cast(vec.dot(vectors[a], products[b]), dtype) for b in range(n)]
-                    for a in range(n)]
-        fisher = self._fisher_forms(args, vectors, forward)
-        total = self.damping + tf.constant(self.l2_reg, dtype)
-        return [[self.curvature_scale * tf.cast(fisher[a][b], dtype)
-                 + total * tf.cast(vec.dot(vectors[a], vectors[b]), dtype) for b in range(n)]
-                for a in range(n)]
-
-    def _clip(self, vectors, preconditioned, lr):
-        if self.norm_constraint is None:
-            return preconditioned
-        sq = lr * lr * tf.cast(vec.dot(vectors, preconditioned), lr.dtype)
-        tiny = tf.constant(1e-30, lr.dtype)
-        coeff = tf.minimum(tf.ones([], lr.dtype),
-                           tf.sqrt(tf.cast(self.norm_constraint, lr.dtype) / tf.maximum(sq, tiny)))
-        return vec.scale(coeff, preconditioned)
-
-    def _adapt_damping(self, args, loss, grads, delta, theta_dot_delta, model_change):
-        dtype = self.dtype
-        new_loss = tf.cast(self._batch_loss(args), dtype)
-        loss_change = new_loss - tf.cast(loss, dtype)
-        dd = tf.cast(vec.dot(delta, delta), dtype)
-        if self.l2_reg:
-            l2 = tf.constant(self.l2_reg, dtype)
-            loss_change += l2 * tf.cast(theta_dot_delta, dtype) + 0.5 * l2 * dd
-        if model_change is None:
-            self._undamped = True
-            try:
-                curvature = tf.cast(vec.dot(delta, self.curvature_multiply(delta)), dtype)
-            finally:
-                self._undamped = False
-            model_change = tf.cast(vec.dot(grads, delta), dtype) + 0.5 * curvature
-        new_damping, rho = damping_lib.adapt(self.damping.read_value(), loss_change, model_change,
-                                             self.omega, self.min_damping)
-        self.damping.assign(new_damping)
-        self.rho.assign(rho)
-        self.qmodel_change.assign(model_change)
-        return tf.constant(True)
 
     # -- summaries ------------------------------------------------------------------------
     def _write_summaries(self, loss, t):
@@ -533,12 +366,3 @@ def factors_of(block):
             out.append((label.replace("_factor", "") or label, factor))
     return out
 
-
-def _dense(grads, variables):
-    """Gradients as dense tensors (zeros where a variable is unused)."""
-    out = []
-    for g, v in zip(grads, variables):
-        if g is None:
-            g = tf.zeros(v.shape, v.dtype)
-        out.append(tf.convert_to_tensor(g))
-    return out

@@ -1,0 +1,60 @@
+"""``kg.KFAC``'s step on one device: the seams of ``step_core.StepCore``.
+
+The forward and backward pass runs once per step; on covariance steps it is
+the estimator's own pass (``FisherEstimator.accumulate_taps``), which also
+folds the batch's statistics into the factors. When every step updates the
+covariances that pass sits at the top level of the step's graph, where the
+quadratic model's exact Fisher forms differentiate it again (no second
+forward pass, ``exact_fisher.py``); otherwise a branch picks the pass with
+or without statistics, and the forms run their own forward pass.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from kfac_graph.optimizer import exact_fisher
+from kfac_graph.optimizer import vectors as vec
+from kfac_graph.optimizer.distributed import is_replica_local
+from kfac_graph.optimizer.step_core import (Gradients, StepCore, curvature_scale,
+                                             forward_backward)
+
+
+class SingleDeviceCore(StepCore):
+    """The plain step (outside ``tf.distribute``)."""
+
+    def prepare(self, args):
+        args = tuple(args)
+        return args, self.opt.estimator.build(*args)
+
+    def rollback_state(self) -> list:
+        """Every estimator variable (factors, counters, cached inverses)."""
+        return list(self.opt.estimator_state)
+
+    def loss_and_gradients(self, args, registration, scheduled) -> Gradients:
+        opt = self.opt
+        variables = list(registration.variables)
+        first = tf.convert_to_tensor(tf.nest.flatten(args)[0])
+        scale = curvature_scale(registration, tf.shape(first)[0], opt.dtype)
+        loss, grads, forward = forward_backward(opt, args, variables, scheduled.do_cov)
+        statistics_ok = tf.cond(scheduled.do_cov, self.statistics_finite,
+                                lambda: tf.constant(True))
+        return Gradients(loss, grads, statistics_ok, scale, forward)
+
+    def statistics_finite(self):
+        """Whether the moving averages a covariance update writes are finite.
+        The cached decompositions change only at inverse refreshes, which the
+        core checks, so a step without a covariance update needs no check of
+        the estimator's state (a committed step left it finite)."""
+        written = [v for v in self.opt.estimator_state if is_replica_local(v)]
+        return vec.all_finite([v.read_value() for v in written])
+
+    def refresh_inverses(self, damping):
+        self.opt.estimator.refresh_inverses(damping=damping)
+
+    def batch_loss(self, args):
+        return self.opt.fn.tf_function(*args)
+
+    def fisher_forms(self, args, vectors, forward=None):
+        """``[[u_a . F u_b]]`` with the exact Fisher ``F`` of the batch,
+        differentiating ``forward`` when given."""
+        return exact_fisher.quadratic_forms(self.opt.registration, args, vectors, forward)

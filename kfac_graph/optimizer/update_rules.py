@@ -1,0 +1,101 @@
+"""K-FAC's update rules: the update ``delta`` from the gradient ``g``.
+
+``P`` is the preconditioner ``(c F~ + (lambda + l2_reg) I)^{-1}`` (a
+``precondition`` callable), ``v`` the velocities (the previous update for
+``"qmodel"``), ``lr`` the learning rate and ``mu`` the momentum:
+
+- ``"regular"``: ``v <- mu v + P g``, ``delta = -lr v``;
+- ``"adam"``: ``v <- mu v + g``, ``delta = -lr P v``;
+- ``"qmodel"``: ``delta = alpha P g + mu v`` with ``(alpha, mu)``
+  minimising the quadratic model ``M(delta) = g.delta + 1/2 delta.C delta``
+  (``qmodel.py``) of a damped curvature ``C``, given by its quadratic
+  forms ``[[u_a . C u_b]]``; ``lr`` and ``mu`` then record ``-alpha`` and
+  ``mu``, and the model change excludes the adapted damping:
+  ``M(delta) - lambda/2 |delta|^2``.
+
+The quadratic forms of ``C``: ``c F + (lambda + l2_reg) I`` with ``F`` the
+exact Fisher of the batch (``exact_quadratics``) or the damped K-FAC
+matrix ``c F~`` (``kfac_quadratics``, from its products).
+
+The norm constraint ``C_n`` ("regular", "adam"): the preconditioned vector
+``p = P u`` (``u``: the vector it preconditions, ``g`` or ``v``) is scaled by
+``min(1, sqrt(C_n / (lr^2 p.u)))`` so that ``lr^2 p.u <= C_n``
+(tensorflow/kfac's ``_clip_updates``, Ba et al. 2017 §5).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from kfac_graph.optimizer import qmodel
+from kfac_graph.optimizer import vectors as vec
+
+
+class Direction(NamedTuple):
+    """An update: ``delta``, the new velocities, the learning rate and momentum
+    it used (to record), and the quadratic model's change ``M(delta)``
+    without the adapted damping (None for the rules without a model)."""
+
+    delta: list
+    velocity: list
+    learning_rate: tf.Tensor
+    momentum: tf.Tensor
+    model_change: tf.Tensor | None
+
+
+def clip(vectors, preconditioned, lr, norm_constraint):
+    """``preconditioned`` scaled so that ``lr^2 preconditioned.vectors <= norm_constraint``
+    (as it is when ``norm_constraint`` is None)."""
+    if norm_constraint is None:
+        return preconditioned
+    sq = lr * lr * tf.cast(vec.dot(vectors, preconditioned), lr.dtype)
+    tiny = tf.constant(1e-30, lr.dtype)
+    coeff = tf.minimum(tf.ones([], lr.dtype),
+                       tf.sqrt(tf.cast(norm_constraint, lr.dtype) / tf.maximum(sq, tiny)))
+    return vec.scale(coeff, preconditioned)
+
+
+def regular(grads, precondition, velocities, lr, mu, norm_constraint=None) -> Direction:
+    """``v <- mu v + clip(P g)``, ``delta = -lr v``."""
+    p = clip(grads, precondition(grads), lr, norm_constraint)
+    velocity = vec.axpy(mu, velocities, p)
+    return Direction(vec.scale(-lr, velocity), velocity, lr, mu, None)
+
+
+def adam(grads, precondition, velocities, lr, mu, norm_constraint=None) -> Direction:
+    """``v <- mu v + g``, ``delta = -lr clip(P v)``."""
+    velocity = vec.axpy(mu, velocities, grads)
+    p = clip(velocity, precondition(velocity), lr, norm_constraint)
+    return Direction(vec.scale(-lr, p), velocity, lr, mu, None)
+
+
+def quadratic_model(grads, precondition, previous, quadratics, damping, dtype) -> Direction:
+    """``delta = alpha P g + mu previous`` minimising the quadratic model whose
+    curvature's forms ``quadratics([u_1, u_2])`` returns; ``damping``: the
+    adapted ``lambda`` in ``C``, left out of the recorded model change."""
+    p = precondition(grads)
+    (m11, m12), (_, m22) = quadratics([p, previous])
+    c1, c2 = tf.cast(vec.dot(grads, p), dtype), tf.cast(vec.dot(grads, previous), dtype)
+    alpha, mu = qmodel.solve(m11, m12, m22, c1, c2)
+    delta = vec.combine(alpha, p, mu, previous)
+    dd = tf.cast(vec.dot(delta, delta), dtype)
+    change = qmodel.model_value(alpha, mu, m11, m12, m22, c1, c2) - 0.5 * damping * dd
+    return Direction(delta, delta, -alpha, mu, change)
+
+
+def kfac_quadratics(vectors, curvature_multiply, dtype):
+    """``[[u_a . C u_b]]`` with ``C u = curvature_multiply(u)``."""
+    n = len(vectors)
+    products = [curvature_multiply(u) for u in vectors]
+    return [[tf.cast(vec.dot(vectors[a], products[b]), dtype) for b in range(n)]
+            for a in range(n)]
+
+
+def exact_quadratics(vectors, fisher, scale, damping, dtype):
+    """``[[u_a . (c F + damping I) u_b]]`` from ``fisher = [[u_a . F u_b]]``,
+    ``scale = c``."""
+    n = len(vectors)
+    return [[scale * tf.cast(fisher[a][b], dtype)
+             + damping * tf.cast(vec.dot(vectors[a], vectors[b]), dtype) for b in range(n)]
+            for a in range(n)]
