@@ -19,11 +19,9 @@ import sys
 
 from absl import flags
 
+from tools import cli
+
 PROG = "kfac-graph"
-
-
-class UsageError(Exception):
-    """A bad command line (reported like any other bad input)."""
 
 
 def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
@@ -45,37 +43,16 @@ def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
 
 def main(argv: list[str]) -> int:
     """Runs the tool on ``argv`` (``argv[0]`` is the program); the exit status."""
-    fv = define_flags(flags.FlagValues())
-    if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv[1:]):
-        print(__doc__.strip() + "\n\nflags:\n" + fv.get_help())
-        return 0
-    try:
-        rest = fv(argv)
-        if len(rest) > 1:
-            raise UsageError(f"unexpected arguments: {' '.join(rest[1:])}")
-        return _run(fv)
-    except flags.Error as e:
-        return _fail(str(e).splitlines()[0])
-    except UsageError as e:
-        return _fail(str(e))
-    except Exception as e:  # noqa: BLE001 - every failure is reported in one line
-        import kfac_graph as kg
-
-        if isinstance(e, kg.LossNotFoundError):
-            return _fail(f"{e.args[0].split('; name it')[0]}; name its kind with "
-                         "--loss=categorical|bernoulli|normal")
-        if isinstance(e, kg.KfacGraphError):
-            return _fail(str(e))
-        raise
+    return cli.main(argv, PROG, __doc__, define_flags, _run)
 
 
 def _run(fv: flags.FlagValues) -> int:
     if fv.saved_model and not fv.function:
-        raise UsageError("--saved_model needs --function")
+        raise cli.UsageError("--saved_model needs --function")
     if fv.function and not fv.saved_model:
-        raise UsageError("--function needs --saved_model")
+        raise cli.UsageError("--function needs --saved_model")
     if fv.dot:
-        _check_writable(fv.dot)
+        cli.check_writable(fv.dot)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import kfac_graph as kg
     from kfac_graph import builtin_example
@@ -98,17 +75,6 @@ def _run(fv: flags.FlagValues) -> int:
                                         log_every=max(1, fv.train_steps // 4),
                                         momentum_type="qmodel", damping=1e-2)
     return 0
-
-
-def _check_writable(path: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write {path}: {parent} is not a writable directory")
-
-
-def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return 2
 
 
 def run() -> None:

@@ -23,6 +23,8 @@ import sys
 
 from absl import flags
 
+from tools import cli
+
 PROG = "kfac-rewrite"
 GRAPH_DEF_SUFFIXES = (".pb", ".pbtxt")
 # (flag, kind, help): K-FAC options passed to kg.KFAC when set
@@ -47,10 +49,6 @@ KFAC_FLAGS = (
     ("jit_compile", ("true", "false", "auto"),
      "XLA-compile the whole step (the preconditioning is compiled in every case)."),
 )
-
-
-class UsageError(Exception):
-    """A bad command line (reported like any other bad input)."""
 
 
 def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
@@ -88,42 +86,21 @@ def kfac_options(fv: flags.FlagValues) -> dict:
 
 def main(argv: list[str]) -> int:
     """Runs the tool on ``argv`` (``argv[0]`` is the program); the exit status."""
-    fv = define_flags(flags.FlagValues())
-    if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv[1:]):
-        print(__doc__.strip() + "\n\nflags:\n" + fv.get_help())
-        return 0
-    try:
-        rest = fv(argv)
-        if len(rest) > 1:
-            raise UsageError(f"unexpected arguments: {' '.join(rest[1:])}")
-        return _run(fv)
-    except flags.Error as e:
-        return _fail(str(e).splitlines()[0])
-    except UsageError as e:
-        return _fail(str(e))
-    except Exception as e:  # noqa: BLE001 - every failure is reported in one line
-        import kfac_graph as kg
-
-        if isinstance(e, kg.LossNotFoundError):
-            return _fail(f"{e.args[0].split('; name it')[0]}; name its kind with "
-                         "--loss=categorical|bernoulli|normal")
-        if isinstance(e, kg.KfacGraphError):
-            return _fail(str(e))
-        raise
+    return cli.main(argv, PROG, __doc__, define_flags, _run)
 
 
 def _run(fv: flags.FlagValues) -> int:
     for name in ("input", "function"):
         if not fv[name].value:
-            raise UsageError(f"--{name} is required")
+            raise cli.UsageError(f"--{name} is required")
     if fv.dry_run:
         if fv.output or fv.report or fv.dot:
-            raise UsageError("--dry_run writes nothing; drop --output, --report and --dot")
+            raise cli.UsageError("--dry_run writes nothing; drop --output, --report and --dot")
     elif not fv.output:
-        raise UsageError("--output is required (or --dry_run to only print the registration)")
+        raise cli.UsageError("--output is required (or --dry_run to only print the registration)")
     graph_def = os.path.isfile(fv.input) and fv.input.endswith(GRAPH_DEF_SUFFIXES)
     if graph_def and not fv.dry_run:
-        raise UsageError(f"{fv.input} is a GraphDef; it can only be inspected with --dry_run "
+        raise cli.UsageError(f"{fv.input} is a GraphDef; it can only be inspected with --dry_run "
                          "(rewriting needs a SavedModel)")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import kfac_graph as kg
@@ -140,7 +117,7 @@ def _run(fv: flags.FlagValues) -> int:
         return 0
     for path in (fv.report, fv.dot):
         if path:
-            _check_writable(path)
+            cli.check_writable(path)
     registration = emit.rewrite_saved_model(fv.input, fv.function, fv.output, loss=fv.loss,
                                             **kfac_options(fv))
     if fv.report:
@@ -153,22 +130,11 @@ def _run(fv: flags.FlagValues) -> int:
     return 0
 
 
-def _check_writable(path: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write {path}: {parent} is not a writable directory")
-
-
 def _write_text(path: str, text: str) -> None:
     staging = f"{path}.partial"
     with open(staging, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(staging, path)
-
-
-def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return 2
 
 
 def run() -> None:

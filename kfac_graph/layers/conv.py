@@ -39,11 +39,13 @@ import dataclasses
 
 import tensorflow as tf
 
+from kfac_graph.layers import conv_family
 from kfac_graph.layers import conv_geometry as cg
 from kfac_graph.layers import norms
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers import xla as xla_lib
-from kfac_graph.layers.kind import LayerKind, reshape_like, variable_shapes
+from kfac_graph.layers.conv_family import PatchRule
+from kfac_graph.layers.kind import LayerKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,70 +112,28 @@ _KERNELS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class ConvRule:
-    """Rule for kind `"conv2d"` (spec: `ConvSpec`).
+class ConvRule(PatchRule):
+    """Rule for kind `"conv2d"` (spec: `ConvSpec`); `method`: `"auto"` or one of
+    `METHODS` (see the module docstring)."""
 
-    Attributes:
-      method: `"auto"` or one of `METHODS` (see the module docstring).
-      norm_method: `"auto"` (the cost rule), `"gram"` or `"materialize"`.
-      xla: whether the caller compiles with XLA; None detects it while tracing.
-    """
+    KERNELS = _KERNELS
+    NAME = "conv"
 
-    method: str = "auto"
-    norm_method: str = "auto"
-    xla: bool = None
-
-    def choose_method(self, spec):
-        """The kernel for `spec` (`"auto"`: see the module docstring)."""
-        if self.method != "auto":
-            if self.method not in METHODS:
-                raise ValueError(f"unknown conv method {self.method!r}")
-            return self.method
+    def auto_method(self, spec):
+        """Taps at stride 1, else a patch matrix (module docstring)."""
         if tuple(spec.strides_hw) == (1, 1):
             return "taps"
         return "im2col" if xla_lib.resolve_xla(self.xla) else "gather"
 
-    def _uses(self, uses, spec):
-        return [cg.nhwc_use(a, g, spec) for a, g in uses_lib.as_uses(uses)]
-
-    def _kernel_grads(self, nhwc_uses, spec):
-        kernel = _KERNELS[self.choose_method(spec)]
-        return uses_lib.add_all([kernel(a, g, geo) for a, g, geo in nhwc_uses])
-
-    @staticmethod
-    def _bias_grads(nhwc_uses):
-        return uses_lib.add_all([tf.reduce_sum(g, axis=[1, 2]) for _, g, _ in nhwc_uses])
-
-    def per_example_grads(self, uses, spec):
-        """`[B, kh, kw, Cin, Cout]` and, if `spec.has_bias`, `[B, Cout]`."""
-        nhwc_uses = self._uses(uses, spec)
-        out = [self._kernel_grads(nhwc_uses, spec)]
-        if spec.has_bias:
-            out.append(self._bias_grads(nhwc_uses))
-        return out
-
-    def use_gram(self, spec, positions):
-        """Whether `squared_norms` takes the Gram form for `positions` in all."""
-        if self.norm_method in ("gram", "materialize"):
-            return self.norm_method == "gram"
-        if self.norm_method != "auto":
-            raise ValueError(f"unknown norm_method {self.norm_method!r}")
+    def gram_dims(self, spec):
         kh, kw, cin, cout = spec.kernel_shape
-        return norms.gram_is_cheaper(positions, kh * kw * cin, cout)
+        return kh * kw * cin, cout
 
-    def squared_norms(self, uses, spec):
-        """`[B]`: squared norm of each example's gradient over kernel (+ bias)."""
-        nhwc_uses = self._uses(uses, spec)
-        positions = sum(geo.positions for _, _, geo in nhwc_uses)
-        if self.use_gram(spec, positions):
-            patches = [cg.im2col(a, geo) for a, _, geo in nhwc_uses]
-            gs = [tf.reshape(g, [-1, geo.positions, g.shape[-1]]) for _, g, geo in nhwc_uses]
-            total = norms.gram_squared_norms(tf.concat(patches, 1), tf.concat(gs, 1))
-        else:
-            total = norms.sum_of_squares(self._kernel_grads(nhwc_uses, spec))
-        if spec.has_bias:
-            total += norms.sum_of_squares(self._bias_grads(nhwc_uses))
-        return total
+    def gram_norms(self, nhwc_uses):
+        """The Gram form on the im2col patches, uses concatenated along positions."""
+        patches = [cg.im2col(a, geo) for a, _, geo in nhwc_uses]
+        gs = [tf.reshape(g, [-1, geo.positions, g.shape[-1]]) for _, g, geo in nhwc_uses]
+        return norms.gram_squared_norms(tf.concat(patches, 1), tf.concat(gs, 1))
 
 
 # -- factor statistics (the Kronecker factors' rows) -------------------------------
@@ -195,27 +155,11 @@ def output_rows(g, spec):
 # -- the record --------------------------------------------------------------------
 
 
-def spec(layer, use):
-    """`ConvSpec` of one use, from the op's attributes and kernel shape (the
-    op's: Conv1D's kernel has a unit axis more than its variable)."""
-    attrs = layer.use_attrs[use]
-    shapes = variable_shapes(layer)
-    return ConvSpec.from_attrs(attrs.get("kernel_shape") or shapes[0], attrs,
-                          has_bias=len(shapes) == 2)
-
-
-def operands(layer, use, tensors, grads):
-    """`a` and each `g` reshaped to the op's static input and output shapes."""
-    attrs = layer.use_attrs[use]
-    return (reshape_like(tensors[0], attrs.get("input_shape")),
-            [reshape_like(g, attrs.get("output_shape")) for g in grads])
-
-
 KIND = LayerKind(
     name="conv2d",
     rule=ConvRule(),
-    spec=spec,
-    operands=operands,
+    spec=conv_family.spec_reader(ConvSpec),
+    operands=conv_family.operands,
     blocks={"kron": "ConvKroneckerBlock", "diagonal": "ConvDiagonalBlock", "full": "NaiveFullBlock"},
     default_block="kron",
     colour="palegreen",

@@ -36,11 +36,12 @@ import dataclasses
 
 import tensorflow as tf
 
+from kfac_graph.layers import conv_family
 from kfac_graph.layers import conv_geometry as cg
-from kfac_graph.layers import norms
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers import xla as xla_lib
-from kfac_graph.layers.kind import LayerKind, reshape_like, variable_shapes
+from kfac_graph.layers.conv_family import PatchRule
+from kfac_graph.layers.kind import LayerKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,66 +102,25 @@ def _channel_gram_norms(nhwc_uses):
 
 
 @dataclasses.dataclass(frozen=True)
-class DepthwiseRule:
-    """Rule for kind `"depthwise_conv2d"` (spec: `DepthwiseSpec`).
+class DepthwiseRule(PatchRule):
+    """Rule for kind `"depthwise_conv2d"` (spec: `DepthwiseSpec`); `method`: `"auto"` or one of
+    `METHODS` (see the module docstring)."""
 
-    Attributes:
-      method: `"auto"` or one of `METHODS`.
-      norm_method: `"auto"` (the cost rule), `"gram"` or `"materialize"`.
-      xla: whether the caller compiles with XLA; None detects it while tracing.
-    """
+    KERNELS = _KERNELS
+    NAME = "depthwise"
 
-    method: str = "auto"
-    norm_method: str = "auto"
-    xla: bool = None
-
-    def choose_method(self, spec):
-        if self.method != "auto":
-            if self.method not in METHODS:
-                raise ValueError(f"unknown depthwise method {self.method!r}")
-            return self.method
+    def auto_method(self, spec):
+        """Grouped without XLA at dilation 1, else taps (module docstring)."""
         if xla_lib.resolve_xla(self.xla) or spec.dilations_hw != (1, 1):
             return "taps"
         return "grouped"
 
-    def _uses(self, uses, spec):
-        return [cg.nhwc_use(a, g, spec) for a, g in uses_lib.as_uses(uses)]
-
-    def _kernel_grads(self, nhwc_uses, spec):
-        kernel = _KERNELS[self.choose_method(spec)]
-        return uses_lib.add_all([kernel(a, g, geo) for a, g, geo in nhwc_uses])
-
-    @staticmethod
-    def _bias_grads(nhwc_uses):
-        return uses_lib.add_all([tf.reduce_sum(g, axis=[1, 2]) for _, g, _ in nhwc_uses])
-
-    def per_example_grads(self, uses, spec):
-        """`[B, kh, kw, C, M]` and, if `spec.has_bias`, `[B, C*M]`."""
-        nhwc_uses = self._uses(uses, spec)
-        out = [self._kernel_grads(nhwc_uses, spec)]
-        if spec.has_bias:
-            out.append(self._bias_grads(nhwc_uses))
-        return out
-
-    def use_gram(self, spec, positions):
-        if self.norm_method in ("gram", "materialize"):
-            return self.norm_method == "gram"
-        if self.norm_method != "auto":
-            raise ValueError(f"unknown norm_method {self.norm_method!r}")
+    def gram_dims(self, spec):
         kh, kw, _, m = spec.kernel_shape
-        return norms.gram_is_cheaper(positions, kh * kw, m)
+        return kh * kw, m
 
-    def squared_norms(self, uses, spec):
-        """`[B]`: squared norm of each example's gradient over kernel (+ bias)."""
-        nhwc_uses = self._uses(uses, spec)
-        positions = sum(geo.positions for _, _, geo in nhwc_uses)
-        if self.use_gram(spec, positions):
-            total = _channel_gram_norms(nhwc_uses)
-        else:
-            total = norms.sum_of_squares(self._kernel_grads(nhwc_uses, spec))
-        if spec.has_bias:
-            total += norms.sum_of_squares(self._bias_grads(nhwc_uses))
-        return total
+    def gram_norms(self, nhwc_uses):
+        return _channel_gram_norms(nhwc_uses)
 
 
 # -- factor statistics (the Kronecker factors' rows) -------------------------------
@@ -184,27 +144,11 @@ def output_rows(g, spec):
 # -- the record --------------------------------------------------------------------
 
 
-def spec(layer, use):
-    """`DepthwiseSpec` of one use, from the op's attributes and kernel shape (the
-    op's: Conv1D's kernel has a unit axis more than its variable)."""
-    attrs = layer.use_attrs[use]
-    shapes = variable_shapes(layer)
-    return DepthwiseSpec.from_attrs(attrs.get("kernel_shape") or shapes[0], attrs,
-                          has_bias=len(shapes) == 2)
-
-
-def operands(layer, use, tensors, grads):
-    """`a` and each `g` reshaped to the op's static input and output shapes."""
-    attrs = layer.use_attrs[use]
-    return (reshape_like(tensors[0], attrs.get("input_shape")),
-            [reshape_like(g, attrs.get("output_shape")) for g in grads])
-
-
 KIND = LayerKind(
     name="depthwise_conv2d",
     rule=DepthwiseRule(),
-    spec=spec,
-    operands=operands,
+    spec=conv_family.spec_reader(DepthwiseSpec),
+    operands=conv_family.operands,
     blocks={"kron": "DepthwiseConvKroneckerBlock", "diagonal": "DepthwiseConvDiagonalBlock",
             "full": "NaiveFullBlock"},
     default_block="kron",

@@ -8,7 +8,7 @@ A rule is any object with
         gradient over all of the layer's variables
 
 where `uses` is one `(a, g)` pair or a sequence of them (one per application
-of the weights; see `uses.py`) and `spec` is the kind's frozen spec.
+of the weights; see `kfac_graph/layers/uses.py`) and `spec` is the kind's frozen spec.
 
 `RuleRegistry` is an immutable value: `with_rule` returns an extended copy, so
 a user adds a kind (or overrides one) without touching this package and

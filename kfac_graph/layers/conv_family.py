@@ -1,0 +1,126 @@
+"""What the convolution kinds share: their rules' skeleton, and how a use's
+spec and operands are read from the graph.
+
+A convolution's per-example gradient is a sum over output locations (and
+uses) of input-patch x output-gradient products:
+
+    dW_i = sum_{uses} sum_{y,x} patch(a_i)[y, x] (x) g_i[y, x]
+    db_i = sum_{uses} sum_{y,x} g_i[y, x]
+
+A kind's rule (`ConvRule`, `DepthwiseRule`) says how to contract one use's
+patches with its gradient (`KERNELS`, chosen by `auto_method` unless the
+rule's `method` names one), when the Gram ("ghost") form of the norm is
+cheaper (`gram_dims`: the contracted widths), and that form (`gram_norms`).
+Everything else is here: NHWC layouts and geometry per use
+(`conv_geometry.nhwc_use`), the sum over uses, the bias, and the norms.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+from kfac_graph.layers import conv_geometry as cg
+from kfac_graph.layers import norms
+from kfac_graph.layers import uses as uses_lib
+from kfac_graph.layers.kind import reshape_like, variable_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchRule:
+    """Base of the convolution rules (subclasses: frozen dataclasses that
+    define `KERNELS`, `NAME`, `auto_method(spec)`, `gram_dims(spec)` and
+    `gram_norms(nhwc_uses)`).
+
+    Attributes:
+      method: `"auto"` or one of the kind's `KERNELS`.
+      norm_method: `"auto"` (the cost rule), `"gram"` or `"materialize"`.
+      xla: whether the caller compiles with XLA; None detects it while tracing.
+    """
+
+    method: str = "auto"
+    norm_method: str = "auto"
+    xla: bool = None
+
+    KERNELS = {}
+    NAME = "convolution"
+
+    def auto_method(self, spec):
+        raise NotImplementedError
+
+    def gram_dims(self, spec):
+        raise NotImplementedError
+
+    def gram_norms(self, nhwc_uses):
+        raise NotImplementedError
+
+    def choose_method(self, spec):
+        """The kernel for `spec`: `method`, or by `auto_method` for "auto"."""
+        if self.method != "auto":
+            if self.method not in self.KERNELS:
+                raise ValueError(f"unknown {self.NAME} method {self.method!r}")
+            return self.method
+        return self.auto_method(spec)
+
+    @staticmethod
+    def nhwc_uses(uses, spec):
+        """`[(a, g, geometry)]` per use, both tensors in NHWC."""
+        return [cg.nhwc_use(a, g, spec) for a, g in uses_lib.as_uses(uses)]
+
+    def kernel_grads(self, nhwc_uses, spec):
+        """The kernel's per-example gradients, summed over uses."""
+        kernel = self.KERNELS[self.choose_method(spec)]
+        return uses_lib.add_all([kernel(a, g, geo) for a, g, geo in nhwc_uses])
+
+    @staticmethod
+    def bias_grads(nhwc_uses):
+        """The bias's per-example gradients `[B, channels out]`, summed over uses."""
+        return uses_lib.add_all([tf.reduce_sum(g, axis=[1, 2]) for _, g, _ in nhwc_uses])
+
+    def per_example_grads(self, uses, spec):
+        """The kernel's `[B, *kernel_shape]` and, if `spec.has_bias`, the bias's."""
+        nhwc_uses = self.nhwc_uses(uses, spec)
+        out = [self.kernel_grads(nhwc_uses, spec)]
+        if spec.has_bias:
+            out.append(self.bias_grads(nhwc_uses))
+        return out
+
+    def use_gram(self, spec, positions):
+        """Whether `squared_norms` takes the Gram form for `positions` in all."""
+        if self.norm_method in ("gram", "materialize"):
+            return self.norm_method == "gram"
+        if self.norm_method != "auto":
+            raise ValueError(f"unknown norm_method {self.norm_method!r}")
+        return norms.gram_is_cheaper(positions, *self.gram_dims(spec))
+
+    def squared_norms(self, uses, spec):
+        """`[B]`: squared norm of each example's gradient over kernel (+ bias)."""
+        nhwc_uses = self.nhwc_uses(uses, spec)
+        positions = sum(geo.positions for _, _, geo in nhwc_uses)
+        if self.use_gram(spec, positions):
+            total = self.gram_norms(nhwc_uses)
+        else:
+            total = norms.sum_of_squares(self.kernel_grads(nhwc_uses, spec))
+        if spec.has_bias:
+            total += norms.sum_of_squares(self.bias_grads(nhwc_uses))
+        return total
+
+
+def spec_reader(spec_type):
+    """The record's ``spec(layer, use)`` for a convolution kind: ``spec_type``
+    (a ``ConvAttrs``) from the op's attributes and kernel shape (the op's:
+    Conv1D's kernel has a unit axis more than its variable)."""
+
+    def spec(layer, use):
+        attrs = layer.use_attrs[use]
+        shapes = variable_shapes(layer)
+        return spec_type.from_attrs(attrs.get("kernel_shape") or shapes[0], attrs,
+                                    has_bias=len(shapes) == 2)
+
+    return spec
+
+
+def operands(layer, use, tensors, grads):
+    """`a` and each `g` reshaped to the op's static input and output shapes."""
+    attrs = layer.use_attrs[use]
+    return (reshape_like(tensors[0], attrs.get("input_shape")),
+            [reshape_like(g, attrs.get("output_shape")) for g in grads])
