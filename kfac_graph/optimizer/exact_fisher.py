@@ -31,7 +31,8 @@ def jacobian_vector_products(registration, args, vectors, taps=None):
         raise ValueError("the loss pass found no model output to take the Fisher at")
     w = tf.zeros_like(z)
     r = tf.gradients(z, variables, grad_ys=w)
-    pairs = [(k, g) for k, g in enumerate(r) if g is not None]
+    # dense: an embedding's IndexedSlices cannot be differentiated again
+    pairs = [(k, tf.convert_to_tensor(g)) for k, g in enumerate(r) if g is not None]
     out = []
     for u in vectors:
         jv = tf.gradients([g for _, g in pairs], w,
