@@ -14,6 +14,8 @@ from kfac_graph.keras_fit import KFACKerasOptimizer, KFACModel
 from kfac_graph.dp import DPSGD, dp_gradients
 from kfac_graph.per_example_api import per_example_gradient_norms, per_example_gradients
 from kfac_graph.registration import GraphVariable, Layer, LossSpec, Registration
+from kfac_graph.verify import verify
+from kfac_graph.verify_report import VerifyReport
 from passes.errors import KfacGraphError, LoadError, LossNotFoundError, TraceError
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "Registration", "Layer", "LossSpec", "GraphVariable",
     "per_example_gradients", "per_example_gradient_norms", "dp_gradients", "DPSGD",
     "FisherEstimator", "KFAC",
+    "verify", "VerifyReport",
     "KFACModel", "KFACKerasOptimizer",
     "KfacGraphError", "TraceError", "LoadError", "LossNotFoundError",
 ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from kfac_graph import options
 from kfac_graph import per_example as pe
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.taps import LayerTaps
@@ -29,6 +30,11 @@ from kfac_graph.per_example.gradients import per_layer_results
 from kfac_graph.registration import Registration
 
 _METHODS = ("auto", "reweight", "materialize")
+# what each option takes (kfac_graph/options.py); a tensor passes unchecked
+OPTIONS = {"learning_rate": options.Real(0.0, low_open=True, dynamic=True),
+           "l2_norm_clip": options.Real(0.0, low_open=True, dynamic=True),
+           "noise_multiplier": options.Real(0.0, dynamic=True),
+           "method": options.OneOf(_METHODS), "seed": options.Integer()}
 
 
 def dp_gradients(fn, *args, l2_norm_clip: float, noise_multiplier: float, seed=(0, 0),
@@ -36,9 +42,9 @@ def dp_gradients(fn, *args, l2_norm_clip: float, noise_multiplier: float, seed=(
     """Clipped-and-noised gradients aligned with the registration's variables.
     ``seed``: a stateless seed (two integers); the same seed gives the same
     noise."""
+    options.check_all("kg.dp_gradients", OPTIONS, dict(
+        l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier, method=method))
     fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
-    if method not in _METHODS:
-        raise ValueError(f"method must be one of {', '.join(_METHODS)}; got {method!r}")
     reg = fn.registration(*args)
     if reg.per_example_loss is None:
         raise ValueError(f"{fn.__name__}: the pass did not find the per-example loss terms, "
@@ -58,6 +64,9 @@ class DPSGD:
 
     def __init__(self, fn, learning_rate: float, l2_norm_clip: float, noise_multiplier: float,
                  seed: int = 0, method: str = "auto"):
+        options.check_all("kg.DPSGD", OPTIONS, dict(
+            learning_rate=learning_rate, l2_norm_clip=l2_norm_clip,
+            noise_multiplier=noise_multiplier, seed=seed, method=method))
         self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
         self.learning_rate = learning_rate
         self.l2_norm_clip = l2_norm_clip

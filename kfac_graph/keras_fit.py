@@ -69,6 +69,17 @@ def _kfac_default(name):
     return inspect.signature(KFAC.__init__).parameters[name].default
 
 
+def _check_kfac_options(kfac_options: dict) -> None:
+    """A one-line ``TypeError`` for a keyword ``kg.KFAC`` does not take, and
+    ``kg.KFAC``'s own checks (``KFAC.OPTIONS``), named for ``kg.KFACModel``."""
+    known = [k for k in inspect.signature(KFAC).parameters if k not in ("fn", "name")]
+    unknown = sorted(set(kfac_options) - set(known))
+    if unknown:
+        raise TypeError(f"kg.KFACModel: unknown K-FAC option {unknown[0]!r}; "
+                        f"kg.KFAC takes {', '.join(known)}")
+    KFAC.check_options("kg.KFACModel", **kfac_options)
+
+
 def _as_loss(loss):
     """A callable ``(y_true, y_pred) -> scalar``; returns ``(callable, keras_loss)``
     where ``keras_loss`` is what ``compile`` passes to Keras (for evaluate)."""
@@ -97,11 +108,14 @@ class KFACModel(keras.Model):
     values); may also be given to ``compile``. ``loss_kind``: passed to
     ``kg.auto_register(loss=...)`` when the pass cannot read the loss.
     ``**kfac_options``: ``kg.KFAC``'s keywords (``learning_rate``,
-    ``damping``, ``momentum``, ``momentum_type``, ``estimation_mode``, ...).
+    ``damping``, ``momentum``, ``momentum_type``, ``estimation_mode``, ...),
+    checked here by ``kg.KFAC``'s ranges (one-line ``ValueError``; an unknown
+    keyword is a ``TypeError``).
     """
 
     def __init__(self, model, loss=None, loss_kind: str | None = None, name=None,
                  **kfac_options):
+        _check_kfac_options(kfac_options)
         super().__init__(name=name or f"kfac_{model.name}")
         self.model = model
         self.loss_kind = loss_kind

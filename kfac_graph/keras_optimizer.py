@@ -17,6 +17,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from kfac_graph import options
+
 _KFAC_PREFIX = "kfac_"
 
 
@@ -29,6 +31,9 @@ class KFACKerasOptimizer(keras.optimizers.Optimizer):
     ``learning_rate``, then the K-FAC module's variables as ``kfac_<i>``."""
 
     def __init__(self, learning_rate=0.1, name="kfac", **kwargs):
+        # a number > 0 (a schedule, tensor or variable as Keras takes it)
+        options.check("kg.KFACKerasOptimizer", "learning_rate", learning_rate,
+                      options.Real(0.0, low_open=True, dynamic=True))
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.kfac = None
         self._pending_kfac_state = None

@@ -19,6 +19,13 @@ tensors and its pre-activation output.
 cotangent, the gradients of the per-example loss terms, ``g_i = d(c l_i)/ds_i``
 (``B`` times the gradient of a mean loss); with a cotangent ``v`` at the model
 output, the vector-Jacobian products ``v_i^T dz_i/ds_i``.
+
+``batch_size`` is the registration's batch B (the arguments' leading axis),
+which every per-example result is checked against (``kfac_graph.invariants``);
+``per_example_loss`` is ``[B]`` (a per-token loss flattened to ``[B*T]`` is
+summed per example) or None, with ``per_example_problem`` saying why. A
+``tf.py_function`` in the graph re-runs its Python function for each
+backward pass (``_callback_gradient``; see ``passes/callbacks.py``).
 """
 from __future__ import annotations
 
@@ -26,9 +33,11 @@ import dataclasses
 from typing import Any, Sequence
 
 import tensorflow as tf
+from tensorflow.python.ops import script_ops
 
-from kfac_graph import layers
+from kfac_graph import invariants, layers
 from kfac_graph.registration import Registration
+from passes.errors import KfacGraphError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +50,8 @@ class LayerTaps:
     inputs: tuple[tuple[tuple[tf.Tensor, ...], ...], ...]
     outputs: tuple[tuple[tf.Tensor, ...], ...]
     variable_reads: dict
+    batch: Any = None
+    per_example_problem: str = ""
 
     @classmethod
     def build(cls, registration: Registration, args: Sequence[Any],
@@ -59,7 +70,10 @@ class LayerTaps:
             raise ValueError(f"expected {len(reg.arguments)} argument tensors, got {len(flat_args)}")
         # tf.identity places each argument in the current graph (a tf.cond
         # branch reads the enclosing function's tensors through it).
-        input_map = {f"{name}:0": tf.identity(a) for name, a in zip(reg.arguments, flat_args)}
+        read = {t.lstrip("^").split(":")[0] for n in reg.graph_def.node for t in n.input}
+        flat_args = [tf.identity(a) for a in flat_args]
+        input_map = {f"{name}:0": a for name, a in zip(reg.arguments, flat_args)
+                     if name in read}  # an argument the loss does not read is not mapped
         graph = tf.compat.v1.get_default_graph()
         for node, variable in reg.variable_placeholders.items():
             input_map[f"{node}:0"] = graph.capture(variable.handle)
@@ -80,31 +94,36 @@ class LayerTaps:
             for use_inputs, output in zip(layer.inputs, layer.outputs):
                 names += list(use_inputs) + [output]
         unique = list(dict.fromkeys(names))
-        tensors = dict(zip(unique, tf.graph_util.import_graph_def(
-            _without_mapped_placeholders(reg.graph_def, input_map), input_map=input_map,
-            return_elements=unique, name="kfac_graph")))
-        per_example = tensors.get(reg.per_example_loss) if reg.per_example_loss else None
+        # a Python callback's gradient re-runs its function (see _callback_gradient)
+        with graph.gradient_override_map({"EagerPyFunc": _CALLBACK_GRADIENT}):
+            tensors = dict(zip(unique, tf.graph_util.import_graph_def(
+                _without_mapped_placeholders(reg.graph_def, input_map), input_map=input_map,
+                return_elements=unique, name="kfac_graph")))
+        model_output = tensors.get(loss_spec.output) if loss_spec.output else None
+        batch = _batch_of(flat_args, model_output)
+        per_example, problem = None, "the loss pass found no per-example loss terms"
+        if reg.per_example_loss:
+            per_example, problem = _per_example_terms(tensors[reg.per_example_loss], batch,
+                                                      model_output)
         if per_example is not None:
-            if per_example.shape.rank and per_example.shape.rank > 1:
-                per_example = tf.reduce_sum(per_example, axis=list(range(1, per_example.shape.rank)))
             per_example = per_example * tf.cast(reg.per_example_coefficient, per_example.dtype)
         return cls(
             registration=reg, loss=tensors[reg.output],
-            model_output=tensors.get(loss_spec.output) if loss_spec.output else None,
+            model_output=model_output,
             targets=tensors.get(loss_spec.targets) if loss_spec.targets else None,
             per_example_loss=per_example,
             inputs=tuple(tuple(tuple(tensors[t] for t in use) for use in layer.inputs)
                          for layer in reg.layers),
             outputs=tuple(tuple(tensors[t] for t in layer.outputs) for layer in reg.layers),
-            variable_reads=reads)
+            variable_reads=reads, batch=batch, per_example_problem=problem)
 
     @property
-    def batch_size(self) -> tf.Tensor:
-        for layer in self.inputs:
-            for use in layer:
-                if use and use[0].shape.rank:
-                    return tf.shape(use[0])[0]
-        return tf.shape(self.model_output)[0]
+    def batch_size(self):
+        """B, the registration's batch: the leading axis of the arguments (the
+        loss pass reads the mean over the batch against it, and example i is
+        slice i of every argument); a Python int when static, else a scalar
+        int32 tensor. Not a layer's input: a dilated convolution's is ``block * B``."""
+        return self.batch
 
     def output_gradients(self, cotangent: tf.Tensor | None = None):
         """Per layer, per use: the per-example gradient at the use's output.
@@ -127,6 +146,84 @@ class LayerTaps:
             out.append(tuple(grads[k:k + len(layer)]))
             k += len(layer)
         return tuple(out)
+
+
+def _batch_of(flat_args, model_output):
+    """B: the leading axis of the first argument that has one (the batch the
+    loss pass reads the reduction against), else of the model output."""
+    for t in [*flat_args, model_output]:
+        if t is not None and t.shape.rank:
+            return t.shape[0] if t.shape[0] is not None else tf.shape(t)[0]
+    return 1
+
+
+def _per_example_terms(terms, batch, model_output):
+    """``([B] terms, "")``: each example's own loss terms summed, or ``(None,
+    why not)``. Terms ``[B, ...]`` are summed over their other axes; a
+    per-token loss flattened to ``[B*T]`` (its model output ``[B, T, ..., K]``)
+    is reshaped to ``[B, T]`` first."""
+    if terms.shape.rank == 0:
+        return None, f"the per-example loss terms {terms.name} are a scalar"
+    b = invariants.static_batch(batch)
+    n = terms.shape[0] if terms.shape.rank is not None else None
+    if terms.shape.rank is None or n is None or b is None:
+        # a batch known at run time: example-major rows [B * k, ...] -> [B, -1]
+        return tf.reduce_sum(tf.reshape(terms, [batch, -1]), axis=1), ""
+    if n != b:
+        inner = [1]
+        for d in (model_output.shape[1:-1] if model_output is not None else []):
+            if d is None:
+                break
+            inner.append(inner[-1] * d)
+        if n % b or n // b not in inner:
+            return None, (f"the per-example loss terms {terms.name} have leading axis {n}, "
+                          f"neither the batch {b} nor the batch times the model output's positions")
+        terms = tf.reshape(terms, [b, n // b, *terms.shape[1:]])
+    if terms.shape.rank > 1:
+        terms = tf.reduce_sum(terms, axis=list(range(1, terms.shape.rank)))
+    return terms, ""
+
+
+_CALLBACK_GRADIENT = "KfacGraphEagerPyFunc"
+
+
+@tf.RegisterGradient(_CALLBACK_GRADIENT)
+def _callback_gradient(op, *dys):
+    """The gradient of a ``tf.py_function`` op in the re-imported graph:
+    re-runs its Python function (found by the op's token) under a tape, once
+    per backward pass. TensorFlow's own gradient instead pops a tape that the
+    forward run stashed under the token, once: a second backward pass (the
+    Fisher's samples or square-root columns, a Jacobian) finds none."""
+    func = script_ops._py_funcs.get(op.get_attr("token").decode())  # noqa: SLF001
+    fn = getattr(func, "_func", None)
+    if fn is None:
+        raise KfacGraphError(f"tf.py_function op {op.name!r} cannot be differentiated by "
+                             "kfac_graph: its Python function is no longer registered")
+    floats = [k for k, x in enumerate(op.inputs) if x.dtype.is_floating or x.dtype.is_complex]
+    if not floats:
+        return [None] * len(op.inputs)
+    dys = [tf.zeros_like(y) if dy is None else dy for y, dy in zip(op.outputs, dys)]
+    n = len(op.inputs)
+
+    def vjp(*tensors):
+        xs, cotangents = list(tensors[:n]), list(tensors[n:])
+        with tf.GradientTape() as tape:
+            tape.watch([xs[k] for k in floats])
+            ys = tf.nest.flatten(fn(*xs))
+        ys = [tf.convert_to_tensor(y) for y in ys]
+        grads = tape.gradient(ys, [xs[k] for k in floats], output_gradients=cotangents)
+        return [tf.zeros_like(xs[k]) if g is None else g for k, g in zip(floats, grads)]
+
+    # the product is a callback too: differentiated again (the optimizer's
+    # exact Fisher products), it re-runs as well
+    with tf.compat.v1.get_default_graph().gradient_override_map(
+            {"EagerPyFunc": _CALLBACK_GRADIENT}):
+        grads = tf.py_function(vjp, list(op.inputs) + dys, [op.inputs[k].dtype for k in floats])
+    out = [None] * n
+    for k, g in zip(floats, grads):
+        g.set_shape(op.inputs[k].shape)
+        out[k] = g
+    return out
 
 
 def _without_mapped_placeholders(graph_def, input_map):

@@ -15,7 +15,7 @@ import networkx as nx
 import tensorflow as tf
 from google.protobuf import message
 
-from passes import inline, ir
+from passes import callbacks, inline, ir
 from passes.errors import LoadError, TraceError
 
 _VARIABLE_PREFIX = "kfac_graph_variable"
@@ -49,8 +49,11 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) -> Trac
     return from_concrete_function(concrete, name=_name(fn))
 
 
-def from_concrete_function(concrete, name: str = "fn", extra_variables=()) -> Traced:
-    """The ``Traced`` of a concrete function (traced here or loaded)."""
+def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
+                           source: str | None = None) -> Traced:
+    """The ``Traced`` of a concrete function (traced here or loaded: then
+    ``source`` names where from, and Python callbacks are refused, see
+    ``callbacks.py``)."""
     graph = concrete.graph
     outputs = [t for t in graph.outputs if t.dtype != tf.resource]
     if len(outputs) != 1:
@@ -76,6 +79,10 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=()) -> Tr
     n_args = len(graph.inputs) - len(graph.captures)
     arguments = tuple(t.op.name for t in graph.inputs[:n_args])
     graph_def, renames = inline.inline_calls(graph.as_graph_def())
+    if source is None:
+        callbacks.check_live_callbacks(graph_def, name, graph)
+    else:
+        callbacks.refuse_callbacks(graph_def, name, source)
     return Traced(graph_def, arguments, inline.follow(renames, loss.name),
                   infos, placeholders, objects, name)
 
@@ -117,7 +124,8 @@ def load_saved_model(path: str, function: str, args: Sequence[Any] | None = None
     else:
         concrete = fn
     extra = list(getattr(loaded, "variables", ()) or ())
-    return from_concrete_function(concrete, name=function, extra_variables=extra)
+    return from_concrete_function(concrete, name=function, extra_variables=extra,
+                                  source=f"the SavedModel at {path}")
 
 
 def load_graph_def(path_or_graph_def, output: str, arguments: Sequence[str] = ()) -> Traced:
@@ -165,6 +173,7 @@ def load_graph_def(path_or_graph_def, output: str, arguments: Sequence[str] = ()
                           and n.name not in placeholders
                           and n.attr["dtype"].type != tf.resource.as_datatype_enum)
     inlined, renames = inline.inline_calls(graph_def)
+    callbacks.refuse_callbacks(inlined, "graph_def", "a GraphDef")
     return Traced(inlined, tuple(arguments), inline.follow(renames, ir.tensor_name(*ir.split_tensor(output))),
                   infos, placeholders, {}, "graph_def")
 

@@ -48,6 +48,36 @@ def main(argv: list[str], prog: str, doc: str,
         raise
 
 
+class NumberParser(flags.ArgumentParser):
+    """A number flag that keeps text it cannot read as a number (``'abc'``):
+    the tool checks every value against the option's range itself and names
+    the flag in the one-line error (``--damping must be ..., got 'abc'``), one
+    wording for a bad number and a bad range. ``integer``: read ``"3"`` as 3
+    (``"2.5"`` stays a float, for the check to refuse)."""
+
+    def __init__(self, integer: bool = False):
+        self.integer = integer
+        self.syntactic_help = "an integer" if integer else "a number"
+
+    def parse(self, argument):
+        if not isinstance(argument, str):
+            return argument
+        for convert in ((int, float) if self.integer else (float,)):
+            try:
+                return convert(argument)
+            except ValueError:
+                pass
+        return argument
+
+    def flag_type(self) -> str:
+        return "int" if self.integer else "float"
+
+
+def define_number(name: str, integer: bool, text: str, fv: flags.FlagValues) -> None:
+    """Defines the number flag ``name`` (default None) with a ``NumberParser``."""
+    flags.DEFINE(NumberParser(integer), name, None, text, flag_values=fv)
+
+
 def fail(prog: str, message: str) -> int:
     """Prints ``PROG: error: message`` to stderr; the exit status 2."""
     print(f"{prog}: error: {message}", file=sys.stderr)

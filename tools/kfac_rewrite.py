@@ -11,13 +11,18 @@ The output SavedModel needs only TensorFlow: ``kfac_step(*inputs)``,
 ``per_example_gradients(*inputs)``, ``update_inverses()``, the loss and
 every other saved function (``kfac_graph.emit``). ``--report`` writes the
 registration as JSON, ``--dot`` a Graphviz picture; ``--dry_run`` prints
-the registration and writes nothing. K-FAC flags left unset take
-``kg.KFAC``'s defaults. Bad input exits with status 2 and one line
-``kfac-rewrite: error: ...``; no output directory is left behind.
+the registration and writes nothing. Both reports list the ops that touch
+the host (file reads and writes, Python callbacks, ...;
+``passes/host_ops.py``), in the loss function and elsewhere; a loss
+function that holds any is not rewritten without ``--allow_host_ops``.
+K-FAC flags left unset take ``kg.KFAC``'s defaults; a set one must be in
+``kg.KFAC``'s range (``KFAC.OPTIONS``). Bad input exits with status 2 and
+one line ``kfac-rewrite: error: ...``, found before any work where it can
+be (flags, every output path, the host ops), and nothing is left behind:
+the model, the report and the picture are written whole or not at all.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -66,22 +71,43 @@ def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
                          flag_values=fv)
     flags.DEFINE_enum("loss", None, ["categorical", "bernoulli", "normal"],
                       "Loss kind, if the pass cannot read it from the graph.", flag_values=fv)
+    flags.DEFINE_boolean("allow_host_ops", False, "Rewrite a loss function that holds ops "
+                         "that touch the host (file reads and writes, Python callbacks, ...).",
+                         flag_values=fv)
     for name, kind, text in KFAC_FLAGS:
         if isinstance(kind, tuple):
             flags.DEFINE_enum(name, None, list(kind), text, flag_values=fv)
+        elif kind == "boolean":
+            flags.DEFINE_boolean(name, None, text, flag_values=fv)
         else:
-            getattr(flags, f"DEFINE_{kind}")(name, None, text, flag_values=fv)
+            cli.define_number(name, kind == "integer", text, fv)
     return fv
 
 
 def kfac_options(fv: flags.FlagValues) -> dict:
-    """The K-FAC flags that were set, as ``kg.KFAC`` keyword arguments."""
+    """The K-FAC flags that were set, as ``kg.KFAC`` keyword arguments
+    (unchecked: ``checked_kfac_options``)."""
     options = {name: fv[name].value for name, _, _ in KFAC_FLAGS if fv[name].value is not None}
-    if "norm_constraint" in options and options["norm_constraint"] <= 0:
+    if options.get("norm_constraint") == 0:
         options["norm_constraint"] = None
     if "jit_compile" in options:
         options["jit_compile"] = {"true": True, "false": False}.get(options["jit_compile"], "auto")
     return options
+
+
+def checked_kfac_options(fv: flags.FlagValues) -> dict:
+    """``kfac_options`` checked by ``kg.KFAC``'s own ranges; a ``UsageError``
+    ``--damping must be a finite number >= 0, got -1.0`` otherwise."""
+    import kfac_graph as kg
+    from kfac_graph import options as checks
+
+    given = kfac_options(fv)
+    try:
+        if given.get("norm_constraint") is not None:  # 0 turns it off
+            checks.check(None, "--norm_constraint", given["norm_constraint"], checks.Real(0.0))
+        return kg.KFAC.check_options(None, "--", **given)
+    except ValueError as e:
+        raise cli.UsageError(str(e)) from None
 
 
 def main(argv: list[str]) -> int:
@@ -106,35 +132,31 @@ def _run(fv: flags.FlagValues) -> int:
     import kfac_graph as kg
     from kfac_graph import emit
 
+    options = checked_kfac_options(fv)
     if fv.dry_run:
         if graph_def:
             registration = kg.register_graph_def(fv.input, fv.function, loss=fv.loss)
         else:
             _, fn, specs = emit.load_loss_function(fv.input, fv.function)
             registration = emit.registered_loss(fn, fv.function, fv.loss).registration(*specs)
+        scan = emit.host_op_scan(fv.input, fv.function)
         print(f"{fv.input} :: {fv.function}")
         print(registration.summary())
+        print("\n".join(scan.lines()))
+        if scan.loss and not graph_def:
+            print(f"{PROG} rewrites it only with --allow_host_ops")
         return 0
-    for path in (fv.report, fv.dot):
-        if path:
-            cli.check_writable(path)
-    registration = emit.rewrite_saved_model(fv.input, fv.function, fv.output, loss=fv.loss,
-                                            **kfac_options(fv))
-    if fv.report:
-        _write_text(fv.report, json.dumps(registration.as_dict(), indent=2) + "\n")
-    if fv.dot:
-        _write_text(fv.dot, registration.to_dot())
+    try:
+        registration = emit.rewrite_saved_model(
+            fv.input, fv.function, fv.output, loss=fv.loss, allow_host_ops=fv.allow_host_ops,
+            report=fv.report, dot=fv.dot, **options)
+    except emit.HostOpsError as e:
+        raise cli.UsageError(f"the loss function {e.function!r} holds ops that touch the host: "
+                             f"{e.names}; rewrite it anyway with --allow_host_ops") from None
     print(registration.summary())
     print(f"wrote {os.path.abspath(fv.output)}: kfac_step, per_example_gradients, "
           f"update_inverses, {fv.function}")
     return 0
-
-
-def _write_text(path: str, text: str) -> None:
-    staging = f"{path}.partial"
-    with open(staging, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(staging, path)
 
 
 def run() -> None:

@@ -243,7 +243,8 @@ class ConvKroneckerBlock(KroneckerBlock):
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
-        kernel = self.var_shapes[0]
+        # the op's kernel shape: Conv1D's variable lacks its unit axis
+        kernel = tuple(self.attrs.get("kernel_shape") or self.var_shapes[0])
         self.spec = conv.ConvSpec.from_attrs(kernel, self.attrs, has_bias=len(self.var_shapes) > 1)
         self._out_width = kernel[-1]
         self.input_factor = factors_kron.ConvInputFactor(self.spec, dtype=self.dtype,

@@ -27,6 +27,10 @@ mode). Block choice and data layout: ``block_choice.py``. All blocks
 keep debiased moving averages with decay ``cov_ema_decay``, so after the
 first update a block equals that batch's estimate.
 
+Every tensor a block reads is checked while tracing to have the batch
+first, and every factor's rows the factor's width (``kfac_graph.invariants``):
+a layer form the kinds' rules do not know is a one-line ``KfacGraphError``.
+
 ``update`` and ``update_inverses`` run eagerly (each is a cached
 ``tf.function``), inside the caller's ``tf.function``, and under XLA.
 """
@@ -34,6 +38,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from kfac_graph import options
+from kfac_graph import invariants
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher import ema
 from kfac_graph.fisher.block_choice import PER_EXAMPLE, block_stats, make_layer_block
@@ -41,6 +47,7 @@ from kfac_graph.fisher.distributions import make_distribution
 from kfac_graph.per_example import gradients as pe_gradients
 from kfac_graph.per_example.rules import default_registry
 from kfac_graph.taps import LayerTaps, layer_operands
+from passes.errors import KfacGraphError
 
 MODES = ("sampled", "empirical", "exact")
 # Called from a user's tf.function, AutoGraph would otherwise convert the
@@ -64,17 +71,22 @@ class FisherEstimator(tf.Module):
     ``kfac_graph.fisher.block_choice``. ``damping``: the blocks' own damping
     (a float, variable or zero-argument callable, read at every multiply)
     for calls that pass none; every product, refresh and staleness check
-    also takes ``damping=`` as a value, which wins.
+    also takes ``damping=`` as a value, which wins. Bad options are one-line
+    ``ValueError``s (``OPTIONS``: what each takes; ``kfac_graph/options.py``).
     """
+
+    OPTIONS = {"estimation_mode": options.OneOf(MODES), "num_samples": options.Integer(1),
+               "damping": options.Real(0.0, dynamic=True),
+               "cov_ema_decay": options.Real(0.0, 1.0, high_open=True, dynamic=True),
+               "seed": options.Integer()}
 
     def __init__(self, fn, estimation_mode: str = "sampled", num_samples: int = 1,
                  damping=1e-3, cov_ema_decay: float = 0.95, approximations=None,
                  seed: int = 0, name: str | None = None):
+        options.check_all("kg.FisherEstimator", self.OPTIONS, dict(
+            estimation_mode=estimation_mode, num_samples=num_samples, damping=damping,
+            cov_ema_decay=cov_ema_decay, seed=seed))
         super().__init__(name=name or "fisher_estimator")
-        if estimation_mode not in MODES:
-            raise ValueError(f"estimation_mode must be one of {MODES}, got {estimation_mode!r}")
-        if int(num_samples) < 1:
-            raise ValueError(f"num_samples must be at least 1, got {num_samples}")
         self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
         self.estimation_mode = estimation_mode
         self.num_samples = int(num_samples)
@@ -204,19 +216,27 @@ class FisherEstimator(tf.Module):
         operands = layer_operands(reg, taps, [taps.output_gradients(v) for v in cotangents])
         jacobians = pe_gradients.generic_jacobians(reg, taps, tf.stack(per_example_terms))
         rules = default_registry()
+        batch = taps.batch_size
         for layer, block, uses in zip(reg.layers, self._blocks, operands):
             if uses is None:
                 if block_stats(block) != PER_EXAMPLE:
                     raise ValueError(f"generic layer {layer.name!r} needs a block fed "
                                      "per-example gradients (NaiveDiagonalBlock, NaiveFullBlock)")
-                data = [[jacobians[v.ref()][s] for v in layer.variables]
-                        for s in range(len(cotangents))]
-            elif block_stats(block) == PER_EXAMPLE:
-                data = [pe_gradients.layer_gradients(rules, layer, [(a, gs[s]) for a, gs in uses])
-                        for s in range(len(cotangents))]
+                data = [[_generic_gradient(jacobians[v.ref()][s], v, batch, layer)
+                         for v in layer.variables] for s in range(len(cotangents))]
             else:
-                data = uses
-            block.update(data)
+                uses = _batch_first_operands(layer, uses, batch)
+                if block_stats(block) == PER_EXAMPLE:
+                    data = [pe_gradients.layer_gradients(
+                                rules, layer, [(a, gs[s]) for a, gs in uses], batch)
+                            for s in range(len(cotangents))]
+                else:
+                    data = uses
+            try:
+                block.update(data)
+            except invariants.FactorShapeError as e:
+                raise KfacGraphError(f"{invariants.where(layer)}: {e}; "
+                                     f"{invariants.UNSUPPORTED}") from None
         self._counter.assign_add(1)
         return taps
 
@@ -250,6 +270,27 @@ class FisherEstimator(tf.Module):
             cotangents.append(cotangent if len(targets) == 1 else weight * cotangent)
             terms.append(term if len(targets) == 1 else weight * term)
         return cotangents, terms
+
+
+def _batch_first_operands(layer, uses, batch):
+    """A layer's operands ``[(a, [g, ...])]``, each tensor checked to have the
+    batch B as its leading axis (a dilated convolution's have ``block * B``,
+    an embedding read by positions alone has none): statistics of such rows
+    would weigh examples wrongly."""
+    out = []
+    for use, (a, gs) in enumerate(uses):
+        context = invariants.where(layer, use)
+        a = tf.nest.map_structure(
+            lambda t: invariants.batch_leading(t, batch, context, "layer input")
+            if tf.convert_to_tensor(t).shape.rank else t, a)
+        gs = [invariants.batch_leading(g, batch, context, "output gradient") for g in gs]
+        out.append((a, gs))
+    return out
+
+
+def _generic_gradient(jacobian, variable, batch, layer):
+    return invariants.to_variable_shape(jacobian, variable, batch,
+                                        pe_gradients.generic_context(variable, layer))
 
 
 def _per_replica(seed):

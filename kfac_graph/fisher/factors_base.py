@@ -32,6 +32,7 @@ less than the border's passes over the `(d + 1)^2` result.
 
 import tensorflow as tf
 
+from kfac_graph import invariants
 from kfac_graph.fisher import ema
 from kfac_graph.fisher import linalg
 
@@ -124,8 +125,13 @@ class CovarianceFactor(tf.Module):
 
     def update_rows(self, sources, decay, ones=False):
         """Folds in the batch estimate from `sources` (see module docstring);
-        `ones`: the rows get the homogeneous coordinate 1 appended."""
+        `ones`: the rows get the homogeneous coordinate 1 appended. Rows of
+        another width (or group count) than the factor's raise
+        `invariants.FactorShapeError` while tracing."""
         sources = [[tf.cast(x, self.dtype) for x in uses] for uses in sources]
+        for uses in sources:
+            for x in uses:
+                invariants.check_rows(x, self.dim - int(bool(ones)), self.groups, self.name)
         self.cov.update(second_moment(sources, self.diagonal, ones), decay)
         if self.cov_lag_one is not None:
             self.cov_lag_one.update(lag_one_moment(sources, ones), decay)

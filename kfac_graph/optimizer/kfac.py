@@ -80,8 +80,11 @@ replicas' statistics are averaged lazily, at inverse steps
 """
 from __future__ import annotations
 
+import inspect
+
 import tensorflow as tf
 
+from kfac_graph import options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher.estimator import FisherEstimator
 from kfac_graph.fisher import linalg
@@ -133,7 +136,39 @@ class KFAC(tf.Module):
     ``learning_rate``, ``momentum``, ``rho``, ``qmodel_change``,
     ``curvature_scale``, ``velocities``) and ``blocks_damping``,
     ``precondition``, ``curvature_multiply``.
+
+    Bad options are one-line ``ValueError``s naming the option (``OPTIONS``:
+    what each takes, also checked by ``KFACModel`` and ``kfac-rewrite``).
     """
+
+    _EST = FisherEstimator.OPTIONS
+    OPTIONS = {
+        "learning_rate": options.Real(0.0, low_open=True), "damping": options.Real(0.0),
+        "momentum": options.Real(0.0, 1.0, high_open=True),
+        "momentum_type": options.OneOf(MOMENTUM_TYPES), "l2_reg": options.Real(0.0),
+        "norm_constraint": options.Real(0.0, low_open=True, none=True),
+        "cov_update_period": options.Integer(1), "inverse_update_period": options.Integer(1),
+        "cov_ema_decay": _EST["cov_ema_decay"], "num_burnin_steps": options.Integer(0),
+        "estimation_mode": _EST["estimation_mode"], "num_samples": _EST["num_samples"],
+        "adapt_damping": options.Boolean(), "damping_adaptation_interval": options.Integer(1),
+        "damping_adaptation_decay": options.Real(0.0, 1.0, low_open=True),
+        "min_damping": options.Real(0.0, none=True),
+        "qmodel_curvature": options.OneOf(("exact", "kfac")), "seed": _EST["seed"],
+        "jit_compile": options.OneOf((True, False, "auto")),
+        "summary_period": options.Integer(1),
+        "sync_statistics": options.OneOf(distributed.SYNC_MODES)}
+    del _EST
+
+    @classmethod
+    def check_options(cls, owner: str | None = "kg.KFAC", prefix: str = "", **values) -> dict:
+        """``values`` (keywords of ``KFAC``) checked by ``OPTIONS``, and
+        ``min_damping <= damping`` (the default damping if not given): a one-line
+        ``ValueError`` naming ``owner`` and ``prefix + option``; returns them converted."""
+        given = options.check_all(owner, cls.OPTIONS, values, prefix)
+        damping = given.get("damping", inspect.signature(cls).parameters["damping"].default)
+        options.check_at_most(owner, prefix + "min_damping", given.get("min_damping"),
+                              prefix + "damping", damping)
+        return given
 
     def __init__(self, fn, learning_rate: float = 0.1, damping: float = 0.1,
                  momentum: float = 0.9, momentum_type: str = "qmodel", l2_reg: float = 0.0,
@@ -146,28 +181,15 @@ class KFAC(tf.Module):
                  approximations=None, seed: int = 0,
                  jit_compile="auto", summary_writer=None, summary_period: int = 1,
                  sync_statistics: str = "lazy", name: str | None = None):
+        KFAC.check_options(**{k: v for k, v in locals().items() if k in KFAC.OPTIONS})
         super().__init__(name=name or "kfac")
-        if momentum_type not in MOMENTUM_TYPES:
-            raise ValueError(f"momentum_type must be one of {MOMENTUM_TYPES}, got {momentum_type!r}")
         if momentum_type == "qmodel" and norm_constraint is not None:
             norm_constraint = None  # the quadratic model sets the step size itself
-        for label, value in (("cov_update_period", cov_update_period),
-                             ("inverse_update_period", inverse_update_period),
-                             ("damping_adaptation_interval", damping_adaptation_interval),
-                             ("summary_period", summary_period)):
-            if int(value) < 1:
-                raise ValueError(f"{label} must be at least 1, got {value}")
-        if int(num_burnin_steps) < 0:
-            raise ValueError(f"num_burnin_steps must be >= 0, got {num_burnin_steps}")
-        if jit_compile not in (True, False, "auto"):
-            raise ValueError(f"jit_compile must be True, False or 'auto', got {jit_compile!r}")
         self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
         # None outside tf.distribute (the default strategy): the plain step
         self._replicated = distributed.for_current_strategy(self, sync_statistics)
         self._core = self._replicated if self._replicated is not None else SingleDeviceCore(self)
         self.momentum_type = momentum_type
-        if qmodel_curvature not in ("exact", "kfac"):
-            raise ValueError(f"qmodel_curvature must be 'exact' or 'kfac', got {qmodel_curvature!r}")
         self.qmodel_curvature = qmodel_curvature
         self.l2_reg = float(l2_reg)
         self.norm_constraint = None if norm_constraint is None else float(norm_constraint)

@@ -17,39 +17,74 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python.ops.parallel_for import gradients as pfor_gradients
 
-from kfac_graph import layers
+from kfac_graph import invariants, layers
 from kfac_graph.auto_register import RegisteredFunction, auto_register
+from kfac_graph.layers import uses as uses_lib
 from kfac_graph.per_example.rules import RuleRegistry, default_registry
 from kfac_graph.registration import Layer, Registration
 from kfac_graph.taps import LayerTaps, layer_operands
+from passes.errors import KfacGraphError
 
 WANTS = ("grads", "norms")
 
 
-def layer_gradients(rules: RuleRegistry, layer: Layer, uses) -> list:
+def layer_gradients(rules: RuleRegistry, layer: Layer, uses, batch=None) -> list:
     """``layer``'s per-example gradients ``[B, *variable.shape]`` from its
     uses ``[(a, g)]``. Uses whose specs differ (a tied kernel applied
-    transposed in one of them) are summed use by use."""
+    transposed in one of them) are summed use by use. ``batch``: B (default
+    the first use's leading axis); a rule's result with another leading axis,
+    or another shape than the variable's up to unit axes, raises
+    ``KfacGraphError`` (``kfac_graph.invariants``)."""
     record = layers.kind(layer.kind)
     specs = [record.spec(layer, u) for u in range(layer.uses)]
+    if batch is None:
+        batch = uses_lib.batch_size(tf.nest.flatten(uses_lib.as_pairs(uses)[0][0])[0])
     if all(s == specs[0] for s in specs):
         grads = rules.per_example_grads(layer.kind, uses, specs[0])
     else:
-        per_use = [rules.per_example_grads(layer.kind, [use], spec)
-                   for use, spec in zip(uses, specs)]
+        per_use = [[invariants.batch_leading(g, batch, invariants.where(layer, u),
+                                             "per-example gradient")
+                    for g in rules.per_example_grads(layer.kind, [use], spec)]
+                   for u, (use, spec) in enumerate(zip(uses, specs))]
         grads = [tf.add_n(list(parts)) for parts in zip(*per_use)]
-    # back to the variables' own shapes (Conv1D's kernel has one axis less than the op's)
-    return [tf.reshape(g, [-1, *v.shape]) for g, v in zip(grads, layer.variables)]
+    if len(grads) != len(layer.variables):
+        raise KfacGraphError(f"{invariants.where(layer)}: the {layer.kind} rule gave "
+                             f"{len(grads)} gradients for {len(layer.variables)} variables")
+    # the variables' own shapes (Conv1D's kernel has a unit axis less than the op's)
+    return [invariants.to_variable_shape(g, v, batch, invariants.where(layer))
+            for g, v in zip(grads, layer.variables)]
 
 
-def layer_squared_norms(rules: RuleRegistry, layer: Layer, uses) -> tf.Tensor:
+def layer_squared_norms(rules: RuleRegistry, layer: Layer, uses, batch=None) -> tf.Tensor:
     """``[B]``: the squared norm of each example's gradient over ``layer``'s
-    variables, by the rule's norm form when all uses share one spec."""
+    variables, by the rule's norm form when all uses share one spec (checked
+    to be ``[B]``, and the rule to give gradients of the variables' shapes)."""
     record = layers.kind(layer.kind)
     specs = [record.spec(layer, u) for u in range(layer.uses)]
-    if all(s == specs[0] for s in specs):
-        return rules.squared_norms(layer.kind, uses, specs[0])
-    return squared_norms(layer_gradients(rules, layer, uses))
+    if batch is None:
+        batch = uses_lib.batch_size(tf.nest.flatten(uses_lib.as_pairs(uses)[0][0])[0])
+    if not all(s == specs[0] for s in specs):
+        return squared_norms(layer_gradients(rules, layer, uses, batch))
+    _check_rule_shapes(rules, layer, uses, specs[0])
+    return invariants.batch_vector(rules.squared_norms(layer.kind, uses, specs[0]), batch,
+                                   invariants.where(layer), "per-example squared norm")
+
+
+def _check_rule_shapes(rules, layer, uses, spec) -> None:
+    """Traces the rule's gradients (no op of them runs: the norm does not read
+    them) to check their shapes against the variables', as ``layer_gradients``
+    does: a norm form can hide a wrong layout (a grouped convolution)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        placeholders = [(tf.compat.v1.placeholder(tf.convert_to_tensor(a).dtype,
+                                                  tf.convert_to_tensor(a).shape),
+                         tf.compat.v1.placeholder(tf.convert_to_tensor(g).dtype,
+                                                  tf.convert_to_tensor(g).shape))
+                        for a, g in uses_lib.as_uses(uses)]
+        grads = rules.per_example_grads(layer.kind, placeholders, spec)
+        for g, v in zip(grads, layer.variables):
+            invariants.to_variable_shape(g, v, placeholders[0][0].shape[0] or tf.shape(g)[0],
+                                         invariants.where(layer))
 
 
 def squared_norms(grads) -> tf.Tensor:
@@ -61,12 +96,32 @@ def squared_norms(grads) -> tf.Tensor:
 def generic_jacobians(reg: Registration, taps: LayerTaps, terms) -> dict:
     """``{variable.ref(): d terms / d variable}`` for the generic layers'
     variables (``taps`` must read them: ``read_variables``); ``terms``:
-    ``[B]`` or ``[S, B]`` per-example scalars."""
+    ``[B]`` or ``[S, B]`` per-example scalars. A variable the terms do not
+    depend on gets zeros; terms that are not per example raise
+    ``KfacGraphError`` naming the variable."""
     generic = reg.generic_variables
     if not generic:
         return {}
+    name = invariants.variable_name(generic[0])
+    why = f"generic variable {name}: its per-example gradients cannot be computed"
+    if terms is None:
+        raise KfacGraphError(f"{why}: {taps.per_example_problem or 'no per-example loss terms'}")
+    b, n = invariants.static_batch(taps.batch_size), terms.shape[-1] if terms.shape.rank else None
+    if terms.shape.rank not in (1, 2) or (b is not None and n is not None and n != b):
+        raise KfacGraphError(f"{why}: the per-example loss terms have shape {terms.shape}, "
+                             f"not [B] (B={b})")
     reads = [taps.variable_reads[v.ref()] for v in generic]
-    return {v.ref(): j for v, j in zip(generic, pfor_gradients.jacobian(terms, reads))}
+    out = {}
+    for v, read, j in zip(generic, reads, pfor_gradients.jacobian(terms, reads)):
+        if j is None:  # v does not reach the loss terms (a penalty): zero per example
+            j = tf.zeros(tf.concat([tf.shape(terms), tf.shape(read)], 0), read.dtype)
+        out[v.ref()] = j
+    return out
+
+
+def generic_context(variable, layer) -> str:
+    """``generic variable NAME (layer ...)`` for messages."""
+    return f"generic variable {invariants.variable_name(variable)} ({invariants.where(layer)})"
 
 
 def per_layer_results(reg: Registration, taps: LayerTaps, rules: RuleRegistry,
@@ -76,17 +131,20 @@ def per_layer_results(reg: Registration, taps: LayerTaps, rules: RuleRegistry,
     ``taps`` must read the generic variables (``read_variables``)."""
     if want not in WANTS:
         raise ValueError(f"want must be one of {WANTS}, got {want!r}")
+    batch = taps.batch_size
     jacobians = generic_jacobians(reg, taps, taps.per_example_loss)
     operands = layer_operands(reg, taps, [taps.output_gradients()])
     out = []
     for layer, uses in zip(reg.layers, operands):
         if uses is None:
-            grads = [jacobians[v.ref()] for v in layer.variables]
+            grads = [invariants.to_variable_shape(jacobians[v.ref()], v, batch,
+                                                  generic_context(v, layer))
+                     for v in layer.variables]
             out.append(grads if want == "grads" else squared_norms(grads))
             continue
         uses = [(a, gs[0]) for a, gs in uses]
-        out.append(layer_gradients(rules, layer, uses) if want == "grads"
-                   else layer_squared_norms(rules, layer, uses))
+        out.append(layer_gradients(rules, layer, uses, batch) if want == "grads"
+                   else layer_squared_norms(rules, layer, uses, batch))
     return out
 
 
@@ -116,7 +174,9 @@ def _compiled(fn: RegisteredFunction, reg: Registration, want: str, rules):
         return cached
     registry = rules or default_registry()
 
-    @tf.function
+    # autograph=False: nothing here branches on tensors, and a KfacGraphError
+    # raised while tracing reaches the caller as it is (one line)
+    @tf.function(autograph=False)
     def run(*args):
         taps = LayerTaps.build(reg, args, read_variables=reg.generic_variables)
         per_layer = per_layer_results(reg, taps, registry, want)

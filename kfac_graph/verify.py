@@ -1,0 +1,346 @@
+"""``kg.verify(fn, *args)``: check the runtime against references computed
+another way, layer by layer, on the user's own model and data.
+
+Per registered layer (``verify_report.VerifyReport`` holds the rows):
+
+1. ``mean`` (or ``sum``): the per-example gradients (``kg.per_example_gradients``)
+   averaged over the batch (summed, for a sum loss) equal the batch gradient
+   of ``fn`` by ``tf.GradientTape``;
+2. ``one-example``: for ``examples`` sampled indices ``i``, entry ``i`` equals
+   the gradient of ``fn`` on the batch of one ``args[i:i+1]`` (every argument
+   whose axis 0 is the batch is sliced). Skipped when a layer couples the
+   examples (batch normalisation in training mode): then no layer's entry
+   is a batch-of-one gradient, each is the example's contribution;
+3. ``norms``: the rule's per-example norms equal the norms of the layer's
+   per-example gradients; and, for the whole model,
+   ``kg.per_example_gradient_norms`` equals the norm of all of them;
+4. ``fisher`` (``estimation_mode="exact"`` or ``"empirical"``, opt-in): the
+   layer's full Fisher block (``approximations={name: "full"}``) against the
+   quadratic form of the batch's exact (or empirical) Fisher, ``v.F v`` with
+   ``F = (1/B) sum_i J_i^T F_i J_i``, on ``directions`` random ``v``
+   supported on the layer, from double-backward Jacobian-vector products.
+   Only where the full block is exact: no coupling, a model output
+   ``[B, K]``, at most ``fisher_max_params`` parameters.
+
+Errors are ``|got - reference| / |reference|`` over the layer's variables;
+a check passes when ``|got - reference| <= atol + rtol * |reference|``
+(defaults by dtype: float64 1e-8, float32 1e-3, 16-bit 5e-2). The model's
+variables (moving averages included) are restored after the checks.
+"""
+from __future__ import annotations
+
+import time
+
+import networkx as nx
+import numpy as np
+import tensorflow as tf
+
+from kfac_graph import layers
+from kfac_graph import verify_fisher
+from kfac_graph.auto_register import RegisteredFunction, auto_register
+from kfac_graph.per_example.gradients import (per_example_gradient_norms, per_example_gradients,
+                                              per_layer_results)
+from kfac_graph.per_example.rules import default_registry
+from kfac_graph.registration import GraphVariable
+from kfac_graph.taps import LayerTaps
+from kfac_graph.verify_report import Check, LayerCheck, VerifyReport
+from passes import ir
+
+# (rtol, atol) by the loosest dtype among the variables and the loss
+TOLERANCES = {"float64": (1e-8, 1e-12), "float32": (1e-3, 1e-7),
+              "float16": (5e-2, 1e-3), "bfloat16": (5e-2, 1e-3)}
+_RANDOM_OPS = ("Random", "Multinomial")
+
+
+def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
+           estimation_mode: str | None = None, seed: int = 0, rtol: float | None = None,
+           atol: float | None = None, fisher_max_params: int = 4096) -> VerifyReport:
+    """Checks ``fn``'s per-example gradients, norms and (opt-in) Fisher
+    blocks on ``args``; returns a ``VerifyReport`` (``.passed``,
+    ``.failures``, ``.table()``). See the module docstring.
+
+    ``rules``: the ``RuleRegistry`` to check (default: ``default_registry()``);
+    ``estimation_mode``: None (no Fisher check), ``"exact"`` or ``"empirical"``;
+    ``seed``: picks the examples and the directions."""
+    if estimation_mode not in (None, *verify_fisher.MODES):
+        raise ValueError(f"estimation_mode must be None or one of {verify_fisher.MODES}, "
+                         f"got {estimation_mode!r}")
+    start = time.perf_counter()
+    fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
+    reg = fn.registration(*args)
+    if not reg.variables:
+        raise ValueError("the loss depends on no trainable variable: nothing to verify")
+    if any(isinstance(v, GraphVariable) for v in reg.variables):
+        raise ValueError("a GraphDef registration has no variables to run; verify a function "
+                         "or a SavedModel")
+    dtype, (default_rtol, default_atol) = _tolerances(fn, reg, args)
+    tol = (default_rtol if rtol is None else rtol, default_atol if atol is None else atol)
+    registry = rules or default_registry()
+    rng = np.random.default_rng(seed)
+    saved = _snapshot(fn, args)
+    try:
+        pxg = [g.numpy() for g in per_example_gradients(fn, *args, rules=rules)]
+        batch = int(pxg[0].shape[0])
+        picked = tuple(sorted(int(i) for i in rng.choice(batch, min(examples, batch),
+                                                          replace=False)))
+        gradient = _cached(fn, ("verify_gradient", id(reg)), lambda: _gradient_function(fn, reg))
+        _trace_relaxed(gradient, args, batch)
+        reference = [g.numpy() for g in gradient(*args)]
+        model_norms = per_example_gradient_norms(fn, *args, rules=rules).numpy()
+        squared = _cached(fn, ("verify_norms", id(reg), id(rules)),
+                          lambda: _layer_squared_norms(reg, registry))
+        layer_norms = [np.sqrt(s.numpy()) for s in squared(*args)]
+        coupling = coupling_layers(reg)
+        ones, one_note, one_error = {}, "", ""
+        if coupling:
+            one_note = "couples examples"
+        elif picked:
+            try:
+                ones = {i: [g.numpy() for g in gradient(*_slice(args, batch, i))]
+                        for i in picked}
+            except (tf.errors.OpError, ValueError, TypeError) as e:
+                one_note = "fn fails on a batch of one"
+                one_error = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        fisher = {}
+        if estimation_mode is not None:
+            fisher = verify_fisher.fisher_checks(fn, reg, args, estimation_mode, directions, rng,
+                                                 fisher_max_params, bool(coupling), tol)
+    finally:
+        _restore(saved)
+
+    rows, offset = [], 0
+    for index, layer in enumerate(reg.layers):
+        n = len(layer.variables)
+        grads, refs = pxg[offset:offset + n], reference[offset:offset + n]
+        offset += n
+        checks = [_identity_check(reg.loss.reduction, grads, refs, tol)]
+        if one_note:
+            checks.append(Check("one-example", "skipped", note=one_note))
+        elif picked:
+            checks.append(_one_example_check(grads, [ones[i][offset - n:offset] for i in picked],
+                                             picked, tol))
+        checks.append(_norms_check("norms", layer_norms[index], _example_norms(grads), tol))
+        if estimation_mode is not None:
+            checks.append(fisher[index])
+        rows.append(LayerCheck(layer.name, layer.kind, rule_label(registry, layer),
+                               tuple(checks)))
+    model = LayerCheck("(whole model)", "", "per_example_gradient_norms",
+                       (_norms_check("norms", model_norms, _example_norms(pxg), tol),))
+    notes = _notes(reg, coupling, one_error)
+    return VerifyReport(tuple(rows), model, batch, reg.loss.reduction, picked, dtype,
+                        tol[0], tol[1], estimation_mode, time.perf_counter() - start, notes)
+
+
+# -- the references ----------------------------------------------------------------
+
+
+def _cached(fn, key, make):
+    """``fn.derived[key]``, made by ``make()`` the first time (one trace per
+    registration, as ``per_example_gradients`` keeps its own)."""
+    if key not in fn.derived:
+        fn.derived[key] = make()
+    return fn.derived[key]
+
+
+def _gradient_function(fn, reg):
+    """A ``tf.function``: the gradient of ``fn(*args)`` with respect to the
+    registration's variables (zeros where unconnected), by GradientTape."""
+    variables = list(reg.variables)
+
+    @tf.function(autograph=False)
+    def gradient(*args):
+        with tf.GradientTape() as tape:
+            tape.watch(variables)
+            loss = fn(*args)
+        grads = tape.gradient(loss, variables,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [tf.convert_to_tensor(g) for g in grads]  # an embedding's IndexedSlices
+
+    return gradient
+
+
+def _trace_relaxed(function, args, batch):
+    """Traces ``function`` once for any batch size (the batch and the
+    batches of one then share the trace); a function that needs a static
+    batch is traced per shape when called instead."""
+    def relax(a):
+        if isinstance(a, (tf.Tensor, np.ndarray)) and len(a.shape) >= 1 and a.shape[0] == batch:
+            return tf.TensorSpec([None, *a.shape[1:]], tf.as_dtype(a.dtype))
+        return a
+    try:
+        function.get_concrete_function(*tf.nest.map_structure(relax, args))
+    except Exception:  # noqa: BLE001 - only an optimisation
+        pass
+
+
+def _layer_squared_norms(reg, registry):
+    """A ``tf.function``: per layer, the rule's ``[B]`` squared norms."""
+
+    @tf.function(autograph=False)
+    def run(*args):
+        taps = LayerTaps.build(reg, args, read_variables=reg.generic_variables)
+        return per_layer_results(reg, taps, registry, "norms")
+
+    return run
+
+
+def _slice(args, batch, i):
+    """``args`` with every tensor whose axis 0 has length ``batch`` cut to ``[i:i+1]``."""
+    def cut(a):
+        shape = getattr(a, "shape", None)
+        if shape is not None and len(shape) >= 1 and shape[0] == batch:
+            return a[i:i + 1]
+        return a
+    return tf.nest.map_structure(cut, args)
+
+
+def coupling_layers(reg) -> tuple[str, ...]:
+    """The names of the layers whose normaliser mixes the examples: batch
+    normalisation in training mode (FusedBatchNorm ``fused_training``, or a
+    ``center_scale`` normaliser whose mean is computed from the data without
+    a batch axis, Keras's BatchNormalization(training=True))."""
+    arguments = set(reg.arguments)
+    out = []
+    for layer in reg.layers:
+        if layer.kind != "scale_and_shift":
+            continue
+        for attrs, inputs in zip(layer.use_attrs, layer.inputs):
+            normalizer = attrs.get("normalizer")
+            if normalizer == "fused_training" or (
+                    normalizer == "center_scale" and len(inputs) >= 2
+                    and _batch_statistic(reg, inputs[0], inputs[1], arguments)):
+                out.append(layer.name)
+                break
+    return tuple(out)
+
+
+def _batch_statistic(reg, x, mean, arguments) -> bool:
+    """Whether ``mean`` is computed from the data and has no batch axis."""
+    g = reg.ir
+    node = ir.split_tensor(mean)[0]
+    if g is None or node not in g or not (arguments & nx.ancestors(g, node)):
+        return False
+    x_shape, m_shape = ir.shape_of(g, x), ir.shape_of(g, mean)
+    if x_shape is None or m_shape is None:
+        return True
+    if len(m_shape) < len(x_shape):
+        return True
+    return m_shape[0] == 1 and x_shape[0] != 1
+
+
+# -- the comparisons ---------------------------------------------------------------
+
+
+def _status(diff, scale, tol):
+    error = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+    ok = bool(np.isfinite(diff)) and diff <= tol[1] + tol[0] * scale
+    return ("pass" if ok else "fail"), float(error)
+
+
+def _norm(parts) -> float:
+    return float(np.sqrt(sum(np.sum(np.square(p, dtype=np.float64)) for p in parts)))
+
+
+def _example_norms(grads) -> np.ndarray:
+    """``[B]``: each example's norm over ``grads`` (each ``[B, ...]``)."""
+    return np.sqrt(sum(np.sum(np.square(np.reshape(g, (g.shape[0], -1)), dtype=np.float64),
+                              axis=1) for g in grads))
+
+
+def _identity_check(reduction, grads, refs, tol) -> Check:
+    """Check 1. The scale guards cancellation (a bias before batch norm has
+    a zero batch gradient): the terms' own size, mean (or sum) of their norms."""
+    reduce = np.mean if reduction == "mean" else np.sum
+    got = [reduce(g.astype(np.float64), axis=0) for g in grads]
+    diff = _norm([a - b for a, b in zip(got, refs)])
+    scale = max(_norm(refs), float(reduce(_example_norms(grads))))
+    status, error = _status(diff, scale, tol)
+    return Check(reduction, status, error)
+
+
+def _one_example_check(grads, references, picked, tol) -> Check:
+    """Check 2: the worst over the sampled examples."""
+    worst, ok = 0.0, True
+    for i, refs in zip(picked, references):
+        diff = _norm([g[i] - r for g, r in zip(grads, refs)])
+        status, error = _status(diff, _norm(refs), tol)
+        ok = ok and status == "pass"
+        worst = max(worst, error) if not np.isnan(error) else float("nan")
+    return Check("one-example", "pass" if ok else "fail", worst)
+
+
+def _norms_check(name, got, want, tol) -> Check:
+    diff = float(np.linalg.norm(np.asarray(got, np.float64) - want))
+    status, error = _status(diff, float(np.linalg.norm(want)), tol)
+    return Check(name, status, error)
+
+
+# -- labels, tolerances, state -------------------------------------------------------
+
+
+def rule_label(registry, layer) -> str:
+    """The rule that computes ``layer``'s per-example gradients: its class
+    name and the kernel it picks here (``"jacobian"`` for generic layers)."""
+    if layer.kind == layers.GENERIC or layer.kind not in registry:
+        return "jacobian"
+    rule = registry[layer.kind]
+    method = getattr(rule, "method", None)
+    try:
+        spec = layers.kind(layer.kind).spec(layer, 0)
+        if hasattr(rule, "choose_method"):
+            method = rule.choose_method(spec)
+        elif method == "auto" and layer.kind == "dense":
+            shape = layer.use_attrs[0].get("input_shape") or ()
+            single = layer.uses == 1 and len(shape) >= 2 and int(np.prod(shape[1:-1])) == 1
+            method = "outer" if single else "matmul"
+    except Exception:  # noqa: BLE001 - a label only
+        pass
+    name = type(rule).__name__
+    return f"{name}({method})" if isinstance(method, str) else name
+
+
+def _tolerances(fn, reg, args):
+    """``(dtype name, (rtol, atol))`` for the loosest dtype of the variables
+    and the loss."""
+    names = {tf.as_dtype(v.dtype).name for v in reg.variables}
+    try:
+        names.add(tf.as_dtype(fn.concrete_function(*args).structured_outputs.dtype).name)
+    except (AttributeError, TypeError, ValueError):
+        pass
+    known = [n for n in names if n in TOLERANCES] or ["float32"]
+    loosest = max(known, key=lambda n: TOLERANCES[n][0])
+    return loosest, TOLERANCES[loosest]
+
+
+def _snapshot(fn, args):
+    """``[(variable, value)]`` of every variable ``fn`` reads (the checks run
+    ``fn``, which may update moving averages)."""
+    try:
+        variables = fn.concrete_function(*args).variables
+    except (AttributeError, TypeError, ValueError):
+        return []
+    return [(v, tf.identity(v.read_value())) for v in variables]
+
+
+def _restore(saved):
+    for variable, value in saved:
+        variable.assign(value)
+
+
+def _notes(reg, coupling, one_error):
+    notes = []
+    if coupling:
+        named = coupling[0] + (f" and {len(coupling) - 1} more" if len(coupling) > 1 else "")
+        notes.append(f"batch normalisation in training mode ({named}) couples "
+                     "the examples: every per-example gradient is the example's contribution "
+                     "to the batch gradient, not a batch-of-one gradient, so one-example is "
+                     "skipped (call the model with training=False to check it)")
+    elif one_error:
+        notes.append(f"one-example skipped: fn fails on a batch of one: {one_error}")
+    random = sorted({d["op"] for _, d in (reg.ir.nodes(data=True) if reg.ir is not None else ())
+                     if any(r in d["op"] for r in _RANDOM_OPS)})
+    if random:
+        notes.append(f"the loss draws random numbers ({', '.join(random)}): each call draws "
+                     "anew, so the checks compare different draws (dropout? call the model "
+                     "with training=False)")
+    return tuple(notes)

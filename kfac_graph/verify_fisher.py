@@ -1,0 +1,162 @@
+"""``kg.verify``'s Fisher check: each layer's full Fisher block against the
+batch's Fisher computed by brute force.
+
+The block: ``FisherEstimator(fn, estimation_mode, approximations={layer:
+"full"})`` after one update (the debiased average is that batch's
+estimate). The reference, for ``v`` supported on the layer's variables:
+``v.F v = (1/B) sum_i (J_i v).F_i (J_i v)`` (``"exact"``: the distribution's
+Fisher ``F_i`` at the model output) or ``(1/B) sum_i (c_i . J_i v)^2``
+(``"empirical"``: ``c_i = d(-log p(y_i|z_i))/dz_i`` at the data's
+targets), with ``J_i v`` from double-backward Jacobian-vector products
+(as ``optimizer.exact_fisher`` takes them, with an embedding's sparse
+gradient made dense), no per-example rule involved.
+
+The full block is exact (and so checked) only when no layer couples the
+examples, the model output is ``[B, K]`` (with positions, exact mode shares
+one Fisher-square-root column among them), and the layer has at most
+``max_params`` parameters (the block is a dense ``[n, n]`` matrix); other
+layers get a placeholder block that computes nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from kfac_graph.fisher.block_choice import ALIASES, PER_EXAMPLE
+from kfac_graph.fisher.blocks_base import FisherBlock
+from kfac_graph.fisher.distributions import make_distribution
+from kfac_graph.fisher.estimator import FisherEstimator
+from kfac_graph.taps import LayerTaps
+from kfac_graph.verify_report import Check
+from passes import ir
+
+MODES = ("exact", "empirical")
+
+
+class _Unchecked(FisherBlock):
+    """A block for the layers the Fisher check leaves out: takes the
+    estimator's data and keeps nothing."""
+
+    def update(self, data, decay=None):
+        return None
+
+
+class _UncheckedGeneric(_Unchecked):
+    stats = PER_EXAMPLE
+
+
+def _unchecked(var_shapes, attrs=None, **options):
+    return _Unchecked(var_shapes, attrs, **options)
+
+
+def _unchecked_generic(var_shapes, attrs=None, **options):
+    return _UncheckedGeneric(var_shapes, attrs, **options)
+
+
+def skip_reason(reg, layer, coupled: bool, max_params: int) -> str:
+    """Why the full block of ``layer`` is not exact here ("" when it is)."""
+    if coupled:
+        return "couples examples"
+    if reg.loss.output is None:
+        return "no model output"
+    shape = ir.shape_of(reg.ir, reg.loss.output) if reg.ir is not None else None
+    if shape is None or len(shape) != 2:
+        return "output has positions"
+    if "full" not in ALIASES[layer.kind]:
+        return "no full block"
+    if layer.num_parameters > max_params:
+        return f"{layer.num_parameters:,} params > {max_params:,}"
+    return ""
+
+
+def fisher_checks(fn, reg, args, mode, directions, rng, max_params, coupled, tol) -> list:
+    """One ``Check("fisher", ...)`` per layer of ``reg``. The estimator and
+    the reference are built once per registration, mode and set of checked
+    layers (``fn.derived``); the directions are their arguments."""
+    reasons = [skip_reason(reg, layer, coupled, max_params) for layer in reg.layers]
+    checked = tuple(k for k, r in enumerate(reasons) if not r)
+    out = [Check("fisher", "skipped", note=r) for r in reasons]
+    if not checked or directions < 1:
+        return out
+    key = ("verify_fisher", id(reg), mode, checked)
+    cached = fn.derived.get(key)
+    if cached is None:
+        approximations = {layer.name: "full" if not r else
+                          _unchecked_generic if layer.kind == "generic" else _unchecked
+                          for layer, r in zip(reg.layers, reasons)}
+        # decay 0: each update replaces the statistics (the debiased average
+        # of one batch is that batch's estimate)
+        estimator = FisherEstimator(fn, estimation_mode=mode, approximations=approximations,
+                                    damping=0.0, cov_ema_decay=0.0)
+        cached = fn.derived[key] = (estimator, _quadratic_forms(reg, mode, checked))
+    estimator, forms = cached
+    estimator.update(*args)
+    parts = [[rng.standard_normal((directions, *tuple(v.shape))) for v in reg.layers[k].variables]
+             for k in checked]
+    exact = forms(tuple(args), [[tf.constant(p, v.dtype) for p, v in
+                                 zip(layer_parts, reg.layers[k].variables)]
+                                for k, layer_parts in zip(checked, parts)]).numpy()
+    for row, (k, layer_parts) in enumerate(zip(checked, parts)):
+        matrix = estimator.blocks[k].full_matrix().numpy().astype(np.float64)
+        worst, ok = 0.0, True
+        for d in range(directions):
+            v = np.concatenate([p[d].ravel() for p in layer_parts])
+            got, want = float(v @ matrix @ v), float(exact[row, d])
+            diff, scale = abs(got - want), abs(want)
+            error = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+            ok = ok and diff <= tol[1] + tol[0] * scale
+            worst = max(worst, error)
+        out[k] = Check("fisher", "pass" if ok else "fail", worst)
+    return out
+
+
+def _quadratic_forms(reg, mode, checked):
+    """A ``tf.function`` of ``(args, directions)``, ``directions[r][j]`` shaped
+    ``[D, *variable.shape]`` for variable ``j`` of layer ``checked[r]``:
+    ``[len(checked), D]``, ``v.F v`` for the batch's exact or empirical Fisher."""
+
+    @tf.function(autograph=False)
+    def run(args, directions):
+        inner = tf.nest.map_structure(
+            lambda a: tf.identity(a) if isinstance(a, tf.Tensor) else a, args)
+        taps = LayerTaps.build(reg, inner)
+        z = taps.model_output
+        z0 = tf.stop_gradient(z)
+        dist = make_distribution(reg.loss.kind, z0)
+        batch = tf.cast(tf.shape(z)[0], z.dtype)
+        if mode == "empirical":
+            y = taps.targets if taps.targets is not None else tf.zeros_like(z0)
+            c = tf.gradients(-tf.reduce_sum(dist.log_prob(tf.stop_gradient(y))), z0)[0]
+        w = tf.zeros_like(z)
+        rows = []
+        for k, layer_directions in zip(checked, directions):
+            forms = []
+            for jv in _jacobian_vector_products(z, w, reg.layers[k].variables, layer_directions):
+                if mode == "exact":
+                    form = tf.reduce_sum(jv * dist.multiply_fisher(jv))
+                else:
+                    form = tf.reduce_sum(tf.square(tf.reduce_sum(c * jv, axis=-1)))
+                forms.append(tf.cast(form / batch, tf.float64))
+            rows.append(tf.stack(forms))
+        return tf.stack(rows)
+
+    return run
+
+
+def _jacobian_vector_products(z, w, variables, directions):
+    """``[J u_d]`` over the rows ``d`` of ``directions`` (one ``[D, *shape]``
+    per variable): ``r(w) = J^T w`` by one backward pass from ``z`` with
+    cotangent ``w`` (zeros), then ``J u = d(r . u)/dw``, as
+    ``optimizer.exact_fisher`` takes them, differentiating only this layer's
+    ``r``. An embedding's ``J^T w`` (IndexedSlices, which a second
+    ``tf.gradients`` cannot take as ``ys``) is made dense."""
+    r = tf.gradients(z, list(variables), grad_ys=w)
+    pairs = [(k, tf.convert_to_tensor(g)) for k, g in enumerate(r) if g is not None]
+    out = []
+    for d in range(int(directions[0].shape[0])):
+        jv = None
+        if pairs:
+            jv = tf.gradients([g for _, g in pairs], w,
+                              grad_ys=[tf.cast(directions[k][d], g.dtype) for k, g in pairs])[0]
+        out.append(tf.zeros_like(z) if jv is None else jv)
+    return out
