@@ -226,14 +226,33 @@ def _callback_gradient(op, *dys):
     return out
 
 
+CUSTOM_GRADIENT = b"CustomGradient-"
+
+
 def _without_mapped_placeholders(graph_def, input_map):
-    """The graph without the placeholders ``input_map`` replaces (left in,
-    they would be dead ``Placeholder`` ops, which XLA refuses to compile)."""
+    """The graph as it is imported: without the placeholders ``input_map``
+    replaces (left in, they would be dead ``Placeholder`` ops, which XLA
+    refuses to compile), and without custom-gradient markers.
+
+    ``tf.custom_gradient`` (Keras's swish/silu among others) marks its output
+    ``IdentityN`` with a gradient registered in Python whose closure holds
+    tensors of the traced graph, which a re-imported graph cannot reach
+    ("out of scope"). Unmarked, the ``IdentityN`` passes gradients through
+    to the forward ops it follows, so the re-run differentiates the forward
+    computation itself: the same gradient wherever the custom one is the
+    forward's derivative (swish, silu, numerically stable forms), not a
+    surrogate such as a straight-through estimator."""
     mapped = {name.split(":")[0] for name in input_map}
     out = tf.compat.v1.GraphDef()
     out.versions.CopyFrom(graph_def.versions)
     out.library.CopyFrom(graph_def.library)
-    out.node.extend(n for n in graph_def.node if not (n.op == "Placeholder" and n.name in mapped))
+    for node in graph_def.node:
+        if node.op == "Placeholder" and node.name in mapped:
+            continue
+        out.node.add().CopyFrom(node)
+        if ("_gradient_op_type" in node.attr  # (indexing a proto map would insert the key)
+                and node.attr["_gradient_op_type"].s.startswith(CUSTOM_GRADIENT)):
+            del out.node[-1].attr["_gradient_op_type"]
     return out
 
 
