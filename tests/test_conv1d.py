@@ -26,7 +26,8 @@ def _model(padding):
     return loss_fn, (x, y)
 
 
-@pytest.mark.parametrize("padding", ["same", "valid", "causal"])
+@pytest.mark.parametrize("padding", ["same", pytest.param("valid", marks=pytest.mark.slow),
+                                     pytest.param("causal", marks=pytest.mark.slow)])
 def test_conv1d_verifies_and_trains(padding):
     loss_fn, args = _model(padding)
     reg = loss_fn.registration(*args)
