@@ -242,6 +242,18 @@ KERAS_BATCH_NORM_NO_SCALE = Pattern(
     anchor="rsqrt", output="add", params=("beta",),
     inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
     check=lambda g, m: m["x"] != m["mean"])
+# Keras BatchNormalization without a center (beta), in inference:
+#   m1 = rsqrt * gamma; y = x * m1 + (-mean) * m1
+KERAS_BATCH_NORM_NO_CENTER = Pattern(
+    "keras_batch_norm_no_center", "scale_and_shift",
+    {"x": ANY, "mean": ANY, "rsqrt": ops("Rsqrt"), "gamma": VAR, "m1": MUL, "xm": MUL,
+     "neg": ops("Neg"), "mm": MUL, "add": ops("AddV2", "Add")},
+    (("rsqrt", "m1", None), ("gamma", "m1", None), ("x", "xm", None), ("m1", "xm", None),
+     ("mean", "neg", 0), ("neg", "mm", None), ("m1", "mm", None), ("xm", "add", None),
+     ("mm", "add", None)),
+    anchor="m1", output="add", params=("gamma",),
+    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
+    check=lambda g, m: len({m["x"], m["mean"], m["m1"]}) == 3)
 # Keras LayerNormalization:
 #   m = rsqrt * gamma; y = x * m + (-mean * m + beta)
 KERAS_LAYER_NORM = Pattern(
@@ -334,6 +346,7 @@ LAYER_PATTERNS: tuple[Pattern, ...] = (
     DENSE_BIAS, DENSE,
     ATROUS_CONV2D_BIAS, ATROUS_CONV2D, ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE,
     CONV2D_BIAS, CONV2D, DEPTHWISE_BIAS, DEPTHWISE, EMBEDDING,
-    KERAS_BATCH_NORM, KERAS_BATCH_NORM_NO_SCALE, KERAS_LAYER_NORM, FUSED_BATCH_NORM,
+    KERAS_BATCH_NORM, KERAS_BATCH_NORM_NO_SCALE, KERAS_BATCH_NORM_NO_CENTER, KERAS_LAYER_NORM,
+    FUSED_BATCH_NORM,
     SCALE_SHIFT, SCALE, SHIFT,
 )
