@@ -22,7 +22,9 @@ import kfac_graph as kg
 RTOL, ATOL = 1e-6, 1e-10
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2_devices", "4_devices"])
+# 2 devices in the fast set; 4 (two minutes more) under -m slow
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)],
+                ids=["2_devices", "4_devices"])
 def mirrored(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("mirrored") / f"r{request.param}.npz"
     return distributed_runner.run("mirrored", out, devices=request.param)

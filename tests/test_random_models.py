@@ -221,7 +221,10 @@ def check_model(model, loss_fn, args):
     assert int(opt.skipped_steps.numpy()) == 0, losses
 
 
-@pytest.mark.parametrize("front", FRONTS)
+# the image and token fronts in the fast set (every conv kind, Conv1D, embeddings);
+# all four under -m slow
+@pytest.mark.parametrize("front", [pytest.param(f, marks=pytest.mark.slow)
+                                   if f in ("vector", "sequence") else f for f in FRONTS])
 def test_random_model(front):
     @FAST
     @given(arch=architectures(front))
