@@ -142,7 +142,7 @@ def load_graph_def(path_or_graph_def, output: str, arguments: Sequence[str] = ()
     """
     graph_def = path_or_graph_def
     if isinstance(path_or_graph_def, (str, os.PathLike)):
-        graph_def = _read_graph_def(os.fspath(path_or_graph_def))
+        graph_def = read_graph_def(os.fspath(path_or_graph_def))
     names = {n.name for n in graph_def.node}
     if ir.split_tensor(output)[0] not in names:
         raise LoadError(f"the GraphDef has no node {output!r} for the loss")
@@ -198,7 +198,9 @@ def to_ir(traced: Traced) -> nx.DiGraph:
     return ir.from_tf_graph(graph, traced.arguments, traced.output, traced.variables, holders)
 
 
-def _read_graph_def(path: str):
+def read_graph_def(path: str):
+    """The GraphDef in the file at ``path`` (binary ``.pb`` or text ``.pbtxt``);
+    ``LoadError`` when there is none."""
     if not os.path.isfile(path):
         raise LoadError(f"no GraphDef file at {path}")
     with open(path, "rb") as f:

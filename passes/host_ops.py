@@ -134,7 +134,7 @@ def scan_graph_def(path_or_graph_def, output: str) -> HostOpScan:
     """The scan of a GraphDef (a file or a proto) for the loss tensor ``output``."""
     graph_def = path_or_graph_def
     if isinstance(path_or_graph_def, (str, os.PathLike)):
-        graph_def = frontends._read_graph_def(os.fspath(path_or_graph_def))  # noqa: SLF001
+        graph_def = frontends.read_graph_def(os.fspath(path_or_graph_def))
     nodes = {n.name: n for n in graph_def.node}
     library = {f.signature.name: f for f in graph_def.library.function}
     seen, stack = set(), [output.lstrip("^").split(":")[0]]
