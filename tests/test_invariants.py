@@ -12,26 +12,16 @@ import kfac_graph as kg
 from kfac_graph import invariants
 from kfac_graph.fisher import factors_base
 from passes.errors import KfacGraphError
+from per_example_reference import one_example_loop
 
 B = 8
 UNSUPPORTED = "; this layer form is not supported"
 
 
-def _one_example_loop(loss_fn, args, variables):
-    out = []
-    for i in range(int(args[0].shape[0])):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(*[a[i:i + 1] for a in args])
-        grads = tape.gradient(loss, list(variables))
-        out.append([tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-                    for g, v in zip(grads, variables)])
-    return [tf.stack(parts) for parts in zip(*out)]
-
-
 def _assert_equal_loop(fn, loss_fn, args):
     reg = fn.registration(*args)
     got = kg.per_example_gradients(fn, *args)
-    want = _one_example_loop(loss_fn, args, reg.variables)
+    want = one_example_loop(loss_fn, args, reg.variables)
     for g, w, v in zip(got, want, reg.variables):
         assert g.shape == (args[0].shape[0], *v.shape), v.name
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=v.name)
