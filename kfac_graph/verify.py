@@ -38,8 +38,7 @@ import tensorflow as tf
 from kfac_graph import layers
 from kfac_graph import verify_fisher
 from kfac_graph.auto_register import RegisteredFunction, auto_register
-from kfac_graph.per_example.gradients import (per_example_gradient_norms, per_example_gradients,
-                                              per_layer_results)
+from kfac_graph.per_example.gradients import model_norms, per_layer_results
 from kfac_graph.per_example.rules import default_registry
 from kfac_graph.registration import GraphVariable
 from kfac_graph.taps import LayerTaps
@@ -79,17 +78,18 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
     rng = np.random.default_rng(seed)
     saved = _snapshot(fn, args)
     try:
-        pxg = [g.numpy() for g in per_example_gradients(fn, *args, rules=rules)]
+        results = _cached(fn, ("verify_results", id(reg), id(rules)),
+                          lambda: _per_example_results(reg, registry))
+        pxg, squared, whole = results(*args)
+        pxg = [g.numpy() for g in pxg]
+        layer_norms = [np.sqrt(s.numpy()) for s in squared]
+        model_norm = whole.numpy()
         batch = int(pxg[0].shape[0])
         picked = tuple(sorted(int(i) for i in rng.choice(batch, min(examples, batch),
                                                           replace=False)))
         gradient = _cached(fn, ("verify_gradient", id(reg)), lambda: _gradient_function(fn, reg))
         _trace_relaxed(gradient, args, batch)
         reference = [g.numpy() for g in gradient(*args)]
-        model_norms = per_example_gradient_norms(fn, *args, rules=rules).numpy()
-        squared = _cached(fn, ("verify_norms", id(reg), id(rules)),
-                          lambda: _layer_squared_norms(reg, registry))
-        layer_norms = [np.sqrt(s.numpy()) for s in squared(*args)]
         coupling = coupling_layers(reg)
         ones, one_note, one_error = {}, "", ""
         if coupling:
@@ -125,7 +125,7 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
         rows.append(LayerCheck(layer.name, layer.kind, rule_label(registry, layer),
                                tuple(checks)))
     model = LayerCheck("(whole model)", "", "per_example_gradient_norms",
-                       (_norms_check("norms", model_norms, _example_norms(pxg), tol),))
+                       (_norms_check("norms", model_norm, _example_norms(pxg), tol),))
     notes = _notes(reg, coupling, one_error)
     return VerifyReport(tuple(rows), model, batch, reg.loss.reduction, picked, dtype,
                         tol[0], tol[1], estimation_mode, time.perf_counter() - start, notes)
@@ -173,13 +173,18 @@ def _trace_relaxed(function, args, batch):
         pass
 
 
-def _layer_squared_norms(reg, registry):
-    """A ``tf.function``: per layer, the rule's ``[B]`` squared norms."""
+def _per_example_results(reg, registry):
+    """A ``tf.function`` tracing the registered graph once for what
+    ``kg.per_example_gradients`` and ``kg.per_example_gradient_norms``
+    compute: the flat per-example gradients, each layer's ``[B]`` squared
+    norms by its rule's norm form, and the whole model's ``[B]`` norms."""
 
     @tf.function(autograph=False)
     def run(*args):
         taps = LayerTaps.build(reg, args, read_variables=reg.generic_variables)
-        return per_layer_results(reg, taps, registry, "norms")
+        per_layer = per_layer_results(reg, taps, registry, "both")
+        squared = [norms for _, norms in per_layer]
+        return [g for grads, _ in per_layer for g in grads], squared, model_norms(squared)
 
     return run
 

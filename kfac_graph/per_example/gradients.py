@@ -25,7 +25,7 @@ from kfac_graph.registration import Layer, Registration
 from kfac_graph.taps import LayerTaps, layer_operands
 from passes.errors import KfacGraphError
 
-WANTS = ("grads", "norms")
+WANTS = ("grads", "norms", "both")
 
 
 def layer_gradients(rules: RuleRegistry, layer: Layer, uses, batch=None) -> list:
@@ -55,17 +55,21 @@ def layer_gradients(rules: RuleRegistry, layer: Layer, uses, batch=None) -> list
             for g, v in zip(grads, layer.variables)]
 
 
-def layer_squared_norms(rules: RuleRegistry, layer: Layer, uses, batch=None) -> tf.Tensor:
+def layer_squared_norms(rules: RuleRegistry, layer: Layer, uses, batch=None,
+                        check_shapes: bool = True) -> tf.Tensor:
     """``[B]``: the squared norm of each example's gradient over ``layer``'s
     variables, by the rule's norm form when all uses share one spec (checked
-    to be ``[B]``, and the rule to give gradients of the variables' shapes)."""
+    to be ``[B]``, and, unless ``check_shapes`` is False because the caller
+    traces the same rule's gradients, the rule to give gradients of the
+    variables' shapes)."""
     record = layers.kind(layer.kind)
     specs = [record.spec(layer, u) for u in range(layer.uses)]
     if batch is None:
         batch = uses_lib.batch_size(tf.nest.flatten(uses_lib.as_pairs(uses)[0][0])[0])
     if not all(s == specs[0] for s in specs):
         return squared_norms(layer_gradients(rules, layer, uses, batch))
-    _check_rule_shapes(rules, layer, uses, specs[0])
+    if check_shapes:
+        _check_rule_shapes(rules, layer, uses, specs[0])
     return invariants.batch_vector(rules.squared_norms(layer.kind, uses, specs[0]), batch,
                                    invariants.where(layer), "per-example squared norm")
 
@@ -126,9 +130,11 @@ def generic_context(variable, layer) -> str:
 
 def per_layer_results(reg: Registration, taps: LayerTaps, rules: RuleRegistry,
                       want: str) -> list:
-    """Per layer: its per-example gradients (``want="grads"``, a list) or
-    their ``[B]`` squared norms (``want="norms"``). Inside a tf.function;
-    ``taps`` must read the generic variables (``read_variables``)."""
+    """Per layer: its per-example gradients (``want="grads"``, a list),
+    their ``[B]`` squared norms (``want="norms"``, by the rule's norm form),
+    or both (``want="both"``, a pair; one trace checks the rule's shapes
+    once). Inside a tf.function; ``taps`` must read the generic variables
+    (``read_variables``)."""
     if want not in WANTS:
         raise ValueError(f"want must be one of {WANTS}, got {want!r}")
     batch = taps.batch_size
@@ -140,12 +146,22 @@ def per_layer_results(reg: Registration, taps: LayerTaps, rules: RuleRegistry,
             grads = [invariants.to_variable_shape(jacobians[v.ref()], v, batch,
                                                   generic_context(v, layer))
                      for v in layer.variables]
-            out.append(grads if want == "grads" else squared_norms(grads))
-            continue
-        uses = [(a, gs[0]) for a, gs in uses]
-        out.append(layer_gradients(rules, layer, uses, batch) if want == "grads"
-                   else layer_squared_norms(rules, layer, uses, batch))
+            results = {"grads": grads, "norms": squared_norms(grads)}
+        else:
+            uses = [(a, gs[0]) for a, gs in uses]
+            results = {}
+            if want != "norms":
+                results["grads"] = layer_gradients(rules, layer, uses, batch)
+            if want != "grads":
+                results["norms"] = layer_squared_norms(rules, layer, uses, batch,
+                                                       check_shapes=want == "norms")
+        out.append((results["grads"], results["norms"]) if want == "both" else results[want])
     return out
+
+
+def model_norms(per_layer_squared_norms) -> tf.Tensor:
+    """``[B]``: each example's whole-gradient norm from the layers' squared norms."""
+    return tf.sqrt(tf.add_n(list(per_layer_squared_norms)))
 
 
 def per_example_gradients(fn, *args, rules: RuleRegistry | None = None) -> list[tf.Tensor]:
@@ -182,7 +198,7 @@ def _compiled(fn: RegisteredFunction, reg: Registration, want: str, rules):
         per_layer = per_layer_results(reg, taps, registry, want)
         if want == "grads":
             return [g for grads in per_layer for g in grads]
-        return tf.sqrt(tf.add_n(per_layer))
+        return model_norms(per_layer)
 
     fn.derived[key] = run
     return run
