@@ -10,10 +10,11 @@ is a one-line ``KfacGraphError``, never a wrong tensor.
   (``check_rows``, from ``fisher.factors_base``).
 
 ``B`` is the registration's batch, ``LayerTaps.batch_size``. A rule that
-meets a layer form it does not know (a dilated convolution TensorFlow writes
-with SpaceToBatchND, whose batch axis is ``block * B``; a grouped
-convolution; an embedding table read without a batch axis) gives other
-shapes, and these checks say so, naming the layer, its kind and its op.
+meets a layer form it does not know (a convolution applied to a
+space-to-batch view whose phases are put back without BatchToSpaceND, whose
+batch axis is ``block * B``; a grouped convolution; an embedding table read
+without a batch axis) gives other shapes, and these checks say so, naming
+the layer, its kind and its op.
 
 Static shapes are compared while tracing. A batch known only at run time is
 checked in the graph: an assertion whose failure is an

@@ -122,7 +122,9 @@ class LayerTaps:
         """B, the registration's batch: the leading axis of the arguments (the
         loss pass reads the mean over the batch against it, and example i is
         slice i of every argument); a Python int when static, else a scalar
-        int32 tensor. Not a layer's input: a dilated convolution's is ``block * B``."""
+        int32 tensor. A layer's operands have it too (a dilated convolution
+        reads the input of SpaceToBatchND, not its ``block * B`` phases); the
+        invariants check that they do."""
         return self.batch
 
     def output_gradients(self, cotangent: tf.Tensor | None = None):

@@ -19,6 +19,7 @@ from typing import Mapping
 import networkx as nx
 
 from passes import ir
+from passes.atrous import atrous_attrs
 from passes.matcher import find_matches
 from passes.patterns import LAYER_PATTERNS, Pattern, einsum_kernel_layout
 
@@ -36,7 +37,10 @@ class Use:
     ids). ``output``: the pre-activation tensor it produces. ``ops``: the IR
     nodes of the match. ``attrs``: the main op's attributes plus ``op``,
     ``input_shape``, ``output_shape`` and, where it applies,
-    ``transpose_kernel`` and ``normalizer``.
+    ``transpose_kernel``, ``normalizer`` and ``unsupported`` (why the form
+    has no exact layer of its kind: the layer then becomes generic). An
+    atrous convolution's are those of the dilated convolution on the input
+    of SpaceToBatchND (``passes.atrous``).
     """
     inputs: tuple[str, ...]
     output: str
@@ -132,7 +136,7 @@ def _use(g, pattern: Pattern, roles) -> Use:
     if pattern.kind in ("conv2d", "depthwise_conv2d"):
         attrs["kernel_shape"] = ir.shape_of(g, data["raw_inputs"][1])
     if "s2b" in roles:
-        attrs.update(_atrous_attrs(g, roles, inputs[0]))
+        attrs.update(atrous_attrs(g, roles, inputs[0]))
     if pattern.kind == "scale_and_shift":
         attrs["normalizer"] = pattern.normalizer
         attrs["has_scale"] = "gamma" in pattern.params
@@ -140,30 +144,6 @@ def _use(g, pattern: Pattern, roles) -> Use:
             inputs, attrs = _fused_normalizer(g, main, inputs, attrs)
     nodes = tuple(roles[r] for r, spec in pattern.nodes.items() if spec.exclusive)
     return Use(inputs, ir.tensor_name(roles[pattern.output]), nodes, attrs)
-
-
-def _atrous_attrs(g, roles, x):
-    """The dilated convolution that SpaceToBatchND + conv + BatchToSpaceND
-    computes: dilations from the block shape, padding from the shapes."""
-    block = [int(b) for b in ir.const_value(g, g.nodes[roles["s2b"]]["inputs"][1])]
-    kernel = g.graph["variables"][g.nodes[roles["w"]]["variable"]].shape
-    before = ir.shape_of(g, x)
-    after = g.nodes[roles["b2s"]]["shapes"][0]
-    attrs = {"dilations": (1, *block, 1), "strides": (1, 1, 1, 1), "data_format": "NHWC",
-             "input_shape": before, "output_shape": after}
-    if before and after and None not in before[1:3] and None not in after[1:3]:
-        lost = [before[i + 1] - after[i + 1] for i in range(2)]
-        span = [block[i] * (kernel[i] - 1) for i in range(2)]
-        if lost == [0, 0]:
-            attrs["padding"] = "SAME"
-        elif lost == span:
-            attrs["padding"] = "VALID"
-        else:
-            pads = [span[i] - lost[i] for i in range(2)]
-            attrs["padding"] = "EXPLICIT"
-            attrs["explicit_paddings"] = (0, 0, pads[0] // 2, pads[0] - pads[0] // 2,
-                                          pads[1] // 2, pads[1] - pads[1] // 2, 0, 0)
-    return attrs
 
 
 def _fused_normalizer(g, node, inputs, attrs):
@@ -177,7 +157,9 @@ def _fused_normalizer(g, node, inputs, attrs):
     if attrs.get("exponential_avg_factor", 1.0) == 1.0:
         return ((inputs[0], ir.tensor_name(node, 1), ir.tensor_name(node, 2)),
                 {**attrs, "normalizer": "fused_training"})
-    return inputs, {**attrs, "normalizer": "unrecoverable"}
+    return inputs, {**attrs, "normalizer": "unrecoverable",
+                    "unsupported": "fused batch norm in training with exponential_avg_factor "
+                                   "!= 1: its batch statistics are not in the graph"}
 
 
 def _resolve_conflicts(g, groups, on_path, readers):
@@ -187,8 +169,10 @@ def _resolve_conflicts(g, groups, on_path, readers):
     A kernel shared by uses with different biases (tied weights) keeps one
     group for the kernel and gives each bias its own shift-only layer. A
     variable claimed by groups of different kinds, read outside its matches,
-    or a fused batch norm whose normalised input cannot be recovered, is
-    left to the generic fallback with the reason."""
+    or used in a form its kind cannot state exactly (``attrs["unsupported"]``:
+    a fused batch norm whose normalised input cannot be recovered, an atrous
+    convolution with no exact dilated form) is left to the generic fallback
+    with the reason."""
     reasons = {}
     groups = dict(groups)
     by_kernel = collections.defaultdict(list)
@@ -225,11 +209,11 @@ def _resolve_conflicts(g, groups, on_path, readers):
                     reasons[k] = f"also read outside its layer pattern, by op {outside[0]!r}"
                 break
         else:
-            if any(use.attrs.get("normalizer") == "unrecoverable" for _, _, use in items):
+            why = [use.attrs["unsupported"] for _, _, use in items if "unsupported" in use.attrs]
+            if why:
                 groups.pop(group)
                 for k in group[1]:
-                    reasons[k] = ("fused batch norm in training with exponential_avg_factor != 1: "
-                                  "its batch statistics are not in the graph")
+                    reasons[k] = why[0]
     return groups, reasons
 
 

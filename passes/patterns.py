@@ -312,17 +312,11 @@ DENSE_TRANSPOSED = Pattern(
     check=_transposed_kernel)
 
 
-def _space_to_batch_conv(g, m) -> bool:
-    """TensorFlow's atrous convolution: SpaceToBatchND -> Conv2D (dilation
-    1) -> BatchToSpaceND, with the same block shape on both sides."""
-    block = ir.const_value(g, g.nodes[m["s2b"]]["inputs"][1])
-    back = ir.const_value(g, g.nodes[m["b2s"]]["inputs"][1])
-    return (block is not None and back is not None and list(block) == list(back)
-            and len(block) == 2
-            and g.nodes[m["op"]]["attrs"].get("data_format", "NHWC") == "NHWC")
-
-
 def _atrous(kind, types, name):
+    """TensorFlow's atrous convolution: SpaceToBatchND -> conv -> BatchToSpaceND.
+    Any such chain matches (so its conv never passes for a layer on ``d*B``
+    rows); ``passes.atrous`` reads the dilated convolution it computes on the
+    input of SpaceToBatchND, or why there is none (the layer is then generic)."""
     nodes = {"x": ANY, "s2b": ops("SpaceToBatchND"), "op": ops(*types), "w": VAR,
              "b2s": ops("BatchToSpaceND")}
     edges = (("x", "s2b", 0), ("s2b", "op", 0), ("w", "op", 1), ("op", "b2s", 0))
@@ -330,10 +324,9 @@ def _atrous(kind, types, name):
         f"{name}_bias", kind, {**nodes, "b": VAR, "add": ADD},
         edges + (("b2s", "add", None), ("b", "add", None)),
         anchor="op", output="add", params=("w", "b"), inputs=(("s2b", "in", 0),),
-        check=lambda g, m: _space_to_batch_conv(g, m) and _bias_fits(
-            g, {**m, "op": m["b2s"]}, -1))
+        check=lambda g, m: _bias_fits(g, {**m, "op": m["b2s"]}, -1))
     bare = Pattern(name, kind, nodes, edges, anchor="op", output="b2s", params=("w",),
-                   inputs=(("s2b", "in", 0),), check=_space_to_batch_conv)
+                   inputs=(("s2b", "in", 0),))
     return with_bias, bare
 
 

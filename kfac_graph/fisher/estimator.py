@@ -274,9 +274,9 @@ class FisherEstimator(tf.Module):
 
 def _batch_first_operands(layer, uses, batch):
     """A layer's operands ``[(a, [g, ...])]``, each tensor checked to have the
-    batch B as its leading axis (a dilated convolution's have ``block * B``,
-    an embedding read by positions alone has none): statistics of such rows
-    would weigh examples wrongly."""
+    batch B as its leading axis (a conv on a space-to-batch view has
+    ``block * B``, an embedding read by positions alone has none): statistics
+    of such rows would weigh examples wrongly."""
     out = []
     for use, (a, gs) in enumerate(uses):
         context = invariants.where(layer, use)
