@@ -1,0 +1,73 @@
+"""Every ``keras.applications`` constructor, ``weights=None``, at the
+smallest input it accepts, 10 classes, batch norms in inference mode (where
+they do not couple the examples):
+
+- the registration holds no generic variable;
+- ``kg.verify`` passes: per-example gradients against the batch gradient
+  and against a loop of one-example gradients, norms against gradients;
+- a ``FisherEstimator`` update and inverse update run, every block finite;
+- 5 ``kg.KFAC`` steps on one batch lower the loss, no step skipped.
+
+One model is in the fast set; the rest run with ``-m slow``.
+"""
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+import kfac_graph as kg
+
+A = keras.applications
+
+# name -> (smallest input side, extra constructor arguments)
+SIZES = {"InceptionV3": 75, "InceptionResNetV2": 75, "Xception": 71}
+FAST = {"MobileNet": {"alpha": 0.25}}
+NAMES = sorted(n for n in dir(A) if n[:1].isupper() and callable(getattr(A, n)))
+
+
+def _case(name):
+    marks = () if name in FAST else (pytest.mark.slow,)
+    return pytest.param(name, marks=marks, id=name)
+
+
+def _build(name):
+    keras.utils.set_random_seed(0)
+    side = SIZES.get(name, 32)
+    model = getattr(A, name)(weights=None, input_shape=(side, side, 3), classes=10,
+                             **FAST.get(name, {}))
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        probs = model(x, training=False)
+        return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, probs))
+
+    x = tf.random.stateless_normal([4, side, side, 3], seed=[0, 1])
+    y = tf.constant([0, 3, 5, 9])
+    return loss_fn, x, y
+
+
+def test_every_constructor_is_listed():
+    assert len(NAMES) >= 40 and {"ConvNeXtTiny", "EfficientNetV2B0", "NASNetMobile",
+                                 "MobileNetV3Small", "ResNet152V2", "Xception"} <= set(NAMES)
+
+
+@pytest.mark.parametrize("name", [_case(n) for n in NAMES])
+def test_application_registers_verifies_and_trains(name):
+    loss_fn, x, y = _build(name)
+    reg = loss_fn.registration(x, y)
+    generic = [layer.name for layer in reg.layers if layer.kind == "generic"]
+    assert not generic, generic
+
+    report = kg.verify(loss_fn, x, y, examples=2)
+    assert report.passed, report.table()
+
+    est = kg.FisherEstimator(loss_fn)
+    est.update(x, y)
+    est.update_inverses()
+    probe = [tf.ones_like(v) for v in reg.variables]
+    assert all(np.all(np.isfinite(p.numpy())) for p in est.multiply_inverse(probe))
+
+    opt = kg.KFAC(loss_fn, learning_rate=0.05, damping=0.1)
+    losses = [float(opt.step(x, y)) for _ in range(5)]
+    assert int(opt.skipped_steps) == 0, losses
+    assert losses[-1] < losses[0], losses
