@@ -28,6 +28,7 @@ from kfac_graph.fisher.blocks_kron import (
     EmbeddingKroneckerBlock,
 )
 from kfac_graph.fisher.blocks_series import FullyConnectedSeriesBlock
+from kfac_graph.fisher.blocks_compose import PartsBlock, TransposedKernelBlock
 from kfac_graph.fisher.defaults import (
     BLOCK_FACTORIES,
     DEFAULT_BLOCKS,
