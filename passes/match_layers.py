@@ -1,5 +1,6 @@
-"""Match layers: find every dense, conv, depthwise, scale-and-shift and
-embedding layer on the loss's path, group shared weights, and list orphans.
+"""Match layers: find every dense, conv (plain, depthwise, transposed),
+scale-and-shift and embedding layer on the loss's path, group shared weights,
+and list orphans.
 
 Contract: ``match_layers(g) -> tuple[LayerMatch, ...]`` on a canonical IR.
 Each trainable variable the loss depends on belongs to exactly one
@@ -22,6 +23,7 @@ from passes import ir
 from passes.matcher import find_matches
 from passes.patterns import LAYER_PATTERNS, Pattern, einsum_kernel_layout
 
+_KERNEL_KINDS = frozenset({"dense", "conv2d", "depthwise_conv2d", "conv2d_transpose"})
 _OP_ATTRS = ("strides", "dilations", "padding", "explicit_paddings", "data_format",
              "transpose_a", "transpose_b", "adj_x", "adj_y", "equation", "epsilon",
              "is_training", "exponential_avg_factor")
@@ -129,8 +131,10 @@ def _use(g, pattern: Pattern, roles) -> Use:
                   else ("oi" if data["attrs"].get("transpose_b") or data["attrs"].get("adj_y") else "io"))
         attrs["transpose_kernel"] = (layout == "oi") != ("t" in roles)
         attrs["input_shape"] = ir.shape_of(g, inputs[0])
-    if pattern.kind in ("conv2d", "depthwise_conv2d"):
+    if pattern.kind in ("conv2d", "depthwise_conv2d", "conv2d_transpose"):
         attrs["kernel_shape"] = ir.shape_of(g, data["raw_inputs"][1])
+    if pattern.kind == "conv2d_transpose":
+        attrs.update(_transpose_attrs(g, data, inputs[0]))
     if "s2b" in roles:
         attrs.update(_atrous_attrs(g, roles, inputs[0]))
     if pattern.kind == "scale_and_shift":
@@ -166,6 +170,16 @@ def _atrous_attrs(g, roles, x):
     return attrs
 
 
+def _transpose_attrs(g, data, x):
+    """Conv2DBackpropInput: the layer's input is ``out_backprop`` (slot 2);
+    ``input_sizes`` (slot 0), the output's shape, when it is a constant."""
+    attrs = {"input_shape": ir.shape_of(g, x)}
+    sizes = ir.const_value(g, data["inputs"][0])
+    if sizes is not None:
+        attrs["input_sizes"] = tuple(int(s) for s in sizes)
+    return attrs
+
+
 def _fused_normalizer(g, node, inputs, attrs):
     """FusedBatchNorm: in inference the normalised input comes from the
     op's mean and variance inputs; in training from its batch-mean and
@@ -196,7 +210,7 @@ def _resolve_conflicts(g, groups, on_path, readers):
         by_kernel[keys[0]].append((kind, keys))
     for kernel, owners in by_kernel.items():
         kinds = {kind for kind, _ in owners}
-        if len(owners) > 1 and len(kinds) == 1 and kinds <= {"dense", "conv2d", "depthwise_conv2d"}:
+        if len(owners) > 1 and len(kinds) == 1 and kinds <= _KERNEL_KINDS:
             merged = []
             for owner in owners:
                 for pattern, roles, use in groups.pop(owner):

@@ -8,6 +8,7 @@ one of the aliases its kind's record allows (``LayerKind.blocks``); today:
     kind              "kron"                   "diagonal"              "full"
     dense             FullyConnectedKronecker  FullyConnectedDiagonal  NaiveFull
     conv2d            ConvKronecker            ConvDiagonal            NaiveFull
+    conv2d_transpose  ConvTransposeKronecker   ConvTransposeDiagonal   NaiveFull
     depthwise_conv2d  DepthwiseConvKronecker   DepthwiseConvDiagonal   NaiveFull
     scale_and_shift   -                        ScaleAndShiftDiagonal   ScaleAndShiftFull
     embedding         EmbeddingKronecker       NaiveDiagonal           NaiveFull
