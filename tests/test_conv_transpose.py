@@ -214,6 +214,34 @@ def test_keras_shared_layer_two_uses():
     assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0
 
 
+@pytest.mark.slow
+def test_keras_channels_first_float32():
+    """NCHW (TensorFlow's CPU kernel has it for float32 only): the rule and
+    the Kronecker factors read the op's data format."""
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((2, 3, 3)),
+                              keras.layers.Conv2DTranspose(3, 3, strides=2, padding="same",
+                                                           data_format="channels_first",
+                                                           activation="tanh"),
+                              keras.layers.Flatten(), keras.layers.Dense(3)])
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+    args = (tf.random.stateless_normal([4, 2, 3, 3], seed=[2, 1]), tf.constant([0, 1, 2, 1]))
+    reg = loss_fn.registration(*args)
+    assert reg.layers[0].kind == "conv2d_transpose"
+    assert reg.layers[0].attrs["data_format"] == "NCHW"
+    for g, w in zip(kg.per_example_gradients(loss_fn, *args),
+                    one_example_loop(loss_fn, args, reg.variables)):
+        assert_close(g.numpy(), w.numpy(), 1e-4)
+    assert kg.verify(loss_fn, *args).passed
+    opt = kg.KFAC(loss_fn, learning_rate=0.1, damping=1e-2)
+    losses = [float(opt.step(*args)) for _ in range(3)]
+    assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0
+
+
 def test_keras_exact_where_kfc_is_exact():
     """One example, one input position (a 1x1 latent decoded by a VALID
     transposed conv): the Kronecker block's kernel and bias blocks equal the
