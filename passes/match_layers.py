@@ -1,5 +1,6 @@
-"""Match layers: find every dense, conv, depthwise, scale-and-shift and
-embedding layer on the loss's path, group shared weights, and list orphans.
+"""Match layers: find every dense, conv (plain, depthwise, transposed),
+scale-and-shift and embedding layer on the loss's path, group shared weights,
+and list orphans.
 
 Contract: ``match_layers(g) -> tuple[LayerMatch, ...]`` on a canonical IR.
 Each trainable variable the loss depends on belongs to exactly one
@@ -23,6 +24,7 @@ from passes.atrous import atrous_attrs
 from passes.matcher import find_matches
 from passes.patterns import LAYER_PATTERNS, Pattern, einsum_kernel_layout
 
+_KERNEL_KINDS = frozenset({"dense", "conv2d", "depthwise_conv2d", "conv2d_transpose"})
 _OP_ATTRS = ("strides", "dilations", "padding", "explicit_paddings", "data_format",
              "transpose_a", "transpose_b", "adj_x", "adj_y", "equation", "epsilon",
              "is_training", "exponential_avg_factor")
@@ -133,8 +135,10 @@ def _use(g, pattern: Pattern, roles) -> Use:
                   else ("oi" if data["attrs"].get("transpose_b") or data["attrs"].get("adj_y") else "io"))
         attrs["transpose_kernel"] = (layout == "oi") != ("t" in roles)
         attrs["input_shape"] = ir.shape_of(g, inputs[0])
-    if pattern.kind in ("conv2d", "depthwise_conv2d"):
+    if pattern.kind in ("conv2d", "depthwise_conv2d", "conv2d_transpose"):
         attrs["kernel_shape"] = ir.shape_of(g, data["raw_inputs"][1])
+    if pattern.kind == "conv2d_transpose":
+        attrs.update(_transpose_attrs(g, data, inputs[0]))
     if "s2b" in roles:
         attrs.update(atrous_attrs(g, roles, inputs[0]))
     if pattern.kind == "scale_and_shift":
@@ -144,6 +148,16 @@ def _use(g, pattern: Pattern, roles) -> Use:
             inputs, attrs = _fused_normalizer(g, main, inputs, attrs)
     nodes = tuple(roles[r] for r, spec in pattern.nodes.items() if spec.exclusive)
     return Use(inputs, ir.tensor_name(roles[pattern.output]), nodes, attrs)
+
+
+def _transpose_attrs(g, data, x):
+    """Conv2DBackpropInput: the layer's input is ``out_backprop`` (slot 2);
+    ``input_sizes`` (slot 0), the output's shape, when it is a constant."""
+    attrs = {"input_shape": ir.shape_of(g, x)}
+    sizes = ir.const_value(g, data["inputs"][0])
+    if sizes is not None:
+        attrs["input_sizes"] = tuple(int(s) for s in sizes)
+    return attrs
 
 
 def _fused_normalizer(g, node, inputs, attrs):
@@ -180,7 +194,7 @@ def _resolve_conflicts(g, groups, on_path, readers):
         by_kernel[keys[0]].append((kind, keys))
     for kernel, owners in by_kernel.items():
         kinds = {kind for kind, _ in owners}
-        if len(owners) > 1 and len(kinds) == 1 and kinds <= {"dense", "conv2d", "depthwise_conv2d"}:
+        if len(owners) > 1 and len(kinds) == 1 and kinds <= _KERNEL_KINDS:
             merged = []
             for owner in owners:
                 for pattern, roles, use in groups.pop(owner):

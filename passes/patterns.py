@@ -178,23 +178,39 @@ DENSE = Pattern(
 # --- convolutions ----------------------------------------------------------
 
 
-def _conv(kind, types, name):
+def _conv(kind, types, name, x_slot=0, check=None):
+    """A convolution reading its input at ``x_slot`` and its kernel at slot 1,
+    with and without a bias; ``check``: a further condition on both."""
     op = ops(*types)
+    both = (lambda g, m: True) if check is None else check
     with_bias = Pattern(
         f"{name}_bias", kind,
         {"x": ANY, "op": op, "w": VAR, "b": VAR, "add": ADD},
-        (("x", "op", 0), ("w", "op", 1), ("op", "add", None), ("b", "add", None)),
-        anchor="op", output="add", params=("w", "b"), inputs=(("op", "in", 0),),
-        check=_conv_bias_ok)
+        (("x", "op", x_slot), ("w", "op", 1), ("op", "add", None), ("b", "add", None)),
+        anchor="op", output="add", params=("w", "b"), inputs=(("op", "in", x_slot),),
+        check=lambda g, m: both(g, m) and _conv_bias_ok(g, m))
     bare = Pattern(
         name, kind, {"x": ANY, "op": op, "w": VAR},
-        (("x", "op", 0), ("w", "op", 1)),
-        anchor="op", output="op", params=("w",), inputs=(("op", "in", 0),))
+        (("x", "op", x_slot), ("w", "op", 1)),
+        anchor="op", output="op", params=("w",), inputs=(("op", "in", x_slot),), check=check)
     return with_bias, bare
+
+
+def _static_output_size(g, m) -> bool:
+    """The op's output has a static spatial size (the geometry needs it)."""
+    shape = g.nodes[m["op"]]["shapes"][0]
+    fmt = g.nodes[m["op"]]["attrs"].get("data_format", "NHWC")
+    spatial = (2, 3) if fmt.startswith("NC") else (1, 2)
+    return shape is not None and len(shape) == 4 and None not in [shape[i] for i in spatial]
 
 
 CONV2D_BIAS, CONV2D = _conv("conv2d", ("Conv2D",), "conv2d")
 DEPTHWISE_BIAS, DEPTHWISE = _conv("depthwise_conv2d", ("DepthwiseConv2dNative",), "depthwise_conv2d")
+# Conv2DTranspose (and Conv1DTranspose on a unit axis): the input gradient of
+# a forward convolution, Conv2DBackpropInput(input_sizes, filter, out_backprop=x).
+CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE = _conv(
+    "conv2d_transpose", ("Conv2DBackpropInput",), "conv2d_transpose", x_slot=2,
+    check=_static_output_size)
 
 # --- embedding -------------------------------------------------------------
 
@@ -338,7 +354,8 @@ LAYER_PATTERNS: tuple[Pattern, ...] = (
     DENSE_TENSORDOT_BIAS, DENSE_TENSORDOT, DENSE_TRANSPOSED_BIAS, DENSE_TRANSPOSED,
     DENSE_BIAS, DENSE,
     ATROUS_CONV2D_BIAS, ATROUS_CONV2D, ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE,
-    CONV2D_BIAS, CONV2D, DEPTHWISE_BIAS, DEPTHWISE, EMBEDDING,
+    CONV2D_BIAS, CONV2D, DEPTHWISE_BIAS, DEPTHWISE, CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE,
+    EMBEDDING,
     KERAS_BATCH_NORM, KERAS_BATCH_NORM_NO_SCALE, KERAS_BATCH_NORM_NO_CENTER, KERAS_LAYER_NORM,
     FUSED_BATCH_NORM,
     SCALE_SHIFT, SCALE, SHIFT,

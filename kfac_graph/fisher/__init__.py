@@ -28,6 +28,11 @@ from kfac_graph.fisher.blocks_kron import (
     EmbeddingKroneckerBlock,
 )
 from kfac_graph.fisher.blocks_series import FullyConnectedSeriesBlock
+from kfac_graph.fisher.blocks_compose import PartsBlock, TransposedKernelBlock
+from kfac_graph.fisher.blocks_conv_transpose import (
+    ConvTransposeKroneckerBlock,
+    ConvTransposeDiagonalBlock,
+)
 from kfac_graph.fisher.defaults import (
     BLOCK_FACTORIES,
     DEFAULT_BLOCKS,
@@ -51,6 +56,7 @@ from kfac_graph.fisher.factors_kron import (
     DepthwiseInputFactor,
     EmbeddingInputFactor,
     conv_output_factor,
+    conv_transpose_factors,
     depthwise_output_factor,
 )
 

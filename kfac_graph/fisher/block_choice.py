@@ -8,6 +8,7 @@ one of the aliases its kind's record allows (``LayerKind.blocks``); today:
     kind              "kron"                   "diagonal"              "full"
     dense             FullyConnectedKronecker  FullyConnectedDiagonal  NaiveFull
     conv2d            ConvKronecker            ConvDiagonal            NaiveFull
+    conv2d_transpose  ConvTransposeKronecker   ConvTransposeDiagonal   NaiveFull
     depthwise_conv2d  DepthwiseConvKronecker   DepthwiseConvDiagonal   NaiveFull
     scale_and_shift   -                        ScaleAndShiftDiagonal   ScaleAndShiftFull
     embedding         EmbeddingKronecker       NaiveDiagonal           NaiveFull
@@ -21,7 +22,8 @@ vectors and ``full_matrix`` follow the variables' own row-major layout:
 
 - a dense kernel stored ``[d_out, d_in]`` (``transpose_kernel`` in every
   use: ``matmul(a, W, transpose_b=True)``): the block is built for
-  ``[d_in, d_out]`` and wrapped in ``TransposedKernelBlock``;
+  ``[d_in, d_out]`` and wrapped in ``TransposedKernelBlock``
+  (``blocks_compose.py``);
 - a dense kernel applied as stored in some uses and transposed in others
   (tied encoder/decoder weights): no Kronecker or (a, g) block describes
   it, so it gets a block fed per-example gradients (``NaiveDiagonalBlock``
@@ -35,12 +37,11 @@ from __future__ import annotations
 
 import types
 
-import numpy as np
-import tensorflow as tf
 from absl import logging
 
 from kfac_graph import layers
 from kfac_graph.fisher import blocks_base, blocks_full, defaults
+from kfac_graph.fisher.blocks_compose import TransposedKernelBlock
 
 ALIASES = types.MappingProxyType({kind: types.MappingProxyType(defaults.kind_blocks(kind))
                                    for kind in layers.KINDS})
@@ -102,58 +103,3 @@ def make_layer_block(layer, approximations=None, **options) -> blocks_base.Fishe
         return TransposedKernelBlock(inner, shapes, attrs, num_uses=layer.uses, **options)
     return make(layer.kind, shapes, overrides)
 
-
-class TransposedKernelBlock(blocks_base.FisherBlock):
-    """A dense block built for ``[d_in, d_out]`` presented for a kernel
-    stored ``[d_out, d_in]``: vectors are transposed on the way in and out,
-    ``full_matrix`` is permuted to the stored row-major order. Statistics
-    (``(a, g)`` uses) pass through unchanged; ``block`` is the inner one."""
-
-    def __init__(self, block, var_shapes, attrs=None, **kwargs):
-        super().__init__(var_shapes, attrs, **kwargs)
-        self.block = block
-        self.stats = block.stats
-        d_out, d_in = self.var_shapes[0]
-        kernel = np.arange(d_in * d_out).reshape(d_in, d_out).T.reshape(-1)
-        rest = np.arange(d_in * d_out, self.num_params)
-        self._perm = np.concatenate([kernel, rest]).astype(np.int64)
-
-    def _inward(self, vs):
-        return [tf.transpose(vs[0])] + list(vs[1:])
-
-    def _outward(self, vs):
-        return [tf.transpose(vs[0])] + list(vs[1:])
-
-    def damping(self, value=None):
-        return self.block.damping(value)
-
-    def update(self, data, decay=None):
-        return self.block.update(data, decay)
-
-    def inverse_updates(self, damping=None):
-        return self.block.inverse_updates(damping)
-
-    def inverses_stale(self, damping=None):
-        return self.block.inverses_stale(damping)
-
-    def multiply(self, vs, damping=None):
-        return self._outward(self.block.multiply(self._inward(vs), damping))
-
-    def multiply_inverse(self, vs, refreshed=False, damping=None):
-        return self._outward(self.block.multiply_inverse(self._inward(vs), refreshed, damping))
-
-    def multiply_matpower(self, vs, exp, damping=None):
-        return self._outward(self.block.multiply_matpower(self._inward(vs), exp, damping))
-
-    def multiply_cholesky(self, vs, transpose=False, damping=None):
-        """``P L P^T`` for the inner ``L`` (``P`` the layout permutation):
-        not triangular, but its product with its transpose is the block."""
-        return self._outward(self.block.multiply_cholesky(self._inward(vs), transpose, damping))
-
-    def multiply_cholesky_inverse(self, vs, transpose=False, damping=None):
-        return self._outward(self.block.multiply_cholesky_inverse(self._inward(vs), transpose,
-                                                                  damping))
-
-    def full_matrix(self):
-        inner = self.block.full_matrix()
-        return tf.gather(tf.gather(inner, self._perm, axis=0), self._perm, axis=1)

@@ -50,7 +50,8 @@ import tensorflow as tf
 from kfac_graph.fisher import linalg
 
 
-def _shape_of(v):
+def shape_of(v):
+    """A variable's (or a shape's) dimensions as a tuple of ints."""
     shape = v.shape if hasattr(v, "shape") else v
     return tuple(int(d) for d in shape)
 
@@ -80,7 +81,7 @@ class FisherBlock(tf.Module):
         if not name[0].isalpha():
             name = "block_" + name
         super().__init__(name=name)
-        self.var_shapes = tuple(_shape_of(v) for v in var_shapes)
+        self.var_shapes = tuple(shape_of(v) for v in var_shapes)
         self.num_params = int(sum(np.prod(s) for s in self.var_shapes))
         self.attrs = dict(attrs or {})
         self.num_uses = int(num_uses)

@@ -9,6 +9,8 @@ default alias; today's defaults:
 
   dense, conv2d, depthwise_conv2d -> Kronecker (K-FAC / KFC; with several
                                      uses, the independent-uses version)
+  conv2d_transpose                 -> ConvTransposeKroneckerBlock (KFC on the
+                                     kernel, the bias's exact block beside it)
   scale_and_shift                  -> full when the parameter count is at most
                                      SCALE_AND_SHIFT_FULL_MAX_PARAMS (1024),
                                      diagonal above
@@ -21,6 +23,7 @@ import types
 import numpy as np
 
 from kfac_graph import layers
+from kfac_graph.fisher import blocks_conv_transpose
 from kfac_graph.fisher import blocks_full
 from kfac_graph.fisher import blocks_kron
 from kfac_graph.fisher import blocks_series
@@ -46,7 +49,9 @@ BLOCK_FACTORIES = types.MappingProxyType({
         blocks_series.FullyConnectedSeriesBlock, blocks_full.FullyConnectedDiagonalBlock,
         blocks_full.ConvDiagonalBlock, blocks_full.DepthwiseConvDiagonalBlock,
         blocks_full.ScaleAndShiftFullBlock, blocks_full.ScaleAndShiftDiagonalBlock,
-        blocks_full.NaiveFullBlock, blocks_full.NaiveDiagonalBlock, scale_and_shift_block)
+        blocks_full.NaiveFullBlock, blocks_full.NaiveDiagonalBlock, scale_and_shift_block,
+        blocks_conv_transpose.ConvTransposeKroneckerBlock,
+        blocks_conv_transpose.ConvTransposeDiagonalBlock)
 })
 
 

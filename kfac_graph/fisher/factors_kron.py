@@ -2,11 +2,13 @@
 
 Input factors average over examples, positions/locations and uses:
     A = (1 / (B T U)) sum_{i,t,u} abar abar^T,   abar = [a, 1] with a bias,
-with `a` the layer input (dense), the input patch at an output location
-(conv, depthwise: per input channel), or the one-hot id (embedding, kept as
-its diagonal: the id counts / (B T U)). Output factors average the same way
+with `a` the layer input (dense; a transposed convolution's at each of its
+positions, with no 1), the input patch at an output location (conv,
+depthwise: per input channel), or the one-hot id (embedding, kept as its
+diagonal: the id counts / (B T U)). Output factors average the same way
 over the output-gradient rows g (conv: at every output location;
-depthwise: per input channel, the M outputs it feeds), summed over sources:
+depthwise: per input channel, the M outputs it feeds; transposed conv: the
+output gradient's patch at each input position), summed over sources:
     G = sum_s (1 / (B T U)) sum_{i,t,u} g_s g_s^T.
 The rows come from the layer kind's own module (`kfac_graph.layers`:
 `input_rows`, `output_rows`, `id_frequencies`), the same patches and
@@ -23,7 +25,7 @@ import functools
 import tensorflow as tf
 
 from kfac_graph.fisher import factors_base
-from kfac_graph.layers import conv, dense, depthwise, embedding
+from kfac_graph.layers import conv, conv_transpose, dense, depthwise, embedding
 
 
 def sources_by_use(grads):
@@ -49,7 +51,9 @@ class DenseInputFactor(factors_base.CovarianceFactor):
 
 class OutputFactor(factors_base.CovarianceFactor):
     """G from output gradients, one row per position: `rows(g)` (default the
-    dense layer's `[B, ..., d_out] -> [N, d_out]`; a kind passes its own)."""
+    dense layer's `[B, ..., d_out] -> [N, d_out]`; a kind passes its own).
+    Given a tensor per use (one source) it is also an input factor without
+    the homogeneous coordinate (`conv_transpose_factors`)."""
 
     def __init__(self, d_out, rows=dense.output_rows, **kwargs):
         super().__init__(d_out, **kwargs)
@@ -79,6 +83,18 @@ def conv_output_factor(spec, **kwargs):
     """G of a convolution: the output gradient at every location."""
     return OutputFactor(spec.kernel_shape[-1], functools.partial(conv.output_rows, spec=spec),
                         **kwargs)
+
+
+def conv_transpose_factors(spec, **kwargs):
+    """`(A, G)` of a transposed convolution (`spec`: a
+    `kfac_graph.layers.conv_transpose.ConvTransposeSpec`): A from the layer
+    input at each of its positions (`Cin_t`, no homogeneous coordinate: the
+    bias is no input row), G from the output gradient's patch there
+    (`kh*kw*Cout_t`)."""
+    cin, width = spec.matrix_shape
+    rows = lambda f: functools.partial(f, spec=spec)  # noqa: E731
+    return (OutputFactor(cin, rows(conv_transpose.input_rows), name="input_factor", **kwargs),
+            OutputFactor(width, rows(conv_transpose.output_rows), name="output_factor", **kwargs))
 
 
 class DepthwiseInputFactor(factors_base.CovarianceFactor):

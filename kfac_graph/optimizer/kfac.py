@@ -377,10 +377,15 @@ class KFAC(tf.Module):
 
 
 def factors_of(block):
-    """``[(label, factor)]``: the covariance factors a block keeps."""
+    """``[(label, factor)]``: the covariance factors a block keeps (a
+    ``PartsBlock``'s labelled by part)."""
     inner = getattr(block, "block", None)
     if inner is not None:
         return factors_of(inner)
+    parts = getattr(block, "parts", None)
+    if parts is not None:
+        return [(f"{part.name}_{label}", factor) for part in parts
+                for label, factor in factors_of(part)]
     out = []
     for label in ("input_factor", "output_factor", "factor"):
         factor = getattr(block, label, None)

@@ -11,6 +11,7 @@ re-exported here for callers that apply a rule to tensors of their own:
 """
 
 from kfac_graph.layers.conv import ConvRule, ConvSpec
+from kfac_graph.layers.conv_transpose import ConvTransposeRule, ConvTransposeSpec
 from kfac_graph.layers.dense import DenseRule, DenseSpec
 from kfac_graph.layers.depthwise import DepthwiseRule, DepthwiseSpec
 from kfac_graph.layers.embedding import EmbeddingRule, EmbeddingSpec
@@ -22,6 +23,8 @@ from kfac_graph.per_example.rules import PerExampleRule, RuleRegistry, default_r
 __all__ = [
     "ConvRule",
     "ConvSpec",
+    "ConvTransposeRule",
+    "ConvTransposeSpec",
     "DenseRule",
     "DenseSpec",
     "DepthwiseRule",
