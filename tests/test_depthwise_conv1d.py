@@ -10,7 +10,8 @@ the Kronecker block against the brute force where it is exact (one example,
 one output location) and, in general, entry for entry against the block of
 the same layer written as a 2-D DepthwiseConv2D with a `(1, k)` kernel
 (whose factors `test_fisher_kron.py` checks against hand-cut patches);
-`kg.verify` (exact Fisher included) and `kg.KFAC` training.
+`kg.verify` (its exact Fisher check and `kg.KFAC` training under
+`-m slow`).
 
 Keras 3's DepthwiseConv1D and SeparableConv1D have no "causal" padding; the
 causal form is written as Keras writes Conv1D's: left zero padding by
@@ -171,7 +172,8 @@ def test_kronecker_block_equals_the_2d_block(form):
     np.testing.assert_allclose(b1.full_matrix(), b2.full_matrix(), rtol=RTOL, atol=1e-14)
     b1.update_inverses(), b2.update_inverses()
     rng = np.random.default_rng(0)
-    vs = [tf.constant(rng.normal(size=v.shape)) for v in loss_1d.registration(*args).layers[0].variables]
+    variables = loss_1d.registration(*args).layers[0].variables
+    vs = [tf.constant(rng.normal(size=v.shape)) for v in variables]
     for name in ("multiply", "multiply_inverse"):
         got = getattr(b1, name)(vs)
         want = getattr(b2, name)([tf.reshape(v, w.shape) for v, w in zip(vs, model_2d.weights)])
@@ -197,25 +199,24 @@ def _stack(x):
 STACK_KINDS = ["depthwise_conv2d", "depthwise_conv2d", "conv2d", "depthwise_conv2d", "dense"]
 
 
-def test_separable_and_depthwise_stack_verifies_and_trains():
+def test_separable_and_depthwise_stack_verifies():
     loss_fn, args, _ = _registered(_stack, in_shape=(5, 5, CHANNELS))
     reg = loss_fn.registration(*args)
     assert [layer.kind for layer in reg.layers] == STACK_KINDS
     assert [tuple(v.shape) for v in reg.layers[1].variables] == [(K, 2 * CHANNELS, 2)]
     report = kg.verify(loss_fn, *args)
     assert report.passed, report.table()
-    opt = kg.KFAC(loss_fn, momentum_type="regular", learning_rate=0.1, damping=1e-2)
-    losses = [float(opt.step(*args)) for _ in range(4)]
-    assert all(np.isfinite(losses)) and int(opt.skipped_steps) == 0
-    assert losses[-1] < losses[0]
 
 
 @pytest.mark.slow
-def test_separable_and_depthwise_stack_exact_fisher_and_default_kfac():
+@pytest.mark.parametrize("options", [{}, dict(momentum_type="regular", damping=1e-2)],
+                         ids=["defaults", "regular"])
+def test_separable_and_depthwise_stack_exact_fisher_and_kfac(options):
     loss_fn, args, _ = _registered(_stack, in_shape=(5, 5, CHANNELS))
-    report = kg.verify(loss_fn, *args, estimation_mode="exact")
-    assert report.passed, report.table()
-    opt = kg.KFAC(loss_fn)
+    if not options:
+        report = kg.verify(loss_fn, *args, estimation_mode="exact")
+        assert report.passed, report.table()
+    opt = kg.KFAC(loss_fn, **options)
     losses = [float(opt.step(*args)) for _ in range(4)]
     assert all(np.isfinite(losses)) and int(opt.skipped_steps) == 0
     assert losses[-1] < losses[0]
