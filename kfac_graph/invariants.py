@@ -1,9 +1,11 @@
 """Trace-time invariants of the runtime's results: a shape no rule promised
 is a one-line ``KfacGraphError``, never a wrong tensor.
 
-- every per-example gradient is ``[B, *variable.shape]`` (``to_variable_shape``:
-  a rule may give the op's kernel shape, which differs from the variable's
-  only by unit axes, as Conv1D's ``[1, k, cin, cout]`` vs ``[k, cin, cout]``);
+- every per-example gradient is ``[B, *variable.shape]`` in the variable's
+  dtype (``to_variable_shape``: a rule may give the op's kernel shape, which
+  differs from the variable's only by unit axes, as Conv1D's
+  ``[1, k, cin, cout]`` vs ``[k, cin, cout]``; under mixed precision the
+  operands are cast to the variables' dtype first, ``taps.in_variable_dtype``);
 - every per-example norm is ``[B]`` (``batch_vector``);
 - every tensor a layer's Fisher block reads has the batch first
   (``batch_leading``), and every factor's rows the factor's width
@@ -93,10 +95,13 @@ def _without_units(shape) -> tuple:
 def to_variable_shape(g: tf.Tensor, variable, batch, context: str) -> tf.Tensor:
     """A rule's per-example gradient ``[B, *op_shape]`` as ``[B, *variable.shape]``:
     only unit axes may differ between the op's shape and the variable's; the
-    leading axis must be the batch."""
+    leading axis must be the batch; the dtype must be the variable's."""
     target = tuple(int(d) for d in variable.shape)
     what = f"per-example gradient of {variable_name(variable)}"
     g = tf.convert_to_tensor(g)
+    if g.dtype != tf.as_dtype(variable.dtype):
+        raise KfacGraphError(f"{context}: {what} has dtype {g.dtype.name}, expected the "
+                             f"variable's {tf.as_dtype(variable.dtype).name}; {UNSUPPORTED}")
     if g.shape.rank is not None:
         if g.shape.rank == 0:
             raise KfacGraphError(f"{context}: {what} is a scalar, expected [B, *{list(target)}]; "

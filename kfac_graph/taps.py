@@ -140,8 +140,9 @@ class LayerTaps:
             seed = (tf.cast(self.batch_size, self.loss.dtype)
                     if self.registration.loss.reduction == "mean" else None)
             grads = tf.gradients(self.loss, flat, grad_ys=seed)
-        else:
-            grads = tf.gradients(self.model_output, flat, grad_ys=cotangent)
+        else:  # (a float32 cotangent at a 16-bit output: mixed precision)
+            grads = tf.gradients(self.model_output, flat,
+                                 grad_ys=tf.cast(cotangent, self.model_output.dtype))
         grads = [tf.zeros_like(t) if g is None else g for t, g in zip(flat, grads)]
         out, k = [], 0
         for layer in self.outputs:
@@ -263,14 +264,34 @@ def layer_operands(registration: Registration, taps: LayerTaps, sources) -> list
     blocks read them (``LayerKind.operands``); ``None`` for generic layers.
 
     ``sources``: a list over sources of ``taps.output_gradients(...)``
-    results (one backward pass each)."""
+    results (one backward pass each). Floating operands come in the layer's
+    variable dtype (``in_variable_dtype``)."""
     out = []
     for index, layer in enumerate(registration.layers):
         record = layers.kind(layer.kind)
         if record.operands is None:
             out.append(None)
             continue
-        out.append([record.operands(layer, use, taps.inputs[index][use],
-                                    [grads[index][use] for grads in sources])
+        out.append([record.operands(layer, use,
+                                    in_variable_dtype(layer, taps.inputs[index][use]),
+                                    in_variable_dtype(layer, [grads[index][use]
+                                                              for grads in sources]))
                     for use in range(layer.uses)])
     return out
+
+
+def in_variable_dtype(layer, tensors) -> list:
+    """``tensors`` with each floating one cast to the dtype of ``layer``'s
+    variables (others, such as an embedding's ids, as they are).
+
+    Mixed precision: the variables are float32, each read is cast to the
+    compute dtype (float16, bfloat16) before the op, so the layer's input
+    and output gradient are 16-bit. Their values are exact in float32, so
+    the rules contract them in the variables' dtype, which is the dtype
+    their per-example gradients and the Fisher statistics must have; the
+    batch gradient's own contraction runs in 16 bits (see README)."""
+    dtype = tf.as_dtype(layer.variables[0].dtype)
+    if not dtype.is_floating:
+        return list(tensors)
+    return [tf.cast(t, dtype) if t.dtype.is_floating and t.dtype != dtype else t
+            for t in tensors]

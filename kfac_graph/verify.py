@@ -24,7 +24,9 @@ Per registered layer (``verify_report.VerifyReport`` holds the rows):
 
 Errors are ``|got - reference| / |reference|`` over the layer's variables;
 a check passes when ``|got - reference| <= atol + rtol * |reference|``
-(defaults by dtype: float64 1e-8, float32 1e-3, 16-bit 5e-2). The model's
+(defaults by the loosest dtype among the variables, the loss and the
+layers' outputs, i.e. the compute dtype under mixed precision: float64
+1e-8, float32 1e-3, 16-bit 5e-2). The model's
 variables (moving averages included) are restored after the checks.
 """
 from __future__ import annotations
@@ -305,9 +307,12 @@ def rule_label(registry, layer) -> str:
 
 
 def _tolerances(fn, reg, args):
-    """``(dtype name, (rtol, atol))`` for the loosest dtype of the variables
-    and the loss."""
+    """``(dtype name, (rtol, atol))`` for the loosest dtype of the variables,
+    the loss and the layers' outputs (under mixed precision the layers
+    compute in float16 or bfloat16 on float32 variables, and so does the
+    reference batch gradient)."""
     names = {tf.as_dtype(v.dtype).name for v in reg.variables}
+    names |= _output_dtypes(reg)
     try:
         names.add(tf.as_dtype(fn.concrete_function(*args).structured_outputs.dtype).name)
     except (AttributeError, TypeError, ValueError):
@@ -315,6 +320,19 @@ def _tolerances(fn, reg, args):
     known = [n for n in names if n in TOLERANCES] or ["float32"]
     loosest = max(known, key=lambda n: TOLERANCES[n][0])
     return loosest, TOLERANCES[loosest]
+
+
+def _output_dtypes(reg) -> set:
+    """The dtype names of the registered layers' output tensors (from the IR)."""
+    if reg.ir is None:
+        return set()
+    out = set()
+    for layer in reg.layers:
+        for tensor in layer.outputs:
+            node, index = ir.split_tensor(tensor)
+            if node in reg.ir:
+                out.add(reg.ir.nodes[node]["dtypes"][index])
+    return out
 
 
 def _snapshot(fn, args):

@@ -3,9 +3,13 @@
 Contract: ``canonicalize(g) -> g`` returns a copy of the IR in which every
 reader of the output of a *transparent* op reads the op's input instead, and
 the transparent op is removed. Transparent ops: ``Identity``, ``IdentityN``,
-``Snapshot``, ``ReadVariableOp``, ``Cast`` (mixed precision), and ``Reshape``,
-``Squeeze`` and ``ExpandDims`` that only add or drop unit axes (Keras's bias
-reshape; Conv1D built as ExpandDims + Conv2D + Squeeze). Removed tensors are
+``Snapshot``, ``ReadVariableOp``; ``Cast`` (mixed precision: a float32
+variable read, then cast to float16 or bfloat16 before the op; labels cast
+from one integer type to another), but not from a floating dtype to an
+integer or bool, which rounds and cuts the gradient (no layer may be
+matched through it); and ``Reshape``, ``Squeeze`` and ``ExpandDims`` that
+only add or drop unit axes (Keras's bias reshape; Conv1D built as
+ExpandDims + Conv2D + Squeeze). Removed tensors are
 recorded in ``g.graph["aliases"]``; node names are unchanged, so every tensor
 left in the IR is a tensor of the original graph. ``StopGradient`` is never
 transparent: it changes the gradient.
@@ -16,8 +20,9 @@ import networkx as nx
 
 from passes import ir
 
-_ALWAYS = frozenset({"Identity", "Snapshot", "ReadVariableOp", "Cast"})
+_ALWAYS = frozenset({"Identity", "Snapshot", "ReadVariableOp"})
 _UNIT_AXES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
+_FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
 def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
@@ -30,7 +35,8 @@ def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
         if op == "IdentityN":
             for k, t in enumerate(data["inputs"]):
                 ir.bypass(g, node, k, t)
-        elif op in _ALWAYS or (op in _UNIT_AXES and _only_unit_axes(g, node, node in data_nodes)):
+        elif (op in _ALWAYS or (op == "Cast" and not _cuts_gradient(data))
+              or (op in _UNIT_AXES and _only_unit_axes(g, node, node in data_nodes))):
             if not data["inputs"]:
                 continue
             ir.bypass(g, node, 0, data["inputs"][0])
@@ -40,6 +46,12 @@ def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
             g.remove_node(node)
     g.graph["output"] = ir.resolve(g, g.graph["output"])
     return g
+
+
+def _cuts_gradient(data) -> bool:
+    """A ``Cast`` from a floating dtype to another kind (an integer, bool):
+    no gradient flows through it."""
+    return data["attrs"].get("SrcT") in _FLOATS and data["attrs"].get("DstT") not in _FLOATS
 
 
 def _only_unit_axes(g: nx.DiGraph, node: str, on_data: bool) -> bool:

@@ -16,7 +16,7 @@ per-example negative log-likelihood, and returns
   ``L = c * sum_i l_i`` (sum), with ``l_i = -log p(y_i | z_i)`` summed over
   the example's outputs (Keras's mean over outputs gives ``c = 1/K``);
 - ``output`` / ``targets``: the model-output tensor ``z`` (logits or mean)
-  and the targets tensor;
+  and the targets tensor (before casts that keep integer labels integers);
 - ``terms`` / ``terms_coefficient``: the tensor of per-element loss terms
   (batch axis first) and the constant ``k`` with ``L = k * (1/B) * sum``
   (mean) or ``k * sum`` (sum) of all of them, so example i's own term is
@@ -83,8 +83,9 @@ def _walk(g: nx.DiGraph) -> LossMatch:
             scale = coefficient * sign
             if scale <= 0:
                 raise LossNotFoundError(f"the loss at op {node!r} is scaled by {scale:g}; {_HOW_TO}")
+            targets = _unflatten(g, _through_casts(g, targets))
             return LossMatch(kind, "mean" if batch_mean else "sum", _unflatten(g, output),
-                             _unflatten(g, targets), float(scale), node,
+                             targets, float(scale), node,
                              ir.tensor_name(node), float(coefficient))
         if op == "Mean":
             axes, shape = _axes(g, node)
@@ -266,6 +267,23 @@ def _logits_of_log_softmax(g, tensor):
     if node["op"] != "Log":
         return None
     return _input_of(g, node["inputs"][0], "Softmax", renormalised=True)
+
+
+def _through_casts(g, tensor: str | None) -> str | None:
+    """The targets before the casts that keep them integers (or floats):
+    Keras's sparse cross-entropy casts int labels to float, then to int64."""
+    if tensor is None:
+        return None
+    def integral(t):
+        node, index = ir.split_tensor(t)
+        return g.nodes[node]["dtypes"][index].startswith(("int", "uint"))
+
+    kind, source = integral(tensor), tensor
+    while g.nodes[ir.split_tensor(tensor)[0]]["op"] == "Cast":
+        tensor = g.nodes[ir.split_tensor(tensor)[0]]["inputs"][0]
+        if integral(tensor) == kind:
+            source = tensor
+    return source
 
 
 def _unflatten(g, tensor: str) -> str:

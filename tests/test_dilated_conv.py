@@ -188,9 +188,9 @@ def test_depthwise_and_separable_conv2d_dilated():
 
 
 @pytest.mark.slow
-def test_depthwise_and_separable_conv1d_dilated_per_example():
-    """Their Fisher blocks wait on the 1-D depthwise block fix; their
-    per-example gradients are right."""
+def test_depthwise_and_separable_conv1d_dilated():
+    """Per-example gradients against the loop, kg.verify, and K-FAC trains
+    (the 1-D depthwise Kronecker block reads the op's rank-4 kernel)."""
     layers = [keras.layers.DepthwiseConv1D(3, dilation_rate=2, padding="same",
                                            activation="tanh", dtype=F64),
               keras.layers.SeparableConv1D(3, 2, dilation_rate=3, padding="valid", dtype=F64)]
@@ -200,6 +200,7 @@ def test_depthwise_and_separable_conv1d_dilated_per_example():
         "depthwise_conv2d", "depthwise_conv2d", "conv2d", "dense"]
     _assert_equal_loop(fn, loss_fn, args)
     assert kg.verify(fn, *args).passed
+    _assert_trains(fn, args)
 
 
 # -- written by hand --------------------------------------------------------------------------

@@ -40,7 +40,8 @@ from kfac_graph.fisher.defaults import (
     block_factory,
     make_block,
 )
-from kfac_graph.fisher.distributions import Bernoulli, Categorical, Normal, make_distribution
+from kfac_graph.fisher.distributions import (Bernoulli, Categorical, Normal, at_least_float32,
+                                             make_distribution)
 from kfac_graph.fisher.ema import DebiasedEMA
 from kfac_graph.fisher.factors_base import CovarianceFactor
 from kfac_graph.fisher.factors_grad import (

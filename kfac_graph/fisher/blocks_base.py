@@ -98,6 +98,12 @@ class FisherBlock(tf.Module):
             d = d()
         return linalg.cast(d, self.dtype)
 
+    def _op_kernel_shape(self):
+        """The convolution op's kernel shape (``attrs["kernel_shape"]``), else
+        the kernel variable's: a 1-D convolution's variable lacks the unit
+        axis of the 2-D op TensorFlow runs (``[k, ...]`` vs ``[1, k, ...]``)."""
+        return tuple(self.attrs.get("kernel_shape") or self.var_shapes[0])
+
     def _decay(self, decay):
         return self.ema_decay if decay is None else decay
 

@@ -71,8 +71,7 @@ class ConvDiagonalBlock(_LayerMixin, blocks_base.DiagonalBlock):
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
-        kernel = tuple(self.attrs.get("kernel_shape") or self.var_shapes[0])  # Conv1D: the op's
-        self.spec = self._spec_type.from_attrs(kernel, self.attrs,
+        self.spec = self._spec_type.from_attrs(self._op_kernel_shape(), self.attrs,
                                                has_bias=len(self.var_shapes) > 1)
         self.factor = factors_grad.LayerGradientFactor(self._rule, self.spec, self.num_params,
                                                        diagonal=True, dtype=self.dtype)

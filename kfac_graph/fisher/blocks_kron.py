@@ -243,8 +243,7 @@ class ConvKroneckerBlock(KroneckerBlock):
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
-        # the op's kernel shape: Conv1D's variable lacks its unit axis
-        kernel = tuple(self.attrs.get("kernel_shape") or self.var_shapes[0])
+        kernel = self._op_kernel_shape()
         self.spec = conv.ConvSpec.from_attrs(kernel, self.attrs, has_bias=len(self.var_shapes) > 1)
         self._out_width = kernel[-1]
         self.input_factor = factors_kron.ConvInputFactor(self.spec, dtype=self.dtype,
@@ -275,14 +274,16 @@ class EmbeddingKroneckerBlock(KroneckerBlock):
 
 
 class DepthwiseConvKroneckerBlock(KroneckerBlock):
-    """Depthwise kernel `[kh, kw, C, M]` (+ bias `[C*M]`): per channel KFC."""
+    """Depthwise kernel `[kh, kw, C, M]` (+ bias `[C*M]`): per channel KFC.
+    DepthwiseConv1D's kernel variable `[k, C, M]` is the op's `[1, k, C, M]`."""
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
-        kh, kw, channels, mult = self.var_shapes[0]
+        kh, kw, channels, mult = self._op_kernel_shape()
         self._out_width = channels * mult
         has_bias = len(self.var_shapes) > 1
-        self.spec = depthwise.DepthwiseSpec.from_attrs(self.var_shapes[0], self.attrs, has_bias)
+        self.spec = depthwise.DepthwiseSpec.from_attrs((kh, kw, channels, mult), self.attrs,
+                                                       has_bias)
         self.input_factor = factors_kron.DepthwiseInputFactor(self.spec, dtype=self.dtype,
                                                               name="input_factor")
         self.output_factor = factors_kron.depthwise_output_factor(self.spec, dtype=self.dtype,
@@ -302,8 +303,8 @@ class DepthwiseConvKroneckerBlock(KroneckerBlock):
         return idx.reshape(channels, -1)
 
     def _to_mat(self, vs):
-        kh, kw, channels, mult = self.var_shapes[0]
-        kernel = tf.cast(vs[0], self.dtype)
+        kh, kw, channels, mult = self.spec.kernel_shape
+        kernel = tf.reshape(tf.cast(vs[0], self.dtype), self.spec.kernel_shape)
         mat = tf.reshape(tf.transpose(kernel, [2, 0, 1, 3]), [channels, kh * kw, mult])
         if len(vs) > 1:
             bias = tf.reshape(tf.cast(vs[1], self.dtype), [channels, 1, mult])
@@ -311,9 +312,9 @@ class DepthwiseConvKroneckerBlock(KroneckerBlock):
         return mat
 
     def _from_mat(self, mat):
-        kh, kw, channels, mult = self.var_shapes[0]
+        kh, kw, channels, mult = self.spec.kernel_shape
         kernel = tf.reshape(mat[:, : kh * kw], [channels, kh, kw, mult])
-        out = [tf.transpose(kernel, [1, 2, 0, 3])]
+        out = [tf.reshape(tf.transpose(kernel, [1, 2, 0, 3]), self.var_shapes[0])]
         if len(self.var_shapes) > 1:
             out.append(tf.reshape(mat[:, kh * kw], [channels * mult]))
         return out

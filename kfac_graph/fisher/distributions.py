@@ -157,6 +157,14 @@ DISTRIBUTIONS = types.MappingProxyType(
 )
 
 
+def at_least_float32(z):
+    """`z`, a 16-bit float output (mixed precision) cast to float32: the
+    distribution, its samples and its Fisher are computed in float32."""
+    if z.dtype in (tf.float16, tf.bfloat16):
+        return tf.cast(z, tf.float32)
+    return z
+
+
 def make_distribution(kind, z, **kwargs):
     """The distribution for a `LossSpec.kind` at network output `z`."""
     try:

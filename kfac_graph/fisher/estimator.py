@@ -43,7 +43,7 @@ from kfac_graph import invariants
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher import ema
 from kfac_graph.fisher.block_choice import PER_EXAMPLE, block_stats, make_layer_block
-from kfac_graph.fisher.distributions import make_distribution
+from kfac_graph.fisher.distributions import at_least_float32, make_distribution
 from kfac_graph.per_example import gradients as pe_gradients
 from kfac_graph.per_example.rules import default_registry
 from kfac_graph.taps import LayerTaps, layer_operands
@@ -243,7 +243,7 @@ class FisherEstimator(tf.Module):
     def _cotangents(self, reg, taps):
         """The cotangents at ``z`` and, per source, the ``[B]`` per-example
         scalars whose parameter gradients are the per-example gradients."""
-        z = taps.model_output
+        z = at_least_float32(taps.model_output)
         batch_axes = list(range(1, z.shape.rank - 1))
         per_example = lambda t: tf.reduce_sum(t, axis=batch_axes) if batch_axes else t
         z0 = tf.stop_gradient(z)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from kfac_graph.fisher import make_distribution
+from kfac_graph.fisher import at_least_float32, make_distribution
 from kfac_graph.taps import LayerTaps
 
 
@@ -45,6 +45,7 @@ def quadratic_forms(registration, args, vectors, taps=None):
     """``[[u_a . F u_b]]`` over ``vectors`` (each a list aligned with the
     registration's variables); ``taps`` as for ``jacobian_vector_products``."""
     jvs, z = jacobian_vector_products(registration, args, vectors, taps)
+    jvs, z = [at_least_float32(jv) for jv in jvs], at_least_float32(z)
     dist = make_distribution(registration.loss.kind, tf.stop_gradient(z))
     batch = tf.cast(tf.shape(z)[0], z.dtype)
     fjvs = [dist.multiply_fisher(jv) for jv in jvs]
