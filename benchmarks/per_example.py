@@ -21,10 +21,19 @@ outputs (a function call on the CPU returns once they are computed). Models:
 - cnn: 32x32x3, conv 32 3x3, conv 64 3x3 stride 2, depthwise 3x3, 1x1 conv 64
   (relu each), global average pool, dense 10; batch 64;
 - dwcnn: conv 32 3x3, then 3 blocks of depthwise 3x3 + 1x1 conv 64 (the second
-  block's depthwise strided 2), pool, dense 10; batch 64.
-Loss: mean sparse softmax cross-entropy.
+  block's depthwise strided 2), pool, dense 10; batch 64;
+- audio: 1-D, 256 steps x 8 channels: causal Conv1D 32 k=3 with dilations 1, 2,
+  4, 8 (TensorFlow writes the dilated ones with SpaceToBatchND), pool, dense
+  10; batch 64;
+- resnext: 16x16x32, a ResNeXt block (1x1 conv 64, 3x3 conv 64 in 8 groups,
+  1x1 conv 32, residual), strided grouped 3x3 conv 64 in 8 groups, pool,
+  dense 10; batch 64;
+- unet: a decoder, 8x8x32: Conv2DTranspose 32 3x3 stride 2, conv 32 3x3,
+  Conv2DTranspose 16 3x3 stride 2, Conv1x1 3 (a 32x32x3 image), squared error
+  against a target image instead of the cross-entropy; batch 32.
+Loss: mean sparse softmax cross-entropy (unet: mean squared error).
 
-    python benchmarks/per_example.py [--reps 7] [--models mlp,cnn,dwcnn]
+    python benchmarks/per_example.py [--reps 7] [--models mlp,cnn,dwcnn,audio,resnext,unet]
         [--no_xla] [--markdown out.md]
 """
 import os
@@ -45,7 +54,8 @@ tf.get_logger().setLevel("ERROR")
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("reps", 7, "interleaved rounds per candidate (medians)")
 flags.DEFINE_integer("loop_reps", 3, "rounds for the tf.map_fn loop (slow)")
-flags.DEFINE_list("models", ["mlp", "cnn", "dwcnn"], "models to time: mlp, cnn, dwcnn")
+flags.DEFINE_list("models", ["mlp", "cnn", "dwcnn", "audio", "resnext", "unet"],
+                  "models to time: mlp, cnn, dwcnn, audio, resnext, unet")
 flags.DEFINE_bool("no_xla", False, "skip the jit_compile=True runs")
 flags.DEFINE_string("markdown", None, "also write the table as markdown here")
 
@@ -55,6 +65,9 @@ TARGETS = {
     "mlp": {"floor": 1.5, "batch": None, "vmap": None, "norms": 1.5},
     "cnn": {"floor": None, "batch": 2.5, "vmap": 2.0, "norms": 2.0},
     "dwcnn": {"floor": None, "batch": 2.5, "vmap": 2.0, "norms": 2.0},
+    "audio": {"floor": None, "batch": 2.5, "vmap": 2.0, "norms": 2.0},
+    "resnext": {"floor": None, "batch": 2.5, "vmap": 2.0, "norms": 2.0},
+    "unet": {"floor": None, "batch": 2.5, "vmap": 2.0, "norms": 2.0},
 }
 
 
@@ -83,12 +96,42 @@ def build(name):
             layers += [L.DepthwiseConv2D(3, strides=stride, padding="same", activation="relu"),
                        L.Conv2D(64, 1, activation="relu")]
         layers += [L.GlobalAveragePooling2D(), L.Dense(10)]
+    elif name == "audio":
+        batch, shape = 64, (256, 8)
+        layers = [L.Conv1D(32, 3, dilation_rate=d, padding="causal", activation="relu")
+                  for d in (1, 2, 4, 8)]
+        layers += [L.GlobalAveragePooling1D(), L.Dense(10)]
+    elif name == "resnext":
+        return _resnext(rng)
+    elif name == "unet":
+        batch, shape = 32, (8, 8, 32)
+        layers = [L.Conv2DTranspose(32, 3, strides=2, padding="same", activation="relu"),
+                  L.Conv2D(32, 3, padding="same", activation="relu"),
+                  L.Conv2DTranspose(16, 3, strides=2, padding="same", activation="relu"),
+                  L.Conv2D(3, 1)]
+        model = keras.Sequential([keras.Input(shape)] + layers)
+        x = tf.constant(rng.standard_normal((batch, *shape)), tf.float32)
+        return model, x, tf.constant(rng.standard_normal((batch, 32, 32, 3)), tf.float32)
     else:
         raise app.UsageError(f"unknown model {name!r}")
     model = keras.Sequential([keras.Input(shape)] + layers)
     x = tf.constant(rng.standard_normal((batch, *shape)), tf.float32)
     y = tf.constant(rng.integers(0, 10, batch), tf.int32)
     return model, x, y
+
+
+def _resnext(rng, batch=64):
+    """A ResNeXt block (grouped 3x3 conv, residual) and a strided grouped conv."""
+    L = keras.layers
+    inputs = keras.Input((16, 16, 32))
+    h = L.Conv2D(64, 1, activation="relu")(inputs)
+    h = L.Conv2D(64, 3, padding="same", groups=8, activation="relu")(h)
+    h = L.Add()([inputs, L.Conv2D(32, 1)(h)])
+    h = L.Conv2D(64, 3, strides=2, padding="same", groups=8, activation="relu")(L.ReLU()(h))
+    outputs = L.Dense(10)(L.GlobalAveragePooling2D()(h))
+    x = tf.constant(rng.standard_normal((batch, 16, 16, 32)), tf.float32)
+    y = tf.constant(rng.integers(0, 10, batch), tf.int32)
+    return keras.Model(inputs, outputs), x, y
 
 
 def candidates(model, x, y, xla):
@@ -100,6 +143,8 @@ def candidates(model, x, y, xla):
     @kg.auto_register
     def loss_fn(x, y):
         logits = model(x, training=True)
+        if y.dtype.is_floating:  # an image target: squared error
+            return tf.reduce_mean(tf.reduce_sum(tf.square(logits - y), axis=[1, 2, 3]))
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
 
     def one_example(xy):
