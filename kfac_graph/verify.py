@@ -24,10 +24,11 @@ Per registered layer (``verify_report.VerifyReport`` holds the rows):
 
 Errors are ``|got - reference| / |reference|`` over the layer's variables;
 a check passes when ``|got - reference| <= atol + rtol * |reference|``
-(defaults by the loosest dtype among the variables, the loss and the
-layers' outputs, i.e. the compute dtype under mixed precision: float64
-1e-8, float32 1e-3, 16-bit 5e-2). The model's
-variables (moving averages included) are restored after the checks.
+(defaults by dtype: float64 1e-8, float32 1e-3, 16-bit 5e-2; the loosest of
+the variables', the loss's, the layers' outputs' (the compute dtype under
+mixed precision) and any narrower float the loss computes in on the way,
+which a note names). The model's variables (moving averages included) are
+restored after the checks.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from kfac_graph.per_example.rules import default_registry
 from kfac_graph.registration import GraphVariable
 from kfac_graph.taps import LayerTaps
 from kfac_graph.verify_report import Check, LayerCheck, VerifyReport
-from passes import ir
+from passes import ir, precision
 
 # (rtol, atol) by the loosest dtype among the variables and the loss
 TOLERANCES = {"float64": (1e-8, 1e-12), "float32": (1e-3, 1e-7),
@@ -308,11 +309,14 @@ def rule_label(registry, layer) -> str:
 
 def _tolerances(fn, reg, args):
     """``(dtype name, (rtol, atol))`` for the loosest dtype of the variables,
-    the loss and the layers' outputs (under mixed precision the layers
-    compute in float16 or bfloat16 on float32 variables, and so does the
-    reference batch gradient)."""
+    the loss, the layers' outputs (under mixed precision the layers compute
+    in float16 or bfloat16 on float32 variables, and so does the reference
+    batch gradient), and the narrower floats the loss computes in on the way
+    (``passes.precision``: a float64 model through a float32 op is only as
+    precise as float32)."""
     names = {tf.as_dtype(v.dtype).name for v in reg.variables}
     names |= _output_dtypes(reg)
+    names.update(narrow for _, _, narrow in _narrowing(reg))
     try:
         names.add(tf.as_dtype(fn.concrete_function(*args).structured_outputs.dtype).name)
     except (AttributeError, TypeError, ValueError):
@@ -333,6 +337,16 @@ def _output_dtypes(reg) -> set:
             if node in reg.ir:
                 out.add(reg.ir.nodes[node]["dtypes"][index])
     return out
+
+
+def _narrowing(reg):
+    """``passes.precision``'s ops that narrow a float on the way to the loss
+    to less than every variable's (a float32 model fed float64 data is not
+    news)."""
+    found = tuple(reg.ir.graph.get("narrowing", ())) if reg.ir is not None else ()
+    widths = [precision.WIDTH.get(tf.as_dtype(v.dtype).name, 0) for v in reg.variables]
+    least = min((w for w in widths if w), default=0)
+    return tuple(entry for entry in found if precision.WIDTH[entry[2]] < least)
 
 
 def _snapshot(fn, args):
@@ -360,6 +374,14 @@ def _notes(reg, coupling, one_error):
                      "skipped (call the model with training=False to check it)")
     elif one_error:
         notes.append(f"one-example skipped: fn fails on a batch of one: {one_error}")
+    narrowing = _narrowing(reg)
+    if narrowing:
+        op, wide, narrow = narrowing[0]
+        more = f" and {len(narrowing) - 1} more op(s)" if len(narrowing) > 1 else ""
+        notes.append(f"the loss computes in {narrow} at {op}{more} ({wide} in): its gradients "
+                     f"and Fisher are only as precise as {narrow}, so are the tolerances (a "
+                     "mixed-precision policy, or a Keras layer without dtype= in a float64 model, "
+                     "which takes the float32 policy)")
     random = sorted({d["op"] for _, d in (reg.ir.nodes(data=True) if reg.ir is not None else ())
                      if any(r in d["op"] for r in _RANDOM_OPS)})
     if random:

@@ -1,6 +1,7 @@
 """The pass manager: IR in, registration data out, passes run in order.
 
 ``run(traced, loss=None) -> PassResult`` imports the traced graph into the IR,
+marks where it computes in a narrower float than its inputs (precision),
 canonicalizes it, matches layers and the loss, and records how long each
 pass took (``timings``, seconds).
 """
@@ -16,6 +17,7 @@ from passes.canonicalize import canonicalize
 from passes.errors import TraceError
 from passes.match_layers import LayerMatch, match_layers
 from passes.match_loss import LossMatch, match_loss
+from passes.precision import mark_narrowing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +34,7 @@ def run(traced: frontends.Traced, loss: str | None = None) -> PassResult:
     start = time.perf_counter()
     g = frontends.to_ir(traced)
     timings["import"] = time.perf_counter() - start
-    for name, step in (("canonicalize", canonicalize),):
+    for name, step in (("precision", mark_narrowing), ("canonicalize", canonicalize)):
         start = time.perf_counter()
         g = step(g)
         timings[name] = time.perf_counter() - start
