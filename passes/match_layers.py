@@ -36,7 +36,8 @@ class Use:
     ids). ``output``: the pre-activation tensor it produces. ``ops``: the IR
     nodes of the match. ``attrs``: the main op's attributes plus ``op``,
     ``input_shape``, ``output_shape`` and, where it applies,
-    ``transpose_kernel`` and ``normalizer``.
+    ``transpose_kernel``, ``normalizer``, and for convolutions ``kernel_shape``
+    and ``input_channels`` (a grouped Conv2D's kernel reads a share of them).
     """
     inputs: tuple[str, ...]
     output: str
@@ -131,6 +132,7 @@ def _use(g, pattern: Pattern, roles) -> Use:
         attrs["input_shape"] = ir.shape_of(g, inputs[0])
     if pattern.kind in ("conv2d", "depthwise_conv2d"):
         attrs["kernel_shape"] = ir.shape_of(g, data["raw_inputs"][1])
+        attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))
     if "s2b" in roles:
         attrs.update(_atrous_attrs(g, roles, inputs[0]))
     if pattern.kind == "scale_and_shift":
@@ -140,6 +142,15 @@ def _use(g, pattern: Pattern, roles) -> Use:
             inputs, attrs = _fused_normalizer(g, main, inputs, attrs)
     nodes = tuple(roles[r] for r, spec in pattern.nodes.items() if spec.exclusive)
     return Use(inputs, ir.tensor_name(roles[pattern.output]), nodes, attrs)
+
+
+def _channels(shape, data_format):
+    """The channel count of a 4-D convolution input (None when unknown): a
+    grouped Conv2D's kernel reads ``channels / groups`` of them."""
+    if not shape or len(shape) != 4:
+        return None
+    fmt = data_format.decode() if isinstance(data_format, bytes) else (data_format or "NHWC")
+    return shape[1] if fmt.upper().startswith("NC") else shape[-1]
 
 
 def _atrous_attrs(g, roles, x):
@@ -311,12 +322,15 @@ def _scope_name(nodes) -> str:
 
 
 _CALL_SCOPE = re.compile(r"^((Stateful)?PartitionedCall(_\d+)?/)+")
+_TRAILING_CALL = re.compile(r"(/(Stateful)?PartitionedCall(_\d+)?)+$")
 
 
 def _readable(name: str) -> str:
     """``name`` without the scopes of inlined function calls it starts with
-    (a restored SavedModel function wraps its body in one)."""
-    return _CALL_SCOPE.sub("", name) or name
+    (a restored SavedModel function wraps its body in one) or ends with (a
+    layer whose op alone sits in an inlined call: Keras compiles a grouped
+    convolution in its own function)."""
+    return _TRAILING_CALL.sub("", _CALL_SCOPE.sub("", name)) or name
 
 
 def _unique_names(layers):
