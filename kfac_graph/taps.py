@@ -25,7 +25,8 @@ which every per-example result is checked against (``kfac_graph.invariants``);
 ``per_example_loss`` is ``[B]`` (a per-token loss flattened to ``[B*T]`` is
 summed per example) or None, with ``per_example_problem`` saying why. A
 ``tf.py_function`` in the graph re-runs its Python function for each
-backward pass (``_callback_gradient``; see ``passes/callbacks.py``).
+backward pass (``_callback_gradient``; see ``passes/callbacks.py``), and a
+grouped ``Conv2D`` gets a gradient the CPU can run (``grouped_conv_grad``).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 from tensorflow.python.ops import script_ops
 
-from kfac_graph import invariants, layers
+from kfac_graph import grouped_conv_grad, invariants, layers
 from kfac_graph.registration import Registration
 from passes.errors import KfacGraphError
 
@@ -94,8 +95,10 @@ class LayerTaps:
             for use_inputs, output in zip(layer.inputs, layer.outputs):
                 names += list(use_inputs) + [output]
         unique = list(dict.fromkeys(names))
-        # a Python callback's gradient re-runs its function (see _callback_gradient)
-        with graph.gradient_override_map({"EagerPyFunc": _CALLBACK_GRADIENT}):
+        # a Python callback's gradient re-runs its function (see _callback_gradient);
+        # a grouped Conv2D's is one the CPU has (grouped_conv_grad)
+        with graph.gradient_override_map({"EagerPyFunc": _CALLBACK_GRADIENT,
+                                          "Conv2D": grouped_conv_grad.NAME}):
             tensors = dict(zip(unique, tf.graph_util.import_graph_def(
                 _without_mapped_placeholders(reg.graph_def, input_map), input_map=input_map,
                 return_elements=unique, name="kfac_graph")))
