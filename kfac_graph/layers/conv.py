@@ -76,12 +76,12 @@ def group_contract(x, g, channels, groups):
     if groups == 1:
         return tf.matmul(x, g, transpose_a=True)
     t, taps, cout = g.shape[1], x.shape[-1] // channels, g.shape[-1]
-    cg, og = channels // groups, cout // groups
-    xg = tf.transpose(tf.reshape(x, [-1, t, taps, groups, cg]), [0, 3, 1, 2, 4])
+    per_group, og = channels // groups, cout // groups
+    xg = tf.transpose(tf.reshape(x, [-1, t, taps, groups, per_group]), [0, 3, 1, 2, 4])
     gg = tf.transpose(tf.reshape(g, [-1, t, groups, og]), [0, 2, 1, 3])
-    out = tf.matmul(tf.reshape(xg, [-1, groups, t, taps * cg]), gg, transpose_a=True)
-    out = tf.transpose(tf.reshape(out, [-1, groups, taps * cg, og]), [0, 2, 1, 3])
-    return tf.reshape(out, [-1, taps * cg, cout])
+    out = tf.matmul(tf.reshape(xg, [-1, groups, t, taps * per_group]), gg, transpose_a=True)
+    out = tf.transpose(tf.reshape(out, [-1, groups, taps * per_group, og]), [0, 2, 1, 3])
+    return tf.reshape(out, [-1, taps * per_group, cout])
 
 
 def _kernel_shape(a, g, geo):
