@@ -5,9 +5,9 @@ channels; Keras `Conv2D(groups=G)`, `Conv1D(groups=G)`) runs forward on
 TensorFlow's CPU kernels, but its gradients do not ("Gradients for grouped
 convolutions are not supported on CPU"); Keras gets around it by compiling
 the op with XLA, which the graph the taps re-import (`taps.py`) no longer
-does. So the taps import every `Conv2D` with the gradient `NAME`: an
-ungrouped one gets TensorFlow's own gradient, a grouped one the gradient of
-the same convolution written as one depthwise convolution,
+does. So the taps mark every grouped `Conv2D` they import (`mark`) with the
+gradient `NAME`: the gradient of the same convolution written as one
+depthwise convolution,
 
     y[..., j*og + o] = sum_c depthwise(x, D)[..., (j*cg + c)*og + o],
     D[p, q, j*cg + c, o] = W[p, q, c, j*og + o],
@@ -19,10 +19,11 @@ Dilations are written into the kernel as zeros (TF's CPU depthwise kernels
 reject dilations), EXPLICIT padding as a `tf.pad`, unequal strides (a
 strided Conv1D; the CPU kernel rejects them too) as stride 1 and a strided
 slice, NCHW by transposes. Only the gradient is built from these ops; the
-forward stays the graph's own.
+forward stays the graph's own. Ungrouped convolutions stay unmarked, with
+TensorFlow's own gradient.
 """
 import tensorflow as tf
-from tensorflow.python.framework import ops as tf_ops
+from tensorflow.core.framework import attr_value_pb2
 
 from kfac_graph.layers import conv_geometry as cg_lib
 
@@ -86,14 +87,29 @@ def grouped_conv2d(x, w, strides, padding, explicit_paddings=(), dilations=(1, 1
     return tf.reshape(tf.reduce_sum(split, axis=-2), tf.concat([lead, [cout]], 0))
 
 
+def is_grouped(op):
+    """Whether ``op`` is a `Conv2D` whose kernel reads a share of its input's
+    (static) channels."""
+    if op.type != "Conv2D":
+        return False
+    x, w = op.inputs
+    channels = x.shape[1 if _attr(op, "data_format", "NHWC") == "NCHW" else -1]
+    return channels is not None and w.shape[2] is not None and channels != w.shape[2]
+
+
+def mark(operations):
+    """Gives every grouped `Conv2D` among ``operations`` the gradient `NAME`."""
+    for op in operations:
+        if is_grouped(op):
+            op._set_attr("_gradient_op_type",  # noqa: SLF001
+                         attr_value_pb2.AttrValue(s=NAME.encode()))
+
+
 @tf.RegisterGradient(NAME)
-def _conv2d_gradient(op, dy):
-    """`Conv2D`'s gradient: TensorFlow's own unless the op is grouped."""
+def _grouped_conv2d_gradient(op, dy):
+    """A grouped `Conv2D`'s gradient, by its depthwise form (module docstring)."""
     x, w = op.inputs
     nchw = _attr(op, "data_format", "NHWC") == "NCHW"
-    channels = x.shape[1 if nchw else -1]
-    if channels is None or w.shape[2] is None or channels == w.shape[2]:
-        return tf_ops.gradient_registry.lookup("Conv2D")(op, dy)
     hw = (2, 3) if nchw else (1, 2)
     strides, dilations = _attr(op, "strides"), _attr(op, "dilations", [1, 1, 1, 1])
     explicit = list(_attr(op, "explicit_paddings", []) or [])

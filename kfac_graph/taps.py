@@ -95,13 +95,14 @@ class LayerTaps:
             for use_inputs, output in zip(layer.inputs, layer.outputs):
                 names += list(use_inputs) + [output]
         unique = list(dict.fromkeys(names))
-        # a Python callback's gradient re-runs its function (see _callback_gradient);
-        # a grouped Conv2D's is one the CPU has (grouped_conv_grad)
-        with graph.gradient_override_map({"EagerPyFunc": _CALLBACK_GRADIENT,
-                                          "Conv2D": grouped_conv_grad.NAME}):
+        # a Python callback's gradient re-runs its function (see _callback_gradient)
+        existing = len(graph.get_operations())
+        with graph.gradient_override_map({"EagerPyFunc": _CALLBACK_GRADIENT}):
             tensors = dict(zip(unique, tf.graph_util.import_graph_def(
                 _without_mapped_placeholders(reg.graph_def, input_map), input_map=input_map,
                 return_elements=unique, name="kfac_graph")))
+        # a grouped Conv2D's gradient is one the CPU has (grouped_conv_grad)
+        grouped_conv_grad.mark(graph.get_operations()[existing:])
         model_output = tensors.get(loss_spec.output) if loss_spec.output else None
         batch = _batch_of(flat_args, model_output)
         per_example, problem = None, "the loss pass found no per-example loss terms"

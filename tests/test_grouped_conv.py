@@ -172,8 +172,9 @@ def _grads_through(conv, x, w, dy, v):
 @pytest.mark.parametrize("name", ["g4_stride2_valid", "channels_multiplier2_stride2",
                                   "g2_explicit", "g2_conv1d_stride2"])
 def test_the_imported_graphs_conv2d_gradient(name):
-    """What the taps import a grouped Conv2D with (`grouped_conv_grad.NAME`),
-    to first and second order, against G ungrouped convolutions."""
+    """The gradient the taps mark a grouped Conv2D with (`grouped_conv_grad`),
+    to first and second order, against G ungrouped convolutions; an
+    ungrouped one keeps TensorFlow's."""
     spec = RULE_CASES[name]
     rng = np.random.default_rng(1)
     x = tf.constant(rng.normal(size=(2, 7, 6, spec.input_channels)), F64)
@@ -188,14 +189,18 @@ def test_the_imported_graphs_conv2d_gradient(name):
 
     @tf.function
     def imported(x, w, dy, v):
-        graph = tf.compat.v1.get_default_graph()
-        with graph.gradient_override_map({"Conv2D": grouped_conv_grad.NAME}):
-            y = grouped(x, w)
+        y = grouped(x, w)
+        grouped_conv_grad.mark([y.op])
         dx, dw = tf.gradients(y, [x, w], grad_ys=dy)
         return dx, dw, tf.gradients(tf.reduce_sum(v * dx), w)[0]
 
     for got, want in zip(imported(x, w, dy, v), _grads_through(split_conv(spec), x, w, dy, v)):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    plain = tf.function(lambda x: tf.nn.conv2d(x, w[:, :, :1], 1, "SAME"))
+    ungrouped = plain.get_concrete_function(tf.TensorSpec([1, 5, 5, 1], F64)).graph
+    grouped_conv_grad.mark(ungrouped.get_operations())
+    assert not [op for op in ungrouped.get_operations()
+                if op.type == "Conv2D" and "_gradient_op_type" in op.node_def.attr]
 
 
 def test_the_imported_graphs_conv2d_gradient_nchw():
@@ -210,10 +215,9 @@ def test_the_imported_graphs_conv2d_gradient_nchw():
 
     @tf.function
     def imported(x, w, dy):
-        graph = tf.compat.v1.get_default_graph()
-        with graph.gradient_override_map({"Conv2D": grouped_conv_grad.NAME}):
-            y = tf.raw_ops.Conv2D(input=x, filter=w, strides=[1, 1, 2, 1], padding="SAME",
-                                  data_format="NCHW")
+        y = tf.raw_ops.Conv2D(input=x, filter=w, strides=[1, 1, 2, 1], padding="SAME",
+                              data_format="NCHW")
+        grouped_conv_grad.mark([y.op])
         return tf.gradients(y, [x, w], grad_ys=dy)
 
     want_dx, want_dw, _ = _grads_through(lambda a, k: nchw(split_conv(spec)(nhwc(a), k)), x, w,
