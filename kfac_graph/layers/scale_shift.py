@@ -7,6 +7,10 @@ broadcast against `xhat [B, ...]` (right-aligned, numpy rules),
     dscale_i = sum_{uses} sum_R xhat_i * g_i      shaped like `scale`
     dshift_i = sum_{uses} sum_R g_i
 
+The rule takes `scale` right-aligned; however the graph broadcasts it (over
+channels-first `[1, C, 1, 1]`, several axes `[T, C]`, a group norm's
+`[G, C/G]`), `operands` lays `xhat` and `g` out as `[B, R..., *scale.shape]`.
+
 Norms are always computed from these materialised gradients: they hold
 `B * |scale|` floats, never more than the inputs, and one elementwise pass
 over `xhat * g` is needed either way, so a Gram form could only cost more.
@@ -127,7 +131,8 @@ def _scale_last(t, broadcast, var_shape):
     rest = [i for i in range(1, rank) if full[i] == 1]
     if varying != list(range(rank - len(varying), rank)):
         t = tf.transpose(t, [0, *rest, *varying])
-    dims = [t.shape[i] if t.shape[i] is not None else tf.shape(t)[i] for i in range(1, 1 + len(rest))]
+    dims = [t.shape[i] if t.shape[i] is not None else tf.shape(t)[i]
+            for i in range(1, 1 + len(rest))]
     if t.shape[1 + len(rest):].as_list() == list(var_shape):
         return t
     return tf.reshape(t, [-1, *dims, *var_shape])
