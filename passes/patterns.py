@@ -204,7 +204,19 @@ def _static_output_size(g, m) -> bool:
     return shape is not None and len(shape) == 4 and None not in [shape[i] for i in spatial]
 
 
+def _ungrouped_3d(g, m) -> bool:
+    """A Conv3D whose kernel reads every input channel (TF's CPU Conv3D has no
+    groups) and whose input has a static spatial size (the patches need it)."""
+    x = ir.shape_of(g, g.nodes[m["op"]]["raw_inputs"][0])
+    fmt = g.nodes[m["op"]]["attrs"].get("data_format", "NDHWC")
+    if x is None or len(x) != 5:
+        return False
+    channels, spatial = (x[1], x[2:]) if fmt.startswith("NC") else (x[-1], x[1:4])
+    return channels == _var_shape(g, m["w"])[3] and None not in spatial
+
+
 CONV2D_BIAS, CONV2D = _conv("conv2d", ("Conv2D",), "conv2d")
+CONV3D_BIAS, CONV3D = _conv("conv3d", ("Conv3D",), "conv3d", check=_ungrouped_3d)
 DEPTHWISE_BIAS, DEPTHWISE = _conv("depthwise_conv2d", ("DepthwiseConv2dNative",), "depthwise_conv2d")
 # Conv2DTranspose (and Conv1DTranspose on a unit axis): the input gradient of
 # a forward convolution, Conv2DBackpropInput(input_sizes, filter, out_backprop=x).
@@ -347,14 +359,16 @@ def _atrous(kind, types, name):
 
 
 ATROUS_CONV2D_BIAS, ATROUS_CONV2D = _atrous("conv2d", ("Conv2D",), "atrous_conv2d")
+ATROUS_CONV3D_BIAS, ATROUS_CONV3D = _atrous("conv3d", ("Conv3D",), "atrous_conv3d")
 ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE = _atrous(
     "depthwise_conv2d", ("DepthwiseConv2dNative",), "atrous_depthwise_conv2d")
 
 LAYER_PATTERNS: tuple[Pattern, ...] = (
     DENSE_TENSORDOT_BIAS, DENSE_TENSORDOT, DENSE_TRANSPOSED_BIAS, DENSE_TRANSPOSED,
     DENSE_BIAS, DENSE,
-    ATROUS_CONV2D_BIAS, ATROUS_CONV2D, ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE,
-    CONV2D_BIAS, CONV2D, DEPTHWISE_BIAS, DEPTHWISE, CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE,
+    ATROUS_CONV2D_BIAS, ATROUS_CONV2D, ATROUS_CONV3D_BIAS, ATROUS_CONV3D,
+    ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE,
+    CONV2D_BIAS, CONV2D, CONV3D_BIAS, CONV3D, DEPTHWISE_BIAS, DEPTHWISE, CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE,
     EMBEDDING,
     KERAS_BATCH_NORM, KERAS_BATCH_NORM_NO_SCALE, KERAS_BATCH_NORM_NO_CENTER, KERAS_LAYER_NORM,
     FUSED_BATCH_NORM,
