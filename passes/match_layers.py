@@ -24,7 +24,8 @@ from passes.atrous import atrous_attrs
 from passes.matcher import find_matches
 from passes.patterns import LAYER_PATTERNS, Pattern, einsum_kernel_layout
 
-_CONV_KINDS = frozenset({"conv2d", "conv3d", "depthwise_conv2d", "conv2d_transpose"})
+_TRANSPOSE_KINDS = frozenset({"conv2d_transpose", "conv3d_transpose"})
+_CONV_KINDS = frozenset({"conv2d", "conv3d", "depthwise_conv2d"}) | _TRANSPOSE_KINDS
 _KERNEL_KINDS = _CONV_KINDS | {"dense"}
 _OP_ATTRS = ("strides", "dilations", "padding", "explicit_paddings", "data_format",
              "transpose_a", "transpose_b", "adj_x", "adj_y", "equation", "epsilon",
@@ -140,7 +141,7 @@ def _use(g, pattern: Pattern, roles) -> Use:
     if pattern.kind in _CONV_KINDS:
         attrs["kernel_shape"] = ir.shape_of(g, data["raw_inputs"][1])
         attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))
-    if pattern.kind == "conv2d_transpose":
+    if pattern.kind in _TRANSPOSE_KINDS:
         attrs.update(_transpose_attrs(g, data, inputs[0]))
     if "s2b" in roles:
         attrs.update(atrous_attrs(g, roles, inputs[0]))
@@ -154,7 +155,7 @@ def _use(g, pattern: Pattern, roles) -> Use:
 
 
 def _transpose_attrs(g, data, x):
-    """Conv2DBackpropInput: the layer's input is ``out_backprop`` (slot 2);
+    """Conv2DBackpropInput, Conv3DBackpropInputV2: the layer's input is ``out_backprop`` (slot 2);
     ``input_sizes`` (slot 0), the output's shape, when it is a constant."""
     attrs = {"input_shape": ir.shape_of(g, x)}
     sizes = ir.const_value(g, data["inputs"][0])

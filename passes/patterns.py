@@ -197,11 +197,14 @@ def _conv(kind, types, name, x_slot=0, check=None):
 
 
 def _static_output_size(g, m) -> bool:
-    """The op's output has a static spatial size (the geometry needs it)."""
+    """The op's output (4-D or 5-D) has a static spatial size (the geometry
+    needs it)."""
     shape = g.nodes[m["op"]]["shapes"][0]
+    if shape is None or len(shape) not in (4, 5):
+        return False
     fmt = g.nodes[m["op"]]["attrs"].get("data_format", "NHWC")
-    spatial = (2, 3) if fmt.startswith("NC") else (1, 2)
-    return shape is not None and len(shape) == 4 and None not in [shape[i] for i in spatial]
+    spatial = shape[2:] if fmt.startswith("NC") else shape[1:-1]
+    return None not in spatial
 
 
 def _ungrouped_3d(g, m) -> bool:
@@ -222,6 +225,9 @@ DEPTHWISE_BIAS, DEPTHWISE = _conv("depthwise_conv2d", ("DepthwiseConv2dNative",)
 # a forward convolution, Conv2DBackpropInput(input_sizes, filter, out_backprop=x).
 CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE = _conv(
     "conv2d_transpose", ("Conv2DBackpropInput",), "conv2d_transpose", x_slot=2,
+    check=_static_output_size)
+CONV3D_TRANSPOSE_BIAS, CONV3D_TRANSPOSE = _conv(
+    "conv3d_transpose", ("Conv3DBackpropInputV2",), "conv3d_transpose", x_slot=2,
     check=_static_output_size)
 
 # --- embedding -------------------------------------------------------------
@@ -368,7 +374,8 @@ LAYER_PATTERNS: tuple[Pattern, ...] = (
     DENSE_BIAS, DENSE,
     ATROUS_CONV2D_BIAS, ATROUS_CONV2D, ATROUS_CONV3D_BIAS, ATROUS_CONV3D,
     ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE,
-    CONV2D_BIAS, CONV2D, CONV3D_BIAS, CONV3D, DEPTHWISE_BIAS, DEPTHWISE, CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE,
+    CONV2D_BIAS, CONV2D, CONV3D_BIAS, CONV3D, DEPTHWISE_BIAS, DEPTHWISE,
+    CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE, CONV3D_TRANSPOSE_BIAS, CONV3D_TRANSPOSE,
     EMBEDDING,
     KERAS_BATCH_NORM, KERAS_BATCH_NORM_NO_SCALE, KERAS_BATCH_NORM_NO_CENTER, KERAS_LAYER_NORM,
     FUSED_BATCH_NORM,
