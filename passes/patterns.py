@@ -111,8 +111,12 @@ def _bias_fits(g, m, channel_axis) -> bool:
     if len(bias_shape) != 1 or out_shape is None:
         return False
     if g.nodes[m["add"]]["op"] == "BiasAdd":
+        # the BiasAdd's own channel axis must be the layer's (Keras's `add`
+        # writes a channels-first bias as an NHWC BiasAdd when C equals W)
         fmt = g.nodes[m["add"]]["attrs"].get("data_format", "NHWC")
-        channel_axis = 1 if fmt.startswith("NC") else -1
+        own = 1 if fmt.startswith("NC") else -1
+        if own % len(out_shape) != channel_axis % len(out_shape):
+            return False
     elif channel_axis != -1:
         # An Add: the raw bias operand must broadcast along the channel axis.
         raw = [t for t in g.nodes[m["add"]]["raw_inputs"]

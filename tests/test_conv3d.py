@@ -279,3 +279,42 @@ def test_transpose_blocks_verify_and_train():
     losses = [float(opt.step(x, y)) for _ in range(3)]
     assert all(np.isfinite(losses)) and int(opt.skipped_steps) == 0
     assert losses[-1] < losses[0]
+
+
+def test_spec_reads_the_rank_from_its_lists():
+    spec = conv.ConvSpec((2, 3, 1, 2, 4), strides=(1, 2, 1, 3, 1), padding=b"SAME")
+    assert spec.rank == 3 and spec.data_format == "NDHWC" and spec.dilations == (1,) * 5
+    assert (spec.kernel_hw, spec.strides_hw) == ((2, 3, 1), (2, 1, 3))
+    first = conv.ConvSpec((2, 2, 2, 1, 1), strides=(1, 1, 2, 1, 3), data_format="NCDHW",
+                          padding="EXPLICIT", explicit_paddings=(0, 0, 0, 0, 1, 2, 3, 4, 5, 6))
+    assert first.strides_hw == (2, 1, 3) and first.explicit_paddings_hw == ((1, 2), (3, 4), (5, 6))
+    with pytest.raises(ValueError, match="kernel_shape"):
+        conv.ConvSpec((2, 2, 1, 1), strides=(1,) * 5)
+    with pytest.raises(ValueError, match="data_format"):
+        conv.ConvSpec((2, 2, 1, 1), data_format="NDHWC")
+    with pytest.raises(ValueError, match="4 or 5"):
+        conv.ConvSpec((2, 1), strides=(1, 1, 1))
+
+
+@pytest.mark.parametrize("layer,shape", [(keras.layers.Conv3D, (2, 5, 5, 5)),
+                                         (keras.layers.Conv2D, (2, 5, 5))])
+def test_channels_first_bias_on_the_axis_keras_adds_it(layer, shape):
+    """Keras's `add` writes a channels-first bias as an NHWC BiasAdd when the
+    channel count equals the last spatial size (here 3): the bias then goes
+    along W, and the pass must not take it for the conv's bias (float32:
+    TF's CPU Conv3D runs NCDHW only there)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input(shape),
+                              layer(3, 2, strides=2, padding="same", data_format="channels_first"),
+                              keras.layers.Flatten(), keras.layers.Dense(3)])
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+    args = (tf.random.stateless_normal((3,) + shape, seed=[1, 2]), tf.constant([0, 1, 2]))
+    reg = loss_fn.registration(*args)
+    assert reg.layers[0].kind in ("conv2d", "conv3d") and len(reg.layers[0].variables) == 1
+    for g, w in zip(kg.per_example_gradients(loss_fn, *args),
+                    one_example_loop(loss_fn, args, reg.variables)):
+        assert_close(g.numpy(), w.numpy(), 1e-4)
