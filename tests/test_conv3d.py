@@ -61,8 +61,8 @@ def _check_rule(kernel, stride, dilation, padding, fmt, bias, methods=("auto",),
 
     def op(a, w, *b):
         pads = [[0, 0]] + [list(_pads(size, kernel, stride, dilation, padding))] * 3 + [[0, 0]]
-        y = tf.nn.conv3d(tf.pad(a, pads), _zero_dilated(w, dilation), [1, stride, stride, stride, 1],
-                         "VALID")
+        y = tf.nn.conv3d(tf.pad(a, pads), _zero_dilated(w, dilation),
+                         [1, stride, stride, stride, 1], "VALID")
         return y + b[0] if b else y
 
     rng = np.random.default_rng(kernel * 100 + stride * 10 + dilation)

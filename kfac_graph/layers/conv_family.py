@@ -11,8 +11,8 @@ A kind's rule (`ConvRule`, `DepthwiseRule`) says how to contract one use's
 patches with its gradient (`KERNELS`, chosen by `auto_method` unless the
 rule's `method` names one), when the Gram ("ghost") form of the norm is
 cheaper (`gram_dims`: the contracted widths), and that form (`gram_norms`).
-Everything else is here: NHWC layouts and geometry per use
-(`conv_geometry.nhwc_use`, channels-last in 2-D and 3-D), the sum over uses, the bias, and the norms.
+Everything else is here: channels-last layouts (2-D or 3-D) and geometry
+per use (`conv_geometry.nhwc_use`), the sum over uses, the bias, and the norms.
 """
 
 import dataclasses

@@ -19,8 +19,8 @@ split as `(p, q, j, c')` and `group_features` regroups them per group,
 
 Everything downstream works channels-last (NHWC, NDHWC). For output position
 `(y, x)` and kernel tap `(p, q)` a convolution reads input row
-`y*s_h + p*d_h - pad_top` (and the same for columns); `tap_views` returns, for every tap, the `[B, Ho, Wo, C]`
-slab of the padded input that tap multiplies, so that
+`y*s_h + p*d_h - pad_top` (and the same for columns); `tap_views` returns, for
+every tap, the `[B, Ho, Wo, C]` slab of the padded input that tap multiplies, so that
 
     conv(a, W)[y, x, o] = sum_{p,q,c} tap_{p,q}(a)[y, x, c] W[p, q, c, o].
 
@@ -42,8 +42,8 @@ order like the flattened kernel `[kh, kw, C, ...]`: the matrix of
 see README's kernel-choice table). The indices are computed in the graph
 (constant-folded), so a large image adds no constant to a saved graph.
 
-Spatial sizes must be static for the tap views and the gather (batch may be
-dynamic); in 2-D `extract_patches` falls back to `tf.image.extract_patches`.
+Spatial sizes must be static for the tap views and the gather (batch may be dynamic);
+in 2-D `extract_patches` falls back to `tf.image.extract_patches`.
 """
 
 import dataclasses
@@ -57,7 +57,7 @@ from kfac_graph.layers.uses import batch_size
 
 _PADDINGS = ("SAME", "VALID", "EXPLICIT")
 _FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
-_FORMATS_3D = {"NHWC": "NDHWC", "NCHW": "NCDHW"}  # the default names channels-last/first
+_FORMATS_3D = {"NHWC": "NDHWC", "NCHW": "NCDHW"}  # 2-D names read as channels-last/first
 
 
 def _text(value):
@@ -196,11 +196,11 @@ def gather_patches(x, kernel, strides, dilations, out_size):
             f"gather_patches: a {sizes} input is too small for {tuple(out_size)} outputs of a "
             f"{tuple(kernel)} kernel with strides {tuple(strides)} and dilations {tuple(dilations)}"
         )
+    along = lambda v, j: tf.reshape(v, [-1 if a == j else 1 for a in range(2 * n)])  # noqa: E731
     index = 0  # [*out_size, *kernel]: the flat row, Horner's rule over the axes
     for i in range(n):
-        at = lambda j, v: tf.reshape(v, [v.shape[0] if a == j else 1 for a in range(2 * n)])  # noqa: E731
-        index = (index * sizes[i] + at(i, tf.range(out_size[i]) * strides[i])
-                 + at(n + i, tf.range(kernel[i]) * dilations[i]))
+        index = (index * sizes[i] + along(tf.range(out_size[i]) * strides[i], i)
+                 + along(tf.range(kernel[i]) * dilations[i], n + i))
     flat = tf.reshape(x, [-1, math.prod(sizes), c])
     patches = tf.gather(flat, tf.reshape(index, [-1]), axis=1)
     return tf.reshape(patches, [-1, math.prod(out_size), math.prod(kernel) * c])
@@ -269,7 +269,8 @@ def nhwc_use(a, g, spec):
                          f"({spec.groups} group(s) of {spec.kernel_shape[2]})")
     if tuple(g.shape[1:-1]) != geo.out_size:
         raise ValueError(
-            f"g spatial shape {g.shape[1:-1]} does not match the convolution's output {geo.out_size}"
+            f"g spatial shape {g.shape[1:-1]} does not match the convolution's output "
+            f"{geo.out_size}"
         )
     return a, g, geo
 
