@@ -1,7 +1,7 @@
 """Atrous convolutions: the dilated convolution that TensorFlow writes as
 ``SpaceToBatchND -> conv -> BatchToSpaceND`` (Keras's Conv1D, DepthwiseConv1D,
-DepthwiseConv2D, SeparableConv1D/2D and, on some paths, Conv2D with
-``dilation_rate > 1``; ``tf.nn.atrous_conv2d``; ``tf.nn.convolution`` with
+DepthwiseConv2D, SeparableConv1D/2D and, on some paths, Conv2D and Conv3D
+with ``dilation_rate > 1``; ``tf.nn.atrous_conv2d``; ``tf.nn.convolution`` with
 dilations).
 
 Math, per spatial axis with block ``d``: SpaceToBatchND pads the input ``x``
@@ -20,7 +20,7 @@ eats into ``x``) has no such convolution.
 Contract: ``atrous_attrs(g, roles, x) -> dict`` for a match of the atrous
 patterns (roles ``s2b``, ``op``, ``b2s``; ``x`` the tensor SpaceToBatchND
 reads): the use attributes of that dilated convolution in the op's NHWC
-layout (``dilations``, ``strides``, ``padding``, ``explicit_paddings``,
+(Conv3D: NDHWC) layout (``dilations``, ``strides``, ``padding``, ``explicit_paddings``,
 ``data_format``, ``input_shape``, ``output_shape``), or
 ``{"unsupported": reason}`` (one line) for a form it cannot state exactly;
 the layer then falls back to ``"generic"`` with that reason. A 1-D block
@@ -62,19 +62,22 @@ def _attrs(g, roles, x) -> dict:
     if block != _const(g, b2s, 1, "block shape is"):
         raise Unsupported("SpaceToBatchND and BatchToSpaceND have different block shapes")
     attrs = g.nodes[op]["attrs"]
-    if attrs.get("data_format", "NHWC") != "NHWC":
-        raise Unsupported(f"the conv's data format is {attrs['data_format']}")
-    if any(v != 1 for v in attrs.get("strides", (1,) * 4) + attrs.get("dilations", (1,) * 4)):
-        raise Unsupported("the conv itself is strided or dilated")
     kernel = ir.shape_of(g, g.nodes[op]["raw_inputs"][1])
     inner = ir.shape_of(g, g.nodes[op]["raw_inputs"][0])
     x_shape, y_shape = ir.shape_of(g, x), g.nodes[b2s]["shapes"][0]
-    if None in (kernel, inner, x_shape, y_shape) or len(kernel) != 4 or len(inner) != 4:
+    if (None in (kernel, inner, x_shape, y_shape) or len(kernel) not in (4, 5)
+            or len(inner) != len(kernel)):
         raise Unsupported("its shapes are not known while tracing")
+    n = len(kernel) - 2  # the op's spatial axes
+    fmt = "NHWC" if n == 2 else "NDHWC"
+    if attrs.get("data_format", fmt) != fmt:
+        raise Unsupported(f"the conv's data format is {attrs['data_format']}")
+    if any(v != 1 for v in tuple(attrs.get("strides", ())) + tuple(attrs.get("dilations", ()))):
+        raise Unsupported("the conv itself is strided or dilated")
     axes = _spatial_axes(len(block), len(x_shape), inner, ir.shape_of(g, ir.tensor_name(s2b)),
                          kernel)
     own = _own_padding(attrs, kernel)
-    dilations, pads = [1, 1], [(0, 0), (0, 0)]
+    dilations, pads = [1] * n, [(0, 0)] * n
     for i, axis in enumerate(axes):
         d, (p0, p1), (c0, c1) = block[i], paddings[i], crops[i]
         q0, q1 = own[axis]
@@ -82,25 +85,26 @@ def _attrs(g, roles, x) -> dict:
         pads[axis] = (p0 - c0 + d * q0, p1 - c1 + d * q1)
     if any(p < 0 for pair in pads for p in pair):
         raise Unsupported(f"its crops exceed its paddings (explicit padding {pads} on the input)")
-    for axis in {0, 1} - set(axes):
+    for axis in set(range(n)) - set(axes):
         pads[axis] = own[axis]
     in_shape, out_shape = _nhwc(x_shape, axes), _nhwc(y_shape, axes)
-    for axis in (0, 1):
+    for axis in range(n):
         size, want = in_shape[axis + 1], out_shape[axis + 1]
         span = dilations[axis] * (kernel[axis] - 1)
         if None not in (size, want) and size + sum(pads[axis]) - span != want:
             raise Unsupported("its output size is not that of a dilated convolution")
-    explicit = (0, 0, *pads[0], *pads[1], 0, 0)
-    return {"dilations": (1, *dilations, 1), "strides": (1, 1, 1, 1), "data_format": "NHWC",
+    explicit = (0, 0, *(p for pair in pads for p in pair), 0, 0)
+    return {"dilations": (1, *dilations, 1), "strides": (1,) * (n + 2), "data_format": fmt,
             "padding": "EXPLICIT" if any(explicit) else "VALID",
             "explicit_paddings": explicit if any(explicit) else (),
             "input_shape": in_shape, "output_shape": out_shape}
 
 
 def _spatial_axes(m, rank, inner, phases, kernel) -> tuple:
-    """The op's spatial axes (0: H, 1: W) that the block's axes are."""
-    if m == 2 and rank == 4:
-        return (0, 1)
+    """The op's spatial axes (0: H, 1: W; Conv3D: 0: D, 1: H, 2: W) that the
+    block's axes are."""
+    if m == rank - 2 == len(kernel) - 2:
+        return tuple(range(m))
     if m == 1 and rank == 4:  # a block on H only (the conv's W undilated)
         return (0,)
     if m == 1 and rank == 3 and phases is not None:  # Conv1D: a unit axis added by the op
@@ -108,7 +112,8 @@ def _spatial_axes(m, rank, inner, phases, kernel) -> tuple:
             if (inner[unit + 1] == 1 and kernel[unit] == 1
                     and _same(inner[:unit + 1] + inner[unit + 2:], phases)):
                 return (1 - unit,)
-    raise Unsupported(f"a {m}-D block on a rank-{rank} input is not a 1-D or 2-D convolution")
+    raise Unsupported(f"a {m}-D block on a rank-{rank} input is not a 1-D, 2-D or 3-D "
+                      f"convolution's")
 
 
 def _same(a, b) -> bool:
@@ -117,19 +122,19 @@ def _same(a, b) -> bool:
 
 def _own_padding(attrs, kernel) -> list:
     """The conv's own ``(before, after)`` padding per spatial axis (stride 1)."""
-    padding = attrs.get("padding", "VALID")
+    padding, n = attrs.get("padding", "VALID"), len(kernel) - 2
     if padding == "SAME":
-        return [((k - 1) // 2, k - 1 - (k - 1) // 2) for k in kernel[:2]]
+        return [((k - 1) // 2, k - 1 - (k - 1) // 2) for k in kernel[:n]]
     if padding == "EXPLICIT":
         p = attrs.get("explicit_paddings", ())
-        return [(p[2], p[3]), (p[4], p[5])]
-    return [(0, 0), (0, 0)]
+        return [(p[2 * i], p[2 * i + 1]) for i in range(1, n + 1)]
+    return [(0, 0)] * n
 
 
 def _nhwc(shape, axes) -> tuple:
     """A rank-3 ``[B, L, C]`` shape as the op's ``[B, H, W, C]`` (a unit axis
-    where the op added one); a rank-4 shape as it is."""
+    where the op added one); a rank-4 or rank-5 shape as it is."""
     shape = tuple(shape)
-    if len(shape) == 4:
+    if len(shape) != 3:
         return shape
     return (shape[0], shape[1], 1, shape[2]) if axes == (0,) else (shape[0], 1, shape[1], shape[2])

@@ -22,9 +22,12 @@ import networkx as nx
 from passes import ir, scale_shift_use
 from passes.atrous import atrous_attrs
 from passes.matcher import find_matches
-from passes.patterns import LAYER_PATTERNS, Pattern, einsum_kernel_layout
+from passes.catalogue import LAYER_PATTERNS
+from passes.patterns import Pattern, einsum_kernel_layout
 
-_KERNEL_KINDS = frozenset({"dense", "conv2d", "depthwise_conv2d", "conv2d_transpose"})
+_TRANSPOSE_KINDS = frozenset({"conv2d_transpose", "conv3d_transpose"})
+_CONV_KINDS = frozenset({"conv2d", "conv3d", "depthwise_conv2d"}) | _TRANSPOSE_KINDS
+_KERNEL_KINDS = _CONV_KINDS | {"dense"}
 _OP_ATTRS = ("strides", "dilations", "padding", "explicit_paddings", "data_format",
              "transpose_a", "transpose_b", "adj_x", "adj_y", "equation", "epsilon",
              "is_training", "exponential_avg_factor")
@@ -137,10 +140,10 @@ def _use(g, pattern: Pattern, roles) -> Use:
                   else ("oi" if data["attrs"].get("transpose_b") or data["attrs"].get("adj_y") else "io"))
         attrs["transpose_kernel"] = (layout == "oi") != ("t" in roles)
         attrs["input_shape"] = ir.shape_of(g, inputs[0])
-    if pattern.kind in ("conv2d", "depthwise_conv2d", "conv2d_transpose"):
+    if pattern.kind in _CONV_KINDS:
         attrs["kernel_shape"] = ir.shape_of(g, data["raw_inputs"][1])
         attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))
-    if pattern.kind == "conv2d_transpose":
+    if pattern.kind in _TRANSPOSE_KINDS:
         attrs.update(_transpose_attrs(g, data, inputs[0]))
     if "s2b" in roles:
         attrs.update(atrous_attrs(g, roles, inputs[0]))
@@ -151,7 +154,7 @@ def _use(g, pattern: Pattern, roles) -> Use:
 
 
 def _transpose_attrs(g, data, x):
-    """Conv2DBackpropInput: the layer's input is ``out_backprop`` (slot 2);
+    """Conv2DBackpropInput, Conv3DBackpropInputV2: the layer's input is ``out_backprop`` (slot 2);
     ``input_sizes`` (slot 0), the output's shape, when it is a constant."""
     attrs = {"input_shape": ir.shape_of(g, x)}
     sizes = ir.const_value(g, data["inputs"][0])
@@ -161,13 +164,12 @@ def _transpose_attrs(g, data, x):
 
 
 def _channels(shape, data_format):
-    """The channel count of a 4-D convolution input (None when unknown): a
-    grouped Conv2D's kernel reads ``channels / groups`` of them."""
-    if not shape or len(shape) != 4:
+    """The channel count of a 4-D or 5-D convolution input (None when
+    unknown): a grouped Conv2D's kernel reads ``channels / groups`` of them."""
+    if not shape or len(shape) not in (4, 5):
         return None
     fmt = data_format.decode() if isinstance(data_format, bytes) else (data_format or "NHWC")
     return shape[1] if fmt.upper().startswith("NC") else shape[-1]
-    return attrs
 
 
 def _resolve_conflicts(g, groups, on_path, readers):

@@ -9,8 +9,9 @@ variable roles (kernel or scale first), ``inputs`` the tensors the layer reads
 as ``(role, "in", k)`` (the op's k-th input as the original graph has it) or
 ``(role, "out", k)`` (the role's k-th output), ``output`` the role producing the pre-activation.
 
-The catalogue ``LAYER_PATTERNS`` is ordered: larger patterns first, so a
-dense layer with a bias is claimed before the bare MatMul could be.
+This module holds the dense, convolution and embedding patterns; the
+scale-and-shift ones are in ``passes.patterns_scale_shift``, and the ordered
+catalogue of all of them in ``passes.catalogue``.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def _attr(name, value):
     return lambda data: data["attrs"].get(name, value) == value
 
 
-def _var_shape(g, node) -> tuple:
+def var_shape(g, node) -> tuple:
     """The variable's static shape; () when unknown (no pattern then fits)."""
     return g.graph["variables"][g.nodes[node]["variable"]].shape or ()
 
@@ -102,17 +103,21 @@ def _dense_op(data) -> bool:
 
 
 def _dense_kernel_ok(g, m) -> bool:
-    return len(_var_shape(g, m["w"])) == 2
+    return len(var_shape(g, m["w"])) == 2
 
 
 def _bias_fits(g, m, channel_axis) -> bool:
-    bias_shape = _var_shape(g, m["b"])
+    bias_shape = var_shape(g, m["b"])
     out_shape = g.nodes[m["op"]]["shapes"][0]
     if len(bias_shape) != 1 or out_shape is None:
         return False
     if g.nodes[m["add"]]["op"] == "BiasAdd":
+        # the BiasAdd's own channel axis must be the layer's (Keras's `add`
+        # writes a channels-first bias as an NHWC BiasAdd when C equals W)
         fmt = g.nodes[m["add"]]["attrs"].get("data_format", "NHWC")
-        channel_axis = 1 if fmt.startswith("NC") else -1
+        own = 1 if fmt.startswith("NC") else -1
+        if own % len(out_shape) != channel_axis % len(out_shape):
+            return False
     elif channel_axis != -1:
         # An Add: the raw bias operand must broadcast along the channel axis.
         raw = [t for t in g.nodes[m["add"]]["raw_inputs"]
@@ -197,19 +202,37 @@ def _conv(kind, types, name, x_slot=0, check=None):
 
 
 def _static_output_size(g, m) -> bool:
-    """The op's output has a static spatial size (the geometry needs it)."""
+    """The op's output (4-D or 5-D) has a static spatial size (the geometry
+    needs it)."""
     shape = g.nodes[m["op"]]["shapes"][0]
+    if shape is None or len(shape) not in (4, 5):
+        return False
     fmt = g.nodes[m["op"]]["attrs"].get("data_format", "NHWC")
-    spatial = (2, 3) if fmt.startswith("NC") else (1, 2)
-    return shape is not None and len(shape) == 4 and None not in [shape[i] for i in spatial]
+    spatial = shape[2:] if fmt.startswith("NC") else shape[1:-1]
+    return None not in spatial
+
+
+def _ungrouped_3d(g, m) -> bool:
+    """A Conv3D whose kernel reads every input channel (TF's CPU Conv3D has no
+    groups) and whose input has a static spatial size (the patches need it)."""
+    x = ir.shape_of(g, g.nodes[m["op"]]["raw_inputs"][0])
+    fmt = g.nodes[m["op"]]["attrs"].get("data_format", "NDHWC")
+    if x is None or len(x) != 5:
+        return False
+    channels, spatial = (x[1], x[2:]) if fmt.startswith("NC") else (x[-1], x[1:4])
+    return channels == var_shape(g, m["w"])[3] and None not in spatial
 
 
 CONV2D_BIAS, CONV2D = _conv("conv2d", ("Conv2D",), "conv2d")
+CONV3D_BIAS, CONV3D = _conv("conv3d", ("Conv3D",), "conv3d", check=_ungrouped_3d)
 DEPTHWISE_BIAS, DEPTHWISE = _conv("depthwise_conv2d", ("DepthwiseConv2dNative",), "depthwise_conv2d")
 # Conv2DTranspose (and Conv1DTranspose on a unit axis): the input gradient of
 # a forward convolution, Conv2DBackpropInput(input_sizes, filter, out_backprop=x).
 CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE = _conv(
     "conv2d_transpose", ("Conv2DBackpropInput",), "conv2d_transpose", x_slot=2,
+    check=_static_output_size)
+CONV3D_TRANSPOSE_BIAS, CONV3D_TRANSPOSE = _conv(
+    "conv3d_transpose", ("Conv3DBackpropInputV2",), "conv3d_transpose", x_slot=2,
     check=_static_output_size)
 
 # --- embedding -------------------------------------------------------------
@@ -227,119 +250,6 @@ def _const_axis_zero(g, node) -> bool:
     value = ir.const_value(g, g.nodes[node]["inputs"][2])
     return value is not None and int(value) == 0
 
-
-# --- scale and shift ---------------------------------------------------------
-# Normalisers: how the layer's normalised input xhat is recovered from the
-# graph. "identity": xhat = inputs[0]. "center_scale": xhat = (inputs[0] -
-# inputs[1]) * inputs[2]. "fused_inference": xhat = (x - mean) * rsqrt(var +
-# epsilon). "fused_training": as "center_scale" with the batch mean and the
-# batch variance that FusedBatchNorm outputs (Bessel-corrected: undo it).
-# Each tensor is read in the shape its op reads it, and the scale laid out as
-# its op broadcasts it (passes.scale_shift_use): any rank and axis set, group
-# normalisation's [.., G, C/G] included (a Keras GroupNormalization matches
-# KERAS_LAYER_NORM on its grouped input).
-
-MUL = ops("Mul")
-
-
-def _shared_by_examples(param, op):
-    """The variable ``param``, as ``op`` broadcasts it against its output,
-    does not vary along the batch axis (else it is no scale of examples)."""
-    def check(g, m):
-        shape = ir.read_shape(g, m[op], ir.tensor_name(m[param]))
-        out = g.nodes[m[op]]["shapes"][0]
-        return shape is None or out is None or len(shape) < len(out) or shape[0] == 1
-    return check
-
-
-def _same_layout(g, m, gamma_op, beta_op) -> bool:
-    """Scale and shift broadcast against the output the same way (the runtime
-    lays both out as one)."""
-    out = g.nodes[m["add"]]["shapes"][0]
-    shapes = [ir.read_shape(g, m[op], ir.tensor_name(m[v]))
-              for v, op in (("gamma", gamma_op), ("beta", beta_op))]
-    if out is None or None in shapes:
-        return False
-    pad = [(1,) * (len(out) - len(s)) + tuple(s) for s in shapes]
-    return pad[0] == pad[1]
-
-
-# Keras BatchNormalization (training and inference):
-#   m1 = rsqrt * gamma; y = x * m1 + (beta - mean * m1)
-KERAS_BATCH_NORM = Pattern(
-    "keras_batch_norm", "scale_and_shift",
-    {"x": ANY, "mean": ANY, "rsqrt": ops("Rsqrt"), "gamma": VAR, "beta": VAR,
-     "m1": MUL, "xm": MUL, "mm": MUL, "sub": ops("Sub"), "add": ops("AddV2", "Add")},
-    (("rsqrt", "m1", None), ("gamma", "m1", None), ("x", "xm", None), ("m1", "xm", None),
-     ("mean", "mm", None), ("m1", "mm", None), ("beta", "sub", 0), ("mm", "sub", 1),
-     ("xm", "add", None), ("sub", "add", None)),
-    anchor="m1", output="add", params=("gamma", "beta"),
-    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
-    check=lambda g, m: len({m["x"], m["mean"], m["m1"]}) == 3 and _same_layout(g, m, "m1", "sub"))
-KERAS_BATCH_NORM_NO_SCALE = Pattern(
-    "keras_batch_norm_no_scale", "scale_and_shift",
-    {"x": ANY, "mean": ANY, "rsqrt": ops("Rsqrt"), "beta": VAR,
-     "xm": MUL, "mm": MUL, "sub": ops("Sub"), "add": ops("AddV2", "Add")},
-    (("x", "xm", None), ("rsqrt", "xm", None), ("mean", "mm", None), ("rsqrt", "mm", None),
-     ("beta", "sub", 0), ("mm", "sub", 1), ("xm", "add", None), ("sub", "add", None)),
-    anchor="rsqrt", output="add", params=("beta",),
-    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
-    check=lambda g, m: m["x"] != m["mean"])
-# Keras BatchNormalization without a center (beta), in inference:
-#   m1 = rsqrt * gamma; y = x * m1 + (-mean) * m1
-KERAS_BATCH_NORM_NO_CENTER = Pattern(
-    "keras_batch_norm_no_center", "scale_and_shift",
-    {"x": ANY, "mean": ANY, "rsqrt": ops("Rsqrt"), "gamma": VAR, "m1": MUL, "xm": MUL,
-     "neg": ops("Neg"), "mm": MUL, "add": ops("AddV2", "Add")},
-    (("rsqrt", "m1", None), ("gamma", "m1", None), ("x", "xm", None), ("m1", "xm", None),
-     ("mean", "neg", 0), ("neg", "mm", None), ("m1", "mm", None), ("xm", "add", None),
-     ("mm", "add", None)),
-    anchor="m1", output="add", params=("gamma",),
-    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
-    check=lambda g, m: len({m["x"], m["mean"], m["m1"]}) == 3)
-# Keras LayerNormalization:
-#   m = rsqrt * gamma; y = x * m + (-mean * m + beta)
-KERAS_LAYER_NORM = Pattern(
-    "keras_layer_norm", "scale_and_shift",
-    {"x": ANY, "mean": ANY, "rsqrt": ops("Rsqrt"), "gamma": VAR, "beta": VAR,
-     "m": MUL, "neg": ops("Neg"), "m1": MUL, "a1": ops("AddV2", "Add"), "m2": MUL,
-     "add": ops("AddV2", "Add")},
-    (("rsqrt", "m", None), ("gamma", "m", None), ("mean", "neg", 0), ("neg", "m1", None),
-     ("m", "m1", None), ("m1", "a1", None), ("beta", "a1", None), ("x", "m2", None),
-     ("m", "m2", None), ("m2", "add", None), ("a1", "add", None)),
-    anchor="m", output="add", params=("gamma", "beta"),
-    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
-    check=lambda g, m: _same_layout(g, m, "m", "a1"))
-FUSED_BATCH_NORM = Pattern(
-    "fused_batch_norm", "scale_and_shift",
-    {"x": ANY, "op": ops("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"),
-     "gamma": VAR, "beta": VAR},
-    (("x", "op", 0), ("gamma", "op", 1), ("beta", "op", 2)),
-    anchor="op", output="op", params=("gamma", "beta"), inputs=(("op", "in", 0),),
-    normalizer="fused")
-# A variable scale, then a variable shift; or either alone.
-SCALE_SHIFT = Pattern(
-    "scale_shift", "scale_and_shift",
-    {"x": ANY, "mul": MUL, "gamma": VAR, "add": ops("AddV2", "Add"), "beta": VAR},
-    (("x", "mul", None), ("gamma", "mul", None), ("mul", "add", None), ("beta", "add", None)),
-    anchor="mul", output="add", params=("gamma", "beta"), inputs=(("x", "out", 0),),
-    normalizer="identity",
-    check=lambda g, m: (m["x"] != m["gamma"]
-                        and _var_shape(g, m["gamma"]) == _var_shape(g, m["beta"])
-                        and _same_layout(g, m, "mul", "add")
-                        and _shared_by_examples("gamma", "mul")(g, m)))
-SCALE = Pattern(
-    "scale", "scale_and_shift", {"x": ANY, "mul": MUL, "gamma": VAR},
-    (("x", "mul", None), ("gamma", "mul", None)),
-    anchor="mul", output="mul", params=("gamma",), inputs=(("x", "out", 0),),
-    normalizer="identity",
-    check=lambda g, m: m["x"] != m["gamma"] and _shared_by_examples("gamma", "mul")(g, m))
-SHIFT = Pattern(
-    "shift", "scale_and_shift", {"x": ANY, "add": ops("AddV2", "Add", "BiasAdd"), "beta": VAR},
-    (("x", "add", None), ("beta", "add", None)),
-    anchor="add", output="add", params=("beta",), inputs=(("x", "out", 0),),
-    normalizer="identity",
-    check=lambda g, m: m["x"] != m["beta"] and _shared_by_examples("beta", "add")(g, m))
 
 def _transposed_kernel(g, m) -> bool:
     """Transpose(w, perm=[1, 0]) feeding the MatMul (tied weights)."""
@@ -380,16 +290,16 @@ def _atrous(kind, types, name):
 
 
 ATROUS_CONV2D_BIAS, ATROUS_CONV2D = _atrous("conv2d", ("Conv2D",), "atrous_conv2d")
+ATROUS_CONV3D_BIAS, ATROUS_CONV3D = _atrous("conv3d", ("Conv3D",), "atrous_conv3d")
 ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE = _atrous(
     "depthwise_conv2d", ("DepthwiseConv2dNative",), "atrous_depthwise_conv2d")
 
-LAYER_PATTERNS: tuple[Pattern, ...] = (
+DENSE_AND_CONV_PATTERNS: tuple[Pattern, ...] = (
     DENSE_TENSORDOT_BIAS, DENSE_TENSORDOT, DENSE_TRANSPOSED_BIAS, DENSE_TRANSPOSED,
     DENSE_BIAS, DENSE,
-    ATROUS_CONV2D_BIAS, ATROUS_CONV2D, ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE,
-    CONV2D_BIAS, CONV2D, DEPTHWISE_BIAS, DEPTHWISE, CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE,
+    ATROUS_CONV2D_BIAS, ATROUS_CONV2D, ATROUS_CONV3D_BIAS, ATROUS_CONV3D,
+    ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE,
+    CONV2D_BIAS, CONV2D, CONV3D_BIAS, CONV3D, DEPTHWISE_BIAS, DEPTHWISE,
+    CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE, CONV3D_TRANSPOSE_BIAS, CONV3D_TRANSPOSE,
     EMBEDDING,
-    KERAS_BATCH_NORM, KERAS_BATCH_NORM_NO_SCALE, KERAS_BATCH_NORM_NO_CENTER, KERAS_LAYER_NORM,
-    FUSED_BATCH_NORM,
-    SCALE_SHIFT, SCALE, SHIFT,
 )

@@ -139,8 +139,10 @@ def test_registry_has_the_matcher_kinds():
     assert set(DEFAULT.kinds) == {
         "dense",
         "conv2d",
+        "conv3d",
         "depthwise_conv2d",
         "conv2d_transpose",
+        "conv3d_transpose",
         "scale_and_shift",
         "embedding",
     }

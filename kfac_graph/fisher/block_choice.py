@@ -7,8 +7,9 @@ one of the aliases its kind's record allows (``LayerKind.blocks``); today:
 
     kind              "kron"                   "diagonal"              "full"
     dense             FullyConnectedKronecker  FullyConnectedDiagonal  NaiveFull
-    conv2d            ConvKronecker            ConvDiagonal            NaiveFull
+    conv2d, conv3d    ConvKronecker            ConvDiagonal            NaiveFull
     conv2d_transpose  ConvTransposeKronecker   ConvTransposeDiagonal   NaiveFull
+    conv3d_transpose  (the same)
     depthwise_conv2d  DepthwiseConvKronecker   DepthwiseConvDiagonal   NaiveFull
     scale_and_shift   -                        ScaleAndShiftDiagonal   ScaleAndShiftFull
     embedding         EmbeddingKronecker       NaiveDiagonal           NaiveFull

@@ -69,7 +69,7 @@ class ConvTransposeBiasBlock(blocks_base.FullBlock):
     """The bias alone: its exact Fisher from per-example bias gradients."""
 
     def __init__(self, spec, attrs=None, **kwargs):
-        super().__init__([(spec.kernel_shape[2],)], attrs, **kwargs)
+        super().__init__([(spec.kernel_shape[-2],)], attrs, **kwargs)
         self.spec = spec
         self.factor = factors_grad.ExampleGradientFactor(self.num_params, dtype=self.dtype)
         self._init_cache()

@@ -7,10 +7,10 @@ returning a `FisherBlock`; every block class is one.  A kind's record
 names the factories it allows (alias -> a name in `BLOCK_FACTORIES`) and its
 default alias; today's defaults:
 
-  dense, conv2d, depthwise_conv2d -> Kronecker (K-FAC / KFC; with several
-                                     uses, the independent-uses version)
-  conv2d_transpose                 -> ConvTransposeKroneckerBlock (KFC on the
-                                     kernel, the bias's exact block beside it)
+  dense, conv2d, conv3d,          -> Kronecker (K-FAC / KFC; with several
+  depthwise_conv2d                   uses, the independent-uses version)
+  conv2d_transpose,                -> ConvTransposeKroneckerBlock (KFC on the
+  conv3d_transpose                   kernel, the bias's exact block beside it)
   scale_and_shift                  -> full when the parameter count is at most
                                      SCALE_AND_SHIFT_FULL_MAX_PARAMS (1024),
                                      diagonal above

@@ -22,6 +22,7 @@ layouts its per-example rules use.
 """
 
 import functools
+import math
 
 import tensorflow as tf
 
@@ -88,11 +89,12 @@ def _groups(spec):
 class ConvInputFactor(PatchInputFactor):
     """A `[kh*kw*Cin(+1)]^2` of a conv (`spec`: a `kfac_graph.layers.conv.ConvSpec`);
     grouped (G > 1), per group j: A_j `[G, kh*kw*cg(+1), kh*kw*cg(+1)]` from
-    the group's patch features."""
+    the group's patch features; 3-D: `[kd*kh*kw*Cin(+1)]^2`."""
 
     def __init__(self, spec, **kwargs):
-        kh, kw, per_group, _ = spec.kernel_shape
-        super().__init__(spec, conv.input_rows, kh * kw * per_group, _groups(spec), **kwargs)
+        *taps, per_group, _ = spec.kernel_shape
+        super().__init__(spec, conv.input_rows, math.prod(taps) * per_group, _groups(spec),
+                         **kwargs)
 
 
 def conv_output_factor(spec, **kwargs):

@@ -1,5 +1,6 @@
-"""Per-example gradients of a 2-D convolution (`Conv2D`, and Conv1D lowered
-to it).
+"""Per-example gradients of a convolution (`Conv2D`, and Conv1D lowered to
+it; `Conv3D`, kind "conv3d", the same rule over three spatial axes: taps
+`(r, p, q)`, kernel `[kd, kh, kw, Cin, Cout]`; see `conv3d.py`).
 
 Math: with `tap_{p,q}(a_i)[y, x, c]` the input value that kernel tap `(p, q)`
 multiplies at output position `(y, x)` (see `conv_geometry.py`),
@@ -28,7 +29,8 @@ examples or groups in any of them):
 * `"grouped"`: folds the batch into channel groups, `[1, H, W, B*Cin]`, and
   runs the filter-gradient op `Conv2DBackpropFilter` for a B*G-group
   convolution, whose filter `[kh, kw, cg, B*Cout]` is the per-example
-  gradient. TF's CPU kernel supports this only for float32 (oneDNN).
+  gradient. TF's CPU kernel supports this only for float32 (oneDNN), and
+  only in 2-D.
 
 `"auto"`: for strided convolutions a patch-matrix kernel ("gather" without
 XLA, "im2col" under XLA), else "taps": a strided tap costs a reshaped slice
@@ -47,6 +49,7 @@ float64, and the tap arithmetic is written once).
 """
 
 import dataclasses
+import math
 
 import tensorflow as tf
 
@@ -85,8 +88,9 @@ def group_contract(x, g, channels, groups):
 
 
 def _kernel_shape(a, g, geo):
-    """`[B, kh, kw, cg, Cout]`: the per-example kernel gradients' shape."""
-    return [-1, geo.kernel[0], geo.kernel[1], a.shape[-1] // geo.groups, g.shape[-1]]
+    """`[B, kh, kw, cg, Cout]` (3-D: `[B, kd, kh, kw, cg, Cout]`): the
+    per-example kernel gradients' shape."""
+    return [-1, *geo.kernel, a.shape[-1] // geo.groups, g.shape[-1]]
 
 
 def taps_kernel_grads(a, g, geo):
@@ -119,6 +123,8 @@ def im2col_kernel_grads(a, g, geo):
 
 def grouped_kernel_grads(a, g, geo):
     """`[B, kh, kw, cg, Cout]` via `Conv2DBackpropFilter` of a B*G-group conv."""
+    if len(geo.kernel) != 2:
+        raise ValueError(f"the 'grouped' conv method is 2-D only, not {len(geo.kernel)}-D")
     x, dy, strides, dilations, padding = cg.fold_batch_into_channels(a, g, geo)
     batch = uses_lib.batch_size(a)
     per_group, cout = a.shape[-1] // geo.groups, g.shape[-1]
@@ -153,14 +159,14 @@ class ConvRule(PatchRule):
 
     def auto_method(self, spec):
         """Taps at stride 1, else a patch matrix (module docstring)."""
-        if tuple(spec.strides_hw) == (1, 1):
+        if all(s == 1 for s in spec.strides_hw):
             return "taps"
         return "im2col" if xla_lib.resolve_xla(self.xla) else "gather"
 
     def gram_dims(self, spec):
         """Per group: `kh*kw*cg` and `og` (the kernel's `[kh, kw, cg, Cout]`)."""
-        kh, kw, per_group, cout = spec.kernel_shape
-        return kh * kw * per_group, cout // spec.groups
+        *taps, per_group, cout = spec.kernel_shape
+        return math.prod(taps) * per_group, cout // spec.groups
 
     def gram_norms(self, nhwc_uses):
         """The Gram form on the im2col patches, uses concatenated along
@@ -181,7 +187,8 @@ class ConvRule(PatchRule):
 
 def input_rows(a, spec):
     """The A factor's rows: the input patch at every output location,
-    `[N, kh*kw*Cin]` in the flattened kernel's `(p, q, c)` order; grouped,
+    `[N, kh*kw*Cin]` in the flattened kernel's `(p, q, c)` order (3-D:
+    `[N, kd*kh*kw*Cin]`, `(r, p, q, c)`); grouped,
     each group's patch, `[N, G, kh*kw*cg]`."""
     patches = cg.extract_patches(a, spec)
     rows = tf.reshape(patches, [-1, patches.shape[-1]])

@@ -11,8 +11,8 @@ A kind's rule (`ConvRule`, `DepthwiseRule`) says how to contract one use's
 patches with its gradient (`KERNELS`, chosen by `auto_method` unless the
 rule's `method` names one), when the Gram ("ghost") form of the norm is
 cheaper (`gram_dims`: the contracted widths), and that form (`gram_norms`).
-Everything else is here: NHWC layouts and geometry per use
-(`conv_geometry.nhwc_use`), the sum over uses, the bias, and the norms.
+Everything else is here: channels-last layouts (2-D or 3-D) and geometry
+per use (`conv_geometry.nhwc_use`), the sum over uses, the bias, and the norms.
 """
 
 import dataclasses
@@ -74,7 +74,8 @@ class PatchRule:
     @staticmethod
     def bias_grads(nhwc_uses):
         """The bias's per-example gradients `[B, channels out]`, summed over uses."""
-        return uses_lib.add_all([tf.reduce_sum(g, axis=[1, 2]) for _, g, _ in nhwc_uses])
+        return uses_lib.add_all([tf.reduce_sum(g, axis=list(range(1, len(geo.kernel) + 1)))
+                                 for _, g, geo in nhwc_uses])
 
     def per_example_grads(self, uses, spec):
         """The kernel's `[B, *kernel_shape]` and, if `spec.has_bias`, the bias's."""

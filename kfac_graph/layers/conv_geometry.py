@@ -1,12 +1,15 @@
 """The one convolution geometry: attributes, output sizes, padding, patches.
 
-A 2-D convolution (`Conv2D`, `DepthwiseConv2dNative`, and Conv1D lowered to
-them) is described by `ConvAttrs`, read from the op's attributes exactly as
-TensorFlow stores them (4-lists in `data_format` order; padding "SAME",
-"VALID" or "EXPLICIT" with 8 `explicit_paddings`), plus the input's channel
-count, from which a grouped `Conv2D` (kernel `[kh, kw, Cin/G, Cout]`) shows
-its `groups` G. Both the per-example rules and the Fisher factors see the
-input through the functions below.
+A convolution over N = 2 or 3 spatial axes (`Conv2D`, `DepthwiseConv2dNative`,
+Conv1D lowered to them; `Conv3D`) is described by `ConvAttrs`, read from the
+op's attributes exactly as TensorFlow stores them ((N+2)-lists in
+`data_format` order, NHWC/NCHW or NDHWC/NCDHW, so N is `len(strides) - 2`;
+padding "SAME", "VALID" or "EXPLICIT" with 2(N+2) `explicit_paddings`), plus
+the input's channel count, from which a grouped `Conv2D` (kernel
+`[kh, kw, Cin/G, Cout]`) shows its `groups` G. Both the per-example rules and
+the Fisher factors see the input through the functions below, which work per
+spatial axis: written here in 2-D, 3-D adds a depth axis (tap `r`, stride
+`s_d`, ...) the same way, taps and features in `(r, p, q, c)` order.
 
 Groups (Keras `Conv2D(groups=G)`, `Conv1D(groups=G)`): group j reads input
 channels `j*cg ... (j+1)*cg - 1` (`cg = Cin/G`) and writes output channels
@@ -14,10 +17,10 @@ channels `j*cg ... (j+1)*cg - 1` (`cg = Cin/G`) and writes output channels
 split as `(p, q, j, c')` and `group_features` regroups them per group,
 `[..., G, kh*kw*cg]` in the kernel's `(p, q, c')` row order.
 
-Everything downstream works in NHWC. For output position `(y, x)` and kernel
-tap `(p, q)` a convolution reads input row `y*s_h + p*d_h - pad_top` (and the
-same for columns); `tap_views` returns, for every tap, the `[B, Ho, Wo, C]`
-slab of the padded input that tap multiplies, so that
+Everything downstream works channels-last (NHWC, NDHWC). For output position
+`(y, x)` and kernel tap `(p, q)` a convolution reads input row
+`y*s_h + p*d_h - pad_top` (and the same for columns); `tap_views` returns, for
+every tap, the `[B, Ho, Wo, C]` slab of the padded input that tap multiplies, so that
 
     conv(a, W)[y, x, o] = sum_{p,q,c} tap_{p,q}(a)[y, x, c] W[p, q, c, o].
 
@@ -39,12 +42,12 @@ order like the flattened kernel `[kh, kw, C, ...]`: the matrix of
 see README's kernel-choice table). The indices are computed in the graph
 (constant-folded), so a large image adds no constant to a saved graph.
 
-Spatial sizes must be static for the tap views and the gather (batch may be
-dynamic); `extract_patches` falls back to `tf.image.extract_patches` when
-they are not.
+Spatial sizes must be static for the tap views and the gather (batch may be dynamic);
+in 2-D `extract_patches` falls back to `tf.image.extract_patches`.
 """
 
 import dataclasses
+import itertools
 import math
 from typing import Optional, Tuple
 
@@ -53,7 +56,8 @@ import tensorflow as tf
 from kfac_graph.layers.uses import batch_size
 
 _PADDINGS = ("SAME", "VALID", "EXPLICIT")
-_FORMATS = ("NHWC", "NCHW")
+_FORMATS = ("NHWC", "NCHW", "NDHWC", "NCDHW")
+_FORMATS_3D = {"NHWC": "NDHWC", "NCHW": "NCDHW"}  # 2-D names read as channels-last/first
 
 
 def _text(value):
@@ -69,17 +73,19 @@ def _ints(values, name, length=None):
 
 @dataclasses.dataclass(frozen=True)
 class ConvAttrs:
-    """Attributes of `Conv2D` and `DepthwiseConv2dNative`, plus the kernel.
+    """Attributes of `Conv2D`, `DepthwiseConv2dNative` and `Conv3D`, plus the kernel.
 
-    `strides`, `dilations` are 4-lists in `data_format` order; `explicit_paddings`
-    is TF's 8-int list (pairs per dimension, in `data_format` order), used only
-    when `padding == "EXPLICIT"`. Lists are stored as tuples; byte strings (as
+    `strides`, `dilations` are (N+2)-lists in `data_format` order (N = `rank`,
+    2, or 3 for 5-lists); `explicit_paddings` is TF's 2(N+2)-int list (pairs
+    per dimension, in `data_format` order), used only when
+    `padding == "EXPLICIT"`. The `*_hw` properties are per spatial axis:
+    `(H, W)`, or `(D, H, W)` in 3-D. Lists are stored as tuples; byte strings (as
     read from a NodeDef) are accepted for `padding` and `data_format`.
     """
 
-    kernel_shape: Tuple[int, int, int, int]
+    kernel_shape: Tuple[int, ...]
     strides: Tuple[int, ...] = (1, 1, 1, 1)
-    dilations: Tuple[int, ...] = (1, 1, 1, 1)
+    dilations: Tuple[int, ...] = ()
     padding: str = "VALID"
     explicit_paddings: Tuple[int, ...] = ()
     data_format: str = "NHWC"
@@ -88,21 +94,26 @@ class ConvAttrs:
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # frozen dataclass  # noqa: E731
-        put("kernel_shape", _ints(self.kernel_shape, "kernel_shape", 4))
-        put("strides", _ints(self.strides, "strides", 4))
-        put("dilations", _ints(self.dilations or (1, 1, 1, 1), "dilations", 4))
+        put("strides", _ints(self.strides, "strides"))
+        n = len(self.strides)
+        if n not in (4, 5):
+            raise ValueError(f"strides must have 4 or 5 entries, got {self.strides}")
+        put("kernel_shape", _ints(self.kernel_shape, "kernel_shape", n))
+        put("dilations", _ints(self.dilations or (1,) * n, "dilations", n))
         put("padding", _text(self.padding).upper())
-        put("data_format", _text(self.data_format).upper())
+        fmt = _text(self.data_format).upper()
+        put("data_format", _FORMATS_3D.get(fmt, fmt) if n == 5 else fmt)
         put("explicit_paddings", _ints(self.explicit_paddings or (), "explicit_paddings"))
         if self.padding not in _PADDINGS:
             raise ValueError(f"padding must be one of {_PADDINGS}, got {self.padding}")
-        if self.data_format not in _FORMATS:
-            raise ValueError(f"data_format must be one of {_FORMATS}, got {self.data_format}")
-        if self.padding == "EXPLICIT" and len(self.explicit_paddings) != 8:
-            raise ValueError("EXPLICIT padding needs 8 explicit_paddings")
+        if self.data_format not in _FORMATS or len(self.data_format) != n:
+            raise ValueError(f"data_format must be one of {_FORMATS} with {n} axes, "
+                             f"got {self.data_format}")
+        if self.padding == "EXPLICIT" and len(self.explicit_paddings) != 2 * n:
+            raise ValueError(f"EXPLICIT padding needs {2 * n} explicit_paddings")
         if self.input_channels is not None:
             put("input_channels", int(self.input_channels))
-            per_group, cout = self.kernel_shape[2], self.kernel_shape[3]
+            per_group, cout = self.kernel_shape[-2], self.kernel_shape[-1]
             if self.input_channels % per_group or cout % (self.input_channels // per_group or 1):
                 raise ValueError(f"{self.input_channels} input channels do not split into groups "
                                  f"of the kernel's {per_group} with {cout} outputs")
@@ -112,35 +123,39 @@ class ConvAttrs:
         """G: input channels over the kernel's input channels (1 when unknown)."""
         if self.input_channels is None:
             return 1
-        return self.input_channels // self.kernel_shape[2]
+        return self.input_channels // self.kernel_shape[-2]
+
+    @property
+    def rank(self):
+        """N: the number of spatial axes (2, or 3 for `Conv3D`)."""
+        return len(self.strides) - 2
 
     @property
     def _spatial(self):
-        """Indices of H and W in `data_format` order."""
-        return (1, 2) if self.data_format == "NHWC" else (2, 3)
+        """Indices of the spatial axes ((D,) H, W) in `data_format` order."""
+        first = 1 if self.data_format.endswith("C") else 2
+        return tuple(range(first, first + self.rank))
 
     @property
     def kernel_hw(self):
-        return self.kernel_shape[0], self.kernel_shape[1]
+        return self.kernel_shape[:self.rank]
 
     @property
     def strides_hw(self):
-        h, w = self._spatial
-        return self.strides[h], self.strides[w]
+        return tuple(self.strides[i] for i in self._spatial)
 
     @property
     def dilations_hw(self):
-        h, w = self._spatial
-        return self.dilations[h], self.dilations[w]
+        return tuple(self.dilations[i] for i in self._spatial)
 
     @property
     def explicit_paddings_hw(self):
-        """((top, bottom), (left, right)) for EXPLICIT padding, else None."""
+        """((top, bottom), (left, right)) (3-D: depth's pair first) for
+        EXPLICIT padding, else None."""
         if self.padding != "EXPLICIT":
             return None
         p = self.explicit_paddings
-        h, w = self._spatial
-        return (p[2 * h], p[2 * h + 1]), (p[2 * w], p[2 * w + 1])
+        return tuple((p[2 * i], p[2 * i + 1]) for i in self._spatial)
 
     @classmethod
     def from_attrs(cls, kernel_shape, attrs, has_bias=False):
@@ -168,29 +183,33 @@ def output_and_padding(size, k, s, d, padding, explicit=(0, 0)):
 
 
 def gather_patches(x, kernel, strides, dilations, out_size):
-    """`[B, Ho*Wo, kh*kw*C]` patches of the padded NHWC `x` (module docstring).
+    """`[B, Ho*Wo, kh*kw*C]` patches of the padded channels-last `x` (module
+    docstring; 3-D: `[B, Do*Ho*Wo, kd*kh*kw*C]`).
 
     `x` must have static spatial dimensions and hold every row the
-    convolution reads: `(Ho-1)*sh + (kh-1)*dh < Hp`, likewise for columns.
+    convolution reads: `(Ho-1)*sh + (kh-1)*dh < Hp`, likewise per axis.
     """
-    (kh, kw), (sh, sw), (dh, dw), (ho, wo) = kernel, strides, dilations, out_size
-    hp, wp, c = x.shape[1], x.shape[2], x.shape[3]
-    if (ho - 1) * sh + (kh - 1) * dh >= hp or (wo - 1) * sw + (kw - 1) * dw >= wp:
+    sizes, c, n = tuple(x.shape[1:-1]), x.shape[-1], len(kernel)
+    if any((o - 1) * s + (k - 1) * d >= size
+           for k, s, d, o, size in zip(kernel, strides, dilations, out_size, sizes)):
         raise ValueError(
-            f"gather_patches: a {hp}x{wp} input is too small for {ho}x{wo} outputs of a "
-            f"{kh}x{kw} kernel with strides {(sh, sw)} and dilations {(dh, dw)}"
+            f"gather_patches: a {sizes} input is too small for {tuple(out_size)} outputs of a "
+            f"{tuple(kernel)} kernel with strides {tuple(strides)} and dilations {tuple(dilations)}"
         )
-    rows = tf.range(ho)[:, None, None, None] * sh + tf.range(kh)[None, None, :, None] * dh
-    cols = tf.range(wo)[None, :, None, None] * sw + tf.range(kw)[None, None, None, :] * dw
-    index = tf.reshape(rows * wp + cols, [-1])
-    flat = tf.reshape(x, [-1, hp * wp, c])
-    patches = tf.gather(flat, index, axis=1)
-    return tf.reshape(patches, [-1, ho * wo, kh * kw * c])
+    along = lambda v, j: tf.reshape(v, [-1 if a == j else 1 for a in range(2 * n)])  # noqa: E731
+    index = 0  # [*out_size, *kernel]: the flat row, Horner's rule over the axes
+    for i in range(n):
+        index = (index * sizes[i] + along(tf.range(out_size[i]) * strides[i], i)
+                 + along(tf.range(kernel[i]) * dilations[i], n + i))
+    flat = tf.reshape(x, [-1, math.prod(sizes), c])
+    patches = tf.gather(flat, tf.reshape(index, [-1]), axis=1)
+    return tf.reshape(patches, [-1, math.prod(out_size), math.prod(kernel) * c])
 
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """Per-dimension numbers of one 2-D convolution, NHWC order."""
+    """Per-axis numbers of one convolution, spatial axes in channels-last
+    order ((D,) H, W)."""
 
     kernel: tuple  # (kh, kw)
     strides: tuple  # (sh, sw)
@@ -202,14 +221,15 @@ class Geometry:
 
     @property
     def positions(self):
-        return self.out_size[0] * self.out_size[1]
+        return math.prod(self.out_size)
 
 
 def geometry(spec, in_size):
-    """The `Geometry` of `spec` (a conv/depthwise spec) on input `(H, W)`."""
-    explicit = spec.explicit_paddings_hw or ((0, 0), (0, 0))
+    """The `Geometry` of `spec` (a conv/depthwise spec) on input `(H, W)`
+    (3-D: `(D, H, W)`)."""
+    explicit = spec.explicit_paddings_hw or ((0, 0),) * spec.rank
     outs, pads = [], []
-    for i in range(2):
+    for i in range(spec.rank):
         out, pad = output_and_padding(
             in_size[i],
             spec.kernel_hw[i],
@@ -232,35 +252,39 @@ def geometry(spec, in_size):
 
 
 def to_nhwc(x, data_format):
-    """`x` in NHWC (a transpose for NCHW)."""
-    return x if data_format == "NHWC" else tf.transpose(x, [0, 2, 3, 1])
+    """`x` channels-last (a transpose for NCHW, NCDHW)."""
+    if data_format.endswith("C"):
+        return x
+    return tf.transpose(x, [0, *range(2, len(data_format)), 1])
 
 
 def nhwc_use(a, g, spec):
-    """`(a, g, geometry)` for one use, both tensors in NHWC."""
+    """`(a, g, geometry)` for one use, both tensors channels-last."""
     a = to_nhwc(a, spec.data_format)
     g = to_nhwc(g, spec.data_format)
-    geo = geometry(spec, (a.shape[1], a.shape[2]))
-    channels = spec.kernel_shape[2] * spec.groups
+    geo = geometry(spec, tuple(a.shape[1:-1]))
+    channels = spec.kernel_shape[-2] * spec.groups
     if a.shape[-1] is not None and a.shape[-1] != channels:
         raise ValueError(f"the input has {a.shape[-1]} channels; the kernel reads {channels} "
                          f"({spec.groups} group(s) of {spec.kernel_shape[2]})")
-    if (g.shape[1], g.shape[2]) != geo.out_size:
+    if tuple(g.shape[1:-1]) != geo.out_size:
         raise ValueError(
-            f"g spatial shape {g.shape[1:3]} does not match the convolution's output {geo.out_size}"
+            f"g spatial shape {g.shape[1:-1]} does not match the convolution's output "
+            f"{geo.out_size}"
         )
     return a, g, geo
 
 
-def pad_input(a, geo, multiple_of=(1, 1), min_size=(0, 0)):
-    """Zero-pads NHWC `a` as the convolution does, then (at the end) further up
-    to at least `min_size` and to a multiple of `multiple_of` per dimension."""
+def pad_input(a, geo, multiple_of=None, min_size=None):
+    """Zero-pads channels-last `a` as the convolution does, then (at the end)
+    further up to at least `min_size` and to a multiple of `multiple_of` per
+    spatial axis (default: neither)."""
     paddings = [[0, 0]]
-    for i in range(2):
-        before, after = geo.pads[i]
+    for i, (before, after) in enumerate(geo.pads):
         size = geo.in_size[i] + before + after
-        target = max(size, min_size[i])
-        target = multiple_of[i] * math.ceil(target / multiple_of[i])
+        target = max(size, min_size[i]) if min_size else size
+        if multiple_of:
+            target = multiple_of[i] * math.ceil(target / multiple_of[i])
         paddings.append([before, after + target - size])
     paddings.append([0, 0])
     if all(p == [0, 0] for p in paddings):
@@ -269,36 +293,36 @@ def pad_input(a, geo, multiple_of=(1, 1), min_size=(0, 0)):
 
 
 def tap_views(a, geo):
-    """List over taps `(p, q)` (row-major) of `[B, Ho, Wo, C]` input slabs."""
-    (kh, kw), (sh, sw), (dh, dw) = geo.kernel, geo.strides, geo.dilations
-    ho, wo = geo.out_size
-    need = (sh * ((kh - 1) * dh // sh + ho), sw * ((kw - 1) * dw // sw + wo))
-    ap = pad_input(a, geo, multiple_of=(sh, sw), min_size=need)
-    hp, wp, c = ap.shape[1], ap.shape[2], ap.shape[3]
-    if sh == 1 and sw == 1:
-        return [
-            ap[:, p * dh : p * dh + ho, q * dw : q * dw + wo, :]
-            for p in range(kh)
-            for q in range(kw)
-        ]
-    r = tf.reshape(ap, [-1, hp // sh, sh, wp // sw, sw, c])
+    """List over taps `(p, q)` (row-major; 3-D `(r, p, q)`) of `[B, Ho, Wo, C]`
+    (3-D `[B, Do, Ho, Wo, C]`) input slabs."""
+    axes = list(zip(geo.kernel, geo.strides, geo.dilations, geo.out_size))
+    need = tuple(s * ((k - 1) * d // s + o) for k, s, d, o in axes)
+    ap = pad_input(a, geo, multiple_of=geo.strides, min_size=need)
+    taps = itertools.product(*(range(k) for k in geo.kernel))
+    every = slice(None)
+    if all(s == 1 for s in geo.strides):
+        return [ap[(every, *(slice(t * d, t * d + o) for t, (_, _, d, o) in zip(tap, axes)), every)]
+                for tap in taps]
+    r = tf.reshape(ap, [-1, *(v for size, s in zip(ap.shape[1:-1], geo.strides)
+                              for v in (size // s, s)), ap.shape[-1]])
     views = []
-    for p in range(kh):
-        for q in range(kw):
-            y0, ry = divmod(p * dh, sh)
-            x0, rx = divmod(q * dw, sw)
-            views.append(r[:, y0 : y0 + ho, ry, x0 : x0 + wo, rx, :])
+    for tap in taps:
+        index = [every]
+        for t, (_, s, d, o) in zip(tap, axes):
+            start, phase = divmod(t * d, s)
+            index += [slice(start, start + o), phase]
+        views.append(r[(*index, every)])
     return views
 
 
 def im2col(a, geo):
     """`[B, Ho*Wo, kh*kw*C]` patches, features ordered `(p, q, c)` like the
-    flattened kernel `[kh, kw, C, ...]`."""
+    flattened kernel `[kh, kw, C, ...]` (3-D: `(r, p, q, c)`)."""
     views = tap_views(a, geo)
     c = a.shape[-1]
     if len(views) == 1:
         return tf.reshape(views[0], [-1, geo.positions, c])
-    patches = tf.stack(views, axis=3)  # [B, Ho, Wo, kh*kw, C]
+    patches = tf.stack(views, axis=len(geo.kernel) + 1)  # [B, Ho, Wo, kh*kw, C]
     return tf.reshape(patches, [-1, geo.positions, len(views) * c])
 
 
@@ -326,7 +350,7 @@ def _is_same_padding(geo):
         output_and_padding(
             geo.in_size[i], geo.kernel[i], geo.strides[i], geo.dilations[i], "SAME"
         )[1] == tuple(geo.pads[i])
-        for i in range(2)
+        for i in range(len(geo.pads))
     )
 
 
@@ -334,7 +358,7 @@ def fold_batch_into_channels(a, g, geo):
     """A per-example filter gradient as one filter gradient: the input and the
     output gradient with the batch folded into the channels (``[1, H, W, B*C]``
     and ``[1, Ho, Wo, B*Cout]``, example-major within the channel axis), and
-    the op's ``strides``, ``dilations`` and ``padding``. The op pads "SAME"
+    the op's ``strides``, ``dilations`` and ``padding`` (2-D only). The op pads "SAME"
     itself (oneDNN's kernels are faster than on a padded copy; see README's
     kernel-choice section); other padding is applied here, then
     ``"VALID"``."""
@@ -353,11 +377,15 @@ def fold_batch_into_channels(a, g, geo):
 def extract_patches(x, spec):
     """Input patches `[B, T, kh*kw*C]` of the convolution `spec` (a
     `ConvAttrs`) on `x` in its data format, `T = Ho*Wo` output locations in
-    row-major order: one gather when the spatial size is static, else
-    `tf.image.extract_patches` (EXPLICIT padding applied first)."""
+    row-major order (3-D: `[B, Do*Ho*Wo, kd*kh*kw*C]`): one gather when the
+    spatial size is static, else (2-D only) `tf.image.extract_patches`
+    (EXPLICIT padding applied first)."""
     x = to_nhwc(x, spec.data_format)
-    if x.shape[1] is not None and x.shape[2] is not None:
-        return gather_im2col(x, geometry(spec, (x.shape[1], x.shape[2])))
+    if None not in x.shape[1:-1]:
+        return gather_im2col(x, geometry(spec, tuple(x.shape[1:-1])))
+    if spec.rank != 2:
+        raise ValueError(f"the patches of a {spec.rank}-D convolution need a static spatial "
+                         f"size, got {x.shape}")
     padding = spec.padding
     if padding == "EXPLICIT":
         (top, bottom), (left, right) = spec.explicit_paddings_hw
@@ -370,9 +398,3 @@ def extract_patches(x, spec):
     shape = tf.shape(patches)
     return tf.reshape(patches, [shape[0], shape[1] * shape[2], kh * kw * x.shape[-1]])
 
-
-def output_locations(g, data_format):
-    """The convolution's output (gradient) as `[B, T, C]`, `T = Ho*Wo`."""
-    g = to_nhwc(g, data_format)
-    shape = tf.shape(g)
-    return tf.reshape(g, [shape[0], shape[1] * shape[2], g.shape[-1]])

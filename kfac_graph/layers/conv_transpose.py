@@ -1,5 +1,7 @@
 """Per-example gradients of a transposed convolution (`Conv2DTranspose`, and
-`Conv1DTranspose` lowered to it), and its Kronecker factors' rows.
+`Conv1DTranspose` lowered to it; `Conv3DTranspose`, kind "conv3d_transpose",
+`Conv3DBackpropInputV2` with kernel `[kd, kh, kw, Cout_t, Cin_t]`, the same
+math over three spatial axes, see `conv3d.py`), and its Kronecker factors' rows.
 
 TensorFlow writes `y = conv_transpose(x, W)` as
 `Conv2DBackpropInput(input_sizes=shape(y), filter=W, out_backprop=x)`: the
@@ -35,6 +37,7 @@ blocks treat it apart (`kfac_graph/fisher/blocks_conv_transpose.py`).
 """
 
 import dataclasses
+import math
 
 import tensorflow as tf
 
@@ -51,16 +54,17 @@ class ConvTransposeSpec(cg.ConvAttrs):
 
     @property
     def matrix_shape(self):
-        """`(Cin_t, kh*kw*Cout_t)`: the kernel as the Kronecker block's `V`,
-        the transpose of the row-major `[kh*kw*Cout_t, Cin_t]`."""
-        kh, kw, cout, cin = self.kernel_shape
-        return cin, kh * kw * cout
+        """`(Cin_t, kh*kw*Cout_t)` (3-D: `kd*kh*kw*Cout_t`): the kernel as the
+        Kronecker block's `V`, the transpose of the row-major `[kh*kw*Cout_t, Cin_t]`."""
+        *taps, cout, cin = self.kernel_shape
+        return cin, math.prod(taps) * cout
 
 
 def bias_grads(dys, data_format="NHWC"):
     """`[B, Cout_t]`: each example's bias gradient, its output gradients
     (`dys`, one per use) summed over y's positions and over the uses."""
-    return uses_lib.add_all([tf.reduce_sum(cg.to_nhwc(dy, data_format), axis=[1, 2])
+    return uses_lib.add_all([tf.reduce_sum(cg.to_nhwc(dy, data_format),
+                                           axis=list(range(1, dy.shape.rank - 1)))
                              for dy in dys])
 
 

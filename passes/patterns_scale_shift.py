@@ -1,0 +1,127 @@
+"""Scale-and-shift layer patterns (normalisation layers, a variable Mul
+and/or Add), declared as data like ``passes.patterns``.
+"""
+from __future__ import annotations
+
+from passes import ir
+from passes.patterns import ANY, VAR, Pattern, ops, var_shape
+
+# --- scale and shift ---------------------------------------------------------
+# Normalisers: how the layer's normalised input xhat is recovered from the
+# graph. "identity": xhat = inputs[0]. "center_scale": xhat = (inputs[0] -
+# inputs[1]) * inputs[2]. "fused_inference": xhat = (x - mean) * rsqrt(var +
+# epsilon). "fused_training": as "center_scale" with the batch mean and the
+# batch variance that FusedBatchNorm outputs (Bessel-corrected: undo it).
+# Each tensor is read in the shape its op reads it, and the scale laid out as
+# its op broadcasts it (passes.scale_shift_use): any rank and axis set, group
+# normalisation's [.., G, C/G] included (a Keras GroupNormalization matches
+# KERAS_LAYER_NORM on its grouped input).
+
+MUL = ops("Mul")
+
+
+def _shared_by_examples(param, op):
+    """The variable ``param``, as ``op`` broadcasts it against its output,
+    does not vary along the batch axis (else it is no scale of examples)."""
+    def check(g, m):
+        shape = ir.read_shape(g, m[op], ir.tensor_name(m[param]))
+        out = g.nodes[m[op]]["shapes"][0]
+        return shape is None or out is None or len(shape) < len(out) or shape[0] == 1
+    return check
+
+
+def _same_layout(g, m, gamma_op, beta_op) -> bool:
+    """Scale and shift broadcast against the output the same way (the runtime
+    lays both out as one)."""
+    out = g.nodes[m["add"]]["shapes"][0]
+    shapes = [ir.read_shape(g, m[op], ir.tensor_name(m[v]))
+              for v, op in (("gamma", gamma_op), ("beta", beta_op))]
+    if out is None or None in shapes:
+        return False
+    pad = [(1,) * (len(out) - len(s)) + tuple(s) for s in shapes]
+    return pad[0] == pad[1]
+
+
+# Keras BatchNormalization (training and inference):
+#   m1 = rsqrt * gamma; y = x * m1 + (beta - mean * m1)
+KERAS_BATCH_NORM = Pattern(
+    "keras_batch_norm", "scale_and_shift",
+    {"x": ANY, "mean": ANY, "rsqrt": ops("Rsqrt"), "gamma": VAR, "beta": VAR,
+     "m1": MUL, "xm": MUL, "mm": MUL, "sub": ops("Sub"), "add": ops("AddV2", "Add")},
+    (("rsqrt", "m1", None), ("gamma", "m1", None), ("x", "xm", None), ("m1", "xm", None),
+     ("mean", "mm", None), ("m1", "mm", None), ("beta", "sub", 0), ("mm", "sub", 1),
+     ("xm", "add", None), ("sub", "add", None)),
+    anchor="m1", output="add", params=("gamma", "beta"),
+    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
+    check=lambda g, m: len({m["x"], m["mean"], m["m1"]}) == 3 and _same_layout(g, m, "m1", "sub"))
+KERAS_BATCH_NORM_NO_SCALE = Pattern(
+    "keras_batch_norm_no_scale", "scale_and_shift",
+    {"x": ANY, "mean": ANY, "rsqrt": ops("Rsqrt"), "beta": VAR,
+     "xm": MUL, "mm": MUL, "sub": ops("Sub"), "add": ops("AddV2", "Add")},
+    (("x", "xm", None), ("rsqrt", "xm", None), ("mean", "mm", None), ("rsqrt", "mm", None),
+     ("beta", "sub", 0), ("mm", "sub", 1), ("xm", "add", None), ("sub", "add", None)),
+    anchor="rsqrt", output="add", params=("beta",),
+    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
+    check=lambda g, m: m["x"] != m["mean"])
+# Keras BatchNormalization without a center (beta), in inference:
+#   m1 = rsqrt * gamma; y = x * m1 + (-mean) * m1
+KERAS_BATCH_NORM_NO_CENTER = Pattern(
+    "keras_batch_norm_no_center", "scale_and_shift",
+    {"x": ANY, "mean": ANY, "rsqrt": ops("Rsqrt"), "gamma": VAR, "m1": MUL, "xm": MUL,
+     "neg": ops("Neg"), "mm": MUL, "add": ops("AddV2", "Add")},
+    (("rsqrt", "m1", None), ("gamma", "m1", None), ("x", "xm", None), ("m1", "xm", None),
+     ("mean", "neg", 0), ("neg", "mm", None), ("m1", "mm", None), ("xm", "add", None),
+     ("mm", "add", None)),
+    anchor="m1", output="add", params=("gamma",),
+    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
+    check=lambda g, m: len({m["x"], m["mean"], m["m1"]}) == 3)
+# Keras LayerNormalization:
+#   m = rsqrt * gamma; y = x * m + (-mean * m + beta)
+KERAS_LAYER_NORM = Pattern(
+    "keras_layer_norm", "scale_and_shift",
+    {"x": ANY, "mean": ANY, "rsqrt": ops("Rsqrt"), "gamma": VAR, "beta": VAR,
+     "m": MUL, "neg": ops("Neg"), "m1": MUL, "a1": ops("AddV2", "Add"), "m2": MUL,
+     "add": ops("AddV2", "Add")},
+    (("rsqrt", "m", None), ("gamma", "m", None), ("mean", "neg", 0), ("neg", "m1", None),
+     ("m", "m1", None), ("m1", "a1", None), ("beta", "a1", None), ("x", "m2", None),
+     ("m", "m2", None), ("m2", "add", None), ("a1", "add", None)),
+    anchor="m", output="add", params=("gamma", "beta"),
+    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
+    check=lambda g, m: _same_layout(g, m, "m", "a1"))
+FUSED_BATCH_NORM = Pattern(
+    "fused_batch_norm", "scale_and_shift",
+    {"x": ANY, "op": ops("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"),
+     "gamma": VAR, "beta": VAR},
+    (("x", "op", 0), ("gamma", "op", 1), ("beta", "op", 2)),
+    anchor="op", output="op", params=("gamma", "beta"), inputs=(("op", "in", 0),),
+    normalizer="fused")
+# A variable scale, then a variable shift; or either alone.
+SCALE_SHIFT = Pattern(
+    "scale_shift", "scale_and_shift",
+    {"x": ANY, "mul": MUL, "gamma": VAR, "add": ops("AddV2", "Add"), "beta": VAR},
+    (("x", "mul", None), ("gamma", "mul", None), ("mul", "add", None), ("beta", "add", None)),
+    anchor="mul", output="add", params=("gamma", "beta"), inputs=(("x", "out", 0),),
+    normalizer="identity",
+    check=lambda g, m: (m["x"] != m["gamma"]
+                        and var_shape(g, m["gamma"]) == var_shape(g, m["beta"])
+                        and _same_layout(g, m, "mul", "add")
+                        and _shared_by_examples("gamma", "mul")(g, m)))
+SCALE = Pattern(
+    "scale", "scale_and_shift", {"x": ANY, "mul": MUL, "gamma": VAR},
+    (("x", "mul", None), ("gamma", "mul", None)),
+    anchor="mul", output="mul", params=("gamma",), inputs=(("x", "out", 0),),
+    normalizer="identity",
+    check=lambda g, m: m["x"] != m["gamma"] and _shared_by_examples("gamma", "mul")(g, m))
+SHIFT = Pattern(
+    "shift", "scale_and_shift", {"x": ANY, "add": ops("AddV2", "Add", "BiasAdd"), "beta": VAR},
+    (("x", "add", None), ("beta", "add", None)),
+    anchor="add", output="add", params=("beta",), inputs=(("x", "out", 0),),
+    normalizer="identity",
+    check=lambda g, m: m["x"] != m["beta"] and _shared_by_examples("beta", "add")(g, m))
+
+
+SCALE_SHIFT_PATTERNS: tuple[Pattern, ...] = (
+    KERAS_BATCH_NORM, KERAS_BATCH_NORM_NO_SCALE, KERAS_BATCH_NORM_NO_CENTER, KERAS_LAYER_NORM,
+    FUSED_BATCH_NORM,
+    SCALE_SHIFT, SCALE, SHIFT,
+)
