@@ -22,7 +22,8 @@ import networkx as nx
 from passes import ir
 from passes.atrous import atrous_attrs
 from passes.matcher import find_matches
-from passes.patterns import LAYER_PATTERNS, Pattern, einsum_kernel_layout
+from passes.patterns import Pattern, einsum_kernel_layout
+from passes.patterns_multiaxis import ALL_PATTERNS, kernel_in_axes
 
 _KERNEL_KINDS = frozenset({"dense", "conv2d", "depthwise_conv2d", "conv2d_transpose"})
 _OP_ATTRS = ("strides", "dilations", "padding", "explicit_paddings", "data_format",
@@ -39,7 +40,9 @@ class Use:
     ids). ``output``: the pre-activation tensor it produces. ``ops``: the IR
     nodes of the match. ``attrs``: the main op's attributes plus ``op``,
     ``input_shape``, ``output_shape`` and, where it applies,
-    ``transpose_kernel``, ``normalizer``, ``unsupported`` (why the form
+    ``transpose_kernel``, ``kernel_in_axes`` (a dense kernel of rank > 2: how
+    many leading axes are contracted), ``ids_broadcast`` (a lookup whose ids
+    have no batch axis, added over the batch), ``normalizer``, ``unsupported`` (why the form
     has no exact layer of its kind: the layer then becomes generic), and for
     convolutions ``kernel_shape`` and ``input_channels`` (a grouped Conv2D's
     kernel reads a share of them). An atrous convolution's are those of the
@@ -76,7 +79,7 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
 
     found = []  # (pattern, roles)
     claimed: set[str] = set()
-    for pattern in LAYER_PATTERNS:
+    for pattern in ALL_PATTERNS:
         for roles in find_matches(g, pattern, claimed, undirected):
             if roles[pattern.output] not in on_path:
                 continue
@@ -136,6 +139,11 @@ def _use(g, pattern: Pattern, roles) -> Use:
                   else ("oi" if data["attrs"].get("transpose_b") or data["attrs"].get("adj_y") else "io"))
         attrs["transpose_kernel"] = (layout == "oi") != ("t" in roles)
         attrs["input_shape"] = ir.shape_of(g, inputs[0])
+        k = kernel_in_axes(g, roles)
+        if k is not None:
+            attrs["kernel_in_axes"] = k
+    if pattern.kind == "embedding" and "add" in roles:
+        attrs["ids_broadcast"] = True
     if pattern.kind in ("conv2d", "depthwise_conv2d", "conv2d_transpose"):
         attrs["kernel_shape"] = ir.shape_of(g, data["raw_inputs"][1])
         attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))
