@@ -23,7 +23,7 @@ from passes import ir
 from passes.atrous import atrous_attrs
 from passes.matcher import find_matches
 from passes.patterns import Pattern, einsum_kernel_layout
-from passes.patterns_multiaxis import ALL_PATTERNS, kernel_in_axes
+from passes.patterns_multiaxis import ALL_PATTERNS, kernel_in_axes, slice_rows
 
 _KERNEL_KINDS = frozenset({"dense", "conv2d", "depthwise_conv2d", "conv2d_transpose"})
 _OP_ATTRS = ("strides", "dilations", "padding", "explicit_paddings", "data_format",
@@ -42,7 +42,8 @@ class Use:
     ``input_shape``, ``output_shape`` and, where it applies,
     ``transpose_kernel``, ``kernel_in_axes`` (a dense kernel of rank > 2: how
     many leading axes are contracted), ``ids_broadcast`` (a lookup whose ids
-    have no batch axis, added over the batch), ``normalizer``, ``unsupported`` (why the form
+    have no batch axis, added over the batch; ``row_range``: those ids are
+    ``range(*row_range)``, a table slice), ``normalizer``, ``unsupported`` (why the form
     has no exact layer of its kind: the layer then becomes generic), and for
     convolutions ``kernel_shape`` and ``input_channels`` (a grouped Conv2D's
     kernel reads a share of them). An atrous convolution's are those of the
@@ -144,6 +145,8 @@ def _use(g, pattern: Pattern, roles) -> Use:
             attrs["kernel_in_axes"] = k
     if pattern.kind == "embedding" and "add" in roles:
         attrs["ids_broadcast"] = True
+        if "slice" in roles:
+            attrs["row_range"] = slice_rows(g, roles)
     if pattern.kind in ("conv2d", "depthwise_conv2d", "conv2d_transpose"):
         attrs["kernel_shape"] = ir.shape_of(g, data["raw_inputs"][1])
         attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))

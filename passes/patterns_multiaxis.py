@@ -22,7 +22,9 @@ records ``kernel_in_axes`` = k (``kernel_in_axes``).
 Position embedding: a lookup whose ids have no batch axis, added to a
 ``[B, *ids.shape, D]`` activation (broadcast over the batch). The layer's
 output is the Add, so its output gradient is per example; the runtime
-broadcasts the ids over the batch (``ids_broadcast``).
+broadcasts the ids over the batch (``ids_broadcast``). A slice
+``table[start:stop]`` added the same way is the lookup of
+``range(start, stop)`` (``slice_rows``; the use records ``row_range``).
 """
 from __future__ import annotations
 
@@ -65,8 +67,11 @@ def _same(a, b) -> bool:
 
 
 def _split(g, m):
-    """k with ``Reshape(w)`` = ``[prod(w[:k]), prod(w[k:])]``, else None."""
-    w, flat = _var_shape(g, m["w"]), _shape(g, m["wr"])
+    """k with ``Reshape(w)`` = ``[prod(w[:k]), prod(w[k:])]``, else None. (A
+    Reshape that only drops unit axes is gone from the IR: then the MatMul's
+    kernel operand had the 2-D shape.)"""
+    w = _var_shape(g, m["w"])
+    flat = _shape(g, m["wr"]) if "wr" in m else ir.shape_of(g, g.nodes[m["op"]]["raw_inputs"][1])
     if len(w) < 3 or flat is None or len(flat) != 2:
         return None
     for k in range(1, len(w)):
@@ -77,7 +82,7 @@ def _split(g, m):
 
 def kernel_in_axes(g, roles) -> int | None:
     """k of a matched multi-axis dense layer (None for other matches)."""
-    if "wr" in roles:
+    if g.nodes[roles["op"]]["op"] != "Einsum":
         return _split(g, roles)
     data = g.nodes[roles["op"]]
     if data["op"] == "Einsum" and len(_var_shape(g, roles["w"])) > 2:
@@ -104,11 +109,14 @@ def _unflat_ok(g, m) -> bool:
 
 
 def _bias_ok(g, m, out_role) -> bool:
-    """The bias is the output's trailing axes, ``d_out`` entries, added as is."""
+    """The bias is the output's trailing axes, ``d_out`` entries, added as is
+    (or with its unit axes squeezed: Keras adds a ``[1, n]`` bias as ``[n]``)."""
     k = kernel_in_axes(g, m)
-    bias, out = _var_shape(g, m["b"]), _shape(g, m[out_role])
-    if k is None or not bias or out is None or len(bias) >= len(out):
+    bias, out, before = _var_shape(g, m["b"]), _shape(g, m["add"]), _shape(g, m[out_role])
+    if k is None or not bias or out is None or before is None or len(bias) >= len(out):
         return False
+    if None in out[1:] + before[1:] or math.prod(out[1:]) != math.prod(before[1:]):
+        return False  # the sum is no wider than the projection (unit axes aside)
     if math.prod(bias) != math.prod(_var_shape(g, m["w"])[k:]) or not _same(out[-len(bias):], bias):
         return False
     add = g.nodes[m["add"]]
@@ -116,7 +124,9 @@ def _bias_ok(g, m, out_role) -> bool:
         return False
     raw = [t for t in add["raw_inputs"] if ir.resolve(g, t) == ir.tensor_name(m["b"])]
     shape = ir.shape_of(g, raw[0]) if raw else None
-    return shape is not None and tuple(shape)[-len(bias):] == bias and math.prod(shape) == math.prod(bias)
+    squeeze = lambda dims: tuple(d for d in dims if d != 1)
+    return (shape is not None and squeeze(shape) == squeeze(bias) and len(shape) <= len(out)
+            and _same(out[len(out) - len(shape):], tuple(shape)))
 
 
 def _with_bias(name, nodes, edges, out_role, check, inputs):
@@ -144,6 +154,10 @@ RESHAPED_DENSE_UNFLAT_BIAS, RESHAPED_DENSE_UNFLAT = _with_bias(
 RESHAPED_DENSE_BIAS, RESHAPED_DENSE = _with_bias(
     "reshaped_kernel_dense", _RESHAPED, _RESHAPED_EDGES, "op",
     lambda g, m: _split(g, m) is not None, _IN)
+# A kernel with one non-unit output axis: the Reshape only dropped unit axes.
+SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE = _with_bias(
+    "squeezed_kernel_dense", {"x": ANY, "op": _MATMUL, "w": VAR},
+    (("x", "op", 0), ("w", "op", 1)), "op", lambda g, m: _split(g, m) is not None, _IN)
 
 
 def _broadcast_over_batch(g, m) -> bool:
@@ -160,11 +174,49 @@ POSITION_EMBEDDING = Pattern(
     anchor="op", output="add", params=("w",), inputs=(("op", "in", 1),),
     check=_broadcast_over_batch)
 
+
+
+def slice_rows(g, m) -> tuple[int, int] | None:
+    """``(start, stop)`` of a slice ``w[start:stop]`` (or ``w[None, start:stop]``)
+    of a ``[V, D]`` table, unit strides, every column; else None."""
+    data = g.nodes[m["slice"]]
+    a, w, out = data["attrs"], _var_shape(g, m["w"]), _shape(g, m["slice"])
+    begin = ir.const_value(g, data["inputs"][1])
+    strides = ir.const_value(g, data["inputs"][3])
+    lead = a.get("new_axis_mask", 0)
+    if (len(w) != 2 or out is None or begin is None or strides is None or lead not in (0, 1)
+            or a.get("ellipsis_mask", 0) or a.get("shrink_axis_mask", 0)
+            or any(int(s) != 1 for s in strides) or len(out) != 2 + lead
+            or out[-1] != w[1] or out[-2] is None or len(begin) > 2 + lead):
+        return None
+    begin = [0 if a.get("begin_mask", 0) >> i & 1 else int(b) for i, b in enumerate(begin)]
+    start = begin[lead] % w[0] if len(begin) > lead else 0
+    if len(begin) > lead + 1 and begin[lead + 1] != 0 or start + out[-2] > w[0]:
+        return None
+    return start, start + out[-2]
+
+
+def _slice_broadcast(g, m) -> bool:
+    rows, out = slice_rows(g, m), _shape(g, m["add"])
+    return (rows is not None and out is not None and len(out) == 3 and m["x"] != m["slice"]
+            and _same(out[1:], (rows[1] - rows[0], _var_shape(g, m["w"])[1])))
+
+
+# A table slice added over the batch: the lookup of ids range(start, stop).
+# Its operand is the slice's begin (the runtime makes the ids from the rows).
+POSITION_TABLE_SLICE = Pattern(
+    "position_table_slice", "embedding",
+    {"w": VAR, "slice": ops("StridedSlice"), "x": ANY, "add": ops("AddV2", "Add")},
+    (("w", "slice", 0), ("slice", "add", None), ("x", "add", None)),
+    anchor="slice", output="add", params=("w",), inputs=(("slice", "in", 1),),
+    check=_slice_broadcast)
+
 MULTIAXIS_PATTERNS: tuple[Pattern, ...] = (
     RESHAPED_DENSE_UNFLAT_BIAS, RESHAPED_DENSE_UNFLAT, RESHAPED_DENSE_BIAS, RESHAPED_DENSE,
-    EINSUM_DENSE_BIAS, EINSUM_DENSE, POSITION_EMBEDDING)
+    SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE, EINSUM_DENSE_BIAS, EINSUM_DENSE, POSITION_EMBEDDING, POSITION_TABLE_SLICE)
 
 # The whole catalogue, larger patterns first.
 ALL_PATTERNS: tuple[Pattern, ...] = MULTIAXIS_PATTERNS + LAYER_PATTERNS
 
-__all__ = ["ALL_PATTERNS", "MULTIAXIS_PATTERNS", "einsum_dense_axes", "kernel_in_axes", "Op"]
+__all__ = ["ALL_PATTERNS", "MULTIAXIS_PATTERNS", "einsum_dense_axes", "kernel_in_axes",
+           "slice_rows", "Op"]
