@@ -289,7 +289,10 @@ def _orphan_reason(g, readers, on_path) -> str:
 
 def _layer(g, kind, keys, items, order) -> LayerMatch:
     uses = sorted((use for _, _, use in items), key=lambda u: order[ir.split_tensor(u.output)[0]])
-    return LayerMatch(kind, _scope_name([n for u in uses[:1] for n in u.ops]), keys, tuple(uses))
+    nodes = list(uses[0].ops) if uses else []
+    if uses and uses[0].attrs.get("ids_broadcast"):
+        nodes = nodes[:1]  # a position embedding: named by its lookup, not the sum
+    return LayerMatch(kind, _scope_name(nodes), keys, tuple(uses))
 
 
 def _generic(g, key, reason, n_reads) -> LayerMatch:
