@@ -163,7 +163,12 @@ def _fisher_check(equation, bias_axes, batch, positions, approximation):
     want = brute_fisher(lambda p, xx: model(xx), params, x,
                         lambda z: (lambda p: tf.linalg.diag(p) - p[:, :, None] * p[:, None, :])(
                             tf.nn.softmax(z)))
+    if approximation == "diagonal":
+        want = np.diag(np.diag(want))
     np.testing.assert_allclose(est.blocks[0].full_matrix(), want, rtol=1e-6, atol=1e-12)
+    vs = [tf.ones_like(v) for v in params]  # the damped inverse keeps the variables' shapes
+    assert [tuple(t.shape) for t in est.blocks[0].multiply_inverse(vs)] == [
+        tuple(v.shape) for v in params]
 
 
 @pytest.mark.parametrize("equation,bias_axes", [("abc,cde->abde", "de"), ("abcd,cde->abe", "e")])
@@ -171,6 +176,7 @@ def test_einsum_dense_fisher_blocks_match_brute_force(equation, bias_axes):
     _fisher_check(equation, bias_axes, batch=3, positions=T, approximation="full")
     # K-FAC is exact for one example at one position: checks the kernel's layout
     _fisher_check(equation, bias_axes, batch=1, positions=1, approximation="kron")
+    _fisher_check(equation, bias_axes, batch=3, positions=T, approximation="diagonal")
 
 
 def test_raw_einsum_op_and_separate_bias():
