@@ -231,3 +231,19 @@ def test_einsum_dense_forms_per_example_exact(heads, head_dim, bias):
     first = reg.layers[0]
     assert first.kind == "dense" and len(first.variables) == (2 if bias == "de" else 1)
     assert "generic" not in [layer.kind for layer in reg.layers]
+
+
+def test_kernel_contracted_on_a_later_axis_stays_generic_and_exact():
+    """"abc,dce->abde" (Keras transposes the kernel before its Reshape) is not
+    a dense layer yet: generic, with the reason, and still exact."""
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([
+        keras.Input((T, D), dtype=F64),
+        keras.layers.EinsumDense("abc,dce->abde", (T, 2, 4), bias_axes="de", activation="tanh",
+                                 dtype=F64),
+        keras.layers.Flatten(dtype=F64), keras.layers.Dense(C, dtype=F64)])
+    loss_fn = _loss(model)
+    x = tf.random.stateless_normal([B, T, D], seed=[7, 8], dtype=F64)
+    reg = _assert_matches_loop(loss_fn, (x, tf.constant([0, 3, 1])))
+    kernel = reg.layers[0]
+    assert kernel.kind == "generic" and "Transpose" in kernel.reason, kernel.reason
