@@ -217,8 +217,8 @@ def test_einsum_dense_axes(equation, axes):
 @given(heads=st.integers(1, 3), head_dim=st.integers(1, 3), bias=st.sampled_from(["de", "e", None]))
 def test_einsum_dense_forms_per_example_exact(heads, head_dim, bias):
     """Keras's projection "abc,cde->abde" with any heads and bias axes: a bias
-    over both output axes joins the layer, one over head_dim alone is a shift
-    layer; the per-example gradients are exact either way."""
+    over both output axes joins the layer, one over head_dim alone (heads > 1)
+    is a shift layer; the per-example gradients are exact either way."""
     keras.utils.set_random_seed(2)
     model = keras.Sequential([
         keras.Input((T, D), dtype=F64),
@@ -229,7 +229,8 @@ def test_einsum_dense_forms_per_example_exact(heads, head_dim, bias):
     x = tf.random.stateless_normal([B, T, D], seed=[3, 4], dtype=F64)
     reg = _assert_matches_loop(loss_fn, (x, tf.constant([0, 3, 1])))
     first = reg.layers[0]
-    assert first.kind == "dense" and len(first.variables) == (2 if bias == "de" else 1)
+    joins = bias == "de" or (bias == "e" and heads == 1)  # [head_dim] is then every output axis
+    assert first.kind == "dense" and len(first.variables) == (2 if joins else 1), reg.summary()
     assert "generic" not in [layer.kind for layer in reg.layers]
 
 
@@ -247,3 +248,34 @@ def test_kernel_contracted_on_a_later_axis_stays_generic_and_exact():
     reg = _assert_matches_loop(loss_fn, (x, tf.constant([0, 3, 1])))
     kernel = reg.layers[0]
     assert kernel.kind == "generic" and "Transpose" in kernel.reason, kernel.reason
+
+
+@settings(max_examples=3, deadline=None)
+@given(contracted=st.sampled_from([(D,), (2, 4)]), out=st.sampled_from([(3,), (2, 3), (1, 2, 2)]),
+       bias=st.booleans(), ellipsis=st.booleans())
+def test_einsum_op_forms_per_example_exact(contracted, out, bias, ellipsis):
+    """tf.einsum with a kernel `[*contracted, *out]` contracted on its leading
+    axes, positions written out or as an ellipsis, with or without a bias of
+    the output axes: one dense layer, exact per-example gradients."""
+    rng = np.random.RandomState(4)
+    w = tf.Variable(rng.normal(size=contracted + out) / 3, name="w")
+    b = tf.Variable(rng.normal(size=out), name="b")
+    c_letters, o_letters = "cd"[:len(contracted)], "xyz"[:len(out)]
+    pos = "..." if ellipsis else "bt"
+    equation = f"{pos}{c_letters},{c_letters}{o_letters}->{pos}{o_letters}"
+    head = tf.Variable(rng.normal(size=(int(np.prod(out)), C)), name="head")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = tf.einsum(equation, x, w)
+        h = tf.tanh(h + b if bias else h)
+        logits = tf.reshape(tf.reduce_mean(h, axis=1), [-1, int(np.prod(out))]) @ head
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    x = tf.constant(rng.normal(size=(B, T, *contracted)))
+    reg = _assert_matches_loop(loss_fn, (x, tf.constant([0, 3, 1])))
+    k = len(contracted) if len(contracted + out) > 2 else None  # None: a plain 2-D kernel
+    assert einsum_dense_axes(equation) == k
+    first = reg.layers[0]
+    assert first.kind == "dense" and len(first.variables) == 1 + bias, reg.summary()
+    assert first.attrs.get("kernel_in_axes") == k
