@@ -77,6 +77,7 @@ class DPSGD:
         self._step = tf.function(self._step_impl)
 
     def step(self, *args):
+        self.fn.registration(*args)  # the pass runs eagerly, never under autograph
         return self._step(*args)
 
     def _step_impl(self, *args):

@@ -1,9 +1,13 @@
 """The ordered catalogue of layer patterns the matcher tries: larger
 patterns first, so a dense layer with a bias is claimed before the bare
-MatMul could be, and a normalisation layer before a bare variable Mul."""
+MatMul could be, and a normalisation layer before a bare variable Mul;
+the multi-axis dense forms (``passes.patterns_multiaxis``: EinsumDense,
+position embeddings) before them all."""
 from __future__ import annotations
 
 from passes.patterns import DENSE_AND_CONV_PATTERNS, Pattern
+from passes.patterns_multiaxis import MULTIAXIS_PATTERNS
 from passes.patterns_scale_shift import SCALE_SHIFT_PATTERNS
 
-LAYER_PATTERNS: tuple[Pattern, ...] = DENSE_AND_CONV_PATTERNS + SCALE_SHIFT_PATTERNS
+LAYER_PATTERNS: tuple[Pattern, ...] = (MULTIAXIS_PATTERNS + DENSE_AND_CONV_PATTERNS
+                                       + SCALE_SHIFT_PATTERNS)

@@ -24,6 +24,7 @@ from passes.atrous import atrous_attrs
 from passes.matcher import find_matches
 from passes.catalogue import LAYER_PATTERNS
 from passes.patterns import Pattern, einsum_kernel_layout
+from passes.patterns_multiaxis import kernel_in_axes, slice_rows
 
 _TRANSPOSE_KINDS = frozenset({"conv2d_transpose", "conv3d_transpose"})
 _CONV_KINDS = frozenset({"conv2d", "conv3d", "depthwise_conv2d"}) | _TRANSPOSE_KINDS
@@ -42,8 +43,11 @@ class Use:
     ids). ``output``: the pre-activation tensor it produces. ``ops``: the IR
     nodes of the match. ``attrs``: the main op's attributes plus ``op``,
     ``input_shape``, ``output_shape`` and, where it applies,
-    ``transpose_kernel``, for scale-and-shift ``normalizer``, ``operand_shapes`` and
-    ``scale_broadcast`` (``passes.scale_shift_use``), ``unsupported`` (why the form
+    ``transpose_kernel``, ``kernel_in_axes`` (a dense kernel of rank > 2: how
+    many leading axes are contracted), ``ids_broadcast`` (a lookup whose ids
+    have no batch axis, added over the batch; ``row_range``: those ids are
+    ``range(*row_range)``, a table slice), for scale-and-shift ``normalizer``,
+    ``operand_shapes`` and ``scale_broadcast`` (``passes.scale_shift_use``), ``unsupported`` (why the form
     has no exact layer of its kind: the layer then becomes generic), and for
     convolutions ``kernel_shape`` and ``input_channels`` (a grouped Conv2D's
     kernel reads a share of them). An atrous convolution's are those of the
@@ -140,6 +144,13 @@ def _use(g, pattern: Pattern, roles) -> Use:
                   else ("oi" if data["attrs"].get("transpose_b") or data["attrs"].get("adj_y") else "io"))
         attrs["transpose_kernel"] = (layout == "oi") != ("t" in roles)
         attrs["input_shape"] = ir.shape_of(g, inputs[0])
+        k = kernel_in_axes(g, roles)
+        if k is not None:
+            attrs["kernel_in_axes"] = k
+    if pattern.kind == "embedding" and "add" in roles:
+        attrs["ids_broadcast"] = True
+        if "slice" in roles:
+            attrs["row_range"] = slice_rows(g, roles)
     if pattern.kind in _CONV_KINDS:
         attrs["kernel_shape"] = ir.shape_of(g, data["raw_inputs"][1])
         attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))
@@ -265,7 +276,10 @@ def _orphan_reason(g, readers, on_path) -> str:
 
 def _layer(g, kind, keys, items, order) -> LayerMatch:
     uses = sorted((use for _, _, use in items), key=lambda u: order[ir.split_tensor(u.output)[0]])
-    return LayerMatch(kind, _scope_name([n for u in uses[:1] for n in u.ops]), keys, tuple(uses))
+    nodes = list(uses[0].ops) if uses else []
+    if uses and uses[0].attrs.get("ids_broadcast"):
+        nodes = nodes[:1]  # a position embedding: named by its lookup, not the sum
+    return LayerMatch(kind, _scope_name(nodes), keys, tuple(uses))
 
 
 def _generic(g, key, reason, n_reads) -> LayerMatch:

@@ -115,12 +115,14 @@ def _token_model():
 
 
 def test_embedding_read_without_a_batch_axis_refuses():
+    """A lookup of un-batched ids that is not added over the batch (a product
+    here; an added one is a position embedding, tests/test_transformer_layers.py)."""
     tokens, head, args = _token_model()
     positions = keras.layers.Embedding(T, D, name="positions")
     positions.build((None,))
 
     def loss_fn(ids, y):
-        logits = head(tokens(ids) + positions(tf.range(T)))
+        logits = head(tokens(ids) * positions(tf.range(T)))
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
 
     fn = kg.auto_register(loss_fn)

@@ -55,6 +55,7 @@ class ConvTransposeKernelBlock(blocks_kron.KroneckerBlock):
     def __init__(self, spec, attrs=None, **kwargs):
         super().__init__([spec.matrix_shape], attrs, **kwargs)
         self.spec = spec
+        self._out_width = spec.matrix_shape[1]
         self.input_factor, self.output_factor = factors_kron.conv_transpose_factors(
             spec, dtype=self.dtype)
         self._init_kron()

@@ -55,7 +55,7 @@ from kfac_graph.fisher import blocks_base
 from kfac_graph.fisher import ema
 from kfac_graph.fisher import factors_kron
 from kfac_graph.fisher import linalg
-from kfac_graph.layers import conv, depthwise
+from kfac_graph.layers import conv, dense, depthwise
 from kfac_graph.layers.uses import as_pairs
 
 
@@ -92,15 +92,15 @@ class KroneckerBlock(blocks_base.FisherBlock):
     # -- variables <-> V ------------------------------------------------------
     def _to_mat(self, vs):
         vs = [tf.cast(v, self.dtype) for v in vs]
-        mat = tf.reshape(vs[0], [-1, self.var_shapes[0][-1]])
+        mat = tf.reshape(vs[0], [-1, self._out_width])
         if len(vs) > 1:
-            mat = tf.concat([mat, vs[1][None, :]], axis=0)
+            mat = tf.concat([mat, tf.reshape(vs[1], [1, -1])], axis=0)
         return mat
 
     def _from_mat(self, mat):
         if len(self.var_shapes) == 1:
             return [tf.reshape(mat, self.var_shapes[0])]
-        return [tf.reshape(mat[:-1], self.var_shapes[0]), mat[-1]]
+        return [tf.reshape(mat[:-1], self.var_shapes[0]), tf.reshape(mat[-1], self.var_shapes[1])]
 
     # -- statistics -------------------------------------------------------------
     def _locations(self, use):
@@ -215,6 +215,8 @@ class FullyConnectedKroneckerBlock(KroneckerBlock):
 
     Options: `diagonal_input`, `diagonal_output` keep only that factor's
     diagonal.  Inputs `[B, ..., d_in]` with middle axes count as positions.
+    A multi-axis kernel (`attrs["kernel_in_axes"]` = k) is `[d_in, d_out]`
+    row-major, `d_in = prod(shape[:k])`, and its bias (any shape) `[d_out]`.
     """
 
     def __init__(
@@ -228,7 +230,7 @@ class FullyConnectedKroneckerBlock(KroneckerBlock):
         **kwargs,
     ):
         super().__init__(var_shapes, attrs, **kwargs)
-        d_in, d_out = self.var_shapes[0]
+        d_in, d_out = dense.matrix_shape(self.var_shapes[0], self.attrs.get("kernel_in_axes"))
         has_bias = len(self.var_shapes) > 1
         self._out_width = d_out
         self.input_factor = factors_kron.DenseInputFactor(

@@ -21,18 +21,27 @@ positions (`T > 1`) the batched matmul `a^T g` is used. See README's
 kernel-choice table, measured by
 `python benchmarks/per_example_rules.py --only layers` (and `--only mlp`).
 
+Kernels of rank > 2 (an Einsum projection `[d, heads, head_dim]` or
+`[heads, head_dim, d]`; `layer.attrs["kernel_in_axes"]` = k leading axes
+contracted): the same layer with `W` reshaped row-major to `[d_in, d_out]`,
+`d_in = prod(shape[:k])`, `d_out = prod(shape[k:])`; `operands` flattens the
+activation to `[B, T, d_in]` and the output gradient to `[B, T, d_out]`, and the
+rule reshapes `dW_i` (and `db_i`, a bias of the output's trailing axes with
+`d_out` entries) back to the variables' shapes.
+
 Norms: Gram form iff `T (d_in + d_out) < d_in d_out` (see `norms.py`), else the
 materialised gradient is squared; the bias norm is always `|sum_t g_t|^2`.
 """
 
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
 
 from kfac_graph.layers import norms
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers import xla as xla_lib
-from kfac_graph.layers.kind import LayerKind, reshape_like
+from kfac_graph.layers.kind import LayerKind, reshape_like, variable_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +51,14 @@ class DenseSpec:
     Attributes:
       has_bias: the layer has a bias `[d_out]` (its gradient comes second).
       transpose_kernel: the kernel is stored `[d_out, d_in]` (`s = a @ W^T`).
+      kernel_shape, bias_shape: the variables' shapes when they are not
+        `[d_in, d_out]` and `[d_out]` (a multi-axis kernel); () otherwise.
     """
 
     has_bias: bool = False
     transpose_kernel: bool = False
+    kernel_shape: tuple = ()
+    bias_shape: tuple = ()
 
 
 def _outer(left, right):
@@ -115,6 +128,9 @@ class DenseRule:
         out = [self._kernel_grad(a, g, spec)]
         if spec.has_bias:
             out.append(tf.reduce_sum(g, axis=1))
+        if spec.kernel_shape:
+            shapes = [spec.kernel_shape, spec.bias_shape][:len(out)]
+            out = [tf.reshape(t, [-1, *shape]) for t, shape in zip(out, shapes)]
         return out
 
     def squared_norms(self, uses, spec):
@@ -150,17 +166,38 @@ def output_rows(g):
 # -- the record --------------------------------------------------------------------
 
 
+def matrix_shape(kernel_shape, kernel_in_axes=None) -> tuple:
+    """`(d_in, d_out)` of a kernel whose first `kernel_in_axes` axes (default:
+    all but the last) are contracted with the input."""
+    k = kernel_in_axes or len(kernel_shape) - 1
+    return int(np.prod(kernel_shape[:k])), int(np.prod(kernel_shape[k:]))
+
+
 def spec(layer, use):
     """`DenseSpec` of one use: a bias if the layer has a second variable; the
-    kernel transposed if the op multiplies by `W^T`."""
+    kernel transposed if the op multiplies by `W^T`; the variables' shapes for
+    a multi-axis kernel."""
+    attrs = layer.use_attrs[use]
+    shapes = variable_shapes(layer) if attrs.get("kernel_in_axes") else [(), ()]
     return DenseSpec(has_bias=len(layer.variables) == 2,
-                     transpose_kernel=bool(layer.use_attrs[use].get("transpose_kernel")))
+                     transpose_kernel=bool(attrs.get("transpose_kernel")),
+                     kernel_shape=shapes[0], bias_shape=shapes[-1] if len(shapes) > 1 else ())
 
 
 def operands(layer, use, tensors, grads):
     """`a` reshaped to the op's static input shape (Conv1D's unit axis, which
-    the pass saw through), each `g` to the same positions with `d_out`."""
-    shape = layer.use_attrs[use].get("input_shape")
+    the pass saw through), each `g` to the same positions with `d_out`; for a
+    multi-axis kernel `a [B, T, d_in]` and `g [B, T, d_out]` (T: all positions)."""
+    attrs = layer.use_attrs[use]
+    shape = attrs.get("input_shape")
+    if attrs.get("kernel_in_axes"):
+        d_in, d_out = matrix_shape(variable_shapes(layer)[0], attrs["kernel_in_axes"])
+        if shape is None or None in shape[1:]:
+            flat = lambda t, d: tf.reshape(t, [uses_lib.batch_size(t), -1, d])
+        else:
+            positions = int(np.prod(shape[1:])) // d_in
+            flat = lambda t, d: reshape_like(t, (None, positions, d))
+        return flat(tensors[0], d_in), [flat(g, d_out) for g in grads]
     a = reshape_like(tensors[0], shape)
     if shape:
         grads = [reshape_like(g, (*shape[:-1], g.shape[-1])) for g in grads]

@@ -159,8 +159,19 @@ def spec(layer, use):
 
 
 def operands(layer, use, tensors, grads):
-    """The ids, and the gradients at the looked-up rows."""
-    return tensors[0], list(grads)
+    """The ids, and the gradients at the looked-up rows. A position embedding
+    (`ids_broadcast`: ids `[T]` with no batch axis, rows added to a `[B, T, D]`
+    activation; the gradients are taken at that sum) gets its ids broadcast
+    to `[B, T]`: example i's rows are its own `g_i`, so its per-example gradient
+    is the scatter of `g_i` into the rows read. A table slice
+    `table[start:stop]` added so (`row_range`) reads ids `range(start, stop)`."""
+    attrs = layer.use_attrs[use]
+    ids = tf.range(*attrs["row_range"]) if attrs.get("row_range") else tensors[0]
+    if attrs.get("ids_broadcast"):
+        shape = tf.concat([tf.shape(grads[0])[:1], tf.shape(ids)], axis=0)
+        ids = tf.broadcast_to(ids[None], shape)
+        ids.set_shape(grads[0].shape[:-1])
+    return ids, list(grads)
 
 
 KIND = LayerKind(

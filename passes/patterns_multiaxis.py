@@ -1,0 +1,215 @@
+"""Layer patterns for transformer projections and position embeddings (data).
+
+Multi-axis dense ("einsum") layers: a kernel ``w`` of rank r > 2 whose first
+k axes are contracted with the activation's last axes and whose other r - k
+axes are output axes is a dense layer with
+
+    d_in = prod(w.shape[:k]),   d_out = prod(w.shape[k:]),
+
+(``w`` reshaped row-major to ``[d_in, d_out]``), applied at every position of
+the activation's leading axes. Two graph forms compute it:
+
+- an ``Einsum`` op ``x,w->y`` with ``x = P + C``, ``w = C + O`` and
+  ``y = P + O`` (C the contracted letters, P the positions; ``einsum_dense_axes``);
+- Keras's lowering of ``"abc,cde->abde"`` and ``"abcd,cde->abe"``:
+  ``MatMul(x, Reshape(w, [d_in, d_out]))``, then maybe a ``Reshape`` of the
+  last axis into the kernel's output axes.
+
+A bias whose shape is the output's trailing axes, with ``d_out`` entries in
+all (``[heads, head_dim]`` or ``[d]``), belongs to the same layer. The match
+records ``kernel_in_axes`` = k (``kernel_in_axes``).
+
+Position embedding: a lookup whose ids have no batch axis, added to a
+``[B, *ids.shape, D]`` activation (broadcast over the batch). The layer's
+output is the Add, so its output gradient is per example; the runtime
+broadcasts the ids over the batch (``ids_broadcast``). A slice
+``table[start:stop]`` added the same way is the lookup of
+``range(start, stop)`` (``slice_rows``; the use records ``row_range``).
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from passes import ir
+from passes.patterns import ADD, ANY, EMBEDDING, VAR, Op, Pattern, ops, var_shape
+
+
+def einsum_dense_axes(equation: str) -> int | None:
+    """k for an Einsum ``x,w->y`` applying a kernel of rank > 2 as a dense
+    layer (``x = P + w[:k]``, ``y = P + w[k:]``, P non-empty); else None."""
+    m = re.fullmatch(r"(\.\.\.)?([a-z]*),([a-z]+)->(\.\.\.)?([a-z]*)", equation.replace(" ", ""))
+    if not m:
+        return None
+    ell_x, x, w, ell_y, y = m.groups()
+    if bool(ell_x) != bool(ell_y) or len(w) < 3 or len(set(w)) != len(w) or len(set(x)) != len(x):
+        return None
+    for k in range(1, len(w)):
+        positions = x[:-k]
+        if (x.endswith(w[:k]) and (positions or ell_x) and not set(positions) & set(w)
+                and y == positions + w[k:]):
+            return k
+    return None
+
+
+def _shape(g, node, index=0):
+    shapes = g.nodes[node]["shapes"]
+    return shapes[index] if shapes and index < len(shapes) else None
+
+
+def _same(a, b) -> bool:
+    """Static shapes equal, an unknown dimension matching any."""
+    return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b))
+
+
+def _split(g, m):
+    """k with ``Reshape(w)`` = ``[prod(w[:k]), prod(w[k:])]``, else None. (A
+    Reshape that only drops unit axes is gone from the IR: then the MatMul's
+    kernel operand had the 2-D shape.)"""
+    w = var_shape(g, m["w"])
+    flat = _shape(g, m["wr"]) if "wr" in m else ir.shape_of(g, g.nodes[m["op"]]["raw_inputs"][1])
+    if len(w) < 3 or flat is None or len(flat) != 2:
+        return None
+    for k in range(1, len(w)):
+        if (math.prod(w[:k]), math.prod(w[k:])) == tuple(flat):
+            return k
+    return None
+
+
+def kernel_in_axes(g, roles) -> int | None:
+    """k of a matched multi-axis dense layer (None for other matches)."""
+    if g.nodes[roles["op"]]["op"] != "Einsum":
+        return _split(g, roles)
+    data = g.nodes[roles["op"]]
+    if data["op"] == "Einsum" and len(var_shape(g, roles["w"])) > 2:
+        return einsum_dense_axes(data["attrs"].get("equation", ""))
+    return None
+
+
+def _einsum_ok(data) -> bool:
+    return einsum_dense_axes(data["attrs"].get("equation", "")) is not None
+
+
+def _plain_matmul(data) -> bool:
+    a = data["attrs"]
+    return not any(a.get(k, False) for k in ("transpose_a", "transpose_b", "adj_x", "adj_y"))
+
+
+def _unflat_ok(g, m) -> bool:
+    """Reshape ``[..., d_out]`` -> ``[..., *w[k:]]`` (the kernel's output axes)."""
+    k, before, after = _split(g, m), _shape(g, m["op"]), _shape(g, m["unflat"])
+    if k is None or before is None or after is None:
+        return False
+    out = var_shape(g, m["w"])[k:]
+    return _same(after, (*before[:-1], *out))
+
+
+def _bias_ok(g, m, out_role) -> bool:
+    """The bias is the output's trailing axes, ``d_out`` entries, added as is
+    (or with its unit axes squeezed: Keras adds a ``[1, n]`` bias as ``[n]``)."""
+    k = kernel_in_axes(g, m)
+    bias, out, before = var_shape(g, m["b"]), _shape(g, m["add"]), _shape(g, m[out_role])
+    if k is None or not bias or out is None or before is None or len(bias) >= len(out):
+        return False
+    if None in out[1:] + before[1:] or math.prod(out[1:]) != math.prod(before[1:]):
+        return False  # the sum is no wider than the projection (unit axes aside)
+    if math.prod(bias) != math.prod(var_shape(g, m["w"])[k:]) or not _same(out[-len(bias):], bias):
+        return False
+    add = g.nodes[m["add"]]
+    if str(add["attrs"].get("data_format", "NHWC")).strip("b'").startswith("NC"):
+        return False
+    raw = [t for t in add["raw_inputs"] if ir.resolve(g, t) == ir.tensor_name(m["b"])]
+    shape = ir.shape_of(g, raw[0]) if raw else None
+    squeeze = lambda dims: tuple(d for d in dims if d != 1)
+    return (shape is not None and squeeze(shape) == squeeze(bias) and len(shape) <= len(out)
+            and _same(out[len(out) - len(shape):], tuple(shape)))
+
+
+def _with_bias(name, nodes, edges, out_role, check, inputs):
+    both = Pattern(f"{name}_bias", "dense", {**nodes, "b": VAR, "add": ADD},
+                   edges + ((out_role, "add", None), ("b", "add", None)), anchor="op",
+                   output="add", params=("w", "b"), inputs=inputs,
+                   check=lambda g, m: check(g, m) and _bias_ok(g, m, out_role))
+    bare = Pattern(name, "dense", nodes, edges, anchor="op", output=out_role, params=("w",),
+                   inputs=inputs, check=check)
+    return both, bare
+
+
+_MATMUL = ops("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", where=_plain_matmul)
+_RESHAPED = {"x": ANY, "wr": ops("Reshape"), "op": _MATMUL, "w": VAR}
+_RESHAPED_EDGES = (("w", "wr", 0), ("x", "op", 0), ("wr", "op", 1))
+_IN = (("op", "in", 0),)
+
+EINSUM_DENSE_BIAS, EINSUM_DENSE = _with_bias(
+    "einsum_dense", {"x": ANY, "op": ops("Einsum", where=_einsum_ok), "w": VAR},
+    (("x", "op", 0), ("w", "op", 1)), "op",
+    lambda g, m: kernel_in_axes(g, m) is not None, _IN)
+RESHAPED_DENSE_UNFLAT_BIAS, RESHAPED_DENSE_UNFLAT = _with_bias(
+    "reshaped_kernel_dense_unflat", {**_RESHAPED, "unflat": ops("Reshape")},
+    _RESHAPED_EDGES + (("op", "unflat", 0),), "unflat", _unflat_ok, _IN)
+RESHAPED_DENSE_BIAS, RESHAPED_DENSE = _with_bias(
+    "reshaped_kernel_dense", _RESHAPED, _RESHAPED_EDGES, "op",
+    lambda g, m: _split(g, m) is not None, _IN)
+# A kernel with one non-unit output axis: the Reshape only dropped unit axes.
+SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE = _with_bias(
+    "squeezed_kernel_dense", {"x": ANY, "op": _MATMUL, "w": VAR},
+    (("x", "op", 0), ("w", "op", 1)), "op", lambda g, m: _split(g, m) is not None, _IN)
+
+
+def _broadcast_over_batch(g, m) -> bool:
+    """The lookup ``[*ids, D]`` is added to a ``[B, *ids, D]`` activation."""
+    rows, out = _shape(g, m["op"]), _shape(g, m["add"])
+    return (EMBEDDING.check(g, m) and m["x"] != m["op"] and rows is not None and out is not None
+            and len(out) == len(rows) + 1 and _same(out[1:], rows))
+
+
+POSITION_EMBEDDING = Pattern(
+    "position_embedding", "embedding",
+    {"ids": ANY, "op": EMBEDDING.nodes["op"], "w": VAR, "x": ANY, "add": ops("AddV2", "Add")},
+    (("w", "op", 0), ("ids", "op", 1), ("op", "add", None), ("x", "add", None)),
+    anchor="op", output="add", params=("w",), inputs=(("op", "in", 1),),
+    check=_broadcast_over_batch)
+
+
+
+def slice_rows(g, m) -> tuple[int, int] | None:
+    """``(start, stop)`` of a slice ``w[start:stop]`` (or ``w[None, start:stop]``)
+    of a ``[V, D]`` table, unit strides, every column; else None."""
+    data = g.nodes[m["slice"]]
+    a, w, out = data["attrs"], var_shape(g, m["w"]), _shape(g, m["slice"])
+    begin = ir.const_value(g, data["inputs"][1])
+    strides = ir.const_value(g, data["inputs"][3])
+    lead = a.get("new_axis_mask", 0)
+    if (len(w) != 2 or out is None or begin is None or strides is None or lead not in (0, 1)
+            or a.get("ellipsis_mask", 0) or a.get("shrink_axis_mask", 0)
+            or any(int(s) != 1 for s in strides) or len(out) != 2 + lead
+            or out[-1] != w[1] or out[-2] is None or len(begin) > 2 + lead):
+        return None
+    begin = [0 if a.get("begin_mask", 0) >> i & 1 else int(b) for i, b in enumerate(begin)]
+    start = begin[lead] % w[0] if len(begin) > lead else 0
+    if len(begin) > lead + 1 and begin[lead + 1] != 0 or start + out[-2] > w[0]:
+        return None
+    return start, start + out[-2]
+
+
+def _slice_broadcast(g, m) -> bool:
+    rows, out = slice_rows(g, m), _shape(g, m["add"])
+    return (rows is not None and out is not None and len(out) == 3 and m["x"] != m["slice"]
+            and _same(out[1:], (rows[1] - rows[0], var_shape(g, m["w"])[1])))
+
+
+# A table slice added over the batch: the lookup of ids range(start, stop).
+# Its operand is the slice's begin (the runtime makes the ids from the rows).
+POSITION_TABLE_SLICE = Pattern(
+    "position_table_slice", "embedding",
+    {"w": VAR, "slice": ops("StridedSlice"), "x": ANY, "add": ops("AddV2", "Add")},
+    (("w", "slice", 0), ("slice", "add", None), ("x", "add", None)),
+    anchor="slice", output="add", params=("w",), inputs=(("slice", "in", 1),),
+    check=_slice_broadcast)
+
+MULTIAXIS_PATTERNS: tuple[Pattern, ...] = (
+    RESHAPED_DENSE_UNFLAT_BIAS, RESHAPED_DENSE_UNFLAT, RESHAPED_DENSE_BIAS, RESHAPED_DENSE,
+    SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE, EINSUM_DENSE_BIAS, EINSUM_DENSE, POSITION_EMBEDDING, POSITION_TABLE_SLICE)
+
+__all__ = ["MULTIAXIS_PATTERNS", "einsum_dense_axes", "kernel_in_axes",
+           "slice_rows", "Op"]
