@@ -1,7 +1,8 @@
 """The pass manager: IR in, registration data out, passes run in order.
 
-``run(traced, loss=None) -> PassResult`` imports the traced graph into the IR,
-marks where it computes in a narrower float than its inputs (precision),
+``run(traced, loss=None) -> PassResult`` unrolls the loops whose trip count
+is static (``passes.unroll``, at most ``max_loop_iterations`` each), imports
+the traced graph into the IR, marks where it computes in a narrower float than its inputs (precision),
 canonicalizes it, matches layers and the loss, and records how long each
 pass took (``timings``, seconds).
 """
@@ -18,6 +19,7 @@ from passes.errors import TraceError
 from passes.match_layers import LayerMatch, match_layers
 from passes.match_loss import LossMatch, match_loss
 from passes.precision import mark_narrowing
+from passes.unroll import DEFAULT_MAX_ITERATIONS, unroll_loops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +31,14 @@ class PassResult:
     timings: dict
 
 
-def run(traced: frontends.Traced, loss: str | None = None) -> PassResult:
+def run(traced: frontends.Traced, loss: str | None = None,
+        max_loop_iterations: int = DEFAULT_MAX_ITERATIONS) -> PassResult:
+    """``PassResult.traced`` is the graph the layers' tensors belong to (the
+    unrolled one)."""
     timings = {}
+    start = time.perf_counter()
+    traced = unroll_loops(traced, max_loop_iterations)
+    timings["unroll"] = time.perf_counter() - start
     start = time.perf_counter()
     g = frontends.to_ir(traced)
     timings["import"] = time.perf_counter() - start
