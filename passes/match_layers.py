@@ -23,6 +23,7 @@ from passes import ir
 from passes.atrous import atrous_attrs
 from passes.matcher import find_matches
 from passes.patterns import LAYER_PATTERNS, Pattern, einsum_kernel_layout
+from passes.unroll import ITERATION_SCOPE, WHILE_OPS
 
 _KERNEL_KINDS = frozenset({"dense", "conv2d", "depthwise_conv2d", "conv2d_transpose"})
 _OP_ATTRS = ("strides", "dilations", "padding", "explicit_paddings", "data_format",
@@ -39,8 +40,10 @@ class Use:
     ids). ``output``: the pre-activation tensor it produces. ``ops``: the IR
     nodes of the match. ``attrs``: the main op's attributes plus ``op``,
     ``input_shape``, ``output_shape`` and, where it applies,
-    ``transpose_kernel``, ``normalizer`` and ``unsupported`` (why the form
-    has no exact layer of its kind: the layer then becomes generic). An
+    ``transpose_kernel``, ``normalizer``, ``parts`` (per variable, the box of
+    it the use reads, or None: ``passes.variable_parts``) and
+    ``unsupported`` (why the form has no exact layer of its kind: the layer
+    then becomes generic). An
     atrous convolution's are those of the dilated convolution on the input
     of SpaceToBatchND (``passes.atrous``).
     """
@@ -68,6 +71,7 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
     output_node = ir.split_tensor(g.graph["output"])[0]
     on_path = nx.ancestors(g, output_node) | {output_node}
     data = ir.reachable_from(g, g.graph["arguments"])
+    batched = data | ir.reachable_from(g, _batch_constants(g))
     parameters = ir.reachable_from(g, (n for n, d in g.nodes(data=True)
                                        if d["op"] == "Variable"))
     order = _data_flow_order(g, data)
@@ -80,7 +84,7 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
             if roles[pattern.output] not in on_path:
                 continue
             source = ir.split_tensor(ir.resolve(g, _inputs(g, pattern, roles)[0]))[0]
-            if source not in data and source in parameters:
+            if source not in batched and source in parameters:
                 continue  # a product of weights, not a layer applied to data
             claimed |= {roles[r] for r, spec in pattern.nodes.items() if spec.exclusive}
             found.append((pattern, roles))
@@ -92,7 +96,7 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
     readers = {key: [dst for node in nodes for dst in g.successors(node)]
                for key, nodes in holders.items()}
     groups = _group(g, found)
-    groups, reasons = _resolve_conflicts(g, groups, on_path & data, readers)
+    groups, reasons = _resolve_conflicts(g, groups, on_path & batched, readers)
     layers = [_layer(g, kind, keys, uses, order) for (kind, keys), uses in groups.items()]
     owned = {k for layer in layers for k in layer.variables}
     for key in _loss_variables(g, on_path, order):
@@ -146,6 +150,9 @@ def _use(g, pattern: Pattern, roles) -> Use:
         attrs["has_scale"] = "gamma" in pattern.params
         if pattern.normalizer == "fused":
             inputs, attrs = _fused_normalizer(g, main, inputs, attrs)
+    parts = tuple(g.nodes[roles[p]].get("part") for p in pattern.params)
+    if any(parts):  # (passes.variable_parts) per variable: its box, or None when whole
+        attrs["parts"] = parts
     nodes = tuple(roles[r] for r, spec in pattern.nodes.items() if spec.exclusive)
     return Use(inputs, ir.tensor_name(roles[pattern.output]), nodes, attrs)
 
@@ -236,7 +243,10 @@ def _without_bias(g, use: Use, roles) -> Use:
         return use
     main = roles.get("unflat") or roles.get("b2s") or roles["op"]
     ops = tuple(n for n in use.ops if n != roles["add"])
-    return dataclasses.replace(use, output=ir.tensor_name(main), ops=ops)
+    attrs = dict(use.attrs)
+    if "parts" in attrs:
+        attrs["parts"] = attrs["parts"][:1]
+    return dataclasses.replace(use, output=ir.tensor_name(main), ops=ops, attrs=attrs)
 
 
 def _bias_as_shift(g, roles, use: Use):
@@ -250,6 +260,20 @@ def _bias_as_shift(g, roles, use: Use):
     return None, roles, shift
 
 
+def _batch_constants(g) -> list:
+    """Constants shaped ``[B, ...]`` for the arguments' static batch ``B``
+    (an RNN's zero initial state): every row is an example's, so what is
+    computed from them and the weights, row by row (the first step of an
+    unrolled loop), is per example like the data."""
+    batch = next((s[0] for a in g.graph["arguments"] if a in g
+                  for s in g.nodes[a]["shapes"][:1] if s and s[0] is not None), None)
+    if batch is None:
+        return []
+    return [n for n, d in g.nodes(data=True) if d["op"] in ("Const", "Fill")
+            and d["shapes"] and d["shapes"][0] and len(d["shapes"][0]) >= 2
+            and d["shapes"][0][0] == batch]
+
+
 def _loss_variables(g, on_path, order):
     keys = {}
     for node in on_path:
@@ -260,6 +284,11 @@ def _loss_variables(g, on_path, order):
 
 
 def _orphan_reason(g, readers, on_path) -> str:
+    loops = sorted(n for n in readers if n in on_path and g.nodes[n]["op"] in WHILE_OPS)
+    if loops:
+        why = g.graph.get("loops", {}).get(loops[0], "")
+        return f"read inside loop {_readable(loops[0])!r}, which is not unrolled" + (
+            f": {why}" if why else "")
     ops = sorted({g.nodes[n]["op"] for n in readers if n in on_path})
     return f"no layer pattern matches its use by {', '.join(ops) or 'the graph'}"
 
@@ -313,8 +342,9 @@ _CALL_SCOPE = re.compile(r"^((Stateful)?PartitionedCall(_\d+)?/)+")
 
 def _readable(name: str) -> str:
     """``name`` without the scopes of inlined function calls it starts with
-    (a restored SavedModel function wraps its body in one)."""
-    return _CALL_SCOPE.sub("", name) or name
+    (a restored SavedModel function wraps its body in one), and without
+    the iteration scopes of unrolled loops (``passes.unroll``)."""
+    return ITERATION_SCOPE.sub("", _CALL_SCOPE.sub("", name) or name)
 
 
 def _unique_names(layers):

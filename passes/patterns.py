@@ -56,7 +56,11 @@ class Pattern:
 
 
 ANY = Op(exclusive=False)
-VAR = Op(variable=True, exclusive=False)
+# a whole variable; VAR_PART also a static slice of one (passes.variable_parts),
+# in the roles whose kinds embed a part's operands in the whole variable's
+# (a dense kernel, a scale or a shift: kfac_graph.layers.parts)
+VAR = Op(variable=True, exclusive=False, where=lambda data: data.get("part") is None)
+VAR_PART = Op(variable=True, exclusive=False)
 
 
 def ops(*types, where=None) -> Op:
@@ -68,7 +72,10 @@ def _attr(name, value):
 
 
 def _var_shape(g, node) -> tuple:
-    """The variable's static shape; () when unknown (no pattern then fits)."""
+    """The variable's (or the part's) static shape; () when unknown (no
+    pattern then fits)."""
+    if g.nodes[node].get("part") is not None:
+        return g.nodes[node]["shapes"][0]
     return g.graph["variables"][g.nodes[node]["variable"]].shape or ()
 
 
@@ -149,7 +156,7 @@ MATMUL = ops(*_MATMUL, where=_dense_op)
 DENSE_TENSORDOT_BIAS = Pattern(
     "dense_tensordot_bias", "dense",
     {"x": ANY, "flat": ops("Reshape"), "op": ops("MatMul", where=_dense_op),
-     "unflat": ops("Reshape"), "w": VAR, "b": VAR, "add": ADD},
+     "unflat": ops("Reshape"), "w": VAR_PART, "b": VAR, "add": ADD},
     (("x", "flat", 0), ("flat", "op", 0), ("w", "op", 1), ("op", "unflat", 0),
      ("unflat", "add", None), ("b", "add", None)),
     anchor="op", output="add", params=("w", "b"), inputs=(("flat", "in", 0),),
@@ -158,19 +165,19 @@ DENSE_TENSORDOT_BIAS = Pattern(
 DENSE_TENSORDOT = Pattern(
     "dense_tensordot", "dense",
     {"x": ANY, "flat": ops("Reshape"), "op": ops("MatMul", where=_dense_op),
-     "unflat": ops("Reshape"), "w": VAR},
+     "unflat": ops("Reshape"), "w": VAR_PART},
     (("x", "flat", 0), ("flat", "op", 0), ("w", "op", 1), ("op", "unflat", 0)),
     anchor="op", output="unflat", params=("w",), inputs=(("flat", "in", 0),),
     check=_merges_leading)
 DENSE_BIAS = Pattern(
     "dense_bias", "dense",
-    {"x": ANY, "op": MATMUL, "w": VAR, "b": VAR, "add": ADD},
+    {"x": ANY, "op": MATMUL, "w": VAR_PART, "b": VAR, "add": ADD},
     (("x", "op", 0), ("w", "op", 1), ("op", "add", None), ("b", "add", None)),
     anchor="op", output="add", params=("w", "b"), inputs=(("op", "in", 0),),
     check=lambda g, m: _dense_kernel_ok(g, m) and _bias_fits(g, m, -1))
 DENSE = Pattern(
     "dense", "dense",
-    {"x": ANY, "op": MATMUL, "w": VAR},
+    {"x": ANY, "op": MATMUL, "w": VAR_PART},
     (("x", "op", 0), ("w", "op", 1)),
     anchor="op", output="op", params=("w",), inputs=(("op", "in", 0),),
     check=_dense_kernel_ok)
@@ -298,12 +305,12 @@ SCALE_SHIFT = Pattern(
     normalizer="identity",
     check=lambda g, m: m["x"] != m["gamma"] and _var_shape(g, m["gamma"]) == _var_shape(g, m["beta"]))
 SCALE = Pattern(
-    "scale", "scale_and_shift", {"x": ANY, "mul": MUL, "gamma": VAR},
+    "scale", "scale_and_shift", {"x": ANY, "mul": MUL, "gamma": VAR_PART},
     (("x", "mul", None), ("gamma", "mul", None)),
     anchor="mul", output="mul", params=("gamma",), inputs=(("x", "out", 0),),
     normalizer="identity", check=lambda g, m: m["x"] != m["gamma"])
 SHIFT = Pattern(
-    "shift", "scale_and_shift", {"x": ANY, "add": ops("AddV2", "Add", "BiasAdd"), "beta": VAR},
+    "shift", "scale_and_shift", {"x": ANY, "add": ops("AddV2", "Add", "BiasAdd"), "beta": VAR_PART},
     (("x", "add", None), ("beta", "add", None)),
     anchor="add", output="add", params=("beta",), inputs=(("x", "out", 0),),
     normalizer="identity", check=lambda g, m: m["x"] != m["beta"])

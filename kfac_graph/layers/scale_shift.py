@@ -16,7 +16,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from kfac_graph.layers import norms
+from kfac_graph.layers import norms, parts
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers.kind import LayerKind, variable_shapes
 
@@ -91,13 +91,17 @@ def operands(layer, use, tensors, grads):
     Bessel-corrected: multiplied back by `(n - 1) / n`); `1` for a shift
     alone. For a vector scale or shift of an `NC...` op (BiasAdd,
     FusedBatchNorm in NCHW) both are moved to channels-last, where the
-    rules and blocks broadcast a vector."""
+    rules and blocks broadcast a vector. A use of a box of the variable
+    (`parts.py`: a scale or shift alone) has both zero-padded to the whole
+    variable's shape."""
     attrs = layer.use_attrs[use]
     vector = len(layer.variables[0].shape) == 1
-    grads = [_channels_last(attrs, g, vector) for g in grads]
+    box, shape = parts.part(layer, use, 0), layer.variables[0].shape
+    grads = [parts.pad_trailing(_channels_last(attrs, g, vector), box, shape) for g in grads]
     if not attrs.get("has_scale", True):
         return tf.ones_like(grads[0]), grads
-    return _channels_last(attrs, _normalised(attrs, tensors), vector), grads
+    xhat = _channels_last(attrs, _normalised(attrs, tensors), vector)
+    return parts.pad_trailing(xhat, box, shape), grads
 
 
 def _channels_last(attrs, tensor, vector):
