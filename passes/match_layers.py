@@ -227,7 +227,8 @@ def _resolve_conflicts(g, groups, on_path, readers):
             if outside:
                 groups.pop(group, None)
                 for k in group[1]:
-                    reasons[k] = f"also read outside its layer pattern, by op {outside[0]!r}"
+                    reasons[k] = (_loop_reason(g, outside) or
+                                  f"also read outside its layer pattern, by op {outside[0]!r}")
                 break
         else:
             why = [use.attrs["unsupported"] for _, _, use in items if "unsupported" in use.attrs]
@@ -284,13 +285,22 @@ def _loss_variables(g, on_path, order):
 
 
 def _orphan_reason(g, readers, on_path) -> str:
-    loops = sorted(n for n in readers if n in on_path and g.nodes[n]["op"] in WHILE_OPS)
-    if loops:
-        why = g.graph.get("loops", {}).get(loops[0], "")
-        return f"read inside loop {_readable(loops[0])!r}, which is not unrolled" + (
-            f": {why}" if why else "")
+    loop = _loop_reason(g, [n for n in readers if n in on_path])
+    if loop:
+        return loop
     ops = sorted({g.nodes[n]["op"] for n in readers if n in on_path})
     return f"no layer pattern matches its use by {', '.join(ops) or 'the graph'}"
+
+
+def _loop_reason(g, readers) -> str:
+    """Why a variable read by a loop the pass kept is generic ("" if none
+    of ``readers`` is such a loop)."""
+    loops = sorted(n for n in readers if g.nodes[n]["op"] in WHILE_OPS)
+    if not loops:
+        return ""
+    why = g.graph.get("loops", {}).get(loops[0], "")
+    return f"read inside loop {_readable(loops[0])!r}, which is not unrolled" + (
+        f": {why}" if why else "")
 
 
 def _layer(g, kind, keys, items, order) -> LayerMatch:

@@ -10,7 +10,7 @@ Contract: ``unroll_loops(traced, max_iterations) -> Traced`` returns a
 input and giving that step's output gradient, and the rest of the pass and
 the runtime see an ordinary graph. A loop variable whose value is static at
 iteration ``k`` (a counter) is a ``Const`` there, so a ``TensorList`` read
-at the counter reads at a constant index (``passes.tensor_lists``). Copies
+at the counter reads at a constant index. Copies
 are named ``<loop>/iteration_<k>/<body node>`` (``ITERATION_SCOPE``).
 Loops nested in a body are unrolled in later rounds (at most
 ``_MAX_ROUNDS`` deep), with the outer counters then constants.
@@ -52,7 +52,7 @@ from passes.static_eval import StaticEvaluator
 
 WHILE_OPS = frozenset({"While", "StatelessWhile"})
 DEFAULT_MAX_ITERATIONS = 1024
-ITERATION_SCOPE = re.compile(r"/iteration_\d+(?=/)")
+ITERATION_SCOPE = re.compile(r"/iteration_\d+(?=/|$)")
 _MAX_ROUNDS = 8
 # stateful ops a body may hold: reads, random draws, and ops whose own
 # bodies are checked (calls, nested loops and branches)
