@@ -210,12 +210,12 @@ def _rewrite(graph_def, plans, library):
                              "would take the name of a node of the graph")
         out.extend(nodes)
         renames.update({f"{node.name}:{j}": t for j, t in enumerate(outputs)})
-    for node in out:
-        inline.rename_inputs(node, renames)
     result = tf.compat.v1.GraphDef()
     result.versions.CopyFrom(graph_def.versions)
     result.library.CopyFrom(graph_def.library)
-    result.node.extend(out)
+    result.node.extend(out)  # (copies: the input graph stays as it was)
+    for node in result.node:
+        inline.rename_inputs(node, renames)
     return result, renames
 
 

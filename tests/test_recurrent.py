@@ -253,6 +253,7 @@ def test_unrolled_graph_computes_what_the_loop_computed():
     unrolled = unroll.unroll_loops(traced)
     assert unrolled.unrolled_loops == {"while": T} and not unrolled.kept_loops
     assert not any(n.op in ("While", "StatelessWhile") for n in unrolled.graph_def.node)
+    assert unroll.unroll_loops(traced).graph_def == unrolled.graph_def  # the input is unchanged
     reg = loss_fn.registration(*args)
 
     @tf.function
