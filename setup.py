@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["kfac_graph", "kfac_graph.*", "passes", "passes.*", "tools"]),
     python_requires=">=3.10",
     install_requires=["tensorflow>=2.16", "tensorboard", "networkx>=3.0", "numpy", "absl-py"],
-    extras_require={"test": ["pytest", "hypothesis", "scikit-learn"],
+    extras_require={"test": ["pytest", "pytest-xdist", "hypothesis", "scikit-learn"],
                     "bench": ["scikit-learn", "matplotlib"]},
     entry_points={"console_scripts": ["kfac-graph=tools.kfac_register:run",
                                         "kfac-rewrite=tools.kfac_rewrite:run"]},

@@ -147,7 +147,12 @@ def write_saved_model(module: tf.Module, output: str, signatures=None,
     staged, placed, current = {}, [], output
     try:
         target = os.path.join(staging, "saved_model")
-        tf.saved_model.save(module, target, signatures=signatures or None)
+        # every saved function holds its own gradients (traced with the step);
+        # the re-run graph's gradient overrides (a grouped Conv2D's) are no
+        # tf.custom_gradient functions and are not saved as such
+        tf.saved_model.save(module, target, signatures=signatures or None,
+                            options=tf.saved_model.SaveOptions(
+                                experimental_custom_gradients=False))
         for relative, text in (extra_files or {}).items():
             os.makedirs(os.path.dirname(os.path.join(target, relative)), exist_ok=True)
             write_text(os.path.join(target, relative), text)

@@ -25,7 +25,8 @@ which every per-example result is checked against (``kfac_graph.invariants``);
 ``per_example_loss`` is ``[B]`` (a per-token loss flattened to ``[B*T]`` is
 summed per example) or None, with ``per_example_problem`` saying why. A
 ``tf.py_function`` in the graph re-runs its Python function for each
-backward pass (``_callback_gradient``; see ``passes/callbacks.py``).
+backward pass (``_callback_gradient``; see ``passes/callbacks.py``), and a
+grouped ``Conv2D`` gets a gradient the CPU can run (``grouped_conv_grad``).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 from tensorflow.python.ops import script_ops
 
-from kfac_graph import invariants, layers
+from kfac_graph import grouped_conv_grad, invariants, layers
 from kfac_graph.registration import Registration
 from passes.errors import KfacGraphError
 
@@ -96,10 +97,13 @@ class LayerTaps:
                 names += list(use_inputs) + [output]
         unique = list(dict.fromkeys(names))
         # a Python callback's gradient re-runs its function (see _callback_gradient)
+        existing = len(graph.get_operations())
         with graph.gradient_override_map({"EagerPyFunc": _CALLBACK_GRADIENT}):
             tensors = dict(zip(unique, tf.graph_util.import_graph_def(
                 _without_mapped_placeholders(reg.graph_def, input_map), input_map=input_map,
                 return_elements=unique, name="kfac_graph")))
+        # a grouped Conv2D's gradient is one the CPU has (grouped_conv_grad)
+        grouped_conv_grad.mark(graph.get_operations()[existing:])
         model_output = tensors.get(loss_spec.output) if loss_spec.output else None
         batch = _batch_of(flat_args, model_output)
         per_example, problem = None, "the loss pass found no per-example loss terms"

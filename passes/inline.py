@@ -7,7 +7,10 @@ functions) and every direct call of a library function is replaced by the
 function's body. Body nodes are named ``<call node>/<body node>``; the call
 node's name is kept by a ``NoOp`` that waits on the body, so control
 dependencies on the call still hold. Control-flow ops (``While``, ``If``) keep
-their bodies as functions. The function library is kept for them.
+their bodies as functions. The function library keeps the functions the
+inlined nodes still name (their bodies, and the functions those name), and
+only them: an inlined call's function (say, one Keras compiled with XLA) would
+otherwise travel into every graph built from this one, unused.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ def inline_calls(graph_def: tf.compat.v1.GraphDef
     ``follow(renames, name)`` to map an old tensor name to the new one."""
     all_renames: dict[str, str] = {}
     library = {f.signature.name: f for f in graph_def.library.function}
+    holder = library_graph(graph_def)
     nodes = list(graph_def.node)
     for _ in range(_MAX_DEPTH):
         calls = [n for n in nodes if _callee(n, library)]
@@ -37,7 +41,8 @@ def inline_calls(graph_def: tf.compat.v1.GraphDef
         for node in nodes:
             callee = _callee(node, library)
             if callee:
-                body, outputs = _body(node, library[callee])
+                with holder.as_default():
+                    body, outputs = _body(node, library[callee])
                 out.extend(body)
                 renames.update({f"{node.name}:{i}": t for i, t in enumerate(outputs)})
             else:
@@ -50,9 +55,44 @@ def inline_calls(graph_def: tf.compat.v1.GraphDef
         raise LoadError(f"function calls nested deeper than {_MAX_DEPTH} levels")
     result = tf.compat.v1.GraphDef()
     result.versions.CopyFrom(graph_def.versions)
+    kept = _named_functions(nodes, library)
     result.library.CopyFrom(graph_def.library)
+    del result.library.function[:]
+    result.library.function.extend(f for name, f in library.items() if name in kept)
     result.node.extend(nodes)
     return result, all_renames
+
+
+def _named_functions(nodes, library) -> set[str]:
+    """The library functions ``nodes`` name in their ops or attributes, and
+    those their bodies name, transitively."""
+    def names(node_defs):
+        for node in node_defs:
+            if node.op in library:
+                yield node.op
+            for value in node.attr.values():
+                funcs = [value.func] if value.HasField("func") else list(value.list.func)
+                yield from (f.name for f in funcs if f.name in library)
+
+    kept, todo = set(), list(names(nodes))
+    while todo:
+        name = todo.pop()
+        if name not in kept:
+            kept.add(name)
+            todo.extend(names(library[name].node_def))
+    return kept
+
+
+def library_graph(graph_def) -> tf.Graph:
+    """A graph holding ``graph_def``'s function library: a body that calls a
+    library function directly (its op is the function's name) is read
+    against it, whatever graph is the default (saving traces in a fresh one)."""
+    graph = tf.Graph()
+    library_only = tf.compat.v1.GraphDef()
+    library_only.library.CopyFrom(graph_def.library)
+    with graph.as_default():
+        tf.graph_util.import_graph_def(library_only, name="")
+    return graph
 
 
 def _callee(node, library) -> str | None:

@@ -40,10 +40,11 @@ class Use:
     ids). ``output``: the pre-activation tensor it produces. ``ops``: the IR
     nodes of the match. ``attrs``: the main op's attributes plus ``op``,
     ``input_shape``, ``output_shape`` and, where it applies,
-    ``transpose_kernel``, ``normalizer``, ``parts`` (per variable, the box of
-    it the use reads, or None: ``passes.variable_parts``) and
-    ``unsupported`` (why the form has no exact layer of its kind: the layer
-    then becomes generic). An
+    ``transpose_kernel``, ``normalizer``, ``unsupported`` (why the form
+    has no exact layer of its kind: the layer then becomes generic),
+    ``parts`` (per variable, the box of it the use reads, or None:
+    ``passes.variable_parts``), and for convolutions ``kernel_shape`` and
+    ``input_channels`` (a grouped Conv2D's kernel reads a share of them). An
     atrous convolution's are those of the dilated convolution on the input
     of SpaceToBatchND (``passes.atrous``).
     """
@@ -141,6 +142,7 @@ def _use(g, pattern: Pattern, roles) -> Use:
         attrs["input_shape"] = ir.shape_of(g, inputs[0])
     if pattern.kind in ("conv2d", "depthwise_conv2d", "conv2d_transpose"):
         attrs["kernel_shape"] = ir.shape_of(g, data["raw_inputs"][1])
+        attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))
     if pattern.kind == "conv2d_transpose":
         attrs.update(_transpose_attrs(g, data, inputs[0]))
     if "s2b" in roles:
@@ -164,6 +166,16 @@ def _transpose_attrs(g, data, x):
     sizes = ir.const_value(g, data["inputs"][0])
     if sizes is not None:
         attrs["input_sizes"] = tuple(int(s) for s in sizes)
+    return attrs
+
+
+def _channels(shape, data_format):
+    """The channel count of a 4-D convolution input (None when unknown): a
+    grouped Conv2D's kernel reads ``channels / groups`` of them."""
+    if not shape or len(shape) != 4:
+        return None
+    fmt = data_format.decode() if isinstance(data_format, bytes) else (data_format or "NHWC")
+    return shape[1] if fmt.upper().startswith("NC") else shape[-1]
     return attrs
 
 
@@ -348,13 +360,16 @@ def _scope_name(nodes) -> str:
 
 
 _CALL_SCOPE = re.compile(r"^((Stateful)?PartitionedCall(_\d+)?/)+")
+_TRAILING_CALL = re.compile(r"(/(Stateful)?PartitionedCall(_\d+)?)+$")
 
 
 def _readable(name: str) -> str:
     """``name`` without the scopes of inlined function calls it starts with
-    (a restored SavedModel function wraps its body in one), and without
-    the iteration scopes of unrolled loops (``passes.unroll``)."""
-    return ITERATION_SCOPE.sub("", _CALL_SCOPE.sub("", name) or name)
+    (a restored SavedModel function wraps its body in one) or ends with (a
+    layer whose op alone sits in an inlined call: Keras compiles a grouped
+    convolution in its own function), and without the iteration scopes of
+    unrolled loops (``passes.unroll``)."""
+    return ITERATION_SCOPE.sub("", _TRAILING_CALL.sub("", _CALL_SCOPE.sub("", name)) or name)
 
 
 def _unique_names(layers):

@@ -198,12 +198,14 @@ def _rewrite(graph_def, plans, library):
     renaming of the loops' outputs to the last copy's."""
     names = {n.name for n in graph_def.node}
     out, renames = [], {}
+    holder = inline.library_graph(graph_def)  # (a body's nested loops name its functions)
     for node in graph_def.node:
         plan = plans.get(node.name)
         if plan is None:
             out.append(node)
             continue
-        nodes, outputs = _copies(node, plan, library[node.attr["body"].func.name])
+        with holder.as_default():
+            nodes, outputs = _copies(node, plan, library[node.attr["body"].func.name])
         clash = [n.name for n in nodes if n.name in names and n.name != node.name]
         if clash:
             raise TraceError(f"cannot unroll loop {node.name!r}: its copy {clash[0]!r} "

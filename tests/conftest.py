@@ -7,9 +7,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # gradients) exist only there, so every machine runs the tests with them.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from keras.src.backend.common import global_state  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -17,3 +19,17 @@ def _seed():
     tf.random.set_seed(0)
     np.random.seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _keras_dtypes():
+    """Every test ends with the Keras floatx and global dtype policy it
+    started with. Keras caches its global policy from floatx the first time
+    a layer asks, so a test that sets floatx would otherwise leak float64
+    layers into the next; the cache is read raw (asking for the policy
+    would fill it)."""
+    floatx = keras.config.floatx()
+    policy = global_state.get_global_attribute("dtype_policy", None)
+    yield
+    keras.config.set_floatx(floatx)
+    global_state.set_global_attribute("dtype_policy", policy)

@@ -99,27 +99,6 @@ def test_plain_conv1d_still_right_and_its_fisher_builds():
         assert np.isfinite(float(estimator.update(*args)))
 
 
-# -- a grouped Conv2D: the op reads Cin channels, its kernel Cin / groups -----------------
-
-GROUPED = (r"layer net\w*/grouped\w* \(conv2d, op net\w*/grouped\w*/StatefulPartitionedCall/"
-           r"convolution\): ")
-
-
-def test_grouped_conv2d_refuses_per_example_gradients_norms_and_fisher():
-    loss_fn, args = _conv_net(keras.layers.Conv2D(8, 3, groups=2, name="grouped"), (6, 6, 4))
-    fn = kg.auto_register(loss_fn)
-    shape = (GROUPED + r"per-example gradient of net\w*/grouped\w*/kernel has shape "
-             r"\[B, 3, 3, 4, 8\], expected \[B, 3, 3, 2, 8\]" + UNSUPPORTED)
-    _raises_line(shape, lambda: kg.per_example_gradients(fn, *args))
-    _raises_line(shape, lambda: kg.per_example_gradient_norms(fn, *args))
-    estimator = kg.FisherEstimator(fn)
-    _raises_line(GROUPED + r"factor input_factor got rows \[128, 36\], expected \[N, 18\]"
-                 + UNSUPPORTED, lambda: estimator.update(*args))
-    estimator = kg.FisherEstimator(fn, approximations={"conv2d": "diagonal"})
-    _raises_line(GROUPED + r"factor layer_gradient_factor got rows \[8, 296\], expected "
-                 r"\[N, 152\]" + UNSUPPORTED, lambda: estimator.update(*args))
-
-
 # -- tables and the generic fallback --------------------------------------------------
 
 V, T, D = 7, 5, 6

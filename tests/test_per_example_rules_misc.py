@@ -140,6 +140,7 @@ def test_registry_has_the_matcher_kinds():
         "dense",
         "conv2d",
         "depthwise_conv2d",
+        "conv2d_transpose",
         "scale_and_shift",
         "embedding",
     }

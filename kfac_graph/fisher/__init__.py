@@ -20,6 +20,7 @@ from kfac_graph.fisher.blocks_full import (
 )
 from kfac_graph.fisher.blocks_kron import (
     KroneckerBlock,
+    GroupedKroneckerBlock,
     FullyConnectedKroneckerBlock,
     FullyConnectedMultiIndepBlock,
     ConvKroneckerBlock,
@@ -53,6 +54,7 @@ from kfac_graph.fisher.factors_grad import (
 from kfac_graph.fisher.factors_kron import (
     DenseInputFactor,
     OutputFactor,
+    PatchInputFactor,
     ConvInputFactor,
     DepthwiseInputFactor,
     EmbeddingInputFactor,

@@ -24,13 +24,25 @@ inverts the current factors on the fly instead, and `inverses_stale()`
 says so (the optimizer then refreshes).  Other powers, `multiply` and the
 Cholesky factor sqrt(R) chol(A~) (x) chol(G~) use the current factors.
 
-Depthwise kernels `[kh, kw, C, M]` are treated as C independent convs
-(one per input channel, feeding outputs c*M ... c*M+M-1, its M bias
-entries included): a block diagonal of R (A_c (x) G_c), each with its own
-pi.  (The seed instead restricts one big `(kh*kw*C) x (C*M)` Kronecker
-product to the depthwise entries, whose "inverse" is then not the inverse
-of its own block.)  Its Cholesky factor is triangular per channel, i.e. up
-to a permutation of the canonical order; `L L^T` is the damped block.
+Grouped blocks (`GroupedKroneckerBlock`): a layer of G independent groups,
+its kernel flattened to `[K, G*og]` with group j owning columns
+j*og ... (j+1)*og - 1 (and those bias entries), gets the block diagonal
+
+    F ~= diag_j R (A_j (x) G_j),   V_j = [W[:, j*og:(j+1)*og]; b_j]  `(K (+1), og)`,
+
+each group with its own pi, so the inverse is applied per group:
+V_j -> (A_j + pi_j r I)^-1 V_j (G_j + r/pi_j I)^-1 / R.  This is KFC per group
+*and* the block-diagonal approximation across groups: the true Fisher's
+cross-group terms (groups share the loss, so they do not vanish) are
+dropped, as tensorflow/kfac drops those between layers.  A grouped
+Conv2D (kernel `[kh, kw, cg, Cout]`, K = kh*kw*cg, G = Cin/cg) is one:
+A_j from group j's patch features (input channels j*cg ... (j+1)*cg - 1),
+G_j from its og output gradients.  So are depthwise kernels `[kh, kw, C, M]`
+(K = kh*kw, G = C, og = M: C independent convs, one per input channel).
+(The seed instead restricts one big `(kh*kw*C) x (C*M)` Kronecker product
+to the depthwise entries, whose "inverse" is then not the inverse of its
+own block.)  The Cholesky factor is triangular per group, i.e. up to a
+permutation of the canonical order; `L L^T` is the damped block.
 
 Embedding tables `[V, D]`: A is diagonal (id frequencies), so
 F ~= R diag(A) (x) G; exact for one example with one lookup.
@@ -238,8 +250,58 @@ class FullyConnectedMultiIndepBlock(FullyConnectedKroneckerBlock):
     with A, G averaged over the uses (and positions)."""
 
 
-class ConvKroneckerBlock(KroneckerBlock):
-    """Conv2D kernel `[kh, kw, Cin, Cout]` (+ bias `[Cout]`), KFC: T (A (x) G)."""
+class GroupedKroneckerBlock(KroneckerBlock):
+    """Base of the grouped blocks (module docstring): when the factors have a
+    group axis (`input_factor.groups`), V is `[G, K (+1), og]` and the block
+    the block diagonal of the groups' Kronecker products; without one, the
+    plain `KroneckerBlock`. Subclasses set the factors and `_out_width` (G*og)."""
+
+    def _to_mat(self, vs):
+        groups = self.input_factor.groups
+        if groups is None:
+            return super()._to_mat(vs)
+        og = self._out_width // groups
+        kernel = tf.reshape(tf.cast(vs[0], self.dtype), [-1, groups, og])
+        mat = tf.transpose(kernel, [1, 0, 2])
+        if len(vs) > 1:
+            bias = tf.reshape(tf.cast(vs[1], self.dtype), [groups, 1, og])
+            mat = tf.concat([mat, bias], axis=1)
+        return mat
+
+    def _from_mat(self, mat):
+        if self.input_factor.groups is None:
+            return super()._from_mat(mat)
+        rows = self.input_factor.dim - int(len(self.var_shapes) > 1)
+        out = [tf.reshape(tf.transpose(mat[:, :rows], [1, 0, 2]), self.var_shapes[0])]
+        if len(self.var_shapes) > 1:
+            out.append(tf.reshape(mat[:, rows], [-1]))
+        return out
+
+    def _canonical_index(self):
+        """index[j, r*og + o]: canonical position of V_j's entry (r, o): the
+        kernel `[K, G*og]` row-major, then the bias (row r = K)."""
+        groups, width = self.input_factor.groups, self._out_width
+        j, r, o = np.meshgrid(np.arange(groups), np.arange(self.input_factor.dim),
+                              np.arange(width // groups), indexing="ij")
+        return (r * width + j * (width // groups) + o).reshape(groups, -1)
+
+    def full_matrix(self):
+        if self.input_factor.groups is None:
+            return super().full_matrix()
+        a, g = self._dense_factors()
+        index = self._canonical_index()
+        size = index.shape[1]
+        per_group = tf.reshape(self.replicas * tf.einsum("gij,gkl->gikjl", a, g), [-1, size, size])
+        rows = np.broadcast_to(index[:, :, None], (len(index), size, size))
+        cols = np.broadcast_to(index[:, None, :], rows.shape)
+        indices = np.stack([rows, cols], axis=-1)
+        return tf.scatter_nd(indices, per_group, [self.num_params, self.num_params])
+
+
+class ConvKroneckerBlock(GroupedKroneckerBlock):
+    """Conv2D kernel `[kh, kw, Cin, Cout]` (+ bias `[Cout]`), KFC: T (A (x) G);
+    grouped (kernel `[kh, kw, Cin/G, Cout]`, G > 1 from `attrs["input_channels"]`):
+    the block diagonal over groups of T (A_j (x) G_j) (module docstring)."""
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
@@ -273,7 +335,7 @@ class EmbeddingKroneckerBlock(KroneckerBlock):
         self._init_kron()
 
 
-class DepthwiseConvKroneckerBlock(KroneckerBlock):
+class DepthwiseConvKroneckerBlock(GroupedKroneckerBlock):
     """Depthwise kernel `[kh, kw, C, M]` (+ bias `[C*M]`): per channel KFC.
     DepthwiseConv1D's kernel variable `[k, C, M]` is the op's `[1, k, C, M]`."""
 
@@ -289,42 +351,3 @@ class DepthwiseConvKroneckerBlock(KroneckerBlock):
         self.output_factor = factors_kron.depthwise_output_factor(self.spec, dtype=self.dtype,
                                                                   name="output_factor")
         self._init_kron()
-        self._index = self._canonical_index(kh * kw, channels, mult, has_bias)
-
-    @staticmethod
-    def _canonical_index(k, channels, mult, has_bias):
-        """index[c, j*M + m]: canonical position of channel c's entry (j, m)."""
-        c, j, m = np.meshgrid(
-            np.arange(channels), np.arange(k + int(has_bias)), np.arange(mult), indexing="ij"
-        )
-        idx = (j * channels + c) * mult + m  # kernel [kh, kw, C, M] row-major
-        if has_bias:
-            idx[:, k, :] = k * channels * mult + c[:, k, :] * mult + m[:, k, :]
-        return idx.reshape(channels, -1)
-
-    def _to_mat(self, vs):
-        kh, kw, channels, mult = self.spec.kernel_shape
-        kernel = tf.reshape(tf.cast(vs[0], self.dtype), self.spec.kernel_shape)
-        mat = tf.reshape(tf.transpose(kernel, [2, 0, 1, 3]), [channels, kh * kw, mult])
-        if len(vs) > 1:
-            bias = tf.reshape(tf.cast(vs[1], self.dtype), [channels, 1, mult])
-            mat = tf.concat([mat, bias], axis=1)
-        return mat
-
-    def _from_mat(self, mat):
-        kh, kw, channels, mult = self.spec.kernel_shape
-        kernel = tf.reshape(mat[:, : kh * kw], [channels, kh, kw, mult])
-        out = [tf.reshape(tf.transpose(kernel, [1, 2, 0, 3]), self.var_shapes[0])]
-        if len(self.var_shapes) > 1:
-            out.append(tf.reshape(mat[:, kh * kw], [channels * mult]))
-        return out
-
-    def full_matrix(self):
-        a, g = self._dense_factors()
-        per_channel = self.replicas * tf.einsum("cij,ckl->cikjl", a, g)
-        size = self._index.shape[1]
-        per_channel = tf.reshape(per_channel, [-1, size, size])
-        rows = np.broadcast_to(self._index[:, :, None], (len(self._index), size, size))
-        cols = np.broadcast_to(self._index[:, None, :], rows.shape)
-        indices = np.stack([rows, cols], axis=-1)
-        return tf.scatter_nd(indices, per_channel, [self.num_params, self.num_params])

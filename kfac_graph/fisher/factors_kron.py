@@ -3,10 +3,11 @@
 Input factors average over examples, positions/locations and uses:
     A = (1 / (B T U)) sum_{i,t,u} abar abar^T,   abar = [a, 1] with a bias,
 with `a` the layer input (dense; a transposed convolution's at each of its
-positions, with no 1), the input patch at an output location (conv,
-depthwise: per input channel), or the one-hot id (embedding, kept as its
-diagonal: the id counts / (B T U)). Output factors average the same way
-over the output-gradient rows g (conv: at every output location;
+positions, with no 1), the input patch at an output location (conv; a
+grouped conv: per group, its kh*kw*cg patch features; depthwise: per input
+channel), or the one-hot id (embedding, kept as its diagonal: the id counts
+/ (B T U)). Output factors average the same way over the output-gradient
+rows g (conv: at every output location; grouped: per group, its og outputs;
 depthwise: per input channel, the M outputs it feeds; transposed conv: the
 output gradient's patch at each input position), summed over sources:
     G = sum_s (1 / (B T U)) sum_{i,t,u} g_s g_s^T.
@@ -65,23 +66,40 @@ class OutputFactor(factors_base.CovarianceFactor):
                          decay)
 
 
-class ConvInputFactor(factors_base.CovarianceFactor):
-    """A from conv input patches at every output location (KFC); `spec`: a
-    `kfac_graph.layers.conv.ConvSpec`."""
+class PatchInputFactor(factors_base.CovarianceFactor):
+    """A from a convolution's input patches at every output location (KFC):
+    `rows(a, spec)` gives `[N, width]` rows, or `[N, groups, width]` for one
+    factor per group; the homogeneous 1 is appended when `spec.has_bias`."""
 
-    def __init__(self, spec, **kwargs):
-        kh, kw, cin, _ = spec.kernel_shape
-        super().__init__(kh * kw * cin + int(spec.has_bias), **kwargs)
-        self.spec = spec
+    def __init__(self, spec, rows, width, groups=None, **kwargs):
+        super().__init__(width + int(spec.has_bias), groups=groups, **kwargs)
+        self.spec, self.rows = spec, rows
 
     def update(self, inputs, decay):
-        rows = [conv.input_rows(tf.cast(a, self.dtype), self.spec) for a in inputs]
+        rows = [self.rows(tf.cast(a, self.dtype), self.spec) for a in inputs]
         self.update_rows([rows], decay, ones=self.spec.has_bias)
 
 
+def _groups(spec):
+    """The factors' group count: None (one factor) for an ungrouped conv."""
+    return spec.groups if spec.groups > 1 else None
+
+
+class ConvInputFactor(PatchInputFactor):
+    """A `[kh*kw*Cin(+1)]^2` of a conv (`spec`: a `kfac_graph.layers.conv.ConvSpec`);
+    grouped (G > 1), per group j: A_j `[G, kh*kw*cg(+1), kh*kw*cg(+1)]` from
+    the group's patch features."""
+
+    def __init__(self, spec, **kwargs):
+        kh, kw, per_group, _ = spec.kernel_shape
+        super().__init__(spec, conv.input_rows, kh * kw * per_group, _groups(spec), **kwargs)
+
+
 def conv_output_factor(spec, **kwargs):
-    """G of a convolution: the output gradient at every location."""
-    return OutputFactor(spec.kernel_shape[-1], functools.partial(conv.output_rows, spec=spec),
+    """G of a convolution: the output gradient at every location; grouped,
+    per group j: G_j `[G, og, og]` over outputs j*og ... (j+1)*og - 1."""
+    return OutputFactor(spec.kernel_shape[-1] // spec.groups,
+                        functools.partial(conv.output_rows, spec=spec), groups=_groups(spec),
                         **kwargs)
 
 
@@ -97,18 +115,13 @@ def conv_transpose_factors(spec, **kwargs):
             OutputFactor(width, rows(conv_transpose.output_rows), name="output_factor", **kwargs))
 
 
-class DepthwiseInputFactor(factors_base.CovarianceFactor):
+class DepthwiseInputFactor(PatchInputFactor):
     """Per input channel c: A_c `[C, k(+1), k(+1)]` from its `kh*kw` patch;
     `spec`: a `kfac_graph.layers.depthwise.DepthwiseSpec`."""
 
     def __init__(self, spec, **kwargs):
         kh, kw, channels, _ = spec.kernel_shape
-        super().__init__(kh * kw + int(spec.has_bias), groups=channels, **kwargs)
-        self.spec = spec
-
-    def update(self, inputs, decay):
-        rows = [depthwise.input_rows(tf.cast(a, self.dtype), self.spec) for a in inputs]
-        self.update_rows([rows], decay, ones=self.spec.has_bias)
+        super().__init__(spec, depthwise.input_rows, kh * kw, channels, **kwargs)
 
 
 def depthwise_output_factor(spec, **kwargs):

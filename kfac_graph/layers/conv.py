@@ -7,17 +7,27 @@ multiplies at output position `(y, x)` (see `conv_geometry.py`),
     dW_i[p, q, c, o] = sum_{uses} sum_{y,x} tap_{p,q}(a_i)[y, x, c] g_i[y, x, o]
     db_i[o]          = sum_{uses} sum_{y,x} g_i[y, x, o]
 
-i.e. a dense layer over the `T = Ho*Wo` im2col patches. Four kernels compute
-`dW_i` (no Python loop over examples in any of them):
+i.e. a dense layer over the `T = Ho*Wo` im2col patches. A grouped
+convolution (`spec.groups` G > 1, kernel `[kh, kw, cg, Cout]`, `cg = Cin/G`,
+`og = Cout/G`; see `conv_geometry.py`) is G such layers side by side:
+
+    dW_i[p, q, c, j*og + o] = sum_{uses} sum_{y,x} tap_{p,q}(a_i)[y, x, j*cg + c]
+                                                  g_i[y, x, j*og + o]
+
+Four kernels compute `dW_i`, every one for any G (no Python loop over
+examples or groups in any of them):
 
 * `"taps"`: for each of the kh*kw taps one batched matmul
-  `[B, Cin, T] x [B, T, Cout]`; never builds the patch matrix.
+  `[B, Cin, T] x [B, T, Cout]` (grouped: batched over the groups too,
+  `[B, G, cg, T] x [B, G, T, og]`, `group_contract`); never builds the
+  patch matrix.
 * `"gather"`: the patch matrix `[B, T, kh*kw*Cin]` by one gather of the
-  padded input (`conv_geometry.gather_im2col`), then one batched matmul.
-* `"im2col"`: the same matmul on the taps stacked into the patch matrix.
+  padded input (`conv_geometry.gather_im2col`), then one batched matmul
+  (grouped: over the groups too).
+* `"im2col"`: the same contraction on the taps stacked into the patch matrix.
 * `"grouped"`: folds the batch into channel groups, `[1, H, W, B*Cin]`, and
-  runs the filter-gradient op `Conv2DBackpropFilter` for a B-group
-  convolution, whose filter `[kh, kw, Cin, B*Cout]` is the per-example
+  runs the filter-gradient op `Conv2DBackpropFilter` for a B*G-group
+  convolution, whose filter `[kh, kw, cg, B*Cout]` is the per-example
   gradient. TF's CPU kernel supports this only for float32 (oneDNN).
 
 `"auto"`: for strided convolutions a patch-matrix kernel ("gather" without
@@ -28,8 +38,9 @@ measured by `python benchmarks/per_example_rules.py --only layers`. A 1x1
 conv is the one-tap case: a dense layer.
 
 Norms: Gram form on the im2col patches (uses concatenated along positions, so
-cross terms are counted) iff `T (kh kw Cin + Cout) < kh kw Cin Cout`, else the
-materialised `dW_i` is squared (see `norms.py`); bias norm `|sum_t g_t|^2`.
+cross terms are counted; grouped: per group, summed) iff
+`T (kh kw cg + og) < kh kw cg og`, else the materialised `dW_i` is squared
+(see `norms.py`); bias norm `|sum_t g_t|^2`.
 
 NCHW tensors are transposed to NHWC first (TF's CPU Conv2D rejects NCHW for
 float64, and the tap arithmetic is written once).
@@ -50,56 +61,77 @@ from kfac_graph.layers.kind import LayerKind
 
 @dataclasses.dataclass(frozen=True)
 class ConvSpec(cg.ConvAttrs):
-    """`Conv2D`: kernel_shape = (kh, kw, Cin, Cout); bias `[Cout]`."""
+    """`Conv2D`: kernel_shape = (kh, kw, Cin/G, Cout); bias `[Cout]`; `groups` G
+    from `input_channels` (see `conv_geometry.ConvAttrs`)."""
 
 
 METHODS = ("taps", "gather", "im2col", "grouped")
 
 
+def group_contract(x, g, channels, groups):
+    """`[B, K*cg, Cout]` from `x [B, T, K*channels]` (features `(k, j, c)`,
+    `channels = G*cg`) and `g [B, T, Cout]`: group j's
+    `sum_t x[t, (k, j, c)] g[t, j*og + o]` at `[(k, c), j*og + o]`; one matmul,
+    batched over the groups when G > 1."""
+    if groups == 1:
+        return tf.matmul(x, g, transpose_a=True)
+    t, taps, cout = g.shape[1], x.shape[-1] // channels, g.shape[-1]
+    per_group, og = channels // groups, cout // groups
+    xg = tf.transpose(tf.reshape(x, [-1, t, taps, groups, per_group]), [0, 3, 1, 2, 4])
+    gg = tf.transpose(tf.reshape(g, [-1, t, groups, og]), [0, 2, 1, 3])
+    out = tf.matmul(tf.reshape(xg, [-1, groups, t, taps * per_group]), gg, transpose_a=True)
+    out = tf.transpose(tf.reshape(out, [-1, groups, taps * per_group, og]), [0, 2, 1, 3])
+    return tf.reshape(out, [-1, taps * per_group, cout])
+
+
+def _kernel_shape(a, g, geo):
+    """`[B, kh, kw, cg, Cout]`: the per-example kernel gradients' shape."""
+    return [-1, geo.kernel[0], geo.kernel[1], a.shape[-1] // geo.groups, g.shape[-1]]
+
+
 def taps_kernel_grads(a, g, geo):
-    """`[B, kh, kw, Cin, Cout]` by one batched matmul per tap (NHWC inputs)."""
-    cin, cout = a.shape[-1], g.shape[-1]
-    g2 = tf.reshape(g, [-1, geo.positions, cout])
+    """`[B, kh, kw, cg, Cout]` by one batched contraction per tap (NHWC inputs)."""
+    cin = a.shape[-1]
+    g2 = tf.reshape(g, [-1, geo.positions, g.shape[-1]])
     per_tap = [
-        tf.matmul(tf.reshape(v, [-1, geo.positions, cin]), g2, transpose_a=True)
+        group_contract(tf.reshape(v, [-1, geo.positions, cin]), g2, cin, geo.groups)
         for v in cg.tap_views(a, geo)
     ]
     stacked = per_tap[0][:, None] if len(per_tap) == 1 else tf.stack(per_tap, 1)
-    return tf.reshape(stacked, [-1, geo.kernel[0], geo.kernel[1], cin, cout])
+    return tf.reshape(stacked, _kernel_shape(a, g, geo))
 
 
 def _patch_matmul(patches, a, g, geo):
-    cin, cout = a.shape[-1], g.shape[-1]
-    g2 = tf.reshape(g, [-1, geo.positions, cout])
-    out = tf.matmul(patches, g2, transpose_a=True)
-    return tf.reshape(out, [-1, geo.kernel[0], geo.kernel[1], cin, cout])
+    g2 = tf.reshape(g, [-1, geo.positions, g.shape[-1]])
+    out = group_contract(patches, g2, a.shape[-1], geo.groups)
+    return tf.reshape(out, _kernel_shape(a, g, geo))
 
 
 def gather_kernel_grads(a, g, geo):
-    """`[B, kh, kw, Cin, Cout]` by one matmul on the gathered patch matrix."""
+    """`[B, kh, kw, cg, Cout]` by one contraction on the gathered patch matrix."""
     return _patch_matmul(cg.gather_im2col(a, geo), a, g, geo)
 
 
 def im2col_kernel_grads(a, g, geo):
-    """`[B, kh, kw, Cin, Cout]` by one matmul on the stacked taps."""
+    """`[B, kh, kw, cg, Cout]` by one contraction on the stacked taps."""
     return _patch_matmul(cg.im2col(a, geo), a, g, geo)
 
 
 def grouped_kernel_grads(a, g, geo):
-    """`[B, kh, kw, Cin, Cout]` via `Conv2DBackpropFilter` of a B-group conv."""
+    """`[B, kh, kw, cg, Cout]` via `Conv2DBackpropFilter` of a B*G-group conv."""
     x, dy, strides, dilations, padding = cg.fold_batch_into_channels(a, g, geo)
     batch = uses_lib.batch_size(a)
-    cin, cout = a.shape[-1], g.shape[-1]
+    per_group, cout = a.shape[-1] // geo.groups, g.shape[-1]
     kh, kw = geo.kernel
     filt = tf.raw_ops.Conv2DBackpropFilter(
         input=x,
-        filter_sizes=tf.stack([kh, kw, cin, batch * cout]),
+        filter_sizes=tf.stack([kh, kw, per_group, batch * cout]),
         out_backprop=dy,
         strides=strides,
         dilations=dilations,
         padding=padding,
     )
-    filt = tf.reshape(filt, [kh, kw, cin, batch, cout])
+    filt = tf.reshape(filt, [kh, kw, per_group, batch, cout])
     return tf.transpose(filt, [3, 0, 1, 2, 4])
 
 
@@ -126,14 +158,22 @@ class ConvRule(PatchRule):
         return "im2col" if xla_lib.resolve_xla(self.xla) else "gather"
 
     def gram_dims(self, spec):
-        kh, kw, cin, cout = spec.kernel_shape
-        return kh * kw * cin, cout
+        """Per group: `kh*kw*cg` and `og` (the kernel's `[kh, kw, cg, Cout]`)."""
+        kh, kw, per_group, cout = spec.kernel_shape
+        return kh * kw * per_group, cout // spec.groups
 
     def gram_norms(self, nhwc_uses):
-        """The Gram form on the im2col patches, uses concatenated along positions."""
-        patches = [cg.im2col(a, geo) for a, _, geo in nhwc_uses]
-        gs = [tf.reshape(g, [-1, geo.positions, g.shape[-1]]) for _, g, geo in nhwc_uses]
-        return norms.gram_squared_norms(tf.concat(patches, 1), tf.concat(gs, 1))
+        """The Gram form on the im2col patches, uses concatenated along
+        positions; per group for a grouped convolution."""
+        patches = tf.concat([cg.im2col(a, geo) for a, _, geo in nhwc_uses], 1)
+        gs = tf.concat([tf.reshape(g, [-1, geo.positions, g.shape[-1]])
+                        for _, g, geo in nhwc_uses], 1)
+        a, groups = nhwc_uses[0][0], nhwc_uses[0][2].groups
+        if groups == 1:
+            return norms.gram_squared_norms(patches, gs)
+        return norms.grouped_gram_squared_norms(
+            cg.group_features(patches, a.shape[-1], groups),
+            tf.reshape(gs, [-1, gs.shape[1], groups, gs.shape[-1] // groups]))
 
 
 # -- factor statistics (the Kronecker factors' rows) -------------------------------
@@ -141,15 +181,21 @@ class ConvRule(PatchRule):
 
 def input_rows(a, spec):
     """The A factor's rows: the input patch at every output location,
-    `[N, kh*kw*Cin]` in the flattened kernel's `(p, q, c)` order."""
+    `[N, kh*kw*Cin]` in the flattened kernel's `(p, q, c)` order; grouped,
+    each group's patch, `[N, G, kh*kw*cg]`."""
     patches = cg.extract_patches(a, spec)
-    return tf.reshape(patches, [-1, patches.shape[-1]])
+    rows = tf.reshape(patches, [-1, patches.shape[-1]])
+    if spec.groups == 1:
+        return rows
+    return cg.group_features(rows, spec.kernel_shape[2] * spec.groups, spec.groups)
 
 
 def output_rows(g, spec):
-    """The G factor's rows: the output gradient at every location, `[N, Cout]`."""
+    """The G factor's rows: the output gradient at every location, `[N, Cout]`;
+    grouped, each group's outputs, `[N, G, og]`."""
     g = cg.to_nhwc(g, spec.data_format)
-    return tf.reshape(g, [-1, g.shape[-1]])
+    cout, groups = g.shape[-1], spec.groups
+    return tf.reshape(g, [-1, cout] if groups == 1 else [-1, groups, cout // groups])
 
 
 # -- the record --------------------------------------------------------------------

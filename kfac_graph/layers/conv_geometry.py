@@ -3,8 +3,16 @@
 A 2-D convolution (`Conv2D`, `DepthwiseConv2dNative`, and Conv1D lowered to
 them) is described by `ConvAttrs`, read from the op's attributes exactly as
 TensorFlow stores them (4-lists in `data_format` order; padding "SAME",
-"VALID" or "EXPLICIT" with 8 `explicit_paddings`). Both the per-example
-rules and the Fisher factors see the input through the functions below.
+"VALID" or "EXPLICIT" with 8 `explicit_paddings`), plus the input's channel
+count, from which a grouped `Conv2D` (kernel `[kh, kw, Cin/G, Cout]`) shows
+its `groups` G. Both the per-example rules and the Fisher factors see the
+input through the functions below.
+
+Groups (Keras `Conv2D(groups=G)`, `Conv1D(groups=G)`): group j reads input
+channels `j*cg ... (j+1)*cg - 1` (`cg = Cin/G`) and writes output channels
+`j*og ... (j+1)*og - 1` (`og = Cout/G`), so a patch's features `(p, q, c)`
+split as `(p, q, j, c')` and `group_features` regroups them per group,
+`[..., G, kh*kw*cg]` in the kernel's `(p, q, c')` row order.
 
 Everything downstream works in NHWC. For output position `(y, x)` and kernel
 tap `(p, q)` a convolution reads input row `y*s_h + p*d_h - pad_top` (and the
@@ -38,7 +46,7 @@ they are not.
 
 import dataclasses
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import tensorflow as tf
 
@@ -76,6 +84,7 @@ class ConvAttrs:
     explicit_paddings: Tuple[int, ...] = ()
     data_format: str = "NHWC"
     has_bias: bool = False
+    input_channels: Optional[int] = None
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # frozen dataclass  # noqa: E731
@@ -91,6 +100,19 @@ class ConvAttrs:
             raise ValueError(f"data_format must be one of {_FORMATS}, got {self.data_format}")
         if self.padding == "EXPLICIT" and len(self.explicit_paddings) != 8:
             raise ValueError("EXPLICIT padding needs 8 explicit_paddings")
+        if self.input_channels is not None:
+            put("input_channels", int(self.input_channels))
+            per_group, cout = self.kernel_shape[2], self.kernel_shape[3]
+            if self.input_channels % per_group or cout % (self.input_channels // per_group or 1):
+                raise ValueError(f"{self.input_channels} input channels do not split into groups "
+                                 f"of the kernel's {per_group} with {cout} outputs")
+
+    @property
+    def groups(self):
+        """G: input channels over the kernel's input channels (1 when unknown)."""
+        if self.input_channels is None:
+            return 1
+        return self.input_channels // self.kernel_shape[2]
 
     @property
     def _spatial(self):
@@ -123,7 +145,8 @@ class ConvAttrs:
     @classmethod
     def from_attrs(cls, kernel_shape, attrs, has_bias=False):
         """Builds the spec from a mapping of TF op attrs (missing ones default)."""
-        keys = ("strides", "dilations", "padding", "explicit_paddings", "data_format")
+        keys = ("strides", "dilations", "padding", "explicit_paddings", "data_format",
+                "input_channels")
         attrs = attrs or {}
         return cls(kernel_shape=tuple(kernel_shape), has_bias=has_bias,
                    **{k: attrs[k] for k in keys if k in attrs})
@@ -175,6 +198,7 @@ class Geometry:
     pads: tuple  # ((top, bottom), (left, right))
     in_size: tuple  # (H, W)
     out_size: tuple  # (Ho, Wo)
+    groups: int = 1
 
     @property
     def positions(self):
@@ -203,6 +227,7 @@ def geometry(spec, in_size):
         tuple(pads),
         tuple(in_size),
         tuple(outs),
+        spec.groups,
     )
 
 
@@ -216,6 +241,10 @@ def nhwc_use(a, g, spec):
     a = to_nhwc(a, spec.data_format)
     g = to_nhwc(g, spec.data_format)
     geo = geometry(spec, (a.shape[1], a.shape[2]))
+    channels = spec.kernel_shape[2] * spec.groups
+    if a.shape[-1] is not None and a.shape[-1] != channels:
+        raise ValueError(f"the input has {a.shape[-1]} channels; the kernel reads {channels} "
+                         f"({spec.groups} group(s) of {spec.kernel_shape[2]})")
     if (g.shape[1], g.shape[2]) != geo.out_size:
         raise ValueError(
             f"g spatial shape {g.shape[1:3]} does not match the convolution's output {geo.out_size}"
@@ -271,6 +300,17 @@ def im2col(a, geo):
         return tf.reshape(views[0], [-1, geo.positions, c])
     patches = tf.stack(views, axis=3)  # [B, Ho, Wo, kh*kw, C]
     return tf.reshape(patches, [-1, geo.positions, len(views) * c])
+
+
+def group_features(patches, channels, groups):
+    """`[..., kh*kw*channels]` patch features `(p, q, j, c)` -> `[..., G,
+    kh*kw*cg]`, group j's features in `(p, q, c)` order (module docstring)."""
+    taps, per_group = patches.shape[-1] // channels, channels // groups
+    lead = [-1 if d is None else d for d in patches.shape[:-1]]
+    if lead.count(-1) > 1:
+        lead = tf.unstack(tf.shape(patches)[:-1])
+    split = tf.transpose(tf.reshape(patches, [-1, taps, groups, per_group]), [0, 2, 1, 3])
+    return tf.reshape(split, lead + [groups, taps * per_group])
 
 
 def gather_im2col(a, geo):

@@ -38,6 +38,7 @@ import tensorflow as tf
 
 from kfac_graph.layers import conv_family
 from kfac_graph.layers import conv_geometry as cg
+from kfac_graph.layers import norms
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers import xla as xla_lib
 from kfac_graph.layers.conv_family import PatchRule
@@ -88,17 +89,14 @@ _KERNELS = {"taps": taps_kernel_grads, "grouped": grouped_kernel_grads}
 
 
 def _channel_gram_norms(nhwc_uses):
-    """Per-channel Gram form of `|dW_i|^2` over all uses' positions."""
+    """Per-channel Gram form of `|dW_i|^2` over all uses' positions (channel c
+    is a group with one input channel, `norms.grouped_gram_squared_norms`)."""
     patches, grads = [], []
     for a, g, geo in nhwc_uses:
         c = a.shape[-1]
-        views = [tf.reshape(v, [-1, geo.positions, c]) for v in cg.tap_views(a, geo)]
-        patches.append(tf.stack(views, axis=2))  # [B,T,kk,C]
+        patches.append(cg.group_features(cg.im2col(a, geo), c, c))  # [B, T, C, kh*kw]
         grads.append(tf.reshape(g, [-1, geo.positions, c, g.shape[-1] // c]))
-    p, gm = tf.concat(patches, 1), tf.concat(grads, 1)
-    gram_a = tf.einsum("btkc,bskc->bcts", p, p)
-    gram_g = tf.einsum("btcm,bscm->bcts", gm, gm)
-    return tf.reduce_sum(gram_a * gram_g, axis=[1, 2, 3])
+    return norms.grouped_gram_squared_norms(tf.concat(patches, 1), tf.concat(grads, 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +127,9 @@ class DepthwiseRule(PatchRule):
 def input_rows(a, spec):
     """The per-channel A factors' rows: channel c's `kh*kw` patch at every
     output location, `[N, C, kh*kw]`."""
-    kh, kw, channels, _ = spec.kernel_shape
-    patches = tf.reshape(cg.extract_patches(a, spec), [-1, kh * kw, channels])
-    return tf.transpose(patches, [0, 2, 1])
+    channels = spec.kernel_shape[2]
+    patches = cg.extract_patches(a, spec)
+    return cg.group_features(tf.reshape(patches, [-1, patches.shape[-1]]), channels, channels)
 
 
 def output_rows(g, spec):

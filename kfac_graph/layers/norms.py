@@ -12,6 +12,11 @@ Cost per example with `T` positions, `K` = d_in, `N` = d_out:
   materialise:   T K N multiply-adds, K N floats of memory.
 `gram_is_cheaper` picks Gram iff `T (K + N) < K N`. That flop rule also implies
 the memory rule: it forces `T < K N / (K + N) <= min(K, N)`, so `T^2 < K N`.
+
+A layer of G independent groups (a grouped or depthwise convolution: group j
+maps `a_{t,j}` to `g_{t,j}`) has `||G_i||^2 = sum_j ||G_{i,j}||^2`, each term
+in the form above; both costs scale by G, so the same rule holds with the
+per-group widths.
 """
 
 import tensorflow as tf
@@ -35,6 +40,14 @@ def gram_squared_norms(a, g):
     gram_a = tf.matmul(a, a, transpose_b=True)
     gram_g = tf.matmul(g, g, transpose_b=True)
     return tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
+
+
+def grouped_gram_squared_norms(a, g):
+    """`[B]`: `sum_j sum_{t,t'} (a_{t,j} . a_{t',j})(g_{t,j} . g_{t',j})` for
+    `a [B,T,G,K]`, `g [B,T,G,N]`."""
+    gram_a = tf.einsum("btjk,bsjk->bjts", a, a)
+    gram_g = tf.einsum("btjn,bsjn->bjts", g, g)
+    return tf.reduce_sum(gram_a * gram_g, axis=[1, 2, 3])
 
 
 def sum_of_squares(t):
