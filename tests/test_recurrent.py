@@ -24,6 +24,7 @@ import tensorflow as tf
 import kfac_graph as kg
 import passes
 from fisher_reference import brute_fisher
+from kfac_graph import emit
 from kfac_graph.taps import LayerTaps
 from passes import unroll
 from per_example_reference import one_example_loop
@@ -37,14 +38,10 @@ SETTINGS = hypothesis.settings(max_examples=6, deadline=None, derandomize=True, 
 
 @pytest.fixture(autouse=True)
 def _float64():
-    """Keras layers in float64 (the global policy: floatx alone does not
-    change a policy already made), put back afterwards."""
-    policy, floatx = keras.config.dtype_policy(), keras.config.floatx()
+    """Keras layers in float64 (floatx alone does not change a global policy
+    already made; conftest puts both back after the test)."""
     keras.config.set_floatx("float64")
     keras.config.set_dtype_policy("float64")
-    yield
-    keras.config.set_dtype_policy(policy)
-    keras.config.set_floatx(floatx)
 
 
 def _data(seed=0):
@@ -340,3 +337,31 @@ def test_mirrored_strategy_matches_one_device(tmp_path):
     np.testing.assert_allclose(r["params"], r["reference"], rtol=RTOL, atol=1e-10)
     np.testing.assert_allclose(r["losses"], r["reference_losses"], rtol=RTOL)
     assert r["losses"][-1] != r["losses"][0]
+
+
+@pytest.mark.slow
+def test_saved_model_gru_is_rewritten(tmp_path):
+    """kfac-rewrite of a SavedModel whose loss runs a GRU's loop: its
+    per-example gradients equal the one-example tapes, and it trains."""
+    model, loss_fn = _keras(L.GRU(U))
+
+    class Trainable(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None, T, D], tf.float64),
+                                      tf.TensorSpec([None], tf.int64)])
+        def loss(self, x, y):
+            return loss_fn.python_function(x, y)
+
+    module = Trainable()
+    module.model = model
+    tf.saved_model.save(module, str(tmp_path / "model"))
+    reg = kg.register_saved_model(str(tmp_path / "model"), "loss")
+    assert "generic" not in [layer.kind for layer in reg.layers], reg.summary()
+    emit.rewrite_saved_model(str(tmp_path / "model"), "loss", str(tmp_path / "rewritten"))
+    rewritten = tf.saved_model.load(str(tmp_path / "rewritten"))
+    args = _data()
+    want = one_example_loop(loss_fn, args, model.trainable_variables)
+    got = {tuple(g.shape[1:]): g.numpy() for g in rewritten.per_example_gradients(*args)}
+    for w in want:
+        np.testing.assert_allclose(got[tuple(w.shape[1:])], w.numpy(), rtol=RTOL, atol=1e-12)
+    losses = [float(rewritten.kfac_step(*args)) for _ in range(3)]
+    assert losses[-1] < losses[0], losses
