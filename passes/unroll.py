@@ -54,12 +54,13 @@ WHILE_OPS = frozenset({"While", "StatelessWhile"})
 DEFAULT_MAX_ITERATIONS = 1024
 ITERATION_SCOPE = re.compile(r"/iteration_\d+(?=/|$)")
 _MAX_ROUNDS = 8
-# stateful ops a body may hold: reads, random draws, and ops whose own
+# stateful ops a body may hold: reads, random draws, prints and assertions
+# (their order between copies is lost, nothing else), and ops whose own
 # bodies are checked (calls, nested loops and branches)
 _HARMLESS_STATEFUL = frozenset({
     "ReadVariableOp", "VarHandleOp", "VariableShape", "While", "If", "Case",
     "StatefulPartitionedCall", "PartitionedCall", "RandomUniform", "RandomUniformInt",
-    "RandomStandardNormal", "TruncatedNormal", "Multinomial"})
+    "RandomStandardNormal", "TruncatedNormal", "Multinomial", "PrintV2", "Assert"})
 _FUNCTION_ATTRS = ("f", "body", "cond", "then_branch", "else_branch")
 
 
@@ -109,9 +110,9 @@ def unroll_loops(traced: frontends.Traced,
 
 def _plan(op, graph, library, max_iterations):
     """A ``_Plan`` for the loop ``op``, or why it cannot be unrolled."""
-    stateful = _writes_state(library[op.get_attr("body").name], library)
-    if stateful:
-        return f"its body writes state (op {stateful[0]!r}, {stateful[1]})"
+    why = _unsafe_op(library[op.get_attr("body").name], library)
+    if why:
+        return why
     shapes = [t.shape for t in op.inputs]
     with graph.as_default():
         cond = function_def_to_graph.function_def_to_graph(
@@ -174,23 +175,26 @@ def _arguments_of(tensor, index) -> set:
     return found
 
 
-def _writes_state(fdef, library, depth=0):
-    """``(node, op type)`` of a stateful op in ``fdef`` (or a function it
-    calls) that is not a read or a random draw; else None."""
+def _unsafe_op(fdef, library, depth=0) -> str:
+    """Why ``fdef`` (or a function it calls) cannot be copied out: an op
+    that writes state (not a read, a random draw, a print or an assertion),
+    or one TensorFlow does not know here; "" when there is none."""
     for node in fdef.node_def:
         called = [node.attr[k].func.name for k in _FUNCTION_ATTRS if k in node.attr]
         if node.op in library:
             called.append(node.op)
         else:
             op_def = op_def_registry.get(node.op)
-            if op_def is None or (op_def.is_stateful and node.op not in _HARMLESS_STATEFUL):
-                return node.name, node.op
+            if op_def is None:
+                return f"its body has op {node.name!r} ({node.op}), unknown to TensorFlow here"
+            if op_def.is_stateful and node.op not in _HARMLESS_STATEFUL:
+                return f"its body writes state (op {node.name!r}, {node.op})"
         for name in called:
-            found = (_writes_state(library[name], library, depth + 1)
-                     if name in library and depth < _MAX_ROUNDS else None)
-            if found:
-                return found
-    return None
+            why = (_unsafe_op(library[name], library, depth + 1)
+                   if name in library and depth < _MAX_ROUNDS else "")
+            if why:
+                return why
+    return ""
 
 
 def _rewrite(graph_def, plans, library):

@@ -233,8 +233,17 @@ def test_stateful_body_and_iteration_limit_are_kept_with_reasons():
     def counting(x):
         return tf.reduce_mean(tf.square(tf.while_loop(lambda i, h: i < 3, body, (0, x))[1]))
 
+    limit = tf.Variable(3.0, name="limit", trainable=False, dtype=tf.float64)
+
+    @kg.auto_register
+    def read_in_condition(x):
+        cond = lambda i, h: tf.cast(i, tf.float64) < limit  # noqa: E731
+        return tf.reduce_mean(tf.square(tf.while_loop(cond, lambda i, h: (i + 1, tf.tanh(h @ w)),
+                                                      (0, x))[1]))
+
     x = tf.ones([B, D], tf.float64)
     assert "writes state" in counting.registration(x).layers[0].reason
+    assert "not static" in read_in_condition.registration(x).layers[0].reason
     _, loss_fn = _keras(L.SimpleRNN(U))
     limited = kg.auto_register(loss_fn.python_function, max_loop_iterations=T - 1)
     reasons = {layer.reason for layer in limited.registration(*_data()).layers[:-1]}
