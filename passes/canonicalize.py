@@ -9,7 +9,11 @@ from one integer type to another), but not from a floating dtype to an
 integer or bool, which rounds and cuts the gradient (no layer may be
 matched through it); and ``Reshape``, ``Squeeze`` and ``ExpandDims`` that
 only add or drop unit axes (Keras's bias reshape; Conv1D built as
-ExpandDims + Conv2D + Squeeze). Removed tensors are
+ExpandDims + Conv2D + Squeeze); and a ``Reshape`` of a weight read only by
+elementwise arithmetic (``Mul``, ``Add``, ``AddV2``, ``Sub``): a broadcast
+layout, as group normalisation's ``[C]`` scale laid out ``[.., G, C/G]``,
+which a pattern reads back from the raw operand's shape (``shape_of`` the
+removed tensor). Removed tensors are
 recorded in ``g.graph["aliases"]``; node names are unchanged, so every tensor
 left in the IR is a tensor of the original graph. ``StopGradient`` is never
 transparent: it changes the gradient.
@@ -23,6 +27,7 @@ from passes import ir
 _ALWAYS = frozenset({"Identity", "Snapshot", "ReadVariableOp"})
 _UNIT_AXES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
 _FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+_ELEMENTWISE = frozenset({"Mul", "Add", "AddV2", "Sub"})
 
 
 def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
@@ -44,6 +49,9 @@ def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
             continue
         if g.out_degree(node) == 0:
             g.remove_node(node)
+    for node in [n for n, d in g.nodes(data=True) if _weight_layout(g, n, d)]:
+        ir.bypass(g, node, 0, g.nodes[node]["inputs"][0])
+        g.remove_node(node)
     g.graph["output"] = ir.resolve(g, g.graph["output"])
     return g
 
@@ -69,3 +77,13 @@ def _only_unit_axes(g: nx.DiGraph, node: str, on_data: bool) -> bool:
         return False
     squeeze = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
     return squeeze(before) == squeeze(after) and sum(d is None for d in before) <= 1
+
+
+def _weight_layout(g: nx.DiGraph, node: str, data: dict) -> bool:
+    """A Reshape of a variable whose every reader is elementwise arithmetic."""
+    if data["op"] != "Reshape" or not data["inputs"]:
+        return False
+    src = ir.split_tensor(data["inputs"][0])[0]
+    readers = list(g.successors(node))
+    return (g.nodes[src]["op"] == "Variable" and bool(readers)
+            and all(g.nodes[r]["op"] in _ELEMENTWISE for r in readers))

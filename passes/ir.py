@@ -151,6 +151,17 @@ def shape_of(g: nx.DiGraph, tensor: str):
     return shapes[index] if index < len(shapes) else None
 
 
+def read_shape(g: nx.DiGraph, node: str, tensor: str):
+    """The static shape in which ``node`` reads ``tensor`` (one of its inputs
+    now): the shape of the original input a pass rewired to ``tensor`` (a
+    canonicalised reshape's output); None when ``node`` does not read it."""
+    data = g.nodes[node]
+    for now, raw in zip(data["inputs"], data["raw_inputs"]):
+        if now == tensor:
+            return shape_of(g, raw)
+    return None
+
+
 def const_value(g: nx.DiGraph, tensor: str):
     """The numpy value of a small constant tensor, else None."""
     node, index = split_tensor(tensor)

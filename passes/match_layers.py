@@ -19,7 +19,7 @@ from typing import Mapping
 
 import networkx as nx
 
-from passes import ir
+from passes import ir, scale_shift_use
 from passes.atrous import atrous_attrs
 from passes.matcher import find_matches
 from passes.patterns import LAYER_PATTERNS, Pattern, einsum_kernel_layout
@@ -40,13 +40,13 @@ class Use:
     ids). ``output``: the pre-activation tensor it produces. ``ops``: the IR
     nodes of the match. ``attrs``: the main op's attributes plus ``op``,
     ``input_shape``, ``output_shape`` and, where it applies,
-    ``transpose_kernel``, ``normalizer``, ``unsupported`` (why the form
-    has no exact layer of its kind: the layer then becomes generic),
-    ``parts`` (per variable, the box of it the use reads, or None:
-    ``passes.variable_parts``), and for convolutions ``kernel_shape`` and
-    ``input_channels`` (a grouped Conv2D's kernel reads a share of them). An
-    atrous convolution's are those of the dilated convolution on the input
-    of SpaceToBatchND (``passes.atrous``).
+    ``transpose_kernel``, for scale-and-shift ``normalizer``, ``operand_shapes`` and
+    ``scale_broadcast`` (``passes.scale_shift_use``), ``unsupported`` (why the form
+    has no exact layer of its kind: the layer then becomes generic), ``parts``
+    (per variable, the box of it the use reads, or None: ``passes.variable_parts``),
+    and for convolutions ``kernel_shape`` and ``input_channels`` (a grouped
+    Conv2D's kernel reads a share of them). An atrous convolution's are those
+    of the dilated convolution on the input of SpaceToBatchND (``passes.atrous``).
     """
     inputs: tuple[str, ...]
     output: str
@@ -148,10 +148,7 @@ def _use(g, pattern: Pattern, roles) -> Use:
     if "s2b" in roles:
         attrs.update(atrous_attrs(g, roles, inputs[0]))
     if pattern.kind == "scale_and_shift":
-        attrs["normalizer"] = pattern.normalizer
-        attrs["has_scale"] = "gamma" in pattern.params
-        if pattern.normalizer == "fused":
-            inputs, attrs = _fused_normalizer(g, main, inputs, attrs)
+        inputs, attrs = scale_shift_use.use_attrs(g, pattern, roles, main, inputs, attrs)
     parts = tuple(g.nodes[roles[p]].get("part") for p in pattern.params)
     if any(parts):  # (passes.variable_parts) per variable: its box, or None when whole
         attrs["parts"] = parts
@@ -177,22 +174,6 @@ def _channels(shape, data_format):
     fmt = data_format.decode() if isinstance(data_format, bytes) else (data_format or "NHWC")
     return shape[1] if fmt.upper().startswith("NC") else shape[-1]
     return attrs
-
-
-def _fused_normalizer(g, node, inputs, attrs):
-    """FusedBatchNorm: in inference the normalised input comes from the
-    op's mean and variance inputs; in training from its batch-mean and
-    batch-variance outputs (usable only when ``exponential_avg_factor`` is 1,
-    else those outputs are running averages)."""
-    raw = g.nodes[node]["raw_inputs"]
-    if not attrs.get("is_training", True):
-        return (inputs[0], raw[3], raw[4]), {**attrs, "normalizer": "fused_inference"}
-    if attrs.get("exponential_avg_factor", 1.0) == 1.0:
-        return ((inputs[0], ir.tensor_name(node, 1), ir.tensor_name(node, 2)),
-                {**attrs, "normalizer": "fused_training"})
-    return inputs, {**attrs, "normalizer": "unrecoverable",
-                    "unsupported": "fused batch norm in training with exponential_avg_factor "
-                                   "!= 1: its batch statistics are not in the graph"}
 
 
 def _resolve_conflicts(g, groups, on_path, readers):
@@ -269,6 +250,9 @@ def _bias_as_shift(g, roles, use: Use):
              "output_shape": g.nodes[roles["add"]]["shapes"][0]}
     if "data_format" in g.nodes[roles["add"]]["attrs"]:
         attrs["data_format"] = g.nodes[roles["add"]]["attrs"]["data_format"]
+    attrs["operand_shapes"] = (attrs["input_shape"],)
+    attrs["scale_broadcast"] = scale_shift_use.scale_broadcast(
+        g, roles["add"], roles["b"], attrs["output_shape"])
     shift = Use((ir.tensor_name(main),), ir.tensor_name(roles["add"]), (roles["add"],), attrs)
     return None, roles, shift
 

@@ -56,9 +56,8 @@ class Pattern:
 
 
 ANY = Op(exclusive=False)
-# a whole variable; VAR_PART also a static slice of one (passes.variable_parts),
-# in the roles whose kinds embed a part's operands in the whole variable's
-# (a dense kernel, a scale or a shift: kfac_graph.layers.parts)
+# a whole variable; VAR_PART also a box of one (passes.variable_parts): a dense
+# kernel, a scale or a shift alone, whose kinds pad a part's operands
 VAR = Op(variable=True, exclusive=False, where=lambda data: data.get("part") is None)
 VAR_PART = Op(variable=True, exclusive=False)
 
@@ -72,8 +71,7 @@ def _attr(name, value):
 
 
 def _var_shape(g, node) -> tuple:
-    """The variable's (or the part's) static shape; () when unknown (no
-    pattern then fits)."""
+    """The variable's (a part's own) static shape; () when unknown (no pattern fits)."""
     if g.nodes[node].get("part") is not None:
         return g.nodes[node]["shapes"][0]
     return g.graph["variables"][g.nodes[node]["variable"]].shape or ()
@@ -241,8 +239,35 @@ def _const_axis_zero(g, node) -> bool:
 # inputs[1]) * inputs[2]. "fused_inference": xhat = (x - mean) * rsqrt(var +
 # epsilon). "fused_training": as "center_scale" with the batch mean and the
 # batch variance that FusedBatchNorm outputs (Bessel-corrected: undo it).
+# Each tensor is read in the shape its op reads it, and the scale laid out as
+# its op broadcasts it (passes.scale_shift_use): any rank and axis set, group
+# normalisation's [.., G, C/G] included (a Keras GroupNormalization matches
+# KERAS_LAYER_NORM on its grouped input).
 
 MUL = ops("Mul")
+
+
+def _shared_by_examples(param, op):
+    """The variable ``param``, as ``op`` broadcasts it against its output,
+    does not vary along the batch axis (else it is no scale of examples)."""
+    def check(g, m):
+        shape = ir.read_shape(g, m[op], ir.tensor_name(m[param]))
+        out = g.nodes[m[op]]["shapes"][0]
+        return shape is None or out is None or len(shape) < len(out) or shape[0] == 1
+    return check
+
+
+def _same_layout(g, m, gamma_op, beta_op) -> bool:
+    """Scale and shift broadcast against the output the same way (the runtime
+    lays both out as one)."""
+    out = g.nodes[m["add"]]["shapes"][0]
+    shapes = [ir.read_shape(g, m[op], ir.tensor_name(m[v]))
+              for v, op in (("gamma", gamma_op), ("beta", beta_op))]
+    if out is None or None in shapes:
+        return False
+    pad = [(1,) * (len(out) - len(s)) + tuple(s) for s in shapes]
+    return pad[0] == pad[1]
+
 
 # Keras BatchNormalization (training and inference):
 #   m1 = rsqrt * gamma; y = x * m1 + (beta - mean * m1)
@@ -255,7 +280,7 @@ KERAS_BATCH_NORM = Pattern(
      ("xm", "add", None), ("sub", "add", None)),
     anchor="m1", output="add", params=("gamma", "beta"),
     inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
-    check=lambda g, m: len({m["x"], m["mean"], m["m1"]}) == 3)
+    check=lambda g, m: len({m["x"], m["mean"], m["m1"]}) == 3 and _same_layout(g, m, "m1", "sub"))
 KERAS_BATCH_NORM_NO_SCALE = Pattern(
     "keras_batch_norm_no_scale", "scale_and_shift",
     {"x": ANY, "mean": ANY, "rsqrt": ops("Rsqrt"), "beta": VAR,
@@ -288,7 +313,8 @@ KERAS_LAYER_NORM = Pattern(
      ("m", "m1", None), ("m1", "a1", None), ("beta", "a1", None), ("x", "m2", None),
      ("m", "m2", None), ("m2", "add", None), ("a1", "add", None)),
     anchor="m", output="add", params=("gamma", "beta"),
-    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale")
+    inputs=(("x", "out", 0), ("mean", "out", 0), ("rsqrt", "out", 0)), normalizer="center_scale",
+    check=lambda g, m: _same_layout(g, m, "m", "a1"))
 FUSED_BATCH_NORM = Pattern(
     "fused_batch_norm", "scale_and_shift",
     {"x": ANY, "op": ops("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"),
@@ -303,17 +329,22 @@ SCALE_SHIFT = Pattern(
     (("x", "mul", None), ("gamma", "mul", None), ("mul", "add", None), ("beta", "add", None)),
     anchor="mul", output="add", params=("gamma", "beta"), inputs=(("x", "out", 0),),
     normalizer="identity",
-    check=lambda g, m: m["x"] != m["gamma"] and _var_shape(g, m["gamma"]) == _var_shape(g, m["beta"]))
+    check=lambda g, m: (m["x"] != m["gamma"]
+                        and _var_shape(g, m["gamma"]) == _var_shape(g, m["beta"])
+                        and _same_layout(g, m, "mul", "add")
+                        and _shared_by_examples("gamma", "mul")(g, m)))
 SCALE = Pattern(
     "scale", "scale_and_shift", {"x": ANY, "mul": MUL, "gamma": VAR_PART},
     (("x", "mul", None), ("gamma", "mul", None)),
     anchor="mul", output="mul", params=("gamma",), inputs=(("x", "out", 0),),
-    normalizer="identity", check=lambda g, m: m["x"] != m["gamma"])
+    normalizer="identity",
+    check=lambda g, m: m["x"] != m["gamma"] and _shared_by_examples("gamma", "mul")(g, m))
 SHIFT = Pattern(
-    "shift", "scale_and_shift", {"x": ANY, "add": ops("AddV2", "Add", "BiasAdd"), "beta": VAR_PART},
+    "shift", "scale_and_shift", {"x": ANY, "add": ADD, "beta": VAR_PART},
     (("x", "add", None), ("beta", "add", None)),
     anchor="add", output="add", params=("beta",), inputs=(("x", "out", 0),),
-    normalizer="identity", check=lambda g, m: m["x"] != m["beta"])
+    normalizer="identity",
+    check=lambda g, m: m["x"] != m["beta"] and _shared_by_examples("beta", "add")(g, m))
 
 def _transposed_kernel(g, m) -> bool:
     """Transpose(w, perm=[1, 0]) feeding the MatMul (tied weights)."""

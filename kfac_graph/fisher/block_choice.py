@@ -29,9 +29,10 @@ vectors and ``full_matrix`` follow the variables' own row-major layout:
   it, so it gets a block fed per-example gradients (``NaiveDiagonalBlock``
   unless a per-example-gradient block is asked for), with a warning;
 - a scale-and-shift layer without a scale (a bias alone) is fed ``xhat = 1``
-  (its gradient is then the scale rule's); with a ``data_format`` of
-  ``NC...`` (FusedBatchNorm, BiasAdd) ``xhat`` and ``g`` arrive channels-last
-  (the kind's ``operands`` moves them), where the blocks broadcast a ``[C]`` scale.
+  (its gradient is then the scale rule's); ``xhat`` and ``g`` arrive with
+  the axes the scale varies along moved last and read as the scale's shape
+  (channels-first ``[1, C, 1, 1]``, group norm's ``[G, C/G]``: the kind's
+  ``operands`` lays them out), where the blocks broadcast the scale.
 """
 from __future__ import annotations
 

@@ -36,21 +36,16 @@ def pad_axis(t: tf.Tensor, box, axis: int, variable_axis: int, size: int) -> tf.
     return tf.pad(t, paddings)
 
 
-def pad_trailing(t: tf.Tensor, box, shape) -> tf.Tensor:
-    """``t [..., *box shape]`` (the box right-aligned against ``t``'s last
-    axes, as a scale or shift broadcasts) as ``[..., *shape]``, zeros
-    outside the box. An axis of ``shape`` the box takes one entry of
-    (``bias[1]``, a row of GRU's ``[2, 3u]`` bias) is one ``t`` need not
-    have: it is inserted."""
+def box_shape(box) -> tuple:
+    """The shape of the box (the variable's rank, 1 on an axis it takes one
+    entry of)."""
+    return tuple(e - b for b, e in zip(box["begin"], box["end"]))
+
+
+def pad_box(t: tf.Tensor, box, shape) -> tf.Tensor:
+    """``t [..., *box shape]`` as ``[..., *shape]``, zeros outside the box."""
     if box is None:
         return t
-    shape = [int(d) for d in shape]
-    begin, end = box["begin"], box["end"]
-    inserted = [k for k, d in enumerate(shape) if end[k] - begin[k] == 1 and d > 1]
-    lead = t.shape.rank - (len(shape) - len(inserted))
-    if lead < 1:
-        raise ValueError(f"an operand of rank {t.shape.rank} cannot hold a part of a "
-                         f"variable of shape {shape}")
-    for k in inserted:
-        t = tf.expand_dims(t, lead + k)
-    return tf.pad(t, [[0, 0]] * lead + [[begin[k], d - end[k]] for k, d in enumerate(shape)])
+    lead = t.shape.rank - len(shape)
+    return tf.pad(t, [[0, 0]] * lead + [[b, int(d) - e] for b, e, d in
+                                        zip(box["begin"], box["end"], shape)])

@@ -7,6 +7,10 @@ broadcast against `xhat [B, ...]` (right-aligned, numpy rules),
     dscale_i = sum_{uses} sum_R xhat_i * g_i      shaped like `scale`
     dshift_i = sum_{uses} sum_R g_i
 
+The rule takes `scale` right-aligned; however the graph broadcasts it (over
+channels-first `[1, C, 1, 1]`, several axes `[T, C]`, a group norm's
+`[G, C/G]`), `operands` lays `xhat` and `g` out as `[B, R..., *scale.shape]`.
+
 Norms are always computed from these materialised gradients: they hold
 `B * |scale|` floats, never more than the inputs, and one elementwise pass
 over `xhat * g` is needed either way, so a Gram form could only cost more.
@@ -18,7 +22,7 @@ import tensorflow as tf
 
 from kfac_graph.layers import norms, parts
 from kfac_graph.layers import uses as uses_lib
-from kfac_graph.layers.kind import LayerKind, variable_shapes
+from kfac_graph.layers.kind import LayerKind, reshape_like, variable_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,37 +86,63 @@ def spec(layer, use):
 
 
 def operands(layer, use, tensors, grads):
-    """`(xhat, [g, ...])` such that the layer computes `xhat * scale + shift`.
+    """`(xhat, [g, ...])` such that the layer computes `xhat * scale + shift`,
+    laid out `[B, ..., *scale_shape]` for the rule and the blocks.
 
-    `xhat` by the use's `normalizer`: `identity` (`xhat = x`),
-    `center_scale` (`(x - mean) * inv_std`, Keras's batch and layer
-    normalisation), `fused_inference` (`(x - mean) * rsqrt(var + eps)`) and
-    `fused_training` (the batch variance FusedBatchNorm outputs is
-    Bessel-corrected: multiplied back by `(n - 1) / n`); `1` for a shift
-    alone. For a vector scale or shift of an `NC...` op (BiasAdd,
-    FusedBatchNorm in NCHW) both are moved to channels-last, where the
-    rules and blocks broadcast a vector. A use of a box of the variable
-    (`parts.py`: a scale or shift alone) has both zero-padded to the whole
-    variable's shape."""
+    Each tensor is first read in the shape the matched op read it
+    (`operand_shapes`). `xhat` by the use's `normalizer`: `identity`
+    (`xhat = x`), `center_scale` (`(x - mean) * inv_std`, Keras's batch,
+    layer and group normalisation), `fused_inference` (`(x - mean) *
+    rsqrt(var + eps)`) and `fused_training` (the batch variance
+    FusedBatchNorm outputs is Bessel-corrected: multiplied back by
+    `(n - 1) / n`); `1` for a shift alone. Then `xhat` (broadcast to the
+    output) and each `g` have the axes along which the scale varies
+    (`scale_broadcast`, numpy broadcasting: `[1, C, 1, 1]` channels-first,
+    `[T, C]`, group norm's `[G, C/G]`) moved last and read as the scale's
+    own shape (row-major, as a reshape of the variable lays it out). A use
+    of a box of the variable (`parts.py`: a scale or a shift alone, GRU's
+    bias rows) reads them as the box's shape, zero-padded to the variable's."""
     attrs = layer.use_attrs[use]
-    vector = len(layer.variables[0].shape) == 1
-    box, shape = parts.part(layer, use, 0), layer.variables[0].shape
-    grads = [parts.pad_trailing(_channels_last(attrs, g, vector), box, shape) for g in grads]
+    var_shape = variable_shapes(layer)[0]
+    box = parts.part(layer, use, 0)
+    shape = parts.box_shape(box) if box is not None else var_shape
+    broadcast = tuple(attrs.get("scale_broadcast") or shape)
+    grads = [_read_as(g, attrs.get("output_shape")) for g in grads]
     if not attrs.get("has_scale", True):
-        return tf.ones_like(grads[0]), grads
-    xhat = _channels_last(attrs, _normalised(attrs, tensors), vector)
-    return parts.pad_trailing(xhat, box, shape), grads
+        xhat = tf.ones_like(grads[0])
+    else:
+        shapes = tuple(attrs.get("operand_shapes") or ())
+        shapes += (None,) * (len(tensors) - len(shapes))
+        xhat = _normalised(attrs, [_read_as(t, s) for t, s in zip(tensors, shapes)], broadcast)
+        xhat = tf.broadcast_to(xhat, tf.shape(grads[0]))
+    lay_out = lambda t: parts.pad_box(_scale_last(t, broadcast, shape), box, var_shape)  # noqa: E731
+    return lay_out(xhat), [lay_out(g) for g in grads]
 
 
-def _channels_last(attrs, tensor, vector):
-    fmt = attrs.get("data_format", "NHWC")
-    rank = tensor.shape.rank
-    if fmt.startswith("NC") and rank and rank >= 3 and vector:
-        return tf.transpose(tensor, [0, *range(2, rank), 1])
-    return tensor
+def _read_as(tensor, shape):
+    """`tensor` reshaped to a static shape with at most one unknown axis."""
+    if shape is None or sum(d is None for d in shape) > 1:
+        return tensor
+    return reshape_like(tensor, shape)
 
 
-def _normalised(attrs, tensors):
+def _scale_last(t, broadcast, var_shape):
+    """`t [B, ...]` with the axes where `broadcast` (right-aligned) is not 1
+    moved last (in order) and merged into `var_shape`: `[B, rest, *var_shape]`."""
+    rank = t.shape.rank
+    full = (1,) * (rank - len(broadcast)) + broadcast[-rank:]
+    varying = [i for i in range(1, rank) if full[i] != 1]
+    rest = [i for i in range(1, rank) if full[i] == 1]
+    if varying != list(range(rank - len(varying), rank)):
+        t = tf.transpose(t, [0, *rest, *varying])
+    dims = [t.shape[i] if t.shape[i] is not None else tf.shape(t)[i]
+            for i in range(1, 1 + len(rest))]
+    if t.shape[1 + len(rest):].as_list() == list(var_shape):
+        return t
+    return tf.reshape(t, [-1, *dims, *var_shape])
+
+
+def _normalised(attrs, tensors, broadcast):
     normalizer = attrs.get("normalizer", "identity")
     x = tensors[0]
     if normalizer == "identity":
@@ -120,12 +150,11 @@ def _normalised(attrs, tensors):
     if normalizer == "center_scale":
         mean, inv_std = (tf.cast(t, x.dtype) for t in tensors[1:3])
         return (x - mean) * inv_std
-    fmt = attrs.get("data_format", "NHWC")
-    channel_shape = [1, -1, 1, 1] if fmt.startswith("NC") else [1, 1, 1, -1]
-    mean, var = (tf.reshape(tf.cast(t, x.dtype), channel_shape) for t in tensors[1:3])
+    # FusedBatchNorm: mean and variance are [C], laid out as the scale is.
+    shape = (1,) * (x.shape.rank - len(broadcast)) + broadcast
+    mean, var = (tf.reshape(tf.cast(t, x.dtype), shape) for t in tensors[1:3])
     if normalizer == "fused_training":
-        axes = [0, 2, 3] if fmt.startswith("NC") else [0, 1, 2]
-        n = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
+        n = tf.cast(tf.size(x), x.dtype) / tf.cast(tf.size(tensors[1]), x.dtype)
         var = var * (n - 1) / tf.maximum(n, 1)
     elif normalizer != "fused_inference":
         raise ValueError(f"unknown normalizer {normalizer!r}")
