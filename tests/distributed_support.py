@@ -225,12 +225,14 @@ def keras_fit(strategy):
     Keras's float type is put back afterwards."""
     import keras
 
-    previous = keras.config.floatx()
+    previous = keras.config.floatx(), keras.config.dtype_policy()
     keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")  # Keras may have cached a float32 policy
     try:
         return _keras_fit(strategy)
     finally:
-        keras.config.set_floatx(previous)
+        keras.config.set_floatx(previous[0])
+        keras.config.set_dtype_policy(previous[1])
 
 
 def _keras_fit(strategy):

@@ -261,9 +261,11 @@ def _keras_case(name):
 
 @pytest.fixture
 def float64():
-    keras.backend.set_floatx("float64")
+    """Keras layers in float64 (floatx and the global policy, which Keras may
+    have cached from floatx; tests/conftest.py puts both back)."""
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     yield
-    keras.backend.set_floatx("float32")
 
 
 @pytest.mark.parametrize("name", ["conv2d", pytest.param("conv2d_more", marks=SLOW),
