@@ -9,22 +9,30 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import networkx as nx
 import tensorflow as tf
 from absl import logging
 
 import passes
+import passes.unroll
+from kfac_graph import options
 from kfac_graph.registration import GraphVariable, Layer, LossSpec, Registration
 
 
 class RegisteredFunction:
     """A loss function known to kfac_graph. Options: ``loss`` (a loss kind,
     ``"categorical"``, ``"bernoulli"`` or ``"normal"``, used instead of what
-    the pass reads from the graph)."""
+    the pass reads from the graph); ``max_loop_iterations`` (the pass unrolls
+    a loop with a static trip count up to this many iterations, so the
+    layers inside it are found; a longer loop keeps its variables generic)."""
 
-    def __init__(self, fn: Callable, loss: str | None = None):
+    def __init__(self, fn: Callable, loss: str | None = None,
+                 max_loop_iterations: int = passes.unroll.DEFAULT_MAX_ITERATIONS):
         functools.update_wrapper(self, fn)
         self.python_function = fn
         self.loss_kind = loss
+        self.max_loop_iterations = options.check(
+            "kg.auto_register", "max_loop_iterations", max_loop_iterations, options.Integer(0))
         self._tf_function = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
         self._cache: dict[Any, tuple[Any, Registration]] = {}
         # Functions derived from a registration (per-example gradients,
@@ -49,28 +57,35 @@ class RegisteredFunction:
         cached = self._cache.get(key)
         if cached is None or cached[0] is not concrete:
             traced = passes.frontends.from_concrete_function(concrete, name=self.__name__)
-            cached = (concrete, registration_from_pass(passes.run(traced, self.loss_kind)))
+            cached = (concrete, registration_from_pass(
+                passes.run(traced, self.loss_kind, self.max_loop_iterations)))
             self._cache[key] = cached
         return cached[1]
 
 
-def auto_register(fn: Callable | None = None, *, loss: str | None = None):
-    """``@kg.auto_register`` or ``@kg.auto_register(loss="categorical")``."""
+def auto_register(fn: Callable | None = None, *, loss: str | None = None,
+                  max_loop_iterations: int = passes.unroll.DEFAULT_MAX_ITERATIONS):
+    """``@kg.auto_register`` or ``@kg.auto_register(loss="categorical")``
+    (options: ``RegisteredFunction``)."""
     if fn is None:
-        return lambda f: RegisteredFunction(f, loss=loss)
-    return RegisteredFunction(fn, loss=loss)
+        return lambda f: RegisteredFunction(f, loss=loss, max_loop_iterations=max_loop_iterations)
+    return RegisteredFunction(fn, loss=loss, max_loop_iterations=max_loop_iterations)
 
 
-def register_saved_model(path: str, function: str, *args, loss: str | None = None) -> Registration:
+def register_saved_model(path: str, function: str, *args, loss: str | None = None,
+                         max_loop_iterations: int = passes.unroll.DEFAULT_MAX_ITERATIONS
+                         ) -> Registration:
     """The registration of the saved function ``function`` of a SavedModel."""
     traced = passes.load_saved_model(path, function, args or None)
-    return registration_from_pass(passes.run(traced, loss))
+    return registration_from_pass(passes.run(traced, loss, max_loop_iterations))
 
 
-def register_graph_def(graph_def, output: str, arguments=(), loss: str | None = None) -> Registration:
+def register_graph_def(graph_def, output: str, arguments=(), loss: str | None = None,
+                       max_loop_iterations: int = passes.unroll.DEFAULT_MAX_ITERATIONS
+                       ) -> Registration:
     """The registration of a GraphDef (file or proto) whose loss is ``output``."""
     traced = passes.load_graph_def(graph_def, output, arguments)
-    return registration_from_pass(passes.run(traced, loss))
+    return registration_from_pass(passes.run(traced, loss, max_loop_iterations))
 
 
 def registration_from_pass(result: passes.PassResult) -> Registration:
@@ -98,13 +113,23 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
     loss = LossSpec(lm.kind, lm.reduction, lm.output, lm.targets, lm.scale)
     placeholders = {node: user_variable(traced.objects[key])
                     for node, key in traced.placeholder_variables.items() if key in traced.objects}
-    reads = {}
+    reads, handles = {}, {}
+    on_path = nx.ancestors(result.graph, passes.ir.split_tensor(result.graph.graph["output"])[0])
     for node in traced.graph_def.node:
         if node.op == "ReadVariableOp" and node.input and node.input[0] in placeholders:
             reads.setdefault(node.input[0], []).append(node.name)
+        elif node.op not in _HANDLE_ONLY and node.name in on_path:
+            for t in node.input:
+                if t in placeholders:
+                    handles.setdefault(t, []).append(node.name)
     return Registration(layers, loss, traced.graph_def, traced.arguments, traced.output,
                         result.graph, dict(result.timings), placeholders,
-                        {k: tuple(v) for k, v in reads.items()}, lm.terms, lm.terms_coefficient)
+                        {k: tuple(v) for k, v in reads.items()}, lm.terms, lm.terms_coefficient,
+                        {k: tuple(v) for k, v in handles.items()})
+
+
+# ops that take a variable's handle without reading its value
+_HANDLE_ONLY = frozenset({"VariableShape", "NoOp"})
 
 
 def user_variable(variable):

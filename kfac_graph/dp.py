@@ -74,7 +74,9 @@ class DPSGD:
         self.method = method
         self.seed = int(seed)
         self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="dpsgd_step")
-        self._step = tf.function(self._step_impl)
+        # autograph=False: nothing here branches on tensors, and autograph would
+        # convert every function the step calls, the pass included (~20 s, once)
+        self._step = tf.function(self._step_impl, autograph=False)
 
     def step(self, *args):
         self.fn.registration(*args)  # the pass runs eagerly, never under autograph
@@ -101,7 +103,7 @@ def _compiled(fn: RegisteredFunction, reg: Registration, method: str):
     variables = list(reg.variables)
     generic = reg.generic_variables
 
-    @tf.function
+    @tf.function(autograph=False)  # (no tensor-dependent Python control flow)
     def run(clip, noise, seed, *args):
         reads = variables if method == "reweight" else generic
         taps = LayerTaps.build(reg, args, read_variables=reads)

@@ -81,7 +81,10 @@ class Registration:
     ``variable_placeholders`` (placeholder node -> variable object),
     ``variable_reads`` (placeholder node -> its ReadVariableOp nodes), and
     ``per_example_loss`` with ``per_example_coefficient`` (example i's own
-    loss term is the coefficient times the sum of ``per_example_loss[i]``)."""
+    loss term is the coefficient times the sum of ``per_example_loss[i]``),
+    ``handle_readers`` (placeholder node -> the ops on the loss's path that
+    take the variable's handle itself rather than a read of it, such as a
+    loop the pass did not unroll: reads inside them cannot be replaced)."""
     layers: tuple[Layer, ...]
     loss: LossSpec
     graph_def: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -94,6 +97,8 @@ class Registration:
                                                                       repr=False)
     per_example_loss: str | None = None
     per_example_coefficient: float = 1.0
+    handle_readers: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict,
+                                                                      repr=False)
 
     @property
     def variables(self) -> tuple:

@@ -82,6 +82,7 @@ class LayerTaps:
         wanted = {v.ref() for v in read_variables}
         for node, variable in reg.variable_placeholders.items():
             if variable.ref() in wanted:
+                _check_replaceable(reg, node, variable)
                 value = tf.identity(variable.read_value())
                 reads[variable.ref()] = value
                 for read in reg.variable_reads.get(node, ()):
@@ -231,6 +232,21 @@ def _callback_gradient(op, *dys):
         g.set_shape(op.inputs[k].shape)
         out[k] = g
     return out
+
+
+def _check_replaceable(reg: Registration, node: str, variable) -> None:
+    """A one-line ``KfacGraphError`` when ``variable`` is read inside an op
+    that takes its handle (a loop the pass did not unroll): gradients with
+    respect to our replacement of its reads would miss those reads."""
+    readers = reg.handle_readers.get(node, ())
+    if not readers:
+        return
+    reasons = [layer.reason for layer in reg.layers if any(v is variable for v in layer.variables)
+               and repr(readers[0]) in layer.reason]
+    raise KfacGraphError(
+        f"variable {invariants.variable_name(variable)}: its per-example gradients cannot be "
+        "computed: " + (reasons[0] if reasons else
+                        f"it is read inside op {readers[0]!r}, whose reads of it cannot be replaced"))
 
 
 CUSTOM_GRADIENT = b"CustomGradient-"

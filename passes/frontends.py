@@ -28,6 +28,9 @@ class Traced:
     ``placeholder_variables`` maps each node that holds a variable (a captured
     resource placeholder, or a ``VarHandleOp``) to the variable's key;
     ``objects`` maps keys to the ``tf.Variable`` objects where known.
+    ``unrolled_loops``: loop name -> its trip count, for the loops
+    ``passes.unroll`` copied out; ``kept_loops``: loop name -> why it was
+    not unrolled.
     """
     graph_def: Any
     arguments: tuple[str, ...]
@@ -36,6 +39,8 @@ class Traced:
     placeholder_variables: dict[str, str]
     objects: dict[str, Any]
     name: str = "fn"
+    kept_loops: dict = dataclasses.field(default_factory=dict)
+    unrolled_loops: dict = dataclasses.field(default_factory=dict)
 
 
 def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) -> Traced:
@@ -180,7 +185,18 @@ def load_graph_def(path_or_graph_def, output: str, arguments: Sequence[str] = ()
 
 def to_ir(traced: Traced) -> nx.DiGraph:
     """Imports the inlined GraphDef (so TensorFlow infers static shapes, with
-    each variable's shape known to its reads) and builds the IR."""
+    each variable's shape known to its reads) and builds the IR; the loops
+    the graph still has are in ``g.graph["loops"]`` (name -> why not unrolled)."""
+    graph, holders = import_graph(traced)
+    g = ir.from_tf_graph(graph, traced.arguments, traced.output, traced.variables, holders)
+    g.graph["loops"] = dict(traced.kept_loops)
+    return g
+
+
+def import_graph(traced: Traced):
+    """``(tf.Graph, holders)``: the GraphDef imported with a ``VarHandleOp``
+    of the right shape for each variable placeholder (``holders``: its name
+    -> the variable's key)."""
     graph = tf.Graph()
     input_map, holders = {}, {}
     with graph.as_default():
@@ -195,7 +211,7 @@ def to_ir(traced: Traced) -> nx.DiGraph:
             tf.graph_util.import_graph_def(traced.graph_def, input_map=input_map, name="")
         except (ValueError, tf.errors.OpError) as e:
             raise LoadError(f"could not import the graph of {traced.name}: {error_line(e)}") from e
-    return ir.from_tf_graph(graph, traced.arguments, traced.output, traced.variables, holders)
+    return graph, holders
 
 
 def read_graph_def(path: str):

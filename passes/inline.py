@@ -30,7 +30,7 @@ def inline_calls(graph_def: tf.compat.v1.GraphDef
     ``follow(renames, name)`` to map an old tensor name to the new one."""
     all_renames: dict[str, str] = {}
     library = {f.signature.name: f for f in graph_def.library.function}
-    holder = _library_graph(graph_def)
+    holder = library_graph(graph_def)
     nodes = list(graph_def.node)
     for _ in range(_MAX_DEPTH):
         calls = [n for n in nodes if _callee(n, library)]
@@ -48,7 +48,7 @@ def inline_calls(graph_def: tf.compat.v1.GraphDef
             else:
                 out.append(node)
         for node in out:
-            _rename_inputs(node, renames)
+            rename_inputs(node, renames)
         all_renames.update(renames)
         nodes = out
     else:
@@ -83,7 +83,7 @@ def _named_functions(nodes, library) -> set[str]:
     return kept
 
 
-def _library_graph(graph_def) -> tf.Graph:
+def library_graph(graph_def) -> tf.Graph:
     """A graph holding ``graph_def``'s function library: a body that calls a
     library function directly (its op is the function's name) is read
     against it, whatever graph is the default (saving traces in a fresh one)."""
@@ -104,11 +104,24 @@ def _callee(node, library) -> str | None:
 
 def _body(call, fdef):
     """The call's body nodes (prefixed) and the tensor names of its outputs."""
-    body_def, flat = function_def_to_graph.function_def_to_graph_def(fdef)
-    prefix = call.name + "/"
     data_inputs = [t for t in call.input if not t.startswith("^")]
     call_controls = [t for t in call.input if t.startswith("^")]
-    args = {a.name: data_inputs[i] for i, a in enumerate(fdef.signature.input_arg)}
+    prefix = call.name + "/"
+    nodes, outputs = instantiate(fdef, data_inputs, lambda name: prefix + name, call_controls)
+    referenced = {t.lstrip("^").split(":")[0] for n in nodes for t in n.input}
+    waiter = tf.compat.v1.NodeDef(name=call.name, op="NoOp")
+    waiter.input.extend("^" + n.name for n in nodes if n.name not in referenced)
+    return nodes + [waiter], outputs
+
+
+def instantiate(fdef, inputs, rename, controls=(), converted=None):
+    """The nodes of function ``fdef``'s body applied to ``inputs`` (tensor
+    names, one per input argument), each renamed by ``rename(name)``; nodes
+    with no inputs wait on ``controls``; and the tensor names of its outputs
+    (an output that is an argument is that input). ``converted``: the
+    ``function_def_to_graph_def(fdef)`` pair, when the caller has it."""
+    body_def, flat = converted or function_def_to_graph.function_def_to_graph_def(fdef)
+    args = {a.name: inputs[i] for i, a in enumerate(fdef.signature.input_arg)}
 
     def outer(t: str) -> str:
         control = t.startswith("^")
@@ -117,29 +130,23 @@ def _body(call, fdef):
         if node in args:
             target = args[node]
             return "^" + target.split(":")[0] if control else target
-        return ("^" if control else "") + prefix + bare
+        return ("^" if control else "") + rename(node) + bare[len(node):]
 
-    nodes, referenced = [], set()
+    nodes = []
     for node in body_def.node:
         if node.name in args:
             continue
         new = tf.compat.v1.NodeDef()
         new.CopyFrom(node)
-        new.name = prefix + node.name
-        inputs = [outer(t) for t in node.input]
-        if not inputs:
-            inputs = list(call_controls)
+        new.name = rename(node.name)
+        inputs_ = [outer(t) for t in node.input] or list(controls)
         del new.input[:]
-        new.input.extend(inputs)
-        referenced.update(t.lstrip("^").split(":")[0] for t in inputs)
+        new.input.extend(inputs_)
         nodes.append(new)
-    outputs = [outer(flat[fdef.ret[a.name]]) for a in fdef.signature.output_arg]
-    waiter = tf.compat.v1.NodeDef(name=call.name, op="NoOp")
-    waiter.input.extend("^" + n.name for n in nodes if n.name not in referenced)
-    return nodes + [waiter], outputs
+    return nodes, [outer(flat[fdef.ret[a.name]]) for a in fdef.signature.output_arg]
 
 
-def _rename_inputs(node, renames) -> None:
+def rename_inputs(node, renames) -> None:
     inputs = [t if t.startswith("^") else follow(renames, t) for t in node.input]
     if inputs != list(node.input):
         del node.input[:]

@@ -25,6 +25,7 @@ from passes.matcher import find_matches
 from passes.catalogue import LAYER_PATTERNS
 from passes.patterns import Pattern, einsum_kernel_layout
 from passes.patterns_multiaxis import kernel_in_axes, slice_rows
+from passes.unroll import ITERATION_SCOPE, WHILE_OPS
 
 _TRANSPOSE_KINDS = frozenset({"conv2d_transpose", "conv3d_transpose"})
 _CONV_KINDS = frozenset({"conv2d", "conv3d", "depthwise_conv2d"}) | _TRANSPOSE_KINDS
@@ -47,11 +48,13 @@ class Use:
     many leading axes are contracted), ``ids_broadcast`` (a lookup whose ids
     have no batch axis, added over the batch; ``row_range``: those ids are
     ``range(*row_range)``, a table slice), for scale-and-shift ``normalizer``,
-    ``operand_shapes`` and ``scale_broadcast`` (``passes.scale_shift_use``), ``unsupported`` (why the form
-    has no exact layer of its kind: the layer then becomes generic), and for
-    convolutions ``kernel_shape`` and ``input_channels`` (a grouped Conv2D's
-    kernel reads a share of them). An atrous convolution's are those of the
-    dilated convolution on the input of SpaceToBatchND (``passes.atrous``).
+    ``operand_shapes`` and ``scale_broadcast`` (``passes.scale_shift_use``),
+    ``unsupported`` (why the form has no exact layer of its kind: the layer
+    then becomes generic), ``parts`` (per variable, the box of it the use
+    reads, or None: ``passes.variable_parts``), and for convolutions
+    ``kernel_shape`` and ``input_channels`` (a grouped Conv2D's kernel reads a
+    share of them). An atrous convolution's are those of the dilated
+    convolution on the input of SpaceToBatchND (``passes.atrous``).
     """
     inputs: tuple[str, ...]
     output: str
@@ -77,6 +80,7 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
     output_node = ir.split_tensor(g.graph["output"])[0]
     on_path = nx.ancestors(g, output_node) | {output_node}
     data = ir.reachable_from(g, g.graph["arguments"])
+    batched = data | ir.reachable_from(g, _batch_constants(g))
     parameters = ir.reachable_from(g, (n for n, d in g.nodes(data=True)
                                        if d["op"] == "Variable"))
     order = _data_flow_order(g, data)
@@ -89,7 +93,7 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
             if roles[pattern.output] not in on_path:
                 continue
             source = ir.split_tensor(ir.resolve(g, _inputs(g, pattern, roles)[0]))[0]
-            if source not in data and source in parameters:
+            if source not in batched and source in parameters:
                 continue  # a product of weights, not a layer applied to data
             claimed |= {roles[r] for r, spec in pattern.nodes.items() if spec.exclusive}
             found.append((pattern, roles))
@@ -101,7 +105,7 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
     readers = {key: [dst for node in nodes for dst in g.successors(node)]
                for key, nodes in holders.items()}
     groups = _group(g, found)
-    groups, reasons = _resolve_conflicts(g, groups, on_path & data, readers)
+    groups, reasons = _resolve_conflicts(g, groups, on_path & batched, readers)
     layers = [_layer(g, kind, keys, uses, order) for (kind, keys), uses in groups.items()]
     owned = {k for layer in layers for k in layer.variables}
     for key in _loss_variables(g, on_path, order):
@@ -160,6 +164,9 @@ def _use(g, pattern: Pattern, roles) -> Use:
         attrs.update(atrous_attrs(g, roles, inputs[0]))
     if pattern.kind == "scale_and_shift":
         inputs, attrs = scale_shift_use.use_attrs(g, pattern, roles, main, inputs, attrs)
+    parts = tuple(g.nodes[roles[p]].get("part") for p in pattern.params)
+    if any(parts):  # (passes.variable_parts) per variable: its box, or None when whole
+        attrs["parts"] = parts
     nodes = tuple(roles[r] for r, spec in pattern.nodes.items() if spec.exclusive)
     return Use(inputs, ir.tensor_name(roles[pattern.output]), nodes, attrs)
 
@@ -227,7 +234,8 @@ def _resolve_conflicts(g, groups, on_path, readers):
             if outside:
                 groups.pop(group, None)
                 for k in group[1]:
-                    reasons[k] = f"also read outside its layer pattern, by op {outside[0]!r}"
+                    reasons[k] = (_loop_reason(g, outside) or
+                                  f"also read outside its layer pattern, by op {outside[0]!r}")
                 break
         else:
             why = [use.attrs["unsupported"] for _, _, use in items if "unsupported" in use.attrs]
@@ -243,7 +251,10 @@ def _without_bias(g, use: Use, roles) -> Use:
         return use
     main = roles.get("unflat") or roles.get("b2s") or roles["op"]
     ops = tuple(n for n in use.ops if n != roles["add"])
-    return dataclasses.replace(use, output=ir.tensor_name(main), ops=ops)
+    attrs = dict(use.attrs)
+    if "parts" in attrs:
+        attrs["parts"] = attrs["parts"][:1]
+    return dataclasses.replace(use, output=ir.tensor_name(main), ops=ops, attrs=attrs)
 
 
 def _bias_as_shift(g, roles, use: Use):
@@ -260,6 +271,20 @@ def _bias_as_shift(g, roles, use: Use):
     return None, roles, shift
 
 
+def _batch_constants(g) -> list:
+    """Constants shaped ``[B, ...]`` for the arguments' static batch ``B``
+    (an RNN's zero initial state): every row is an example's, so what is
+    computed from them and the weights, row by row (the first step of an
+    unrolled loop), is per example like the data."""
+    batch = next((s[0] for a in g.graph["arguments"] if a in g
+                  for s in g.nodes[a]["shapes"][:1] if s and s[0] is not None), None)
+    if batch is None:
+        return []
+    return [n for n, d in g.nodes(data=True) if d["op"] in ("Const", "Fill")
+            and d["shapes"] and d["shapes"][0] and len(d["shapes"][0]) >= 2
+            and d["shapes"][0][0] == batch]
+
+
 def _loss_variables(g, on_path, order):
     keys = {}
     for node in on_path:
@@ -270,8 +295,22 @@ def _loss_variables(g, on_path, order):
 
 
 def _orphan_reason(g, readers, on_path) -> str:
+    loop = _loop_reason(g, [n for n in readers if n in on_path])
+    if loop:
+        return loop
     ops = sorted({g.nodes[n]["op"] for n in readers if n in on_path})
     return f"no layer pattern matches its use by {', '.join(ops) or 'the graph'}"
+
+
+def _loop_reason(g, readers) -> str:
+    """Why a variable read by a loop the pass kept is generic ("" if none
+    of ``readers`` is such a loop)."""
+    loops = sorted(n for n in readers if g.nodes[n]["op"] in WHILE_OPS)
+    if not loops:
+        return ""
+    why = g.graph.get("loops", {}).get(loops[0], "")
+    return f"read inside loop {_readable(loops[0])!r}, which is not unrolled" + (
+        f": {why}" if why else "")
 
 
 def _layer(g, kind, keys, items, order) -> LayerMatch:
@@ -329,8 +368,9 @@ def _readable(name: str) -> str:
     """``name`` without the scopes of inlined function calls it starts with
     (a restored SavedModel function wraps its body in one) or ends with (a
     layer whose op alone sits in an inlined call: Keras compiles a grouped
-    convolution in its own function)."""
-    return _TRAILING_CALL.sub("", _CALL_SCOPE.sub("", name)) or name
+    convolution in its own function), and without the iteration scopes of
+    unrolled loops (``passes.unroll``)."""
+    return ITERATION_SCOPE.sub("", _TRAILING_CALL.sub("", _CALL_SCOPE.sub("", name)) or name)
 
 
 def _unique_names(layers):

@@ -57,7 +57,10 @@ class Pattern:
 
 
 ANY = Op(exclusive=False)
-VAR = Op(variable=True, exclusive=False)
+# a whole variable; VAR_PART also a box of one (passes.variable_parts): a dense
+# kernel, a scale or a shift alone, whose kinds pad a part's operands
+VAR = Op(variable=True, exclusive=False, where=lambda data: data.get("part") is None)
+VAR_PART = Op(variable=True, exclusive=False)
 
 
 def ops(*types, where=None) -> Op:
@@ -69,7 +72,9 @@ def _attr(name, value):
 
 
 def var_shape(g, node) -> tuple:
-    """The variable's static shape; () when unknown (no pattern then fits)."""
+    """The variable's (a part's own) static shape; () when unknown (no pattern fits)."""
+    if g.nodes[node].get("part") is not None:
+        return g.nodes[node]["shapes"][0]
     return g.graph["variables"][g.nodes[node]["variable"]].shape or ()
 
 
@@ -154,7 +159,7 @@ MATMUL = ops(*_MATMUL, where=_dense_op)
 DENSE_TENSORDOT_BIAS = Pattern(
     "dense_tensordot_bias", "dense",
     {"x": ANY, "flat": ops("Reshape"), "op": ops("MatMul", where=_dense_op),
-     "unflat": ops("Reshape"), "w": VAR, "b": VAR, "add": ADD},
+     "unflat": ops("Reshape"), "w": VAR_PART, "b": VAR, "add": ADD},
     (("x", "flat", 0), ("flat", "op", 0), ("w", "op", 1), ("op", "unflat", 0),
      ("unflat", "add", None), ("b", "add", None)),
     anchor="op", output="add", params=("w", "b"), inputs=(("flat", "in", 0),),
@@ -163,19 +168,19 @@ DENSE_TENSORDOT_BIAS = Pattern(
 DENSE_TENSORDOT = Pattern(
     "dense_tensordot", "dense",
     {"x": ANY, "flat": ops("Reshape"), "op": ops("MatMul", where=_dense_op),
-     "unflat": ops("Reshape"), "w": VAR},
+     "unflat": ops("Reshape"), "w": VAR_PART},
     (("x", "flat", 0), ("flat", "op", 0), ("w", "op", 1), ("op", "unflat", 0)),
     anchor="op", output="unflat", params=("w",), inputs=(("flat", "in", 0),),
     check=_merges_leading)
 DENSE_BIAS = Pattern(
     "dense_bias", "dense",
-    {"x": ANY, "op": MATMUL, "w": VAR, "b": VAR, "add": ADD},
+    {"x": ANY, "op": MATMUL, "w": VAR_PART, "b": VAR, "add": ADD},
     (("x", "op", 0), ("w", "op", 1), ("op", "add", None), ("b", "add", None)),
     anchor="op", output="add", params=("w", "b"), inputs=(("op", "in", 0),),
     check=lambda g, m: _dense_kernel_ok(g, m) and _bias_fits(g, m, -1))
 DENSE = Pattern(
     "dense", "dense",
-    {"x": ANY, "op": MATMUL, "w": VAR},
+    {"x": ANY, "op": MATMUL, "w": VAR_PART},
     (("x", "op", 0), ("w", "op", 1)),
     anchor="op", output="op", params=("w",), inputs=(("op", "in", 0),),
     check=_dense_kernel_ok)

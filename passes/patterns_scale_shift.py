@@ -4,7 +4,7 @@ and/or Add), declared as data like ``passes.patterns``.
 from __future__ import annotations
 
 from passes import ir
-from passes.patterns import ANY, VAR, Pattern, ops, var_shape
+from passes.patterns import ADD, ANY, VAR, VAR_PART, Pattern, ops, var_shape
 
 # --- scale and shift ---------------------------------------------------------
 # Normalisers: how the layer's normalised input xhat is recovered from the
@@ -107,13 +107,13 @@ SCALE_SHIFT = Pattern(
                         and _same_layout(g, m, "mul", "add")
                         and _shared_by_examples("gamma", "mul")(g, m)))
 SCALE = Pattern(
-    "scale", "scale_and_shift", {"x": ANY, "mul": MUL, "gamma": VAR},
+    "scale", "scale_and_shift", {"x": ANY, "mul": MUL, "gamma": VAR_PART},
     (("x", "mul", None), ("gamma", "mul", None)),
     anchor="mul", output="mul", params=("gamma",), inputs=(("x", "out", 0),),
     normalizer="identity",
     check=lambda g, m: m["x"] != m["gamma"] and _shared_by_examples("gamma", "mul")(g, m))
 SHIFT = Pattern(
-    "shift", "scale_and_shift", {"x": ANY, "add": ops("AddV2", "Add", "BiasAdd"), "beta": VAR},
+    "shift", "scale_and_shift", {"x": ANY, "add": ADD, "beta": VAR_PART},
     (("x", "add", None), ("beta", "add", None)),
     anchor="add", output="add", params=("beta",), inputs=(("x", "out", 0),),
     normalizer="identity",

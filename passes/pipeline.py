@@ -1,9 +1,11 @@
 """The pass manager: IR in, registration data out, passes run in order.
 
-``run(traced, loss=None) -> PassResult`` imports the traced graph into the IR,
-marks where it computes in a narrower float than its inputs (precision),
-canonicalizes it, matches layers and the loss, and records how long each
-pass took (``timings``, seconds).
+``run(traced, loss=None) -> PassResult`` unrolls the loops whose trip count
+is static (``passes.unroll``, at most ``max_loop_iterations`` each), imports
+the traced graph into the IR, marks where it computes in a narrower float
+than its inputs (precision), canonicalizes it, reads static slices of
+variables as parts of them (variable_parts), matches layers and the loss,
+and records how long each pass took (``timings``, seconds).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from passes.errors import TraceError
 from passes.match_layers import LayerMatch, match_layers
 from passes.match_loss import LossMatch, match_loss
 from passes.precision import mark_narrowing
+from passes.unroll import DEFAULT_MAX_ITERATIONS, unroll_loops
+from passes.variable_parts import mark_parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +33,19 @@ class PassResult:
     timings: dict
 
 
-def run(traced: frontends.Traced, loss: str | None = None) -> PassResult:
+def run(traced: frontends.Traced, loss: str | None = None,
+        max_loop_iterations: int = DEFAULT_MAX_ITERATIONS) -> PassResult:
+    """``PassResult.traced`` is the graph the layers' tensors belong to (the
+    unrolled one)."""
     timings = {}
+    start = time.perf_counter()
+    traced = unroll_loops(traced, max_loop_iterations)
+    timings["unroll"] = time.perf_counter() - start
     start = time.perf_counter()
     g = frontends.to_ir(traced)
     timings["import"] = time.perf_counter() - start
-    for name, step in (("precision", mark_narrowing), ("canonicalize", canonicalize)):
+    for name, step in (("precision", mark_narrowing), ("canonicalize", canonicalize),
+                       ("variable_parts", mark_parts)):
         start = time.perf_counter()
         g = step(g)
         timings[name] = time.perf_counter() - start

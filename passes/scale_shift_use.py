@@ -48,6 +48,8 @@ def scale_broadcast(g: nx.DiGraph, op: str, variable: str, output_shape):
     data = g.nodes[op]
     shape = tuple(g.graph["variables"][g.nodes[variable]["variable"]].shape)
     if data["op"] in ("BiasAdd", "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"):
+        # (a vector: the variable, or the part of one the op reads, passes.variable_parts)
+        shape = tuple(ir.read_shape(g, op, ir.tensor_name(variable)) or shape)
         rank = len(output_shape or ())
         if data["attrs"].get("data_format", "NHWC").startswith("NC") and rank >= 3:
             return (*shape, *(1,) * (rank - 2))

@@ -38,7 +38,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from kfac_graph.layers import norms
+from kfac_graph.layers import norms, parts
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers import xla as xla_lib
 from kfac_graph.layers.kind import LayerKind, reshape_like, variable_shapes
@@ -187,7 +187,9 @@ def spec(layer, use):
 def operands(layer, use, tensors, grads):
     """`a` reshaped to the op's static input shape (Conv1D's unit axis, which
     the pass saw through), each `g` to the same positions with `d_out`; for a
-    multi-axis kernel `a [B, T, d_in]` and `g [B, T, d_out]` (T: all positions)."""
+    multi-axis kernel `a [B, T, d_in]` and `g [B, T, d_out]` (T: all positions);
+    for a use of a box of the kernel (`parts.py`), both zero-padded to the
+    whole kernel's `d_in` and `d_out`."""
     attrs = layer.use_attrs[use]
     shape = attrs.get("input_shape")
     if attrs.get("kernel_in_axes"):
@@ -201,6 +203,12 @@ def operands(layer, use, tensors, grads):
     a = reshape_like(tensors[0], shape)
     if shape:
         grads = [reshape_like(g, (*shape[:-1], g.shape[-1])) for g in grads]
+    box = parts.part(layer, use, 0)
+    if box is not None:
+        kernel = [int(d) for d in layer.variables[0].shape]
+        into, out = (1, 0) if layer.use_attrs[use].get("transpose_kernel") else (0, 1)
+        a = parts.pad_axis(a, box, -1, into, kernel[into])
+        grads = [parts.pad_axis(g, box, -1, out, kernel[out]) for g in grads]
     return a, list(grads)
 
 

@@ -20,7 +20,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from kfac_graph.layers import norms
+from kfac_graph.layers import norms, parts
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers.kind import LayerKind, reshape_like, variable_shapes
 
@@ -99,10 +99,14 @@ def operands(layer, use, tensors, grads):
     output) and each `g` have the axes along which the scale varies
     (`scale_broadcast`, numpy broadcasting: `[1, C, 1, 1]` channels-first,
     `[T, C]`, group norm's `[G, C/G]`) moved last and read as the scale's
-    own shape (row-major, as a reshape of the variable lays it out)."""
+    own shape (row-major, as a reshape of the variable lays it out). A use
+    of a box of the variable (`parts.py`: a scale or a shift alone, GRU's
+    bias rows) reads them as the box's shape, zero-padded to the variable's."""
     attrs = layer.use_attrs[use]
     var_shape = variable_shapes(layer)[0]
-    broadcast = tuple(attrs.get("scale_broadcast") or var_shape)
+    box = parts.part(layer, use, 0)
+    shape = parts.box_shape(box) if box is not None else var_shape
+    broadcast = tuple(attrs.get("scale_broadcast") or shape)
     grads = [_read_as(g, attrs.get("output_shape")) for g in grads]
     if not attrs.get("has_scale", True):
         xhat = tf.ones_like(grads[0])
@@ -111,8 +115,8 @@ def operands(layer, use, tensors, grads):
         shapes += (None,) * (len(tensors) - len(shapes))
         xhat = _normalised(attrs, [_read_as(t, s) for t, s in zip(tensors, shapes)], broadcast)
         xhat = tf.broadcast_to(xhat, tf.shape(grads[0]))
-    return _scale_last(xhat, broadcast, var_shape), [
-        _scale_last(g, broadcast, var_shape) for g in grads]
+    lay_out = lambda t: parts.pad_box(_scale_last(t, broadcast, shape), box, var_shape)  # noqa: E731
+    return lay_out(xhat), [lay_out(g) for g in grads]
 
 
 def _read_as(tensor, shape):
