@@ -1,5 +1,5 @@
 """Ops TensorFlow differentiates through a custom gradient (Keras's swish and
-silu, tf.custom_gradient in user code): the re-run graph differentiates their
+silu, tf.custom_gradient in user code, tf.recompute_grad): the re-run graph differentiates their
 forward ops, so per-example gradients equal a loop of one-example tapes and
 kg.KFAC trains the model."""
 import keras
@@ -67,6 +67,31 @@ def test_kfac_trains_through_swish():
     losses = [float(opt.step(x, y)) for _ in range(5)]
     assert all(np.isfinite(losses)) and int(opt.skipped_steps) == 0
     assert losses[-1] < losses[0]
+
+
+def test_recompute_grad_block_verifies_and_trains():
+    """A block under tf.recompute_grad (a custom gradient that re-runs the
+    forward pass): its dense layer registers, kg.verify passes in float64,
+    and K-FAC trains."""
+    inner = keras.layers.Dense(5, activation="tanh", dtype="float64")
+    head = keras.layers.Dense(3, dtype="float64")
+    inner.build((None, 4))
+    head.build((None, 5))
+    block = tf.recompute_grad(lambda h: inner(h))
+    x = tf.random.stateless_normal([6, 4], [1, 2], dtype=tf.float64)
+    y = tf.constant([0, 1, 2, 0, 1, 2])
+
+    @kg.auto_register
+    def loss(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, head(block(x))))
+
+    reg = loss.registration(x, y)
+    assert [layer.kind for layer in reg.layers] == ["dense", "dense"], reg.summary()
+    report = kg.verify(loss, x, y)
+    assert report.passed, report.table()
+    opt = kg.KFAC(loss, damping=0.1)
+    losses = [float(opt.step(x, y)) for _ in range(3)]
+    assert int(opt.skipped_steps) == 0 and losses[-1] < losses[0], losses
 
 
 @pytest.mark.slow
