@@ -116,3 +116,14 @@ def operator_matrix(method, shapes):
     n = int(sum(np.prod(s) for s in shapes))
     cols = [flat([t.numpy() for t in method(unflat(np.eye(n)[k], shapes))]) for k in range(n)]
     return np.stack(cols, axis=1)
+
+
+def cov(rows):
+    """``E[r r^T]`` over every row of ``rows`` (``[..., d]``)."""
+    rows = rows.reshape(-1, rows.shape[-1])
+    return rows.T @ rows / len(rows)
+
+
+def homog(x):
+    """``x`` with a 1 appended on its last axis (the bias's homogeneous coordinate)."""
+    return np.concatenate([x, np.ones(x.shape[:-1] + (1,))], -1)

@@ -16,6 +16,8 @@ from kfac_graph.layers.conv import ConvSpec
 from fisher_reference import (
     F64,
     brute_fisher,
+    cov,
+    homog,
     np_patches,
     operator_matrix,
     out_size,
@@ -24,15 +26,6 @@ from fisher_reference import (
 
 LAM = 0.3
 KW = dict(dtype=F64, ema_decay=0.0, damping=LAM)
-
-
-def _cov(rows):
-    rows = rows.reshape(-1, rows.shape[-1])
-    return rows.T @ rows / len(rows)
-
-
-def _homog(x):
-    return np.concatenate([x, np.ones(x.shape[:-1] + (1,))], -1)
 
 
 def _check_products(block, damped):
@@ -154,8 +147,8 @@ def test_dense_positions_and_sources(combine):
     block = fisher.FullyConnectedKroneckerBlock([(4, 2), (2,)], **KW)
     weight = len(gs) ** -0.5 if combine == "mean" else 1.0
     block.update([(tf.constant(a), [tf.constant(weight * g) for g in gs])])
-    a_np = _cov(_homog(a))
-    g_np = sum(_cov(g) for g in gs) / (len(gs) if combine == "mean" else 1)
+    a_np = cov(homog(a))
+    g_np = sum(cov(g) for g in gs) / (len(gs) if combine == "mean" else 1)
     np.testing.assert_allclose(block.full_matrix(), 2 * np.kron(a_np, g_np), atol=1e-12)
     _check_products(block, pi_damped_kron(a_np, g_np, LAM, 2.0))
 
@@ -165,8 +158,8 @@ def test_dense_multi_use_independent():
     uses = [(rng.normal(size=(4, 3)), rng.normal(size=(4, 2))) for _ in range(3)]
     block = fisher.FullyConnectedMultiIndepBlock([(3, 2)], num_uses=3, **KW)
     block.update([(tf.constant(a), tf.constant(g)) for a, g in uses])
-    a_np = _cov(np.stack([a for a, _ in uses]))
-    g_np = _cov(np.stack([g for _, g in uses]))
+    a_np = cov(np.stack([a for a, _ in uses]))
+    g_np = cov(np.stack([g for _, g in uses]))
     np.testing.assert_allclose(block.full_matrix(), 3 * np.kron(a_np, g_np), atol=1e-12)
     _check_products(block, pi_damped_kron(a_np, g_np, LAM, 3.0))
 
@@ -179,7 +172,7 @@ def test_dense_diagonal_factor_options(which):
         [(3, 2), (2,)], diagonal_input=which == "input", diagonal_output=which == "output", **KW
     )
     block.update((tf.constant(a), tf.constant(g)))
-    a_np, g_np = _cov(_homog(a)), _cov(g)
+    a_np, g_np = cov(homog(a)), cov(g)
     if which == "input":
         a_np = np.diag(np.diag(a_np))
     else:
@@ -229,7 +222,7 @@ def test_conv_kronecker_against_hand_patches(case):
     block = fisher.ConvKroneckerBlock([(2, 3, 2, 3), (3,)], attrs, **KW)
     block.update([(tf.constant(to_fmt(x)), tf.constant(to_fmt(g)))])
     t = oh * ow
-    a_np, g_np = _cov(_homog(p)), _cov(g)
+    a_np, g_np = cov(homog(p)), cov(g)
     np.testing.assert_allclose(block.full_matrix(), t * np.kron(a_np, g_np), atol=1e-11)
     if case == CONV_CASES[1]:
         _check_products(block, pi_damped_kron(a_np, g_np, LAM, float(t)))
@@ -249,8 +242,8 @@ def _depthwise_reference(p, g, kh, kw, c, m, lam, t, damped):
     n = k * c * m + c * m
     full = np.zeros((n, n))
     for ch in range(c):
-        a_c = _cov(_homog(p4[..., ch]))
-        g_c = _cov(g4[:, :, ch, :])
+        a_c = cov(homog(p4[..., ch]))
+        g_c = cov(g4[:, :, ch, :])
         blk = pi_damped_kron(a_c, g_c, lam, t) if damped else t * np.kron(a_c, g_c)
         idx = [
             ((j * c + ch) * m + mm) if j < k else (k * c * m + ch * m + mm)
@@ -292,7 +285,7 @@ def test_embedding_against_id_counts():
     block = fisher.EmbeddingKroneckerBlock([(5, 2)], **KW)
     block.update((tf.constant(ids), tf.constant(g)))
     a_np = np.diag([2, 1, 0, 3, 0]) / 6.0
-    g_np = _cov(g)
+    g_np = cov(g)
     np.testing.assert_allclose(block.full_matrix(), 3 * np.kron(a_np, g_np), atol=1e-12)
     _check_products(block, pi_damped_kron(a_np, g_np, LAM, 3.0))
 
@@ -345,8 +338,8 @@ def test_conv_multi_use_independent():
     gs = [rng.normal(size=(2, 2, 2, 2)) for _ in range(2)]
     block = fisher.ConvMultiIndepBlock([(2, 2, 1, 2), (2,)], attrs, num_uses=2, **KW)
     block.update([(tf.constant(x), tf.constant(g)) for x, g in zip(xs, gs)])
-    a_np = _cov(_homog(np.stack([np_patches(x, 2, 2) for x in xs])))
-    g_np = _cov(np.stack(gs))
+    a_np = cov(homog(np.stack([np_patches(x, 2, 2) for x in xs])))
+    g_np = cov(np.stack(gs))
     np.testing.assert_allclose(block.full_matrix(), 8 * np.kron(a_np, g_np), atol=1e-12)
     block.update_inverses()
     np.testing.assert_allclose(
@@ -380,7 +373,7 @@ def test_conv_input_factor_property(size, kernel, stride, dilation, padding, fmt
     factor = fisher.ConvInputFactor(spec, dtype=F64)
     xin = np.transpose(x, [0, 3, 1, 2]) if fmt == "NCHW" else x
     factor.update([tf.constant(xin)], 0.0)
-    want = _cov(_homog(np_patches(x, kh, kw, (stride, stride), (dilation, dilation), padding)))
+    want = cov(homog(np_patches(x, kh, kw, (stride, stride), (dilation, dilation), padding)))
     np.testing.assert_allclose(factor.value(), want, atol=1e-12)
 
 

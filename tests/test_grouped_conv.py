@@ -19,7 +19,8 @@ import kfac_graph as kg
 from kfac_graph import fisher
 from kfac_graph import grouped_conv_grad
 from kfac_graph import per_example as pe
-from fisher_reference import F64, np_patches, operator_matrix, out_size, pi_damped_kron
+from fisher_reference import (F64, cov, homog, np_patches, operator_matrix, out_size,
+                              pi_damped_kron)
 from per_example_reference import check, one_example_loop
 
 RTOL = 1e-6
@@ -304,15 +305,6 @@ LAM = 0.3
 KW = dict(dtype=F64, ema_decay=0.0, damping=LAM)
 
 
-def _cov(rows):
-    rows = rows.reshape(-1, rows.shape[-1])
-    return rows.T @ rows / len(rows)
-
-
-def _homog(x):
-    return np.concatenate([x, np.ones(x.shape[:-1] + (1,))], -1)
-
-
 def _grouped_reference(p, g, kernel_shape, groups, bias, damped):
     """diag_j of T (A_j (x) G_j) (or the damped, pi_j-split form) at group j's
     canonical indices: kernel entries [..., c, j*og + o], then bias [j*og + o]."""
@@ -324,8 +316,8 @@ def _grouped_reference(p, g, kernel_shape, groups, bias, damped):
     full = np.zeros((n, n))
     for j in range(groups):
         a_j = p5[:, :, :, j, :].reshape(p.shape[0], t, -1)
-        a_j = _cov(_homog(a_j) if bias else a_j)
-        g_j = _cov(g[..., j * og:(j + 1) * og])
+        a_j = cov(homog(a_j) if bias else a_j)
+        g_j = cov(g[..., j * og:(j + 1) * og])
         blk = pi_damped_kron(a_j, g_j, LAM, t) if damped else t * np.kron(a_j, g_j)
         index = kernel_index[:, j * og:(j + 1) * og]
         if bias:
