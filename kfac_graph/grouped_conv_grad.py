@@ -107,7 +107,9 @@ def mark(operations):
 
 @tf.RegisterGradient(NAME)
 def _grouped_conv2d_gradient(op, dy):
-    """A grouped `Conv2D`'s gradient, by its depthwise form (module docstring)."""
+    """A grouped `Conv2D`'s gradient: the input's by a grouped convolution of
+    `dy` (`input_gradient`), the kernel's by the depthwise form (module
+    docstring)."""
     x, w = op.inputs
     nchw = _attr(op, "data_format", "NHWC") == "NCHW"
     hw = (2, 3) if nchw else (1, 2)
@@ -117,7 +119,60 @@ def _grouped_conv2d_gradient(op, dy):
         explicit = explicit[:2] + explicit[4:8] + explicit[2:4]
     to_nhwc = (lambda t: tf.transpose(t, [0, 2, 3, 1])) if nchw else (lambda t: t)
     xs = to_nhwc(x)
-    y = grouped_conv2d(xs, w, [strides[i] for i in hw], _attr(op, "padding"), explicit,
-                       [dilations[i] for i in hw])
+    strides_hw, dilations_hw = [strides[i] for i in hw], [dilations[i] for i in hw]
+    y = grouped_conv2d(xs, w, strides_hw, _attr(op, "padding"), explicit, dilations_hw)
     dy_nhwc = to_nhwc(dy)
-    return tf.gradients(y, [x, w], grad_ys=dy_nhwc)
+    dx = input_gradient(dy_nhwc, w, xs.shape, strides_hw, _attr(op, "padding"), explicit,
+                        dilations_hw)
+    if dx is None:
+        return tf.gradients(y, [x, w], grad_ys=dy_nhwc)
+    dx = tf.transpose(dx, [0, 3, 1, 2]) if nchw else dx
+    return dx, tf.gradients(y, w, grad_ys=dy_nhwc)[0]
+
+
+def input_gradient(dy, w, x_shape, strides, padding, explicit=(), dilations=(1, 1)):
+    """`dL/dx [B, H, W, Cin]` of the grouped convolution of NHWC `x` by
+    `w [kh, kw, cg, Cout]`, given `dy`, as one grouped `Conv2D` forward (which
+    the CPU runs about 10x faster than the depthwise form's input gradient):
+
+        dx[i] = sum_q dyz_pad[i + q] W'[q],   W'[q, o, j*cg + c] = W[k-1-q, c, j*og + o],
+
+    per spatial axis, where `dyz` is `dy` with `s - 1` zeros between rows
+    (stride `s`) and `dyz_pad` pads it by `k - 1 - before` rows in front and
+    `H + before - 1 - (Ho - 1) s` behind (`before`: the forward's leading
+    padding). The new op carries this module's gradient (`mark`), so the
+    double backward pass works too. None (use the depthwise form) for
+    dilations, unknown spatial sizes or a negative padding."""
+    if tuple(dilations) != (1, 1) or None in tuple(x_shape[1:3]) or None in dy.shape[1:3]:
+        return None
+    (kh, kw, cg, cout), cin = w.shape.as_list(), x_shape[-1]
+    groups, og = cin // cg, cout // (cin // cg)
+    pads = []
+    for axis, k in enumerate((kh, kw)):
+        size, out, s = x_shape[1 + axis], dy.shape[1 + axis], strides[axis]
+        _, (before, _) = cg_lib.output_and_padding(size, k, s, 1, padding,
+                                                   tuple(explicit[2 + 2 * axis:4 + 2 * axis]))
+        pads.append((k - 1 - before, size + before - 1 - (out - 1) * s))
+    if min(min(p) for p in pads) < 0:
+        return None
+    dyz = _insert_zeros(dy, strides)
+    kernel = tf.reshape(tf.transpose(tf.reshape(tf.reverse(w, [0, 1]), [kh, kw, cg, groups, og]),
+                                     [0, 1, 4, 3, 2]), [kh, kw, og, cin])
+    dyz = tf.pad(dyz, [[0, 0], list(pads[0]), list(pads[1]), [0, 0]])
+    dx = tf.raw_ops.Conv2D(input=dyz, filter=kernel, strides=[1, 1, 1, 1], padding="VALID")
+    mark([dx.op])
+    return dx
+
+
+def _insert_zeros(t, strides):
+    """NHWC `t` with `s - 1` zero rows (columns) between its rows (columns)."""
+    for axis, s in ((1, strides[0]), (2, strides[1])):
+        if s == 1:
+            continue
+        shape = tf.unstack(tf.shape(t))
+        spread = tf.concat([tf.expand_dims(t, axis + 1),
+                            tf.zeros(shape[:axis + 1] + [s - 1] + shape[axis + 1:], t.dtype)],
+                           axis + 1)
+        merged = tf.reshape(spread, shape[:axis] + [shape[axis] * s] + shape[axis + 1:])
+        t = merged[:, :(t.shape[1] - 1) * s + 1] if axis == 1 else merged[:, :, :(t.shape[2] - 1) * s + 1]
+    return t

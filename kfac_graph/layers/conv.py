@@ -16,12 +16,13 @@ convolution (`spec.groups` G > 1, kernel `[kh, kw, cg, Cout]`, `cg = Cin/G`,
                                                   g_i[y, x, j*og + o]
 
 Four kernels compute `dW_i`, every one for any G (no Python loop over
-examples or groups in any of them):
+examples or groups in any of them; "taps", "gather" and "im2col" run a
+grouped convolution as an ungrouped one on `B*G` examples,
+`groups_as_examples`):
 
 * `"taps"`: for each of the kh*kw taps one batched matmul
-  `[B, Cin, T] x [B, T, Cout]` (grouped: batched over the groups too,
-  `[B, G, cg, T] x [B, G, T, og]`, `group_contract`); never builds the
-  patch matrix.
+  `[B, Cin, T] x [B, T, Cout]` (grouped: `[B*G, cg, T] x [B*G, T, og]`);
+  never builds the patch matrix.
 * `"gather"`: the patch matrix `[B, T, kh*kw*Cin]` by one gather of the
   padded input (`conv_geometry.gather_im2col`), then one batched matmul
   (grouped: over the groups too).
@@ -29,13 +30,15 @@ examples or groups in any of them):
 * `"grouped"`: folds the batch into channel groups, `[1, H, W, B*Cin]`, and
   runs the filter-gradient op `Conv2DBackpropFilter` for a B*G-group
   convolution, whose filter `[kh, kw, cg, B*Cout]` is the per-example
-  gradient. TF's CPU kernel supports this only for float32 (oneDNN), and
-  only in 2-D.
+  gradient. TF's CPU kernel supports this only for float32 (oneDNN; other
+  dtypes take "taps"), and only in 2-D.
 
-`"auto"`: for strided convolutions a patch-matrix kernel ("gather" without
-XLA, "im2col" under XLA), else "taps": a strided tap costs a reshaped slice
-while a unit-stride tap is a plain slice, so one patch matrix pays off only
-with strides; "grouped" is never picked. See README's kernel-choice table,
+`"auto"`: "grouped" for a grouped 2-D convolution without XLA (2-3x faster
+than the others there: each group's matmuls are small; XLA's CPU lowering of
+that op takes seconds); otherwise for strided convolutions a patch-matrix
+kernel ("gather" without XLA, "im2col" under XLA), else "taps": a strided
+tap costs a reshaped slice while a unit-stride tap is a plain slice, so one
+patch matrix pays off only with strides. See README's kernel-choice table,
 measured by `python benchmarks/per_example_rules.py --only layers`. A 1x1
 conv is the one-tap case: a dense layer.
 
@@ -49,6 +52,7 @@ float64, and the tap arithmetic is written once).
 """
 
 import dataclasses
+import functools
 import math
 
 import tensorflow as tf
@@ -71,51 +75,61 @@ class ConvSpec(cg.ConvAttrs):
 METHODS = ("taps", "gather", "im2col", "grouped")
 
 
-def group_contract(x, g, channels, groups):
-    """`[B, K*cg, Cout]` from `x [B, T, K*channels]` (features `(k, j, c)`,
-    `channels = G*cg`) and `g [B, T, Cout]`: group j's
-    `sum_t x[t, (k, j, c)] g[t, j*og + o]` at `[(k, c), j*og + o]`; one matmul,
-    batched over the groups when G > 1."""
-    if groups == 1:
-        return tf.matmul(x, g, transpose_a=True)
-    t, taps, cout = g.shape[1], x.shape[-1] // channels, g.shape[-1]
-    per_group, og = channels // groups, cout // groups
-    xg = tf.transpose(tf.reshape(x, [-1, t, taps, groups, per_group]), [0, 3, 1, 2, 4])
-    gg = tf.transpose(tf.reshape(g, [-1, t, groups, og]), [0, 2, 1, 3])
-    out = tf.matmul(tf.reshape(xg, [-1, groups, t, taps * per_group]), gg, transpose_a=True)
-    out = tf.transpose(tf.reshape(out, [-1, groups, taps * per_group, og]), [0, 2, 1, 3])
-    return tf.reshape(out, [-1, taps * per_group, cout])
+def groups_as_examples(kernel):
+    """`kernel` (written for an ungrouped convolution) for any G: a grouped
+    convolution runs as an ungrouped one on `B*G` examples, group j of
+    example i being example `i*G + j` with `cg` input and `og` output
+    channels; `dW[i*G + j, p, q, c, o]` goes to `dW_i[p, q, c, j*og + o]`.
+    Two transposes in and a small one out, whatever the number of taps."""
+    @functools.wraps(kernel)
+    def any_groups(a, g, geo):
+        if geo.groups == 1:
+            return kernel(a, g, geo)
+        groups, rank = geo.groups, len(geo.kernel)
+
+        def fold(t):
+            channels = t.shape[-1]
+            split = tf.reshape(t, [-1, *t.shape[1:-1], groups, channels // groups])
+            moved = tf.transpose(split, [0, rank + 1, *range(1, rank + 1), rank + 2])
+            return tf.reshape(moved, [-1, *t.shape[1:-1], channels // groups])
+
+        per_group = kernel(fold(a), fold(g), dataclasses.replace(geo, groups=1))
+        cg_, og = per_group.shape[-2], per_group.shape[-1]
+        split = tf.reshape(per_group, [-1, groups, *geo.kernel, cg_, og])
+        moved = tf.transpose(split, [0, *range(2, rank + 3), 1, rank + 3])
+        return tf.reshape(moved, [-1, *geo.kernel, cg_, groups * og])
+    return any_groups
 
 
 def _kernel_shape(a, g, geo):
-    """`[B, kh, kw, cg, Cout]` (3-D: `[B, kd, kh, kw, cg, Cout]`): the
-    per-example kernel gradients' shape."""
-    return [-1, *geo.kernel, a.shape[-1] // geo.groups, g.shape[-1]]
+    """`[B, kh, kw, Cin, Cout]` (3-D: `[B, kd, kh, kw, Cin, Cout]`): an
+    ungrouped convolution's per-example kernel gradients' shape."""
+    return [-1, *geo.kernel, a.shape[-1], g.shape[-1]]
 
 
+@groups_as_examples
 def taps_kernel_grads(a, g, geo):
     """`[B, kh, kw, cg, Cout]` by one batched contraction per tap (NHWC inputs)."""
     cin = a.shape[-1]
     g2 = tf.reshape(g, [-1, geo.positions, g.shape[-1]])
-    per_tap = [
-        group_contract(tf.reshape(v, [-1, geo.positions, cin]), g2, cin, geo.groups)
-        for v in cg.tap_views(a, geo)
-    ]
+    per_tap = [tf.matmul(tf.reshape(v, [-1, geo.positions, cin]), g2, transpose_a=True)
+               for v in cg.tap_views(a, geo)]
     stacked = per_tap[0][:, None] if len(per_tap) == 1 else tf.stack(per_tap, 1)
     return tf.reshape(stacked, _kernel_shape(a, g, geo))
 
 
 def _patch_matmul(patches, a, g, geo):
     g2 = tf.reshape(g, [-1, geo.positions, g.shape[-1]])
-    out = group_contract(patches, g2, a.shape[-1], geo.groups)
-    return tf.reshape(out, _kernel_shape(a, g, geo))
+    return tf.reshape(tf.matmul(patches, g2, transpose_a=True), _kernel_shape(a, g, geo))
 
 
+@groups_as_examples
 def gather_kernel_grads(a, g, geo):
     """`[B, kh, kw, cg, Cout]` by one contraction on the gathered patch matrix."""
     return _patch_matmul(cg.gather_im2col(a, geo), a, g, geo)
 
 
+@groups_as_examples
 def im2col_kernel_grads(a, g, geo):
     """`[B, kh, kw, cg, Cout]` by one contraction on the stacked taps."""
     return _patch_matmul(cg.im2col(a, geo), a, g, geo)
@@ -125,6 +139,8 @@ def grouped_kernel_grads(a, g, geo):
     """`[B, kh, kw, cg, Cout]` via `Conv2DBackpropFilter` of a B*G-group conv."""
     if len(geo.kernel) != 2:
         raise ValueError(f"the 'grouped' conv method is 2-D only, not {len(geo.kernel)}-D")
+    if a.dtype != tf.float32:  # TF's CPU kernel: float32 only
+        return taps_kernel_grads(a, g, geo)
     x, dy, strides, dilations, padding = cg.fold_batch_into_channels(a, g, geo)
     batch = uses_lib.batch_size(a)
     per_group, cout = a.shape[-1] // geo.groups, g.shape[-1]
@@ -158,7 +174,10 @@ class ConvRule(PatchRule):
     NAME = "conv"
 
     def auto_method(self, spec):
-        """Taps at stride 1, else a patch matrix (module docstring)."""
+        """Grouped 2-D convolutions without XLA: "grouped"; else taps at
+        stride 1, else a patch matrix (module docstring)."""
+        if spec.groups > 1 and spec.rank == 2 and not xla_lib.resolve_xla(self.xla):
+            return "grouped"
         if all(s == 1 for s in spec.strides_hw):
             return "taps"
         return "im2col" if xla_lib.resolve_xla(self.xla) else "gather"
