@@ -41,8 +41,8 @@ def _grads_through(conv, x, w, dy, v):
     return dx, dw, outer.gradient(second, w)
 
 
-@pytest.mark.parametrize("name", ["g4_stride2_valid", "channels_multiplier2_stride2",
-                                  "g2_explicit", "g2_conv1d_stride2"])
+@pytest.mark.parametrize("name", ["g2_same", "g4_stride2_valid", "channels_multiplier2_stride2",
+                                  "g2_explicit", "g2_dilation2", "g2_conv1d_stride2"])
 def test_the_imported_graphs_conv2d_gradient(name):
     """The gradient the taps mark a grouped Conv2D with (`grouped_conv_grad`),
     to first and second order, against G ungrouped convolutions; an
@@ -56,7 +56,7 @@ def test_the_imported_graphs_conv2d_gradient(name):
 
     def grouped(x, w):
         return tf.raw_ops.Conv2D(input=x, filter=w, strides=list(spec.strides),
-                                 padding=spec.padding,
+                                 padding=spec.padding, dilations=list(spec.dilations),
                                  explicit_paddings=list(spec.explicit_paddings))
 
     @tf.function
@@ -64,9 +64,11 @@ def test_the_imported_graphs_conv2d_gradient(name):
         y = grouped(x, w)
         grouped_conv_grad.mark([y.op])
         dx, dw = tf.gradients(y, [x, w], grad_ys=dy)
-        return dx, dw, tf.gradients(tf.reduce_sum(v * dx), w)[0]
+        return dx, dw, *tf.gradients(tf.reduce_sum(v * dx), [w, dy])
 
-    for got, want in zip(imported(x, w, dy, v), _grads_through(split_conv(spec), x, w, dy, v)):
+    # d/d(dy) of <v, dx>: the convolution's own forward map applied to v
+    wants = (*_grads_through(split_conv(spec), x, w, dy, v), split_conv(spec)(v, w))
+    for got, want in zip(imported(x, w, dy, v), wants):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     plain = tf.function(lambda x: tf.nn.conv2d(x, w[:, :, :1], 1, "SAME"))
     ungrouped = plain.get_concrete_function(tf.TensorSpec([1, 5, 5, 1], F64)).graph
