@@ -1,0 +1,146 @@
+"""A character-level LSTM language model trained with K-FAC, Adam and AdamW.
+
+Embedding 64 -> LSTM 256 (Keras's default ``unroll=False``: the pass unrolls
+its loop) -> Dense to the vocabulary; per-token mean cross-entropy over
+``[batch, 64]`` next-character targets; the help text of ``pydoc_data``
+(``char_text.py``), last 10% held out; batch 32, float32.
+
+Rows: ``kg.KFAC`` with its defaults; ``kg.KFAC`` with the recurrent layers'
+kernels under series blocks (``approximations={name: "series"}``, Martens,
+Ba & Johnson 2018, option 2); Adam and AdamW (weight decay 0.01) at each
+learning rate of a grid. The target is the best Adam run's held-out loss
+after ``--adam_steps`` (``lm_race.py``). The per-example gradient norms'
+cost over the batch gradient's is measured apart, side by side.
+
+    python benchmarks/recurrent_lm.py [--adam_steps 2000] [--kfac_steps 1000]
+        [--lrs 1e-3,3e-3,1e-2] [--plot docs/recurrent_lm.png]
+"""
+import time
+
+import bench_env  # noqa: F401  (first: quiet logs, the repository importable)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+import kfac_graph as kg  # noqa: E402
+import lm_race  # noqa: E402
+from char_text import CharText  # noqa: E402
+
+tf.get_logger().setLevel("ERROR")
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("adam_steps", 2000, "steps of every Adam/AdamW run")
+flags.DEFINE_integer("kfac_steps", 1000, "steps of every K-FAC run")
+flags.DEFINE_integer("seq_len", 64, "characters per window")
+flags.DEFINE_integer("batch", 32, "windows per batch")
+flags.DEFINE_integer("embed", 64, "embedding width")
+flags.DEFINE_integer("units", 256, "LSTM units")
+flags.DEFINE_list("lrs", ["1e-3", "3e-3", "1e-2"], "Adam/AdamW learning rates")
+flags.DEFINE_list("kfac", ["defaults", "series"], "K-FAC rows: defaults, series")
+flags.DEFINE_integer("eval_every", 50, "steps between held-out evaluations")
+flags.DEFINE_integer("eval_windows", 128, "held-out windows")
+flags.DEFINE_integer("norm_reps", 9, "interleaved rounds timing the norms")
+flags.DEFINE_string("plot", None, "write the held-out-loss-vs-time plot here")
+flags.DEFINE_integer("seed", 0, "seed of the weights and the batches")
+
+
+def make_model(vocab):
+    keras.utils.set_random_seed(FLAGS.seed)
+    return keras.Sequential([keras.Input((FLAGS.seq_len,), dtype="int32"),
+                             keras.layers.Embedding(vocab, FLAGS.embed),
+                             keras.layers.LSTM(FLAGS.units, return_sequences=True),
+                             keras.layers.Dense(vocab)])
+
+
+def make_loss(model):
+    def loss_fn(x, y):
+        logits = model(x, training=True)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+    return loss_fn
+
+
+def evaluator(model, held_out):
+    x, y = (tf.constant(t) for t in held_out)
+
+    @tf.function
+    def evaluate():
+        logits = model(x, training=False)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+    return evaluate
+
+
+def kfac_run(label, data, held_out, first_batch):
+    model = make_model(data.vocab_size)
+    loss_fn = kg.auto_register(make_loss(model))
+    approximations = None
+    if label == "series":  # the layers used at every time step: the LSTM's kernels
+        reg = loss_fn.registration(*first_batch)
+        approximations = {l.name: "series" for l in reg.layers
+                          if l.kind == "dense" and l.uses > 1}
+    opt = kg.KFAC(loss_fn, approximations=approximations)
+    return lm_race.Run(f"K-FAC {label}", "kfac", opt.step, evaluator(model, held_out),
+                       FLAGS.kfac_steps)
+
+
+def adam_run(family, lr, vocab, held_out):
+    model = make_model(vocab)
+    step = lm_race.keras_step(model, make_loss(model), lm_race.adam_family(family, lr, 0.01),
+                              jit_compile=True)
+    name = "AdamW" if family == "adamw" else "Adam"
+    return lm_race.Run(f"{name} lr={lr:g}", family, step, evaluator(model, held_out),
+                       FLAGS.adam_steps)
+
+
+def norms_cost(data, batch):
+    """Median seconds of kg.per_example_gradient_norms over a batch gradient's."""
+    model = make_model(data.vocab_size)
+    loss_fn = kg.auto_register(make_loss(model))
+    variables = model.trainable_variables
+
+    @tf.function
+    def batch_gradient(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(x, y)
+        return tape.gradient(loss, variables)
+
+    fns = {"batch": batch_gradient,
+           "norms": tf.function(lambda x, y: kg.per_example_gradient_norms(loss_fn, x, y))}
+    times = {k: [] for k in fns}
+    for f in fns.values():
+        f(*batch), f(*batch)
+    for _ in range(FLAGS.norm_reps):
+        for k, f in fns.items():
+            start = time.perf_counter()
+            tf.nest.map_structure(np.asarray, f(*batch))
+            times[k].append(time.perf_counter() - start)
+    return np.median(times["norms"]) / np.median(times["batch"])
+
+
+def main(argv):
+    del argv
+    data = CharText(FLAGS.seq_len)
+    steps = max(FLAGS.adam_steps, FLAGS.kfac_steps)
+    batches = [tuple(tf.constant(t) for t in b)
+               for b in data.batches(steps, FLAGS.batch, FLAGS.seed)]
+    held_out = data.held_out_windows(FLAGS.eval_windows)
+    runs = [kfac_run(label, data, held_out, batches[0]) for label in FLAGS.kfac]
+    runs += [adam_run(family, float(lr), data.vocab_size, held_out)
+             for family in ("adam", "adamw") for lr in FLAGS.lrs]
+    start = time.perf_counter()
+    lm_race.race(runs, batches, FLAGS.eval_every)
+    rows, _, _ = lm_race.table(runs)
+    ratio = norms_cost(data, batches[0])
+    print(f"\nLSTM LM: embedding {FLAGS.embed}, LSTM {FLAGS.units}, vocabulary "
+          f"{data.vocab_size}, batch {FLAGS.batch} x {FLAGS.seq_len} characters; "
+          f"{len(data.train):,} training / {len(data.test):,} held-out characters\n")
+    print(rows)
+    print(f"\nper-example gradient norms / batch gradient: {ratio:.2f}")
+    print(f"total wall time {time.perf_counter() - start:.0f} s")
+    if FLAGS.plot:
+        lm_race.plot(runs, FLAGS.plot, "LSTM character LM on pydoc_data.topics")
+
+
+if __name__ == "__main__":
+    app.run(main)
