@@ -83,13 +83,37 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
         placeholders[internal.op.name] = key
     n_args = len(graph.inputs) - len(graph.captures)
     arguments = tuple(t.op.name for t in graph.inputs[:n_args])
-    graph_def, renames = inline.inline_calls(graph.as_graph_def())
+    graph_def = freeze_captured_constants(graph.as_graph_def(), graph.captures)
+    graph_def, renames = inline.inline_calls(graph_def)
     if source is None:
         callbacks.check_live_callbacks(graph_def, name, graph)
     else:
         callbacks.refuse_callbacks(graph_def, name, source)
     return Traced(graph_def, arguments, inline.follow(renames, loss.name),
                   infos, placeholders, objects, name)
+
+
+def freeze_captured_constants(graph_def, captures):
+    """``graph_def`` with the placeholder of every captured eager tensor (a
+    constant the function closes over: ``tf.function`` captures one with more
+    than a few elements by reference, and a Keras functional model holds
+    what it computed at construction that way) turned into a ``Const`` node
+    holding its value, so the graph runs on its own once re-imported.
+    Captured variables stay placeholders (the runtime maps them)."""
+    values = {internal.op.name: external for external, internal in captures
+              if internal.dtype != tf.resource and hasattr(external, "numpy")}
+    if not values:
+        return graph_def
+    frozen = type(graph_def)()
+    frozen.CopyFrom(graph_def)
+    for node in frozen.node:
+        if node.name in values and node.op == "Placeholder":
+            value = values[node.name].numpy()
+            node.op = "Const"
+            node.ClearField("attr")
+            node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
+            node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
+    return frozen
 
 
 def read_saved_model(path: str):
