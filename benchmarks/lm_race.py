@@ -53,6 +53,12 @@ class Run:
         """Training seconds after step ``i``, the first step excluded."""
         return float(np.sum(self.times[1:i]))
 
+    def loss_at_seconds(self, seconds):
+        """The held-out loss of the last evaluation within ``seconds`` of training."""
+        within = [loss for i, loss in zip(self.eval_steps, self.eval_losses)
+                  if self.seconds_after(i) <= seconds]
+        return within[-1] if within else float("nan")
+
     def reached(self, target):
         """(step, seconds) of the first evaluation at or below ``target``, or None."""
         for i, loss in zip(self.eval_steps, self.eval_losses):
@@ -93,26 +99,45 @@ def race(runs, batches, eval_every, log_every=500):
 
 
 def table(runs, reference_families=("adam",)):
-    """Markdown rows; the target is the best ``reference_families`` run's final loss."""
+    """Markdown rows; the target is the best ``reference_families`` run's
+    final held-out loss, and every run's loss after as many training seconds
+    as that run took is shown beside its own final loss."""
     refs = [r for r in runs if r.family in reference_families and not r.failed]
     best = min(refs, key=lambda r: r.eval_losses[-1])
-    target = best.eval_losses[-1]
-    adam_step = np.median(best.times[1:])
+    target, budget = best.eval_losses[-1], best.seconds_after(best.eval_steps[-1])
+    ref_step = np.median(best.times[1:])
     lines = [f"target: {best.label}'s held-out loss after {best.eval_steps[-1]} steps, "
-             f"{target:.4f}\n",
-             "| run | steps to target | seconds to target | first step s | step / Adam's "
-             "| final held-out loss (step) |",
-             "|---|---:|---:|---:|---:|---:|"]
+             f"{target:.4f} ({budget:.0f} s of training)\n",
+             f"| run | steps to target | seconds to target | first step s | step / {best.label}'s "
+             f"| loss after {budget:.0f} s | final held-out loss (step) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         if r.failed:
-            lines.append(f"| {r.label} | failed at step {r.failed[0]}: {r.failed[1]} | | | | |")
+            lines.append(f"| {r.label} | failed at step {r.failed[0]}: {r.failed[1]} "
+                         "| | | | | |")
             continue
         hit = r.reached(target)
         steps, secs = (str(hit[0]), f"{hit[1]:.0f}") if hit else ("not reached", "-")
         lines.append(f"| {r.label} | {steps} | {secs} | {r.first_step:.1f} | "
-                     f"{np.median(r.times[1:]) / adam_step:.2f} | "
+                     f"{np.median(r.times[1:]) / ref_step:.2f} | "
+                     f"{r.loss_at_seconds(budget):.4f} | "
                      f"{r.eval_losses[-1]:.4f} ({r.eval_steps[-1]}) |")
     return "\n".join(lines), best, target
+
+
+def median_ratio(fns, args, reps):
+    """``fns`` = {"batch": f, other: g}: median seconds of ``g(*args)`` over
+    ``f(*args)``'s, timed interleaved after two warm calls."""
+    times = {k: [] for k in fns}
+    for f in fns.values():
+        f(*args), f(*args)
+    for _ in range(reps):
+        for k, f in fns.items():
+            start = time.perf_counter()
+            tf.nest.map_structure(np.asarray, f(*args))
+            times[k].append(time.perf_counter() - start)
+    other = next(k for k in fns if k != "batch")
+    return float(np.median(times[other]) / np.median(times["batch"]))
 
 
 def plot(runs, path, title):

@@ -20,7 +20,6 @@ import time
 import bench_env  # noqa: F401  (first: quiet logs, the repository importable)
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
@@ -107,15 +106,7 @@ def norms_cost(data, batch):
 
     fns = {"batch": batch_gradient,
            "norms": tf.function(lambda x, y: kg.per_example_gradient_norms(loss_fn, x, y))}
-    times = {k: [] for k in fns}
-    for f in fns.values():
-        f(*batch), f(*batch)
-    for _ in range(FLAGS.norm_reps):
-        for k, f in fns.items():
-            start = time.perf_counter()
-            tf.nest.map_structure(np.asarray, f(*batch))
-            times[k].append(time.perf_counter() - start)
-    return np.median(times["norms"]) / np.median(times["batch"])
+    return lm_race.median_ratio(fns, batch, FLAGS.norm_reps)
 
 
 def main(argv):
@@ -130,7 +121,7 @@ def main(argv):
              for family in ("adam", "adamw") for lr in FLAGS.lrs]
     start = time.perf_counter()
     lm_race.race(runs, batches, FLAGS.eval_every)
-    rows, _, _ = lm_race.table(runs)
+    rows, _, _ = lm_race.table(runs, reference_families=("adam",))
     ratio = norms_cost(data, batches[0])
     print(f"\nLSTM LM: embedding {FLAGS.embed}, LSTM {FLAGS.units}, vocabulary "
           f"{data.vocab_size}, batch {FLAGS.batch} x {FLAGS.seq_len} characters; "
