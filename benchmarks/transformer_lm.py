@@ -64,13 +64,24 @@ class TiedHead(keras.layers.Layer):
         return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
 
 
+class AddPositions(keras.layers.Layer):
+    """``h + P[arange(T)]``: a learned position embedding (looked up inside
+    the call, so that the model's graph reads the table)."""
+
+    def __init__(self, length, width, **kwargs):
+        super().__init__(**kwargs)
+        self.table = keras.layers.Embedding(length, width)
+
+    def call(self, h):
+        return h + self.table(keras.ops.arange(keras.ops.shape(h)[1]))
+
+
 def make_model(vocab):
     keras.utils.set_random_seed(FLAGS.seed)
     L, d, T = keras.layers, FLAGS.width, FLAGS.seq_len
     ids = keras.Input((T,), dtype="int32")
     tokens = L.Embedding(vocab, d)
-    positions = L.Embedding(T, d)
-    h = tokens(ids) + positions(keras.ops.arange(T))[None]
+    h = AddPositions(T, d)(tokens(ids))
     for _ in range(FLAGS.blocks):
         a = L.LayerNormalization()(h)
         h = h + L.MultiHeadAttention(FLAGS.heads, d // FLAGS.heads)(a, a, use_causal_mask=True)
