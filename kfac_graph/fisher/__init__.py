@@ -22,10 +22,13 @@ from kfac_graph.fisher.blocks_kron import (
     KroneckerBlock,
     GroupedKroneckerBlock,
     FullyConnectedKroneckerBlock,
+    FullyConnectedKroneckerReduceBlock,
     FullyConnectedMultiIndepBlock,
     ConvKroneckerBlock,
+    ConvKroneckerReduceBlock,
     ConvMultiIndepBlock,
     DepthwiseConvKroneckerBlock,
+    DepthwiseConvKroneckerReduceBlock,
     EmbeddingKroneckerBlock,
 )
 from kfac_graph.fisher.blocks_series import FullyConnectedSeriesBlock

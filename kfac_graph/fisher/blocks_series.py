@@ -114,6 +114,9 @@ class FullyConnectedSeriesBlock(blocks_kron.FullyConnectedKroneckerBlock):
         self.inverse_damping = tf.Variable(tf.constant(-1.0, self.dtype), trainable=False,
                                            name="inverse_damping")
 
+    def inverse_variables(self):
+        return tuple(self.input_quants) + tuple(self.output_quants) + (self.inverse_damping,)
+
     def inverse_updates(self, damping=None):
         a0, g0 = self._damped_c0(damping)
         a1 = self.input_factor.lag_one_value()

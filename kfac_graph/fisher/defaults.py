@@ -16,6 +16,10 @@ default alias; today's defaults:
                                      diagonal above
   embedding                        -> EmbeddingKroneckerBlock
   generic                          -> NaiveDiagonalBlock (per-example grads)
+
+Layers at several positions "expand" by default (`positions.py`); dense,
+conv and depthwise kinds also allow "kron_reduce" (K-FAC-reduce). Expand
+stays the default until a benchmark says otherwise.
 """
 
 import types
@@ -46,6 +50,8 @@ BLOCK_FACTORIES = types.MappingProxyType({
     f.__name__: f for f in (
         blocks_kron.FullyConnectedKroneckerBlock, blocks_kron.ConvKroneckerBlock,
         blocks_kron.DepthwiseConvKroneckerBlock, blocks_kron.EmbeddingKroneckerBlock,
+        blocks_kron.FullyConnectedKroneckerReduceBlock, blocks_kron.ConvKroneckerReduceBlock,
+        blocks_kron.DepthwiseConvKroneckerReduceBlock,
         blocks_series.FullyConnectedSeriesBlock, blocks_full.FullyConnectedDiagonalBlock,
         blocks_full.ConvDiagonalBlock, blocks_full.DepthwiseConvDiagonalBlock,
         blocks_full.ScaleAndShiftFullBlock, blocks_full.ScaleAndShiftDiagonalBlock,
