@@ -26,7 +26,7 @@ several positions per example, ``"kron_reduce"`` (K-FAC-reduce:
 ``max_factor_size`` (the estimator's option, default
 ``DEFAULT_MAX_FACTOR_SIZE``) goes to every factory that takes it (each
 block class does): a Kronecker factor wider than it keeps only its
-diagonal. ``factor_layout(block)`` says which factors did.
+diagonal; the estimator's ``summary()`` (``report.py``) says which did.
 
 Layouts the blocks do not assume, adapted here so that every block's
 vectors and ``full_matrix`` follow the variables' own row-major layout:
@@ -47,13 +47,12 @@ vectors and ``full_matrix`` follow the variables' own row-major layout:
 """
 from __future__ import annotations
 
+import inspect
 import types
 
 from absl import logging
 
 from kfac_graph import layers
-import inspect
-
 from kfac_graph.fisher import blocks_base, blocks_full, defaults
 from kfac_graph.fisher.blocks_compose import TransposedKernelBlock
 

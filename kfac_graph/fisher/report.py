@@ -112,8 +112,8 @@ def _block_name(block):
 
 
 def _factor_text(factor):
-    groups = f"{factor['groups']}x" if factor["groups"] else ""
-    return f"{factor['label']} {groups}{factor['dim']} {factor['layout']}"
+    groups = f" (x{factor['groups']})" if factor["groups"] else ""
+    return f"{factor['label']} {factor['dim']}{groups} {factor['layout']}"
 
 
 def human_bytes(n) -> str:

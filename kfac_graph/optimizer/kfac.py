@@ -387,4 +387,3 @@ class KFAC(tf.Module):
                     trace = linalg.trace(factor.value(), factor.diagonal)
                     tf.summary.scalar(f"factors/{layer.name}/{label}_trace",
                                       tf.reduce_sum(trace))
-
