@@ -109,12 +109,16 @@ def _sequence_model(rng, projection, t=3, d=4, k=3):
     if projection == "dense":
         layer = keras.layers.Dense(2)
         project = lambda x: tf.einsum("btd,de->bte", x, layer.kernel) + layer.bias  # noqa
+    elif projection == "transposed":  # a kernel stored [d_out, d_in]
+        w, b = tf.Variable(rng.normal(size=(2, d))), tf.Variable(rng.normal(size=2))
+        project = lambda x: tf.matmul(x, w, transpose_b=True) + b  # noqa
+        layer = project
     else:
         layer = keras.layers.EinsumDense("btd,dhk->bthk", output_shape=(t, 2, 2), bias_axes="hk")
         project = lambda x: tf.einsum("btd,dhk->bthk", x, layer.kernel) + layer.bias  # noqa
     x = tf.constant(rng.normal(size=(5, t, d)))
     y = tf.constant(rng.integers(0, k, size=5))
-    layer(x), head(tf.reshape(layer(x), [5, -1]))  # builds the variables
+    head(tf.reshape(layer(x), [5, -1]))  # builds the variables
 
     def rest(s):
         return head(tf.reshape(tf.tanh(s), [s.shape[0], -1]))
@@ -130,7 +134,7 @@ def _sequence_model(rng, projection, t=3, d=4, k=3):
     return loss_fn, reference, x, y
 
 
-@pytest.mark.parametrize("projection", ["dense", "einsum"])
+@pytest.mark.parametrize("projection", ["dense", "einsum", "transposed"])
 def test_estimator_expand_and_reduce_against_definitions(projection):
     rng = np.random.default_rng(4)
     loss_fn, reference, x, y = _sequence_model(rng, projection)
@@ -148,6 +152,9 @@ def test_estimator_expand_and_reduce_against_definitions(projection):
         est.update(x, y)
         want_a, want_g = factors(a, [g])
         block = est.blocks[0]
+        if projection == "transposed":  # the block inside, on [d_in, d_out]
+            assert isinstance(block, fisher.TransposedKernelBlock)
+            block = block.block
         np.testing.assert_allclose(block.full_matrix(), replicas * np.kron(want_a, want_g),
                                    rtol=1e-6, atol=1e-12)
         assert est.memory()["layers"][0]["positions"] == positions.split("_")[1]
