@@ -5,7 +5,7 @@ Approximate Curvature for Modern Neural Network Architectures").
 A layer whose weights example b applies at R_b = sum_u T_u positions (the
 middle axes of a dense layer's input `[B, ..., d_in]`, a convolution's
 output locations, and every use of the weights) has, per example, the
-gradient sum_r abar_{b,r} g_{b,r}^T.  With `a` the input rows (plus the
+gradient sum_r a_{b,r} g_{b,r}^T.  With `a` the input rows (plus the
 homogeneous 1 when there is a bias) and `g` the output-gradient rows:
 
 - "expand" treats every position as another example:
@@ -13,9 +13,9 @@ homogeneous 1 when there is a bias) and `g` the output-gradient rows:
       A = (1/(B R)) sum_{b,r} a_{b,r} a_{b,r}^T,
       G = (1/(B R)) sum_{b,r} g_{b,r} g_{b,r}^T,    F ~= R (A (x) G),
 
-  the paper's K-FAC-expand (its Fisher is a sum over the N = B examples;
-  ours is their mean, so both factors of the paper's are divided by B
-  here), and today's KFC for convolutions;
+  the paper's K-FAC-expand, `[1/(N R) sum a a^T] (x) [sum g g^T]`, divided
+  by N (its Fisher is a sum over the N = B examples, ours their mean), and
+  the KFC of Grosse & Martens for convolutions;
 
 - "reduce" averages the inputs and sums the output gradients over the
   positions of one example before the outer products:
@@ -28,11 +28,13 @@ homogeneous 1 when there is a bias) and `g` the output-gradient rows:
   [sum_n ghat_n ghat_n^T]` with `ahat, ghat` the sums over positions,
   divided by N.  The homogeneous coordinate averages to 1.
 
-With one position (R = 1) the two are the same.  "reduce" is exact where
-the inputs do not vary over the positions of an example (a_{b,r} = a_b) and
-the batch is one example; "expand" where the output gradients of distinct
-positions are uncorrelated and positions are exchangeable (the paper's
-"expand setting").  Output-gradient sources (samples, Fisher-square-root
+With one position (R = 1) the two are the same.  For one example whose
+inputs do not vary over its positions (a_{b,r} = a_b) its gradient is
+abar_b gsum_b^T and "reduce" is its exact Fisher.  "expand" drops the
+cross terms between positions, which suits positions that act as examples
+of their own (a per-token loss, the paper's "expand setting"); "reduce"
+keeps them summed, which suits a model that pools over positions (its
+"reduce setting").  Output-gradient sources (samples, Fisher-square-root
 columns) are reduced one by one and then add up, as in expand.
 
 The rows of every kind (`kfac_graph.layers`: `input_rows`, `output_rows`)
