@@ -9,6 +9,8 @@ of the forward pass; the factors are built from them in numpy:
     reduce: A = (1/B) sum_b abar abar^T (abar: the mean of [a, 1] over t),
             G = (1/B) sum_b gsum gsum^T (gsum: the sum of g over t), F = A (x) G.
 """
+import hypothesis
+from hypothesis import strategies as st
 import keras
 import numpy as np
 import pytest
@@ -96,6 +98,38 @@ def test_depthwise_reduce_block_against_hand_patches():
         want_a, want_g = _reduce_factors(homog(patches), [g.reshape(2, 9, 3, 2)[:, :, c]])
         np.testing.assert_allclose(block.input_factor.value()[c], want_a, atol=1e-12)
         np.testing.assert_allclose(block.output_factor.value()[c], want_g, atol=1e-12)
+
+
+@hypothesis.settings(max_examples=15, deadline=None, database=None)
+@hypothesis.given(batch=st.integers(1, 4), d_in=st.integers(1, 4), d_out=st.integers(1, 3),
+                  bias=st.booleans(), uses=st.integers(1, 3), sources=st.integers(1, 3),
+                  seed=st.integers(0, 2 ** 16))
+def test_reduce_equals_expand_with_one_position_per_use_property(batch, d_in, d_out, bias,
+                                                                 uses, sources, seed):
+    """One position per use and one use: the same block; U uses of one
+    position each: reduce's A is the outer product of the uses' mean, expand's
+    the mean of the outer products (their difference is the uses' covariance)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(d_in, d_out)] + [(d_out,)] * bias
+    data = [(rng.normal(size=(batch, 1, d_in)),
+             [rng.normal(size=(batch, 1, d_out)) for _ in range(sources)]) for _ in range(uses)]
+    tensors = [(tf.constant(a), [tf.constant(g) for g in gs]) for a, gs in data]
+    expand = fisher.FullyConnectedKroneckerBlock(shapes, num_uses=uses, **KW)
+    reduce = fisher.FullyConnectedKroneckerReduceBlock(shapes, num_uses=uses, **KW)
+    expand.update(tensors)
+    reduce.update(tensors)
+    a = np.concatenate([a for a, _ in data], axis=1)  # [B, U, d_in]: uses as positions
+    a = homog(a) if bias else a
+    gs = [np.concatenate([gs[s] for _, gs in data], axis=1) for s in range(sources)]
+    want_a, want_g = _reduce_factors(a, gs)
+    np.testing.assert_allclose(reduce.full_matrix(), np.kron(want_a, want_g), atol=1e-12)
+    if uses == 1:
+        np.testing.assert_allclose(reduce.full_matrix(), expand.full_matrix(), atol=1e-12)
+        reduce.update_inverses()
+        expand.update_inverses()
+        vs = [tf.constant(rng.normal(size=s)) for s in shapes]
+        for got, want in zip(reduce.multiply_inverse(vs), expand.multiply_inverse(vs)):
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
 # --- through the estimator: Dense and EinsumDense on [B, T, d] ----------------------------
