@@ -288,3 +288,27 @@ def test_kfac_trains_with_expand_and_reduce(choice):
     assert np.all(np.isfinite(losses))
     assert losses[-1] < 0.6 * losses[0]
     assert {r["positions"] for r in opt.memory()["layers"]} == {choice.split("_")[1]}
+
+
+def test_reduce_by_layer_name_leaves_the_other_layers_expanded():
+    _float64()
+    rng = np.random.default_rng(8)
+    first, second, head = keras.layers.Dense(3), keras.layers.Dense(3), keras.layers.Dense(2)
+    x = tf.constant(rng.normal(size=(4, 5, 2)))
+    y = tf.constant(rng.integers(0, 2, size=4))
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = tf.tanh(second(tf.tanh(first(x))))
+        logits = head(tf.reduce_mean(h, axis=1))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    names = [layer.name for layer in loss_fn.registration(x, y).layers]
+    est = kg.FisherEstimator(loss_fn, approximations={names[1]: "kron_reduce"})
+    est.update(x, y)
+    assert [type(b).__name__ for b in est.blocks] == [
+        "FullyConnectedKroneckerBlock", "FullyConnectedKroneckerReduceBlock",
+        "FullyConnectedKroneckerBlock"]
+    assert [float(b.replicas) for b in est.blocks] == [5.0, 1.0, 1.0]
+    rows = est.summary().splitlines()
+    assert " reduce " in rows[3] and " expand " in rows[2] and " expand " in rows[4]
