@@ -22,14 +22,16 @@ from kfac_graph.fisher.blocks_kron import (
     KroneckerBlock,
     GroupedKroneckerBlock,
     FullyConnectedKroneckerBlock,
-    FullyConnectedKroneckerReduceBlock,
     FullyConnectedMultiIndepBlock,
     ConvKroneckerBlock,
-    ConvKroneckerReduceBlock,
     ConvMultiIndepBlock,
     DepthwiseConvKroneckerBlock,
-    DepthwiseConvKroneckerReduceBlock,
     EmbeddingKroneckerBlock,
+)
+from kfac_graph.fisher.blocks_reduce import (
+    FullyConnectedKroneckerReduceBlock,
+    ConvKroneckerReduceBlock,
+    DepthwiseConvKroneckerReduceBlock,
 )
 from kfac_graph.fisher.blocks_series import FullyConnectedSeriesBlock
 from kfac_graph.fisher.blocks_compose import PartsBlock, TransposedKernelBlock

@@ -48,10 +48,8 @@ Embedding tables `[V, D]`: A is diagonal (id frequencies), so
 F ~= R diag(A) (x) G; exact for one example with one lookup.
 
 Positions (`positions.py`): the blocks above "expand" (every position and
-use another example, R = T U). The `...ReduceBlock`s of dense, conv and
-depthwise layers "reduce" instead: one input row per example (the mean over
-its positions and uses), one output-gradient row (the sum), and R = 1, so
-the damping is not divided by positions either.
+use another example, R = T U); their `positions = "reduce"` subclasses
+(`blocks_reduce.py`) "reduce" instead.
 
 Wide factors: a factor wider than the block's `max_factor_size` keeps only
 its diagonal (`factor.wide`), e.g. the `50k x 50k` output factor of a
@@ -269,14 +267,6 @@ class FullyConnectedKroneckerBlock(KroneckerBlock):
         self._init_kron()
 
 
-class FullyConnectedKroneckerReduceBlock(FullyConnectedKroneckerBlock):
-    """K-FAC-reduce for a dense layer at several positions (`positions.py`):
-    A from the per-example mean of [a, 1], G from the per-example sum of g,
-    F ~= A (x) G."""
-
-    positions = positions_lib.REDUCE
-
-
 class FullyConnectedMultiIndepBlock(FullyConnectedKroneckerBlock):
     """A dense layer used U times, uses independent: U (A (x) G), l' = l / U,
     with A, G averaged over the uses (and positions)."""
@@ -347,14 +337,6 @@ class ConvKroneckerBlock(GroupedKroneckerBlock):
         self._init_kron()
 
 
-class ConvKroneckerReduceBlock(ConvKroneckerBlock):
-    """K-FAC-reduce for a convolution: A from each example's mean patch (over
-    its output locations, and uses), G from its summed output gradient,
-    F ~= A (x) G (grouped: per group)."""
-
-    positions = positions_lib.REDUCE
-
-
 class ConvMultiIndepBlock(ConvKroneckerBlock):
     """A Conv2D used U times, uses independent: T U (A (x) G), l' = l / (T U)."""
 
@@ -389,10 +371,3 @@ class DepthwiseConvKroneckerBlock(GroupedKroneckerBlock):
         self.output_factor = factors_kron.depthwise_output_factor(self.spec,
                                                                   **options("output_factor"))
         self._init_kron()
-
-
-class DepthwiseConvKroneckerReduceBlock(DepthwiseConvKroneckerBlock):
-    """K-FAC-reduce per channel of a depthwise convolution (see
-    `ConvKroneckerReduceBlock`)."""
-
-    positions = positions_lib.REDUCE
