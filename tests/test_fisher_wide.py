@@ -164,3 +164,11 @@ def test_bad_budget_is_one_line(bad):
 def test_default_budget():
     est = kg.FisherEstimator(lambda x: x)
     assert est.max_factor_size == 4096 == kg.FisherEstimator.DEFAULT_MAX_FACTOR_SIZE
+
+
+def test_series_block_over_budget_is_one_line():
+    with pytest.raises(ValueError, match=r"^block_0_rnn: the series block needs full factors, "
+                                         r"and one of width 6 exceeds max_factor_size \(4\)$"):
+        fisher.FullyConnectedSeriesBlock([(5, 3), (3,)], max_factor_size=4, name="block_0_rnn")
+    block = fisher.FullyConnectedSeriesBlock([(5, 3), (3,)], max_factor_size=6)
+    assert not block.input_factor.diagonal
