@@ -8,6 +8,10 @@ def test_the_main_sample_is_what_python_m_kfac_graph_prints():
     assert readme_samples.check(["main"]) == {}
 
 
+def test_the_memory_sample_is_what_the_estimator_summary_prints():
+    assert readme_samples.check(["memory"]) == {}
+
+
 @pytest.mark.slow
 def test_the_verify_sample_is_what_kg_verify_prints():
     assert readme_samples.check(["verify"]) == {}

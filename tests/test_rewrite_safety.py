@@ -244,6 +244,7 @@ FLAG_CASES = [
     (["--damping", "1e-3", "--min_damping", "1e-2"],
      "--min_damping must be at most --damping (0.001), got 0.01"),
     (["--seed", "x"], "--seed must be an integer, got 'x'"),
+    (["--max_factor_size", "-2"], "--max_factor_size must be an integer >= 1, or None, got -2"),
 ]
 
 
@@ -258,7 +259,8 @@ def test_bad_kfac_flags(models, tmp_path, capsys, no_work, flags, message):
 def test_good_flags_reach_the_optimizer(models, tmp_path):
     assert rewrite("--input", models / "clean", "--function", "loss", "--output",
                    tmp_path / "out", "--damping", "0", "--norm_constraint", "0",
-                   "--momentum_type", "regular", "--inverse_update_period", "3") == 0
+                   "--momentum_type", "regular", "--inverse_update_period", "3",
+                   "--max_factor_size", "0") == 0
     trained = tf.saved_model.load(str(tmp_path / "out"))
     assert float(trained.kfac.damping.numpy()) == 0.0
 

@@ -51,6 +51,8 @@ KFAC_FLAGS = (
     ("min_damping", "float", "Lower bound on the adapted damping."),
     ("qmodel_curvature", ("exact", "kfac"), "The quadratic model's curvature."),
     ("seed", "integer", "Seed of the sampled targets."),
+    ("max_factor_size", "integer",
+     "Kronecker factors wider than this keep their diagonal (default 4096); 0 turns it off."),
     ("jit_compile", ("true", "false", "auto"),
      "XLA-compile the whole step (the preconditioning is compiled in every case)."),
 )
@@ -88,8 +90,9 @@ def kfac_options(fv: flags.FlagValues) -> dict:
     """The K-FAC flags that were set, as ``kg.KFAC`` keyword arguments
     (unchecked: ``checked_kfac_options``)."""
     options = {name: fv[name].value for name, _, _ in KFAC_FLAGS if fv[name].value is not None}
-    if options.get("norm_constraint") == 0:
-        options["norm_constraint"] = None
+    for name in ("norm_constraint", "max_factor_size"):
+        if options.get(name) == 0:
+            options[name] = None
     if "jit_compile" in options:
         options["jit_compile"] = {"true": True, "false": False}.get(options["jit_compile"], "auto")
     return options

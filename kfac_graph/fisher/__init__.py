@@ -28,6 +28,11 @@ from kfac_graph.fisher.blocks_kron import (
     DepthwiseConvKroneckerBlock,
     EmbeddingKroneckerBlock,
 )
+from kfac_graph.fisher.blocks_reduce import (
+    FullyConnectedKroneckerReduceBlock,
+    ConvKroneckerReduceBlock,
+    DepthwiseConvKroneckerReduceBlock,
+)
 from kfac_graph.fisher.blocks_series import FullyConnectedSeriesBlock
 from kfac_graph.fisher.blocks_compose import PartsBlock, TransposedKernelBlock
 from kfac_graph.fisher.blocks_conv_transpose import (

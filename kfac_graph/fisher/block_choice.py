@@ -15,8 +15,18 @@ one of the aliases its kind's record allows (``LayerKind.blocks``); today:
     embedding         EmbeddingKronecker       NaiveDiagonal           NaiveFull
     generic           -                        NaiveDiagonal           NaiveFull
 
-plus ``"series"`` (dense: ``FullyConnectedSeriesBlock``, option 2) and
-``"auto"`` (scale_and_shift: full up to 1024 parameters, else diagonal).
+plus ``"series"`` (dense: ``FullyConnectedSeriesBlock``, option 2),
+``"auto"`` (scale_and_shift: full up to 1024 parameters, else diagonal),
+and, for dense, conv2d, conv3d and depthwise_conv2d layers applied at
+several positions per example, ``"kron_reduce"`` (K-FAC-reduce:
+``FullyConnectedKroneckerReduceBlock``, ``ConvKroneckerReduceBlock``,
+``DepthwiseConvKroneckerReduceBlock``; ``positions.py``) beside
+``"kron_expand"``, the same as ``"kron"`` (the default).
+
+``max_factor_size`` (the estimator's option, default
+``DEFAULT_MAX_FACTOR_SIZE``) goes to every factory that takes it (each
+block class does): a Kronecker factor wider than it keeps only its
+diagonal; the estimator's ``summary()`` (``report.py``) says which did.
 
 Layouts the blocks do not assume, adapted here so that every block's
 vectors and ``full_matrix`` follow the variables' own row-major layout:
@@ -37,6 +47,7 @@ vectors and ``full_matrix`` follow the variables' own row-major layout:
 """
 from __future__ import annotations
 
+import inspect
 import types
 
 from absl import logging
@@ -48,6 +59,7 @@ from kfac_graph.fisher.blocks_compose import TransposedKernelBlock
 ALIASES = types.MappingProxyType({kind: types.MappingProxyType(defaults.kind_blocks(kind))
                                    for kind in layers.KINDS})
 PER_EXAMPLE = "per_example_gradients"
+DEFAULT_MAX_FACTOR_SIZE = 4096
 
 
 def kernel_orientation(layer) -> str:
@@ -78,10 +90,23 @@ def block_stats(block) -> str:
     return getattr(block, "stats", "activations")
 
 
-def make_layer_block(layer, approximations=None, **options) -> blocks_base.FisherBlock:
+def _takes(factory, option) -> bool:
+    """Whether ``factory`` accepts the keyword ``option`` (or any keyword)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == option or p.kind == p.VAR_KEYWORD for p in params)
+
+
+def make_layer_block(layer, approximations=None, max_factor_size=None,
+                     **options) -> blocks_base.FisherBlock:
     """The block for ``layer``; ``options`` go to the factory (damping,
-    ema_decay, dtype, name)."""
+    ema_decay, dtype, name), and ``max_factor_size`` too if it takes it."""
     factory = resolve_factory(layer, approximations)
+    if max_factor_size is not None and _takes(factory or defaults.block_factory(layer.kind),
+                                              "max_factor_size"):
+        options["max_factor_size"] = max_factor_size
     overrides = {layer.kind: factory} if factory is not None else None
     shapes = [tuple(int(d) for d in v.shape) for v in layer.variables]
     attrs = dict(layer.attrs)

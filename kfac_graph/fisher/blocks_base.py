@@ -37,6 +37,8 @@ zero-argument callable, read on every call).
   inverse_updates(damping)     ... as [(variable, value)], without storing them.
   inverses_stale(damping)      whether the caches were made for another damping
                                (Kronecker blocks cache damped inverses).
+  inverse_variables()          the variables those caches live in (the rest of
+                               the block's variables hold its statistics).
 Unsupported methods raise NotImplementedError naming block and method.
 
 Full and diagonal blocks damp as `F + l I`.
@@ -70,12 +72,15 @@ class FisherBlock(tf.Module):
         damping=1e-3,
         ema_decay=0.95,
         dtype=tf.float32,
+        max_factor_size=None,
         name=None,
     ):
         """var_shapes: the layer's variables (or their shapes), in layer order;
         attrs: the op's attributes (conv geometry), unused by most blocks;
         num_uses: `Layer.uses`, kept for reference (the replica count R and the
         series length T are read from the data at each update);
+        max_factor_size: Kronecker blocks keep a factor wider than this as its
+        diagonal (None: every factor full); other blocks ignore it;
         name: any string (characters other than [A-Za-z0-9_] become "_")."""
         name = re.sub(r"\W", "_", name or type(self).__name__)
         if not name[0].isalpha():
@@ -88,6 +93,7 @@ class FisherBlock(tf.Module):
         self.ema_decay = ema_decay
         self.dtype = tf.as_dtype(dtype)
         self._damping_source = damping
+        self.max_factor_size = None if max_factor_size is None else int(max_factor_size)
 
     # -- helpers -------------------------------------------------------------
     def damping(self, value=None):
@@ -156,6 +162,12 @@ class FisherBlock(tf.Module):
     def full_matrix(self):
         self._unsupported("full_matrix")
 
+    def inverse_variables(self) -> tuple:
+        """The variables holding cached inverses / decompositions (what
+        ``update_inverses`` writes); every other variable of the block holds
+        statistics. Blocks that cache nothing return ()."""
+        return ()
+
 
 class FullBlock(FisherBlock):
     """A block held as one dense `[n, n]` factor (`self.factor`), damped `+ l I`."""
@@ -167,6 +179,9 @@ class FullBlock(FisherBlock):
 
     def inverse_updates(self, damping=None):
         return self.cache.updates(self.factor.value())
+
+    def inverse_variables(self):
+        return tuple(self.cache.variables)
 
     def full_matrix(self):
         return self.factor.value()
@@ -203,6 +218,9 @@ class DiagonalBlock(FisherBlock):
 
     def inverse_updates(self, damping=None):
         return self.cache.updates(self.factor.value())
+
+    def inverse_variables(self):
+        return tuple(self.cache.variables)
 
     def full_matrix(self):
         return tf.linalg.diag(self.factor.value())

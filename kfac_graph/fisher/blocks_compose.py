@@ -57,6 +57,9 @@ class TransposedKernelBlock(blocks_base.FisherBlock):
     def inverses_stale(self, damping=None):
         return self.block.inverses_stale(damping)
 
+    def inverse_variables(self):
+        return self.block.inverse_variables()
+
     def multiply(self, vs, damping=None):
         return self._outward(self.block.multiply(self._inward(vs), damping))
 
@@ -112,6 +115,9 @@ class PartsBlock(blocks_base.FisherBlock):
 
     def inverses_stale(self, damping=None):
         return tf.reduce_any(tf.stack([part.inverses_stale(damping) for part in self.parts]))
+
+    def inverse_variables(self):
+        return tuple(v for part in self.parts for v in part.inverse_variables())
 
     def multiply(self, vs, damping=None):
         return self._each(lambda p, v: p.multiply(v, damping), vs)

@@ -57,7 +57,7 @@ class ConvTransposeKernelBlock(blocks_kron.KroneckerBlock):
         self.spec = spec
         self._out_width = spec.matrix_shape[1]
         self.input_factor, self.output_factor = factors_kron.conv_transpose_factors(
-            spec, dtype=self.dtype)
+            spec, **self._factor_options())
         self._init_kron()
 
     def _locations(self, use):

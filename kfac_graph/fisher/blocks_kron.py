@@ -46,6 +46,16 @@ permutation of the canonical order; `L L^T` is the damped block.
 
 Embedding tables `[V, D]`: A is diagonal (id frequencies), so
 F ~= R diag(A) (x) G; exact for one example with one lookup.
+
+Positions (`positions.py`): the blocks above "expand" (every position and
+use another example, R = T U); their `positions = "reduce"` subclasses
+(`blocks_reduce.py`) "reduce" instead.
+
+Wide factors: a factor wider than the block's `max_factor_size` keeps only
+its diagonal (`factor.wide`), e.g. the `50k x 50k` output factor of a
+language model's head; the block is then R (A (x) diag(G)) (or diag(A) (x) G),
+and all its products are those of a Kronecker product with one diagonal
+factor.
 """
 
 import numpy as np
@@ -55,6 +65,7 @@ from kfac_graph.fisher import blocks_base
 from kfac_graph.fisher import ema
 from kfac_graph.fisher import factors_kron
 from kfac_graph.fisher import linalg
+from kfac_graph.fisher import positions as positions_lib
 from kfac_graph.layers import conv, dense, depthwise
 from kfac_graph.layers.uses import as_pairs
 
@@ -67,7 +78,14 @@ def _mul_left_t(factor, x, diagonal, transpose):
 
 class KroneckerBlock(blocks_base.FisherBlock):
     """Base: subclasses set `input_factor`, `output_factor`, `_out_width` and
-    call `_init_kron()`; `_to_mat`/`_from_mat` map variables <-> V."""
+    call `_init_kron()`; `_to_mat`/`_from_mat` map variables <-> V.
+    `positions`: "expand" (R = T U) or "reduce" (R = 1; the factors reduce)."""
+
+    positions = positions_lib.EXPAND
+
+    def _factor_options(self, **kwargs):
+        """Options every factor of the block takes: dtype, the size budget."""
+        return dict(dtype=self.dtype, max_dim=self.max_factor_size, **kwargs)
 
     def _init_kron(self):
         self.replicas = ema.replica_local(tf.ones([], self.dtype), name="replicas")
@@ -114,7 +132,12 @@ class KroneckerBlock(blocks_base.FisherBlock):
         decay = self._decay(decay)
         self.input_factor.update([a for a, _ in uses], decay)
         self.output_factor.update([g for _, g in uses], decay)
+        if self.positions == positions_lib.REDUCE:
+            return
         self.replicas.assign(tf.cast(self._locations(uses[0]) * len(uses), self.dtype))
+
+    def inverse_variables(self):
+        return (self.input_inverse, self.output_inverse, self.inverse_damping)
 
     def inverse_updates(self, damping=None):
         xa, xg, lam = self._current_inverses(damping)
@@ -234,16 +257,13 @@ class FullyConnectedKroneckerBlock(KroneckerBlock):
         has_bias = len(self.var_shapes) > 1
         self._out_width = d_out
         self.input_factor = factors_kron.DenseInputFactor(
-            d_in,
-            has_bias,
-            diagonal=diagonal_input,
-            lag_one=lag_one,
-            dtype=self.dtype,
-            name="input_factor",
-        )
+            d_in, has_bias, diagonal=diagonal_input,
+            **self._factor_options(lag_one=lag_one, positions=self.positions,
+                                   name="input_factor"))
         self.output_factor = factors_kron.OutputFactor(
-            d_out, diagonal=diagonal_output, lag_one=lag_one, dtype=self.dtype, name="output_factor"
-        )
+            d_out, diagonal=diagonal_output,
+            **self._factor_options(lag_one=lag_one, positions=self.positions,
+                                   name="output_factor"))
         self._init_kron()
 
 
@@ -310,10 +330,10 @@ class ConvKroneckerBlock(GroupedKroneckerBlock):
         kernel = self._op_kernel_shape()
         self.spec = conv.ConvSpec.from_attrs(kernel, self.attrs, has_bias=len(self.var_shapes) > 1)
         self._out_width = kernel[-1]
-        self.input_factor = factors_kron.ConvInputFactor(self.spec, dtype=self.dtype,
-                                                         name="input_factor")
-        self.output_factor = factors_kron.conv_output_factor(self.spec, dtype=self.dtype,
-                                                             name="output_factor")
+        options = lambda name: self._factor_options(positions=self.positions, name=name)  # noqa
+        self.input_factor = factors_kron.ConvInputFactor(self.spec, **options("input_factor"))
+        self.output_factor = factors_kron.conv_output_factor(self.spec,
+                                                             **options("output_factor"))
         self._init_kron()
 
 
@@ -329,11 +349,9 @@ class EmbeddingKroneckerBlock(KroneckerBlock):
         vocab, width = self.var_shapes[0]
         self._out_width = width
         self.input_factor = factors_kron.EmbeddingInputFactor(
-            vocab, dtype=self.dtype, name="input_factor"
-        )
+            vocab, **self._factor_options(name="input_factor"))
         self.output_factor = factors_kron.OutputFactor(
-            width, dtype=self.dtype, name="output_factor"
-        )
+            width, **self._factor_options(name="output_factor"))
         self._init_kron()
 
 
@@ -348,8 +366,8 @@ class DepthwiseConvKroneckerBlock(GroupedKroneckerBlock):
         has_bias = len(self.var_shapes) > 1
         self.spec = depthwise.DepthwiseSpec.from_attrs((kh, kw, channels, mult), self.attrs,
                                                        has_bias)
-        self.input_factor = factors_kron.DepthwiseInputFactor(self.spec, dtype=self.dtype,
-                                                              name="input_factor")
-        self.output_factor = factors_kron.depthwise_output_factor(self.spec, dtype=self.dtype,
-                                                                  name="output_factor")
+        options = lambda name: self._factor_options(positions=self.positions, name=name)  # noqa
+        self.input_factor = factors_kron.DepthwiseInputFactor(self.spec, **options("input_factor"))
+        self.output_factor = factors_kron.depthwise_output_factor(self.spec,
+                                                                  **options("output_factor"))
         self._init_kron()

@@ -82,7 +82,13 @@ class FullyConnectedSeriesBlock(blocks_kron.FullyConnectedKroneckerBlock):
     def __init__(self, var_shapes, attrs=None, *, option=2, **kwargs):
         if option not in OPTIONS:
             raise ValueError(f"FullyConnectedSeriesBlock: option must be 1 or 2, got {option!r}")
+        budget = kwargs.pop("max_factor_size", None)
         super().__init__(var_shapes, attrs, lag_one=True, **kwargs)
+        wide = [f.dim for f in (self.input_factor, self.output_factor)
+                if budget is not None and f.dim > budget]
+        if wide:
+            raise ValueError(f"{self.name}: the series block needs full factors, and one of "
+                             f"width {wide[0]} exceeds max_factor_size ({budget})")
         self.option = option
         n_in, n_out = self.input_factor.dim, self.output_factor.dim
 
@@ -113,6 +119,9 @@ class FullyConnectedSeriesBlock(blocks_kron.FullyConnectedKroneckerBlock):
         """Only the damping of the last refresh: the quantities below hold the rest."""
         self.inverse_damping = tf.Variable(tf.constant(-1.0, self.dtype), trainable=False,
                                            name="inverse_damping")
+
+    def inverse_variables(self):
+        return tuple(self.input_quants) + tuple(self.output_quants) + (self.inverse_damping,)
 
     def inverse_updates(self, damping=None):
         a0, g0 = self._damped_c0(damping)

@@ -16,6 +16,10 @@ default alias; today's defaults:
                                      diagonal above
   embedding                        -> EmbeddingKroneckerBlock
   generic                          -> NaiveDiagonalBlock (per-example grads)
+
+Layers at several positions "expand" by default (`positions.py`); dense,
+conv and depthwise kinds also allow "kron_reduce" (K-FAC-reduce). Expand
+stays the default until a benchmark says otherwise.
 """
 
 import types
@@ -26,6 +30,7 @@ from kfac_graph import layers
 from kfac_graph.fisher import blocks_conv_transpose
 from kfac_graph.fisher import blocks_full
 from kfac_graph.fisher import blocks_kron
+from kfac_graph.fisher import blocks_reduce
 from kfac_graph.fisher import blocks_series
 
 SCALE_AND_SHIFT_FULL_MAX_PARAMS = 1024
@@ -46,6 +51,8 @@ BLOCK_FACTORIES = types.MappingProxyType({
     f.__name__: f for f in (
         blocks_kron.FullyConnectedKroneckerBlock, blocks_kron.ConvKroneckerBlock,
         blocks_kron.DepthwiseConvKroneckerBlock, blocks_kron.EmbeddingKroneckerBlock,
+        blocks_reduce.FullyConnectedKroneckerReduceBlock, blocks_reduce.ConvKroneckerReduceBlock,
+        blocks_reduce.DepthwiseConvKroneckerReduceBlock,
         blocks_series.FullyConnectedSeriesBlock, blocks_full.FullyConnectedDiagonalBlock,
         blocks_full.ConvDiagonalBlock, blocks_full.DepthwiseConvDiagonalBlock,
         blocks_full.ScaleAndShiftFullBlock, blocks_full.ScaleAndShiftDiagonalBlock,

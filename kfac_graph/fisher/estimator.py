@@ -21,6 +21,14 @@ every layer use's output gradient ``g = v^T dz/ds``:
   (positions) one column index is shared by all positions, as in
   tensorflow/kfac, which leaves out no term but adds cross-position ones.
 
+``max_factor_size`` (default ``DEFAULT_MAX_FACTOR_SIZE``, 4096; None: no
+budget): a Kronecker factor wider than it keeps only its diagonal (a
+language model's head over a 50k vocabulary would otherwise keep a
+``50k x 50k`` output factor), the block's other factor stays full.
+``summary()`` says which layers got which, and ``memory()`` returns the
+bytes of parameters, statistics and cached inverses per layer
+(``report.py``).
+
 Generic layers get per-example gradients of the variable itself (a
 vectorised Jacobian of the per-example ``l_i``, or ``v_i . z_i`` in exact
 mode). Block choice and data layout: ``block_choice.py``. All blocks
@@ -42,7 +50,9 @@ from kfac_graph import options
 from kfac_graph import invariants
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher import ema
-from kfac_graph.fisher.block_choice import PER_EXAMPLE, block_stats, make_layer_block
+from kfac_graph.fisher import report
+from kfac_graph.fisher.block_choice import (DEFAULT_MAX_FACTOR_SIZE, PER_EXAMPLE, block_stats,
+                                            make_layer_block)
 from kfac_graph.fisher.distributions import at_least_float32, make_distribution
 from kfac_graph.per_example import gradients as pe_gradients
 from kfac_graph.per_example.rules import default_registry
@@ -68,24 +78,29 @@ class FisherEstimator(tf.Module):
 
     ``fn``: a ``kg.auto_register``ed loss function (a plain one is wrapped).
     ``approximations``: ``{kind or layer name: factory or alias}``, see
-    ``kfac_graph.fisher.block_choice``. ``damping``: the blocks' own damping
+    ``kfac_graph.fisher.block_choice``. ``max_factor_size``: the widest
+    Kronecker factor kept as a full matrix (wider ones keep their diagonal;
+    None: no budget). ``damping``: the blocks' own damping
     (a float, variable or zero-argument callable, read at every multiply)
     for calls that pass none; every product, refresh and staleness check
     also takes ``damping=`` as a value, which wins. Bad options are one-line
     ``ValueError``s (``OPTIONS``: what each takes; ``kfac_graph/options.py``).
     """
 
+    DEFAULT_MAX_FACTOR_SIZE = DEFAULT_MAX_FACTOR_SIZE
     OPTIONS = {"estimation_mode": options.OneOf(MODES), "num_samples": options.Integer(1),
                "damping": options.Real(0.0, dynamic=True),
                "cov_ema_decay": options.Real(0.0, 1.0, high_open=True, dynamic=True),
-               "seed": options.Integer()}
+               "seed": options.Integer(),
+               "max_factor_size": options.Integer(1, none=True)}
 
     def __init__(self, fn, estimation_mode: str = "sampled", num_samples: int = 1,
                  damping=1e-3, cov_ema_decay: float = 0.95, approximations=None,
-                 seed: int = 0, name: str | None = None):
-        options.check_all("kg.FisherEstimator", self.OPTIONS, dict(
+                 seed: int = 0, max_factor_size: int | None = DEFAULT_MAX_FACTOR_SIZE,
+                 name: str | None = None):
+        given = options.check_all("kg.FisherEstimator", self.OPTIONS, dict(
             estimation_mode=estimation_mode, num_samples=num_samples, damping=damping,
-            cov_ema_decay=cov_ema_decay, seed=seed))
+            cov_ema_decay=cov_ema_decay, seed=seed, max_factor_size=max_factor_size))
         super().__init__(name=name or "fisher_estimator")
         self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
         self.estimation_mode = estimation_mode
@@ -94,6 +109,7 @@ class FisherEstimator(tf.Module):
         self.cov_ema_decay = cov_ema_decay
         self.approximations = dict(approximations or {})
         self.seed = int(seed)
+        self.max_factor_size = given["max_factor_size"]
         self._registration = None
         self._blocks = None
         self._counter = None
@@ -130,7 +146,9 @@ class FisherEstimator(tf.Module):
             _check_same_layers(self._registration, reg)
             return reg
         with tf.init_scope():
-            blocks = [make_layer_block(layer, self.approximations, damping=self._damping,
+            blocks = [make_layer_block(layer, self.approximations,
+                                       max_factor_size=self.max_factor_size,
+                                       damping=self._damping,
                                        ema_decay=self.cov_ema_decay,
                                        dtype=tf.as_dtype(layer.variables[0].dtype),
                                        name=f"block_{i}_{layer.name}")
@@ -139,6 +157,18 @@ class FisherEstimator(tf.Module):
         self._blocks = blocks
         self._registration = reg
         return reg
+
+    def memory(self) -> dict:
+        """Per layer (aligned with ``layers``) and in total: the bytes of its
+        parameters (``parameters``), its block's statistics (``factors_bytes``)
+        and cached inverses (``inverses_bytes``), with the block, how it treats
+        positions and each factor's width and layout (``report.memory_report``)."""
+        return report.memory_report(self.layers, self.blocks)
+
+    def summary(self) -> str:
+        """A table: per layer its block, factors (full, diagonal, or diagonal
+        for the size budget) and memory, then the totals."""
+        return report.format_report(self.memory(), self.max_factor_size)
 
     # -- updates ------------------------------------------------------------------
     @_plain_python

@@ -10,7 +10,8 @@ factors).  The batch estimate is
 with `N_s = sum_u N_u` the number of rows (examples x positions x uses).
 Sources add up: the Fisher square root's columns do (exact mode), and a
 caller averaging S samples scales each by 1/sqrt(S).  A diagonal factor keeps
-only `diag(C)`.  With `lag_one=True` the factor also tracks the lag-one
+only `diag(C)`; so does one wider than its size budget (`max_dim`,
+the estimator's `max_factor_size`).  With `lag_one=True` the factor also tracks the lag-one
 cross moment between consecutive uses (time steps) u and u+1:
 
     C1 = sum_s (1 / N_s) sum_{u < U-1} sum_n x_{s,u+1,n} x_{s,u,n}^T
@@ -104,19 +105,24 @@ class CovarianceFactor(tf.Module):
     """Moving average of a second moment `[(G,) d, d]` (or diagonal `[(G,) d]`)."""
 
     def __init__(
-        self, dim, *, groups=None, diagonal=False, lag_one=False, dtype=tf.float32, name=None
+        self, dim, *, groups=None, diagonal=False, lag_one=False, max_dim=None,
+        dtype=tf.float32, name=None
     ):
+        """``max_dim``: a budget on the width; a factor wider (``dim > max_dim``)
+        keeps only its diagonal, and says so in ``wide`` (None: no budget)."""
         super().__init__(name=name)
         self.dim = int(dim)
         self.groups = groups
-        self.diagonal = bool(diagonal)
+        self.wide = not diagonal and max_dim is not None and self.dim > int(max_dim)
+        self.diagonal = bool(diagonal) or self.wide
         self.batch_shape = [] if groups is None else [int(groups)]
-        shape = self.batch_shape + ([self.dim] if diagonal else [self.dim] * 2)
+        shape = self.batch_shape + ([self.dim] if self.diagonal else [self.dim] * 2)
         self.cov = ema.DebiasedEMA(shape, dtype, name="cov")
         self.cov_lag_one = None
         if lag_one:
-            if diagonal or groups is not None:
-                raise ValueError("lag_one needs a dense, ungrouped factor")
+            if self.diagonal or groups is not None:
+                raise ValueError(f"{self.name}: lag_one needs a dense, ungrouped factor (width "
+                                 f"{self.dim}{', over the size budget' if self.wide else ''})")
             self.cov_lag_one = ema.DebiasedEMA(shape, dtype, name="cov_lag_one")
 
     @property

@@ -11,6 +11,9 @@ rows g (conv: at every output location; grouped: per group, its og outputs;
 depthwise: per input channel, the M outputs it feeds; transposed conv: the
 output gradient's patch at each input position), summed over sources:
     G = sum_s (1 / (B T U)) sum_{i,t,u} g_s g_s^T.
+With `positions="reduce"` (`positions.py`) the dense, conv and depthwise
+factors instead take one row per example: the input rows averaged, the
+output-gradient rows summed over the example's positions of every use.
 The rows come from the layer kind's own module (`kfac_graph.layers`:
 `input_rows`, `output_rows`, `id_frequencies`), the same patches and
 layouts its per-example rules use.
@@ -27,6 +30,7 @@ import math
 import tensorflow as tf
 
 from kfac_graph.fisher import factors_base
+from kfac_graph.fisher import positions as positions_lib
 from kfac_graph.layers import conv, conv_transpose, dense, depthwise, embedding
 
 
@@ -39,15 +43,28 @@ def sources_by_use(grads):
     return [list(s) for s in zip(*per_use)]
 
 
-class DenseInputFactor(factors_base.CovarianceFactor):
-    """A from dense inputs `[B, ..., d_in]` (plus the homogeneous 1)."""
+def _input_rows(inputs, rows, positions):
+    """The rows of every use, ``[rows(a_u), ...]``, or with "reduce" one
+    row per example: their mean over all positions of all uses."""
+    out = [rows(a) for a in inputs]
+    if positions == positions_lib.REDUCE:
+        batches = [positions_lib.batch_size(a) for a in inputs]
+        return [positions_lib.reduce_uses(out, batches, mean=True)]
+    return out
 
-    def __init__(self, d_in, has_bias, **kwargs):
+
+class DenseInputFactor(factors_base.CovarianceFactor):
+    """A from dense inputs `[B, ..., d_in]` (plus the homogeneous 1);
+    `positions`: "expand" (a row per position) or "reduce" (per example)."""
+
+    def __init__(self, d_in, has_bias, positions="expand", **kwargs):
         super().__init__(d_in + int(has_bias), **kwargs)
         self.d_in, self.has_bias = int(d_in), bool(has_bias)
+        self.positions = positions_lib.check_mode(positions, type(self).__name__)
 
     def update(self, inputs, decay):
-        rows = [dense.input_rows(tf.cast(a, self.dtype)) for a in inputs]
+        rows = _input_rows([tf.cast(a, self.dtype) for a in inputs], dense.input_rows,
+                           self.positions)
         self.update_rows([rows], decay, ones=self.has_bias)
 
 
@@ -57,14 +74,18 @@ class OutputFactor(factors_base.CovarianceFactor):
     Given a tensor per use (one source) it is also an input factor without
     the homogeneous coordinate (`conv_transpose_factors`)."""
 
-    def __init__(self, d_out, rows=dense.output_rows, **kwargs):
+    def __init__(self, d_out, rows=dense.output_rows, positions="expand", **kwargs):
         super().__init__(d_out, **kwargs)
         self.rows = rows
+        self.positions = positions_lib.check_mode(positions, type(self).__name__)
 
     def update(self, grads, decay):
-        sources = sources_by_use(grads)
-        self.update_rows([[self.rows(tf.cast(g, self.dtype)) for g in uses] for uses in sources],
-                         decay)
+        sources = [[self.rows(tf.cast(g, self.dtype)) for g in uses]
+                   for uses in sources_by_use(grads)]
+        if self.positions == positions_lib.REDUCE:
+            batches = [positions_lib.batch_size(g) for g in sources_by_use(grads)[0]]
+            sources = [[positions_lib.reduce_uses(uses, batches, mean=False)] for uses in sources]
+        self.update_rows(sources, decay)
 
 
 class PatchInputFactor(factors_base.CovarianceFactor):
@@ -72,12 +93,14 @@ class PatchInputFactor(factors_base.CovarianceFactor):
     `rows(a, spec)` gives `[N, width]` rows, or `[N, groups, width]` for one
     factor per group; the homogeneous 1 is appended when `spec.has_bias`."""
 
-    def __init__(self, spec, rows, width, groups=None, **kwargs):
+    def __init__(self, spec, rows, width, groups=None, positions="expand", **kwargs):
         super().__init__(width + int(spec.has_bias), groups=groups, **kwargs)
         self.spec, self.rows = spec, rows
+        self.positions = positions_lib.check_mode(positions, type(self).__name__)
 
     def update(self, inputs, decay):
-        rows = [self.rows(tf.cast(a, self.dtype), self.spec) for a in inputs]
+        rows = _input_rows([tf.cast(a, self.dtype) for a in inputs],
+                           lambda a: self.rows(a, self.spec), self.positions)
         self.update_rows([rows], decay, ones=self.spec.has_bias)
 
 

@@ -232,7 +232,9 @@ KIND = LayerKind(
     rule=ConvRule(),
     spec=conv_family.spec_reader(ConvSpec),
     operands=conv_family.operands,
-    blocks={"kron": "ConvKroneckerBlock", "diagonal": "ConvDiagonalBlock", "full": "NaiveFullBlock"},
+    blocks={"kron": "ConvKroneckerBlock", "kron_expand": "ConvKroneckerBlock",
+            "kron_reduce": "ConvKroneckerReduceBlock", "diagonal": "ConvDiagonalBlock",
+            "full": "NaiveFullBlock"},
     default_block="kron",
     colour="palegreen",
 )

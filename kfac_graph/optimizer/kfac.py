@@ -88,6 +88,7 @@ from kfac_graph import options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher.estimator import FisherEstimator
 from kfac_graph.fisher import linalg
+from kfac_graph.fisher.report import factors_of
 from kfac_graph.optimizer import damping as damping_lib
 from kfac_graph.optimizer import distributed
 from kfac_graph.optimizer.schedule import StepSchedule
@@ -119,7 +120,8 @@ class KFAC(tf.Module):
     ``min_damping``: by default ``RELATIVE_MIN_DAMPING`` (1e-4) times the
     initial value, see ``damping.py``). Estimator
     options (``estimation_mode``, ``num_samples``, ``cov_ema_decay``,
-    ``approximations``, ``seed``) go to ``kg.FisherEstimator``.
+    ``approximations``, ``seed``, ``max_factor_size``) go to
+    ``kg.FisherEstimator``; ``summary()`` and ``memory()`` are its.
     ``summary_writer``: a ``tf.summary`` writer; loss, damping, learning
     rate, momentum, rho and each factor's trace are written every
     ``summary_period`` steps. ``sync_statistics``: under ``tf.distribute``,
@@ -149,6 +151,7 @@ class KFAC(tf.Module):
         "norm_constraint": options.Real(0.0, low_open=True, none=True),
         "cov_update_period": options.Integer(1), "inverse_update_period": options.Integer(1),
         "cov_ema_decay": _EST["cov_ema_decay"], "num_burnin_steps": options.Integer(0),
+        "max_factor_size": _EST["max_factor_size"],
         "estimation_mode": _EST["estimation_mode"], "num_samples": _EST["num_samples"],
         "adapt_damping": options.Boolean(), "damping_adaptation_interval": options.Integer(1),
         "damping_adaptation_decay": options.Real(0.0, 1.0, low_open=True),
@@ -179,6 +182,7 @@ class KFAC(tf.Module):
                  damping_adaptation_interval: int = 5, damping_adaptation_decay: float = 0.95,
                  min_damping: float | None = None, qmodel_curvature: str = "exact",
                  approximations=None, seed: int = 0,
+                 max_factor_size: int | None = FisherEstimator.DEFAULT_MAX_FACTOR_SIZE,
                  jit_compile="auto", summary_writer=None, summary_period: int = 1,
                  sync_statistics: str = "lazy", name: str | None = None):
         KFAC.check_options(**{k: v for k, v in locals().items() if k in KFAC.OPTIONS})
@@ -212,7 +216,8 @@ class KFAC(tf.Module):
         self.estimator = FisherEstimator(self.fn, estimation_mode=estimation_mode,
                                          num_samples=num_samples, damping=float(damping),
                                          cov_ema_decay=cov_ema_decay,
-                                         approximations=approximations, seed=seed)
+                                         approximations=approximations, seed=seed,
+                                         max_factor_size=max_factor_size)
         self.iterations = tf.Variable(tf.zeros([], tf.int64), trainable=False, name="iterations")
         self.skipped_steps = tf.Variable(tf.zeros([], tf.int64), trainable=False,
                                          name="skipped_steps")
@@ -223,6 +228,14 @@ class KFAC(tf.Module):
     @property
     def registration(self):
         return self.estimator.registration
+
+    def summary(self) -> str:
+        """The estimator's table of blocks, factors and memory (after ``build``)."""
+        return self.estimator.summary()
+
+    def memory(self) -> dict:
+        """The estimator's memory report (``FisherEstimator.memory``)."""
+        return self.estimator.memory()
 
     @property
     def strategy(self):
@@ -374,22 +387,3 @@ class KFAC(tf.Module):
                     trace = linalg.trace(factor.value(), factor.diagonal)
                     tf.summary.scalar(f"factors/{layer.name}/{label}_trace",
                                       tf.reduce_sum(trace))
-
-
-def factors_of(block):
-    """``[(label, factor)]``: the covariance factors a block keeps (a
-    ``PartsBlock``'s labelled by part)."""
-    inner = getattr(block, "block", None)
-    if inner is not None:
-        return factors_of(inner)
-    parts = getattr(block, "parts", None)
-    if parts is not None:
-        return [(f"{part.name}_{label}", factor) for part in parts
-                for label, factor in factors_of(part)]
-    out = []
-    for label in ("input_factor", "output_factor", "factor"):
-        factor = getattr(block, label, None)
-        if factor is not None and hasattr(factor, "value"):
-            out.append((label.replace("_factor", "") or label, factor))
-    return out
-
