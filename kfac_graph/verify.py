@@ -8,7 +8,9 @@ Per registered layer (``verify_report.VerifyReport`` holds the rows):
    of ``fn`` by ``tf.GradientTape``;
 2. ``one-example``: for ``examples`` sampled indices ``i``, entry ``i`` equals
    the gradient of ``fn`` on the batch of one ``args[i:i+1]`` (every argument
-   whose axis 0 is the batch is sliced). Skipped when a layer couples the
+   whose axis 0 is the batch is sliced); for a loss with data weights, times
+   the ratio of the example's token weights in the batch to those on its
+   own (``verify_weights``: a masked mean divides by the batch's ``sum(w)``). Skipped when a layer couples the
    examples (batch normalisation in training mode): then no layer's entry
    is a batch-of-one gradient, each is the example's contribution;
 3. ``norms``: the rule's per-example norms equal the norms of the layer's
@@ -39,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from kfac_graph import layers
-from kfac_graph import verify_fisher
+from kfac_graph import verify_fisher, verify_weights
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.per_example.gradients import model_norms, per_layer_results
 from kfac_graph.per_example.rules import default_registry
@@ -101,6 +103,10 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
             try:
                 ones = {i: [g.numpy() for g in gradient(*_slice(args, batch, i))]
                         for i in picked}
+                if reg.loss.weighted:
+                    ones, one_error = verify_weights.rescaled(
+                        fn, reg, args, ones, {i: _slice(args, batch, i) for i in ones}, tol)
+                    one_note = "token weights" if one_error else ""
             except (tf.errors.OpError, ValueError, TypeError) as e:
                 one_note = "fn fails on a batch of one"
                 one_error = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -372,8 +378,15 @@ def _notes(reg, coupling, one_error):
                      "the examples: every per-example gradient is the example's contribution "
                      "to the batch gradient, not a batch-of-one gradient, so one-example is "
                      "skipped (call the model with training=False to check it)")
+    elif one_error and "token weights" in one_error:
+        notes.append(f"one-example skipped: {one_error}")
     elif one_error:
         notes.append(f"one-example skipped: fn fails on a batch of one: {one_error}")
+    if reg.loss.weighted and not one_error:
+        notes.append("the loss weighs its tokens by data (" + ", ".join(
+            reg.loss.weights + reg.loss.divisors) + "): each one-example reference is the "
+            "gradient on the batch of one times the ratio of the example's token weights in "
+            "the batch to those on its own (a divisor such as sum(w) is the batch's)")
     narrowing = _narrowing(reg)
     if narrowing:
         op, wide, narrow = narrowing[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from kfac_graph import token_weights
 from kfac_graph.fisher.block_choice import ALIASES, PER_EXAMPLE
 from kfac_graph.fisher.blocks_base import FisherBlock
 from kfac_graph.fisher.distributions import make_distribution
@@ -124,16 +125,21 @@ def _quadratic_forms(reg, mode, checked):
         z0 = tf.stop_gradient(z)
         dist = make_distribution(reg.loss.kind, z0)
         batch = tf.cast(tf.shape(z)[0], z.dtype)
+        w, kind = taps.token_weights, reg.loss.kind
         if mode == "empirical":
             y = taps.targets if taps.targets is not None else tf.zeros_like(z0)
             c = tf.gradients(-tf.reduce_sum(dist.log_prob(tf.stop_gradient(y))), z0)[0]
+            c = token_weights.scaled(w, kind, c)
         w = tf.zeros_like(z)
         rows = []
         for k, layer_directions in zip(checked, directions):
             forms = []
             for jv in _jacobian_vector_products(z, w, reg.layers[k].variables, layer_directions):
                 if mode == "exact":
-                    form = tf.reduce_sum(jv * dist.multiply_fisher(jv))
+                    fjv = dist.multiply_fisher(jv)
+                    if w is not None:
+                        fjv = token_weights.per_output(w, kind, fjv) * fjv
+                    form = tf.reduce_sum(jv * fjv)
                 else:
                     form = tf.reduce_sum(tf.square(tf.reduce_sum(c * jv, axis=-1)))
                 forms.append(tf.cast(form / batch, tf.float64))
