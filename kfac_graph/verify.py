@@ -9,9 +9,8 @@ Per registered layer (``verify_report.VerifyReport`` holds the rows):
 2. ``one-example``: for ``examples`` sampled indices ``i``, entry ``i`` equals
    the gradient of ``fn`` on the batch of one ``args[i:i+1]`` (every argument
    whose axis 0 is the batch is sliced); for a loss with data weights, times
-   the ratio of the example's token weights in the batch to those on its
-   own (``verify_weights``: a masked mean divides by the batch's ``sum(w)``). Skipped when a layer couples the
-   examples (batch normalisation in training mode): then no layer's entry
+   the ratio of the example's token weights in the batch to those on its own
+   (``verify_weights``). Skipped when a layer couples the examples (batch normalisation in training mode): then no layer's entry
    is a batch-of-one gradient, each is the example's contribution;
 3. ``norms``: the rule's per-example norms equal the norms of the layer's
    per-example gradients; and, for the whole model,
@@ -378,15 +377,10 @@ def _notes(reg, coupling, one_error):
                      "the examples: every per-example gradient is the example's contribution "
                      "to the batch gradient, not a batch-of-one gradient, so one-example is "
                      "skipped (call the model with training=False to check it)")
-    elif one_error and "token weights" in one_error:
-        notes.append(f"one-example skipped: {one_error}")
     elif one_error:
-        notes.append(f"one-example skipped: fn fails on a batch of one: {one_error}")
-    if reg.loss.weighted and not one_error:
-        notes.append("the loss weighs its tokens by data (" + ", ".join(
-            reg.loss.weights + reg.loss.divisors) + "): each one-example reference is the "
-            "gradient on the batch of one times the ratio of the example's token weights in "
-            "the batch to those on its own (a divisor such as sum(w) is the batch's)")
+        notes.append(verify_weights.skip_note(one_error)
+                     or f"one-example skipped: fn fails on a batch of one: {one_error}")
+    notes += verify_weights.notes(reg, one_error)
     narrowing = _narrowing(reg)
     if narrowing:
         op, wide, narrow = narrowing[0]

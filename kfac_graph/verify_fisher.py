@@ -125,11 +125,11 @@ def _quadratic_forms(reg, mode, checked):
         z0 = tf.stop_gradient(z)
         dist = make_distribution(reg.loss.kind, z0)
         batch = tf.cast(tf.shape(z)[0], z.dtype)
-        w, kind = taps.token_weights, reg.loss.kind
+        weights, kind = taps.token_weights, reg.loss.kind
         if mode == "empirical":
             y = taps.targets if taps.targets is not None else tf.zeros_like(z0)
             c = tf.gradients(-tf.reduce_sum(dist.log_prob(tf.stop_gradient(y))), z0)[0]
-            c = token_weights.scaled(w, kind, c)
+            c = token_weights.scaled(weights, kind, c)
         w = tf.zeros_like(z)
         rows = []
         for k, layer_directions in zip(checked, directions):
@@ -137,8 +137,8 @@ def _quadratic_forms(reg, mode, checked):
             for jv in _jacobian_vector_products(z, w, reg.layers[k].variables, layer_directions):
                 if mode == "exact":
                     fjv = dist.multiply_fisher(jv)
-                    if w is not None:
-                        fjv = token_weights.per_output(w, kind, fjv) * fjv
+                    if weights is not None:
+                        fjv = token_weights.per_output(weights, kind, fjv) * fjv
                     form = tf.reduce_sum(jv * fjv)
                 else:
                     form = tf.reduce_sum(tf.square(tf.reduce_sum(c * jv, axis=-1)))

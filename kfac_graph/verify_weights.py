@@ -21,6 +21,9 @@ import tensorflow as tf
 
 from kfac_graph.taps import LayerTaps
 
+_NOT_A_MULTIPLE = "'s token weights in the batch are not a multiple of its own"
+_NOT_FINITE = "'s gradient on its own is not finite (its token weights divide by zero)"
+
 
 def token_weights_function(reg):
     """A ``tf.function`` of the arguments: ``reg``'s token weights ``[B, ...]``."""
@@ -54,12 +57,12 @@ def ratios(fn, reg, args, one_args: dict, cache: dict, rtol: float):
         if not np.any(mine):
             out[i] = 0.0
             continue
-        live = single != 0
+        live = (single != 0) & np.isfinite(single)  # (0/0 where a token is masked)
         if not np.any(live) or np.any(mine[~live]):
-            return {}, f"example {i}'s token weights are not a multiple of its batch of one's"
+            return {}, f"example {i}{_NOT_A_MULTIPLE}"
         r = mine[live] / single[live]
         if np.max(np.abs(r - r[0])) > rtol * np.max(np.abs(r)):
-            return {}, f"example {i}'s token weights are not a multiple of its batch of one's"
+            return {}, f"example {i}{_NOT_A_MULTIPLE}"
         out[i] = float(r[0])
     return out, ""
 
@@ -70,5 +73,25 @@ def rescaled(fn, reg, args, ones: dict, one_args: dict, tol):
     found, why = ratios(fn, reg, args, one_args, fn.derived, max(tol[0], 1e-6))
     if why:
         return {}, why
+    for i, grads in ones.items():
+        if found[i] != 0 and not all(np.all(np.isfinite(g)) for g in grads):
+            return {}, f"example {i}{_NOT_FINITE}"
     return {i: [np.zeros_like(g) if found[i] == 0 else g * found[i] for g in grads]
             for i, grads in ones.items()}, ""
+
+
+def skip_note(one_error: str) -> str:
+    """The report's note when the ratios could not be read ("" otherwise)."""
+    if any(m in one_error for m in (_NOT_A_MULTIPLE, _NOT_FINITE, "token weights need")):
+        return f"one-example skipped: {one_error}"
+    return ""
+
+
+def notes(reg, one_error: str) -> list:
+    """The report's note on a weighted loss's rescaled references."""
+    if not reg.loss.weighted or one_error:
+        return []
+    return ["the loss weighs its tokens by data (" + ", ".join(
+        reg.loss.weights + reg.loss.divisors) + "): each one-example reference is the gradient "
+        "on the batch of one times the ratio of the example's token weights in the batch to "
+        "those on its own (a divisor such as sum(w) is the batch's)"]

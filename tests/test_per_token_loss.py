@@ -75,6 +75,11 @@ FORMS = {
                                       * tf.reshape(w, [-1])) / tf.reduce_sum(w),
         ("categorical", "sum", 1.0, True),
         lambda z, y, w, Y, W: tf.reduce_sum(_ce(y, z) * w) / tf.reduce_sum(W)),
+    # a divisor per position, a statistic of the whole batch: not a scalar
+    "per_position_mean": (
+        lambda z, y, w: tf.reduce_sum(_ce(y, z) * w / tf.reduce_sum(w, axis=0)),
+        ("categorical", "sum", 1.0, True),
+        lambda z, y, w, Y, W: tf.reduce_sum(_ce(y, z) * w / tf.reduce_sum(W, axis=0))),
     "keras": (lambda z, y, w: keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, z),
               ("categorical", "mean", 1 / T, False),
               lambda z, y, w, Y, W: tf.reduce_mean(_ce(y, z))),
@@ -191,3 +196,15 @@ def test_verify_passes_on_per_token_forms(form):
     assert report.passed, report.table()
     statuses = {c.name: c.status for row in report.rows for c in row.checks}
     assert statuses["one-example"] == "pass"
+
+
+def test_verify_says_why_when_token_weights_are_no_multiple_of_the_batch_of_ones():
+    """A divisor per position (sum over the batch of w[:, t]) weighs an
+    example's tokens by different ratios in the batch and on its own."""
+    _float64()
+    model = _token_model()
+    report = kg.verify(_registered(model, "per_position_mean"), *_data(), examples=B)
+    statuses = {c.name: c.status for row in report.rows for c in row.checks}
+    assert statuses["one-example"] == "skipped" and report.passed, report.table()
+    assert any("token weights in the batch are not a multiple of its own" in note
+               for note in report.notes), report.notes
