@@ -98,6 +98,16 @@ def test_exact_fisher_of_a_masked_mean_equals_the_jacobian_fisher():
                            est.blocks[-1].full_matrix().numpy(), rtol=1e-3)
 
 
+def test_verify_checks_the_fisher_of_a_weighted_per_token_loss_in_exact_mode():
+    model = _token_model()
+    fn = _registered(model, lambda z, y, w: keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, ignore_class=0)(y, z))
+    report = kg.verify(fn, *_data(), estimation_mode="exact")
+    assert report.passed, report.table()
+    assert [c.status for row in report.rows for c in row.checks if c.name == "fisher"] == [
+        "pass"] * 3, report.table()
+
+
 @pytest.mark.parametrize("mode", ["sampled", "empirical", "exact"])
 def test_a_masked_token_contributes_nothing_to_the_fisher(mode):
     """Changing the ids and targets of masked tokens leaves the dense layers'
