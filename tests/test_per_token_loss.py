@@ -1,5 +1,6 @@
-"""Per-token (sequence) losses read from the graph: targets [B, T], logits
-[B, T, V], each form a user writes (tf.nn, Keras losses and ops, flattened
+"""Per-token (sequence) losses read from the graph, on a token model
+(Embedding -> Dense -> Dense) and an LSTM language model (the slower LSTM
+cases under -m slow): targets [B, T], logits [B, T, V], each form a user writes (tf.nn, Keras losses and ops, flattened
 to [B*T, V], one-hot, Bernoulli, squared error), each reduction (mean over
 tokens, sum, mean over tokens then batch, a padding-masked mean, Keras
 sample_weight and ignore_class).
@@ -32,6 +33,21 @@ def _token_model(seed=0):
                               keras.layers.Dense(V, name="logits")])
     model.build((None, T))
     return model
+
+
+def _lstm_lm(seed=0):
+    """An LSTM language model (unroll=False: the pass unrolls the loop)."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.layers.Embedding(V, D, name="tokens"),
+                              keras.layers.LSTM(3, return_sequences=True, name="lstm"),
+                              keras.layers.Dense(V, name="logits")])
+    model.build((None, T))
+    return model
+
+
+MODELS = {"token": (_token_model, ["embedding", "dense", "dense"]),
+          "lstm": (_lstm_lm, ["embedding", "dense", "dense", "scale_and_shift", "dense"])}
+LSTM_FAST = ("masked_mean_flattened", "keras_sample_weight", "keras_ignore_class", "bernoulli")
 
 
 def _data(seed=0):
@@ -149,15 +165,18 @@ def loop_gradients(model, form, args):
     return [np.stack([o[k].numpy() for o in out]) for k in range(len(variables))]
 
 
-@pytest.mark.parametrize("form", sorted(FORMS))
-def test_per_token_form_registers_and_equals_the_loop(form):
+@pytest.mark.parametrize("model_kind, form", [("token", f) for f in sorted(FORMS)] + [
+    pytest.param("lstm", f, marks=() if f in LSTM_FAST else pytest.mark.slow)
+    for f in sorted(FORMS)])
+def test_per_token_form_registers_and_equals_the_loop(model_kind, form):
     _float64()
-    model = _token_model()
+    make, kinds = MODELS[model_kind]
+    model = make()
     args = _data()
     fn = _registered(model, form)
     reg = fn.registration(*args)
     kind, reduction, scale, weighted = FORMS[form][1]
-    assert [layer.kind for layer in reg.layers] == ["embedding", "dense", "dense"]
+    assert [layer.kind for layer in reg.layers] == kinds, reg.summary()
     assert (reg.loss.kind, reg.loss.reduction, reg.loss.weighted) == (kind, reduction, weighted)
     assert reg.loss.scale == pytest.approx(scale)
     # the logits [B, T, V], seen through any reshape to [B*T, V] or mask
