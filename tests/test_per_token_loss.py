@@ -119,6 +119,21 @@ FORMS = {
         tf.nn.softmax_cross_entropy_with_logits(_one_hot(y), z)),
         ("categorical", "mean", 1 / T, False),
         lambda z, y, w, Y, W: tf.reduce_mean(_ce(y, z))),
+    "keras_one_hot": (lambda z, y, w: keras.losses.CategoricalCrossentropy(from_logits=True)(
+        _one_hot(y), z),
+        ("categorical", "mean", 1 / T, False),
+        lambda z, y, w, Y, W: tf.reduce_mean(_ce(y, z))),
+    "keras_binary_sample_weight": (
+        lambda z, y, w: keras.losses.BinaryCrossentropy(from_logits=True)(
+            _one_hot(y), z, sample_weight=w),
+        ("bernoulli", "mean", 1 / (T * V), True),
+        lambda z, y, w, Y, W: tf.reduce_sum(tf.nn.sigmoid_cross_entropy_with_logits(
+            _one_hot(y), z) * w[..., None]) / (T * V)),
+    "keras_squared_error_sample_weight": (
+        lambda z, y, w: keras.losses.MeanSquaredError()(_one_hot(y), z, sample_weight=w),
+        ("normal", "mean", 1 / (T * V), True),
+        lambda z, y, w, Y, W: tf.reduce_sum(tf.square(z - _one_hot(y)) * w[..., None])
+        / (T * V)),
     "bernoulli": (lambda z, y, w: tf.reduce_mean(
         tf.nn.sigmoid_cross_entropy_with_logits(_one_hot(y), z)),
         ("bernoulli", "mean", 1 / (T * V), False),

@@ -152,6 +152,31 @@ def test_kfac_trains_and_dpsgd_runs_on_a_token_model(loss):
     assert any(not np.array_equal(b, v.numpy()) for b, v in zip(before, model.trainable_variables))
 
 
+@pytest.mark.parametrize("loss", [
+    _masked_mean,
+    lambda z, y, w: keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, ignore_class=0)(y, z),
+], ids=["masked_mean", "keras_ignore_class"])
+def test_dp_gradients_reweighting_the_weighted_terms_equal_the_clipped_sum(loss):
+    """DP-SGD's "reweight" takes a second backward pass of the per-example
+    terms (weighted by the tokens' weights); "materialize" clips the
+    per-example gradients. Without noise they agree, and with a clip no
+    example reaches they are the batch gradient."""
+    model = _token_model()
+    fn = _registered(model, loss)
+    args = _data()
+    for clip in (0.05, 1e6):
+        got = {m: kg.dp_gradients(fn, *args, l2_norm_clip=clip, noise_multiplier=0.0, method=m)
+               for m in ("reweight", "materialize")}
+        for a, b in zip(got["reweight"], got["materialize"]):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=RTOL, atol=1e-14)
+    with tf.GradientTape() as tape:
+        batch = tape.gradient(fn(*args), model.trainable_variables)
+    for a, b in zip(got["reweight"], batch):
+        np.testing.assert_allclose(a.numpy(), tf.convert_to_tensor(b).numpy(), rtol=RTOL,
+                                   atol=1e-14)
+
+
 def _loop(model, args):
     """Example i's own masked-mean term, divided by the batch's sum(w)."""
     ids, y, w = args
