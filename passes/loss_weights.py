@@ -5,8 +5,8 @@ masked with or divided by (a padding mask, Keras's ``sample_weight`` and
 Contract: each helper takes the IR ``g``, the op ``node`` on the loss's
 path, its ``inputs`` and ``params`` (the nodes that depend on trainable
 variables) and returns the path tensor to walk on, or raises
-``LossNotFoundError`` naming the op. A weight is data: it never depends on
-the variables, so the loss stays linear in its terms and token ``t`` of
+``LossNotFoundError`` naming the op. A weight is data: it never reads a
+variable (trainable or not: a loss scale held in a variable is refused), so the loss stays linear in its terms and token ``t`` of
 example ``i`` weighs ``dL/dterms[i, t]`` with the data held fixed.
 """
 from __future__ import annotations
@@ -29,7 +29,18 @@ def data_operand(g, node, inputs, params, verb):
         raise LossNotFoundError(f"op {node!r} {verb} two tensors that do not depend on the "
                                 f"variables; {_HOW_TO}")
     k = on_path.index(True)
+    check_data(g, node, inputs[1 - k], f"{verb} two non-constant tensors, one")
     return inputs[1 - k], inputs[k]
+
+
+def check_data(g, node, tensor, what):
+    """A weight or divisor is data: computed from the arguments and constants.
+    One read from a variable (a loss scale held in a non-trainable
+    variable, a dynamic loss scale) is refused, naming the op."""
+    variables = [n for n, d in g.nodes(data=True) if d["op"] == "Variable"]
+    if ir.split_tensor(tensor)[0] in ir.reachable_from(g, variables):
+        raise LossNotFoundError(f"op {node!r} {what} read from a variable (weights and "
+                                f"divisors must be data); {_HOW_TO}")
 
 
 def masked(g, node, inputs, params):
@@ -39,6 +50,7 @@ def masked(g, node, inputs, params):
     if ir.split_tensor(cond)[0] in params:
         raise LossNotFoundError(f"op {node!r} selects on a tensor that depends on the "
                                 f"variables; {_HOW_TO}")
+    check_data(g, node, cond, "selects on a tensor")
     for path, other in ((a, b), (b, a)):
         value = evaluate(g, other)
         if (ir.split_tensor(path)[0] in params and value is not None

@@ -134,6 +134,7 @@ def _walk(g: nx.DiGraph) -> LossMatch:
         elif op in ("Select", "SelectV2"):
             tensor = loss_weights.masked(g, node, inputs, params)
             weights.append(inputs[0])
+            weighted_at.append((node, inputs[0], tensor))
         elif op in ("RealDiv", "Div", "DivNoNan"):
             divisor = evaluate(g, inputs[1])
             if divisor is None:
@@ -143,6 +144,7 @@ def _walk(g: nx.DiGraph) -> LossMatch:
                 if ir.split_tensor(inputs[1])[0] in params:
                     raise LossNotFoundError(f"op {node!r} divides by a tensor that depends on "
                                             f"the variables; {_HOW_TO}")
+                loss_weights.check_data(g, node, inputs[1], "divides by a tensor")
                 divisors.append(inputs[1])
                 tensor = inputs[0]
                 continue
