@@ -220,8 +220,8 @@ def test_per_token_form_registers_and_equals_the_loop(model_kind, form):
                                    rtol=RTOL, atol=1e-12)
 
 
-@pytest.mark.parametrize("form", ["masked_mean", "keras_sample_weight", "keras_ignore_class",
-                                  "flattened", "bernoulli_masked"])
+@pytest.mark.parametrize("form", ["masked_mean", "keras_ignore_class", "flattened"] + [
+    pytest.param(f, marks=pytest.mark.slow) for f in ("keras_sample_weight", "bernoulli_masked")])
 def test_verify_passes_on_per_token_forms(form):
     _float64()
     model = _token_model()

@@ -132,12 +132,12 @@ def test_a_masked_token_contributes_nothing_to_the_fisher(mode):
 
 @pytest.mark.parametrize("loss", [
     _masked_mean,
-    lambda z, y, w: keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
-        y, z, sample_weight=w),
+    pytest.param(lambda z, y, w: keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+        y, z, sample_weight=w), marks=pytest.mark.slow),
     lambda z, y, w: keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, ignore_class=0)(y, z),
-    lambda z, y, w: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-        tf.reshape(y, [-1]), tf.reshape(z, [-1, V]))),
+    pytest.param(lambda z, y, w: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        tf.reshape(y, [-1]), tf.reshape(z, [-1, V]))), marks=pytest.mark.slow),
 ], ids=["masked_mean", "keras_sample_weight", "keras_ignore_class", "flattened"])
 def test_kfac_trains_and_dpsgd_runs_on_a_token_model(loss):
     model = _token_model()
