@@ -10,7 +10,8 @@ Per registered layer (``verify_report.VerifyReport`` holds the rows):
    the gradient of ``fn`` on the batch of one ``args[i:i+1]`` (every argument
    whose axis 0 is the batch is sliced); for a loss with data weights, times
    the ratio of the example's token weights in the batch to those on its own
-   (``verify_weights``). Skipped when a layer couples the examples (batch normalisation in training mode): then no layer's entry
+   (``verify_weights``). Skipped when a layer couples the examples (batch
+   normalisation in training mode): then no layer's entry
    is a batch-of-one gradient, each is the example's contribution;
 3. ``norms``: the rule's per-example norms equal the norms of the layer's
    per-example gradients; and, for the whole model,

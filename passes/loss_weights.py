@@ -6,7 +6,8 @@ Contract: each helper takes the IR ``g``, the op ``node`` on the loss's
 path, its ``inputs`` and ``params`` (the nodes that depend on trainable
 variables) and returns the path tensor to walk on, or raises
 ``LossNotFoundError`` naming the op. A weight is data: it never reads a
-variable (trainable or not: a loss scale held in a variable is refused), so the loss stays linear in its terms and token ``t`` of
+variable (trainable or not: a loss scale held in a variable is refused),
+so the loss stays linear in its terms and token ``t`` of
 example ``i`` weighs ``dL/dterms[i, t]`` with the data held fixed.
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Per-token (sequence) losses read from the graph, on a token model
 (Embedding -> Dense -> Dense) and an LSTM language model (the slower LSTM
-cases under -m slow): targets [B, T], logits [B, T, V], each form a user writes (tf.nn, Keras losses and ops, flattened
+cases under -m slow): targets [B, T], logits [B, T, V], each form a user
+writes (tf.nn, Keras losses and ops, flattened
 to [B*T, V], one-hot, Bernoulli, squared error), each reduction (mean over
 tokens, sum, mean over tokens then batch, a padding-masked mean, Keras
 sample_weight and ignore_class).
