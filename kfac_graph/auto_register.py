@@ -110,7 +110,8 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
         logging.warning("kfac_graph: %d variable(s) match no layer pattern and are registered "
                         "as generic: %s", len(generic), ", ".join(generic))
     lm = result.loss
-    loss = LossSpec(lm.kind, lm.reduction, lm.output, lm.targets, lm.scale)
+    loss = LossSpec(lm.kind, lm.reduction, lm.output, lm.targets, lm.scale, lm.weights,
+                    lm.divisors)
     placeholders = {node: user_variable(traced.objects[key])
                     for node, key in traced.placeholder_variables.items() if key in traced.objects}
     reads, handles = {}, {}

@@ -65,12 +65,27 @@ class LossSpec:
     ``L = scale * (1/B) * sum_i -log p(y_i | z_i)`` for ``reduction="mean"``
     (drop the ``1/B`` for ``"sum"``); ``output`` names ``z`` (logits for
     categorical and bernoulli, the mean for normal, whose variance is 1/2),
-    ``targets`` names ``y``."""
+    ``targets`` names ``y``.
+
+    A per-token loss (``z`` ``[B, T, K]``, targets ``[B, T]``) has
+    ``l_i = sum_t w_it * -log p(y_it | z_it)``: ``weights`` names the data
+    tensors the terms are multiplied (or masked) by, ``divisors`` those the
+    loss is divided by (the ``sum(w)`` of a masked mean, a batch statistic
+    held constant for the batch); ``w_it`` is read at run time as the loss's
+    derivative by token ``it``'s term (``LayerTaps.token_weights``), and is 1
+    when both are empty."""
     kind: str
     reduction: str = "mean"
     output: str | None = None
     targets: str | None = None
     scale: float = 1.0
+    weights: tuple[str, ...] = ()
+    divisors: tuple[str, ...] = ()
+
+    @property
+    def weighted(self) -> bool:
+        """Whether tokens (or examples) carry weights read from data."""
+        return bool(self.weights or self.divisors)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -128,7 +143,9 @@ class Registration:
         out.append(f"loss: {loss.kind}, {loss.reduction} over the batch"
                    + (f", scale {loss.scale:g}" if loss.scale != 1.0 else "")
                    + (f"; output {loss.output}" if loss.output else "")
-                   + (f"; targets {loss.targets}" if loss.targets else ""))
+                   + (f"; targets {loss.targets}" if loss.targets else "")
+                   + (f"; weights {', '.join(loss.weights)}" if loss.weights else "")
+                   + (f"; divided by {', '.join(loss.divisors)}" if loss.divisors else ""))
         for layer in self.layers:
             if layer.reason:
                 out.append(f"{layer.kind} {layer.name}: {layer.reason}")

@@ -23,7 +23,10 @@ output, the vector-Jacobian products ``v_i^T dz_i/ds_i``.
 ``batch_size`` is the registration's batch B (the arguments' leading axis),
 which every per-example result is checked against (``kfac_graph.invariants``);
 ``per_example_loss`` is ``[B]`` (a per-token loss flattened to ``[B*T]`` is
-summed per example) or None, with ``per_example_problem`` saying why. A
+summed per example; weighted by the tokens' weights) or None, with
+``per_example_problem`` saying why; ``token_weights``: for a loss with
+data weights (``LossSpec.weighted``), each token's weight ``w_it`` laid out
+like the model output's tokens (``kfac_graph.token_weights``), else None. A
 ``tf.py_function`` in the graph re-runs its Python function for each
 backward pass (``_callback_gradient``; see ``passes/callbacks.py``), and a
 grouped ``Conv2D`` gets a gradient the CPU can run (``grouped_conv_grad``).
@@ -36,7 +39,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 from tensorflow.python.ops import script_ops
 
-from kfac_graph import grouped_conv_grad, invariants, layers
+from kfac_graph import grouped_conv_grad, invariants, layers, token_weights
 from kfac_graph.registration import Registration
 from passes.errors import KfacGraphError
 
@@ -53,6 +56,7 @@ class LayerTaps:
     variable_reads: dict
     batch: Any = None
     per_example_problem: str = ""
+    token_weights: tf.Tensor | None = None
 
     @classmethod
     def build(cls, registration: Registration, args: Sequence[Any],
@@ -107,11 +111,16 @@ class LayerTaps:
         model_output = tensors.get(loss_spec.output) if loss_spec.output else None
         batch = _batch_of(flat_args, model_output)
         per_example, problem = None, "the loss pass found no per-example loss terms"
+        weights = None
         if reg.per_example_loss:
-            per_example, problem = _per_example_terms(tensors[reg.per_example_loss], batch,
-                                                      model_output)
-        if per_example is not None:
-            per_example = per_example * tf.cast(reg.per_example_coefficient, per_example.dtype)
+            terms, coefficient = tensors[reg.per_example_loss], reg.per_example_coefficient
+            if loss_spec.weighted:
+                weights, terms = token_weights.read(reg, tensors[reg.output], terms,
+                                                    model_output, batch)
+                coefficient = 1.0
+            per_example, problem = _per_example_terms(terms, batch, model_output)
+            if per_example is not None:
+                per_example = per_example * tf.cast(coefficient, per_example.dtype)
         return cls(
             registration=reg, loss=tensors[reg.output],
             model_output=model_output,
@@ -120,7 +129,8 @@ class LayerTaps:
             inputs=tuple(tuple(tuple(tensors[t] for t in use) for use in layer.inputs)
                          for layer in reg.layers),
             outputs=tuple(tuple(tensors[t] for t in layer.outputs) for layer in reg.layers),
-            variable_reads=reads, batch=batch, per_example_problem=problem)
+            variable_reads=reads, batch=batch, per_example_problem=problem,
+            token_weights=weights)
 
     @property
     def batch_size(self):

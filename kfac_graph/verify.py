@@ -8,8 +8,10 @@ Per registered layer (``verify_report.VerifyReport`` holds the rows):
    of ``fn`` by ``tf.GradientTape``;
 2. ``one-example``: for ``examples`` sampled indices ``i``, entry ``i`` equals
    the gradient of ``fn`` on the batch of one ``args[i:i+1]`` (every argument
-   whose axis 0 is the batch is sliced). Skipped when a layer couples the
-   examples (batch normalisation in training mode): then no layer's entry
+   whose axis 0 is the batch is sliced); for a loss with data weights, times
+   the ratio of the example's token weights in the batch to those on its own
+   (``verify_weights``). Skipped when a layer couples the examples (batch
+   normalisation in training mode): then no layer's entry
    is a batch-of-one gradient, each is the example's contribution;
 3. ``norms``: the rule's per-example norms equal the norms of the layer's
    per-example gradients; and, for the whole model,
@@ -39,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from kfac_graph import layers
-from kfac_graph import verify_fisher
+from kfac_graph import verify_fisher, verify_weights
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.per_example.gradients import model_norms, per_layer_results
 from kfac_graph.per_example.rules import default_registry
@@ -101,6 +103,10 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
             try:
                 ones = {i: [g.numpy() for g in gradient(*_slice(args, batch, i))]
                         for i in picked}
+                if reg.loss.weighted:
+                    ones, one_error = verify_weights.rescaled(
+                        fn, reg, args, ones, {i: _slice(args, batch, i) for i in ones}, tol)
+                    one_note = "token weights" if one_error else ""
             except (tf.errors.OpError, ValueError, TypeError) as e:
                 one_note = "fn fails on a batch of one"
                 one_error = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -373,7 +379,9 @@ def _notes(reg, coupling, one_error):
                      "to the batch gradient, not a batch-of-one gradient, so one-example is "
                      "skipped (call the model with training=False to check it)")
     elif one_error:
-        notes.append(f"one-example skipped: fn fails on a batch of one: {one_error}")
+        notes.append(verify_weights.skip_note(one_error)
+                     or f"one-example skipped: fn fails on a batch of one: {one_error}")
+    notes += verify_weights.notes(reg, one_error)
     narrowing = _narrowing(reg)
     if narrowing:
         op, wide, narrow = narrowing[0]

@@ -12,9 +12,11 @@ targets), with ``J_i v`` from double-backward Jacobian-vector products
 gradient made dense), no per-example rule involved.
 
 The full block is exact (and so checked) only when no layer couples the
-examples, the model output is ``[B, K]`` (with positions, exact mode shares
-one Fisher-square-root column among them), and the layer has at most
-``max_params`` parameters (the block is a dense ``[n, n]`` matrix); other
+examples, the model output is ``[B, K]``, or in exact mode has positions
+and at most ``MAX_COLUMNS`` positions times classes (the estimator takes one
+Fisher-square-root column per position and class, ``position_columns=
+"separate"``; a per-token loss's weights enter both sides), and the layer
+has at most ``max_params`` parameters (the block is a dense ``[n, n]`` matrix); other
 layers get a placeholder block that computes nothing.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from kfac_graph import token_weights
 from kfac_graph.fisher.block_choice import ALIASES, PER_EXAMPLE
 from kfac_graph.fisher.blocks_base import FisherBlock
 from kfac_graph.fisher.distributions import make_distribution
@@ -29,6 +32,8 @@ from kfac_graph.fisher.estimator import FisherEstimator
 from kfac_graph.taps import LayerTaps
 from kfac_graph.verify_report import Check
 from passes import ir
+
+MAX_COLUMNS = 256  # positions x classes: one backward pass each
 
 MODES = ("exact", "empirical")
 
@@ -53,15 +58,20 @@ def _unchecked_generic(var_shapes, attrs=None, **options):
     return _UncheckedGeneric(var_shapes, attrs, **options)
 
 
-def skip_reason(reg, layer, coupled: bool, max_params: int) -> str:
+def skip_reason(reg, layer, coupled: bool, max_params: int, mode: str = "exact") -> str:
     """Why the full block of ``layer`` is not exact here ("" when it is)."""
     if coupled:
         return "couples examples"
     if reg.loss.output is None:
         return "no model output"
     shape = ir.shape_of(reg.ir, reg.loss.output) if reg.ir is not None else None
-    if shape is None or len(shape) != 2:
+    if shape is None or any(d is None for d in shape[1:]):
+        return "output shape unknown"
+    columns = int(np.prod(shape[1:]))
+    if len(shape) != 2 and mode != "exact":
         return "output has positions"
+    if len(shape) != 2 and columns > MAX_COLUMNS:
+        return f"{columns:,} position columns > {MAX_COLUMNS}"
     if "full" not in ALIASES[layer.kind]:
         return "no full block"
     if layer.num_parameters > max_params:
@@ -73,7 +83,7 @@ def fisher_checks(fn, reg, args, mode, directions, rng, max_params, coupled, tol
     """One ``Check("fisher", ...)`` per layer of ``reg``. The estimator and
     the reference are built once per registration, mode and set of checked
     layers (``fn.derived``); the directions are their arguments."""
-    reasons = [skip_reason(reg, layer, coupled, max_params) for layer in reg.layers]
+    reasons = [skip_reason(reg, layer, coupled, max_params, mode) for layer in reg.layers]
     checked = tuple(k for k, r in enumerate(reasons) if not r)
     out = [Check("fisher", "skipped", note=r) for r in reasons]
     if not checked or directions < 1:
@@ -87,7 +97,8 @@ def fisher_checks(fn, reg, args, mode, directions, rng, max_params, coupled, tol
         # decay 0: each update replaces the statistics (the debiased average
         # of one batch is that batch's estimate)
         estimator = FisherEstimator(fn, estimation_mode=mode, approximations=approximations,
-                                    damping=0.0, cov_ema_decay=0.0)
+                                    damping=0.0, cov_ema_decay=0.0,
+                                    position_columns="separate")
         cached = fn.derived[key] = (estimator, _quadratic_forms(reg, mode, checked))
     estimator, forms = cached
     estimator.update(*args)
@@ -124,16 +135,21 @@ def _quadratic_forms(reg, mode, checked):
         z0 = tf.stop_gradient(z)
         dist = make_distribution(reg.loss.kind, z0)
         batch = tf.cast(tf.shape(z)[0], z.dtype)
+        weights, kind = taps.token_weights, reg.loss.kind
         if mode == "empirical":
             y = taps.targets if taps.targets is not None else tf.zeros_like(z0)
             c = tf.gradients(-tf.reduce_sum(dist.log_prob(tf.stop_gradient(y))), z0)[0]
+            c = token_weights.scaled(weights, kind, c)
         w = tf.zeros_like(z)
         rows = []
         for k, layer_directions in zip(checked, directions):
             forms = []
             for jv in _jacobian_vector_products(z, w, reg.layers[k].variables, layer_directions):
                 if mode == "exact":
-                    form = tf.reduce_sum(jv * dist.multiply_fisher(jv))
+                    fjv = dist.multiply_fisher(jv)
+                    if weights is not None:
+                        fjv = token_weights.per_output(weights, kind, fjv) * fjv
+                    form = tf.reduce_sum(jv * fjv)
                 else:
                     form = tf.reduce_sum(tf.square(tf.reduce_sum(c * jv, axis=-1)))
                 forms.append(tf.cast(form / batch, tf.float64))

@@ -1,6 +1,9 @@
 """The errors the pass raises: one documented family, one line each."""
 
 
+LOSS_HOW_TO = 'name it explicitly: kg.auto_register(loss="categorical"|"bernoulli"|"normal")'
+
+
 class KfacGraphError(ValueError):
     """Base class: bad input to kfac_graph. The message is one line that names
     the op, layer, function or variable at fault."""

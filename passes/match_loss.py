@@ -20,7 +20,19 @@ per-example negative log-likelihood, and returns
 - ``terms`` / ``terms_coefficient``: the tensor of per-element loss terms
   (batch axis first) and the constant ``k`` with ``L = k * (1/B) * sum``
   (mean) or ``k * sum`` (sum) of all of them, so example i's own term is
-  ``k * sum(terms[i])``.
+  ``k * sum(terms[i])``;
+- ``weights`` / ``divisors``: data tensors (computed from the arguments and
+  constants, never from the variables) the terms are multiplied by or the
+  loss is divided by on the way: per-token (or per-example) weights such as
+  a padding mask or Keras's ``sample_weight``, a ``tf.where(mask, terms, 0)``
+  (Keras's ``ignore_class``; the mask is the weight), and a data divisor
+  such as the ``sum(w)`` of a masked mean ``sum(l * w) / sum(w)``. The loss
+  stays linear in the terms, so token t of example i weighs
+  ``dL/dterms[i, t]`` (the runtime reads it by one backward pass, holding
+  the data fixed): a divisor computed from the whole batch is a batch
+  statistic, treated as the constant it is for the batch. A weighted loss
+  without a mean over the batch (the masked mean) has ``reduction="sum"``:
+  its per-example terms, each divided by the batch's ``sum(w)``, sum to it.
 
 If it cannot read the loss it raises ``LossNotFoundError`` naming the op it
 stopped at; ``kind`` given explicitly is always accepted (with the output and
@@ -33,12 +45,13 @@ import dataclasses
 import networkx as nx
 import numpy as np
 
-from passes import ir
-from passes.errors import LossNotFoundError
+from passes import ir, loss_weights
+from passes.errors import LOSS_HOW_TO, LossNotFoundError
+from passes.loss_constants import const_operand, evaluate, from_shapes
 
 KINDS = ("categorical", "bernoulli", "normal")
 _PASS_THROUGH = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity", "Cast"})
-_HOW_TO = ('name it explicitly: kg.auto_register(loss="categorical"|"bernoulli"|"normal")')
+_HOW_TO = LOSS_HOW_TO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +64,8 @@ class LossMatch:
     op: str | None = None
     terms: str | None = None
     terms_coefficient: float = 1.0
+    weights: tuple[str, ...] = ()
+    divisors: tuple[str, ...] = ()
 
 
 def match_loss(g: nx.DiGraph, kind: str | None = None) -> LossMatch:
@@ -73,6 +88,7 @@ def _walk(g: nx.DiGraph) -> LossMatch:
     batch = _batch_size(g)
     tensor = g.graph["output"]
     coefficient, batch_mean = 1.0, False
+    weights, divisors, weighted_at = [], [], []
     for _ in range(len(g)):
         node, index = ir.split_tensor(tensor)
         d = g.nodes[node]
@@ -84,9 +100,12 @@ def _walk(g: nx.DiGraph) -> LossMatch:
             if scale <= 0:
                 raise LossNotFoundError(f"the loss at op {node!r} is scaled by {scale:g}; {_HOW_TO}")
             targets = _unflatten(g, _through_casts(g, targets))
-            return LossMatch(kind, "mean" if batch_mean else "sum", _unflatten(g, output),
+            loss_weights.check_class_weights(g, kind, node, output, weighted_at)
+            return LossMatch(kind, "mean" if batch_mean else "sum",
+                             loss_weights.unmasked(g, _unflatten(g, output), params),
                              targets, float(scale), node,
-                             ir.tensor_name(node), float(coefficient))
+                             ir.tensor_name(node), float(coefficient),
+                             tuple(weights), tuple(divisors))
         if op == "Mean":
             axes, shape = _axes(g, node)
             if axes is None:
@@ -104,17 +123,31 @@ def _walk(g: nx.DiGraph) -> LossMatch:
         elif op == "Neg":
             coefficient, tensor = -coefficient, inputs[0]
         elif op == "Mul":
-            const, other = _const_operand(g, inputs)
+            const, other = const_operand(g, inputs)
             if const is None:
-                raise LossNotFoundError(f"op {node!r} multiplies two non-constant tensors; {_HOW_TO}")
+                weight, other = loss_weights.data_operand(g, node, inputs, params, "multiplies")
+                weights.append(weight)
+                weighted_at.append((node, weight, other))
+                tensor = other
+                continue
             coefficient, tensor = coefficient * const, other
+        elif op in ("Select", "SelectV2"):
+            tensor = loss_weights.masked(g, node, inputs, params)
+            weights.append(inputs[0])
+            weighted_at.append((node, inputs[0], tensor))
         elif op in ("RealDiv", "Div", "DivNoNan"):
-            divisor = _evaluate(g, inputs[1])
+            divisor = evaluate(g, inputs[1])
             if divisor is None:
-                if _from_shapes(g, inputs[1]):
+                if from_shapes(g, inputs[1]):
                     batch_mean, tensor = True, inputs[0]
                     continue
-                raise LossNotFoundError(f"op {node!r} divides by a non-constant; {_HOW_TO}")
+                if ir.split_tensor(inputs[1])[0] in params:
+                    raise LossNotFoundError(f"op {node!r} divides by a tensor that depends on "
+                                            f"the variables; {_HOW_TO}")
+                loss_weights.check_data(g, node, inputs[1], "divides by a tensor")
+                divisors.append(inputs[1])
+                tensor = inputs[0]
+                continue
             divisor = float(np.asarray(divisor).reshape(()))
             if batch and divisor >= batch and divisor % batch == 0 and not batch_mean:
                 batch_mean = True
@@ -220,7 +253,7 @@ def _one_minus(g, tensor):
     node = g.nodes[ir.split_tensor(tensor)[0]]
     if node["op"] != "Sub":
         return None
-    one = _evaluate(g, node["inputs"][0])
+    one = evaluate(g, node["inputs"][0])
     if one is None or np.size(one) != 1 or float(np.asarray(one).reshape(())) != 1.0:
         return None
     return node["inputs"][1]
@@ -235,7 +268,7 @@ def _input_of(g, tensor, op, renormalised=False):
         if node["op"] == op:
             return node["inputs"][0]
         if node["op"] in ("Minimum", "Maximum"):
-            _, tensor = _const_operand(g, node["inputs"])
+            _, tensor = const_operand(g, node["inputs"])
             if tensor is None:
                 return None
         elif renormalised and node["op"] in ("RealDiv", "Div"):
@@ -300,55 +333,6 @@ def _unflatten(g, tensor: str) -> str:
             len(after) == 1 or tuple(before[-1:]) == tuple(after[-1:])):
         return source
     return tensor
-
-
-def _const_operand(g, inputs):
-    for k, t in enumerate(inputs):
-        value = _evaluate(g, t)
-        if value is not None and np.size(value) == 1:
-            return float(np.asarray(value).reshape(())), inputs[1 - k]
-    return None, None
-
-
-_FOLD = {
-    "Prod": lambda v, x: np.prod(v[0], axis=_axis(x[1]) if x[1] is not None else None),
-    "Cast": lambda v, x: v[0], "Identity": lambda v, x: v[0],
-    "Mul": lambda v, x: v[0] * v[1], "RealDiv": lambda v, x: v[0] / v[1],
-    "Maximum": lambda v, x: np.maximum(v[0], v[1]), "Sub": lambda v, x: v[0] - v[1],
-    "AddV2": lambda v, x: v[0] + v[1],
-}
-
-
-def _axis(value):
-    return tuple(np.atleast_1d(value).tolist())
-
-
-def _evaluate(g, tensor, depth=0):
-    """The value of a tensor computed from constants and static shapes, or None."""
-    if depth > 16:
-        return None
-    node, index = ir.split_tensor(tensor)
-    d = g.nodes[node]
-    value = ir.const_value(g, tensor)
-    if value is not None:
-        return value
-    if d["op"] in ("Shape", "Size"):
-        shape = ir.shape_of(g, d["inputs"][0])
-        if shape is None or any(s is None for s in shape):
-            return None
-        return np.array(shape) if d["op"] == "Shape" else np.prod(shape)
-    fold = _FOLD.get(d["op"])
-    if fold is None:
-        return None
-    values = [_evaluate(g, t, depth + 1) for t in d["inputs"]]
-    if any(v is None for v in values):
-        return None
-    return fold(values, values)
-
-
-def _from_shapes(g, tensor) -> bool:
-    node = ir.split_tensor(tensor)[0]
-    return any(g.nodes[n]["op"] in ("Shape", "Size") for n in nx.ancestors(g, node) | {node})
 
 
 def _axes(g, node):

@@ -19,7 +19,16 @@ every layer use's output gradient ``g = v^T dz/ds``:
 - ``"exact"``: the columns of the Fisher square root ``S_i`` (``F_i = S_i
   S_i^T``), summed. Exact for outputs ``[B, K]``; with more output axes
   (positions) one column index is shared by all positions, as in
-  tensorflow/kfac, which leaves out no term but adds cross-position ones.
+  tensorflow/kfac, which leaves out no term but adds cross-position ones
+  (exact for layers applied position by position up to the output, not
+  for the full block of a layer whose per-example gradient sums positions);
+  ``position_columns="separate"`` takes one column per position and
+  class, ``T K`` backward passes, and is exact.
+
+A per-token loss with data weights (a padding mask, ``sample_weight``, a
+masked mean) weighs each token's cotangent by ``sqrt(w_it)``
+(``kfac_graph.token_weights``): ``F = (1/B) sum_i sum_t w_it J_it^T F_it
+J_it``.
 
 ``max_factor_size`` (default ``DEFAULT_MAX_FACTOR_SIZE``, 4096; None: no
 budget): a Kronecker factor wider than it keeps only its diagonal (a
@@ -46,8 +55,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from kfac_graph import options
-from kfac_graph import invariants
+from kfac_graph import invariants, options, token_weights
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher import ema
 from kfac_graph.fisher import report
@@ -60,6 +68,7 @@ from kfac_graph.taps import LayerTaps, layer_operands
 from passes.errors import KfacGraphError
 
 MODES = ("sampled", "empirical", "exact")
+POSITION_COLUMNS = ("shared", "separate")
 # Called from a user's tf.function, AutoGraph would otherwise convert the
 # registration pass (plain Python over networkx graphs) too.
 _plain_python = tf.autograph.experimental.do_not_convert
@@ -92,15 +101,18 @@ class FisherEstimator(tf.Module):
                "damping": options.Real(0.0, dynamic=True),
                "cov_ema_decay": options.Real(0.0, 1.0, high_open=True, dynamic=True),
                "seed": options.Integer(),
-               "max_factor_size": options.Integer(1, none=True)}
+               "max_factor_size": options.Integer(1, none=True),
+               "position_columns": options.OneOf(POSITION_COLUMNS)}
 
     def __init__(self, fn, estimation_mode: str = "sampled", num_samples: int = 1,
                  damping=1e-3, cov_ema_decay: float = 0.95, approximations=None,
                  seed: int = 0, max_factor_size: int | None = DEFAULT_MAX_FACTOR_SIZE,
-                 name: str | None = None):
+                 name: str | None = None, position_columns: str = "shared"):
         given = options.check_all("kg.FisherEstimator", self.OPTIONS, dict(
             estimation_mode=estimation_mode, num_samples=num_samples, damping=damping,
-            cov_ema_decay=cov_ema_decay, seed=seed, max_factor_size=max_factor_size))
+            cov_ema_decay=cov_ema_decay, seed=seed, max_factor_size=max_factor_size,
+            position_columns=position_columns))
+        self.position_columns = position_columns
         super().__init__(name=name or "fisher_estimator")
         self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
         self.estimation_mode = estimation_mode
@@ -272,34 +284,52 @@ class FisherEstimator(tf.Module):
 
     def _cotangents(self, reg, taps):
         """The cotangents at ``z`` and, per source, the ``[B]`` per-example
-        scalars whose parameter gradients are the per-example gradients."""
+        scalars whose parameter gradients are the per-example gradients
+        (``sum z . c`` with the cotangent ``c`` held fixed). Each token's
+        cotangent is scaled by the square root of its weight
+        (``kfac_graph.token_weights``; a masked token contributes nothing)."""
         z = at_least_float32(taps.model_output)
         batch_axes = list(range(1, z.shape.rank - 1))
         per_example = lambda t: tf.reduce_sum(t, axis=batch_axes) if batch_axes else t
         z0 = tf.stop_gradient(z)
-        dist0 = make_distribution(reg.loss.kind, z0)
+        kind, w = reg.loss.kind, taps.token_weights
+        dist0 = make_distribution(kind, z0)
         if self.estimation_mode == "exact":
-            columns = [tf.stop_gradient(c) for c in dist0.sqrt_fisher_columns()]
-            return columns, [per_example(tf.reduce_sum(z * c, axis=-1)) for c in columns]
-        if self.estimation_mode == "empirical":
-            y = taps.targets if taps.targets is not None else tf.zeros_like(z0)
-            targets = [tf.stop_gradient(y)]
+            cotangents = [token_weights.scaled(w, kind, c) for c in self._exact_columns(dist0, z0)]
         else:
-            # int32 seeds: XLA has no StatelessMultinomial kernel for int64 ones.
-            first = tf.cast(self._counter.read_value() * self.num_samples, tf.int32)
-            seeds = [_per_replica(tf.stack([tf.constant(self.seed, tf.int32), first + s]))
-                     for s in range(self.num_samples)]
-            targets = [tf.stop_gradient(dist0.sample(seed)) for seed in seeds]
-        dist = make_distribution(reg.loss.kind, z)
-        # S samples, each scaled by 1/sqrt(S): the sums over sources are means
-        weight = tf.constant(len(targets) ** -0.5, z.dtype)
-        cotangents, terms = [], []
-        for y in targets:
-            cotangent = tf.gradients(-tf.reduce_sum(dist0.log_prob(y)), z0)[0]
-            term = per_example(-dist.log_prob(y))
-            cotangents.append(cotangent if len(targets) == 1 else weight * cotangent)
-            terms.append(term if len(targets) == 1 else weight * term)
-        return cotangents, terms
+            if self.estimation_mode == "empirical":
+                y = taps.targets if taps.targets is not None else tf.zeros_like(z0)
+                targets = [tf.stop_gradient(y)]
+            else:
+                # int32 seeds: XLA has no StatelessMultinomial kernel for int64 ones.
+                first = tf.cast(self._counter.read_value() * self.num_samples, tf.int32)
+                seeds = [_per_replica(tf.stack([tf.constant(self.seed, tf.int32), first + s]))
+                         for s in range(self.num_samples)]
+                targets = [tf.stop_gradient(dist0.sample(seed)) for seed in seeds]
+            # S samples, each scaled by 1/sqrt(S): the sums over sources are means
+            weight = tf.constant(len(targets) ** -0.5, z.dtype)
+            cotangents = []
+            for y in targets:
+                c = tf.gradients(-tf.reduce_sum(dist0.log_prob(y)), z0)[0]
+                c = token_weights.scaled(w, kind, c)
+                cotangents.append(c if len(targets) == 1 else weight * c)
+        cotangents = [tf.stop_gradient(c) for c in cotangents]
+        return cotangents, [per_example(tf.reduce_sum(z * c, axis=-1)) for c in cotangents]
+
+    def _exact_columns(self, dist, z):
+        """The Fisher square root's columns at ``z``: ``K`` of them shared by
+        all positions, or with ``position_columns="separate"`` one per
+        position and class (``T K``), each zero outside its position."""
+        columns = dist.sqrt_fisher_columns()
+        if self.position_columns == "shared" or z.shape.rank <= 2:
+            return columns
+        positions = z.shape[1:-1]
+        if not positions.is_fully_defined():
+            raise KfacGraphError(f"exact Fisher with position_columns='separate': the model "
+                                 f"output's positions {positions} are not known when tracing")
+        n = positions.num_elements()
+        return [c * tf.reshape(tf.one_hot(p, n, dtype=c.dtype), [1, *positions.as_list(), 1])
+                for p in range(n) for c in columns]
 
 
 def _batch_first_operands(layer, uses, batch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from kfac_graph import token_weights
 from kfac_graph.fisher import at_least_float32, make_distribution
 from kfac_graph.taps import LayerTaps
 
@@ -43,11 +44,20 @@ def jacobian_vector_products(registration, args, vectors, taps=None):
 
 def quadratic_forms(registration, args, vectors, taps=None):
     """``[[u_a . F u_b]]`` over ``vectors`` (each a list aligned with the
-    registration's variables); ``taps`` as for ``jacobian_vector_products``."""
+    registration's variables); ``taps`` as for ``jacobian_vector_products``.
+    A weighted per-token loss weighs each token's ``F_it`` by its ``w_it``
+    (``kfac_graph.token_weights``)."""
+    if taps is None:
+        inner = tf.nest.map_structure(
+            lambda a: tf.identity(a) if isinstance(a, tf.Tensor) else a, args)
+        taps = LayerTaps.build(registration, inner)
     jvs, z = jacobian_vector_products(registration, args, vectors, taps)
     jvs, z = [at_least_float32(jv) for jv in jvs], at_least_float32(z)
-    dist = make_distribution(registration.loss.kind, tf.stop_gradient(z))
+    kind = registration.loss.kind
+    dist = make_distribution(kind, tf.stop_gradient(z))
     batch = tf.cast(tf.shape(z)[0], z.dtype)
     fjvs = [dist.multiply_fisher(jv) for jv in jvs]
+    if taps.token_weights is not None:
+        fjvs = [token_weights.per_output(taps.token_weights, kind, f) * f for f in fjvs]
     n = len(vectors)
     return [[tf.reduce_sum(jvs[a] * fjvs[b]) / batch for b in range(n)] for a in range(n)]
