@@ -156,7 +156,8 @@ def noise_for_epsilon(target_epsilon: float, delta: float, *, epochs: float | No
     epsilon at ``delta`` after the planned ``epochs`` (or ``steps``) is at most
     ``target_epsilon``: ``epsilon(noise_for_epsilon(e, ...), ...) <= e``.
     Epsilon falls as the noise grows, so a bracket then bisection in
-    ``log sigma`` finds it."""
+    ``log sigma`` finds it (for PLD, started from the RDP answer, an upper
+    bound, since each PLD evaluation takes seconds at small noise)."""
     if not target_epsilon > 0:
         raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}")
     s = Sampling.make(sampling, sample_rate, num_examples, batch_size)
@@ -169,17 +170,39 @@ def noise_for_epsilon(target_epsilon: float, delta: float, *, epochs: float | No
                        num_examples=s.num_examples, batch_size=s.batch_size,
                        sampling=s.kind, accountant=accountant)
 
-    lo, hi = 1.0, 1.0
-    while eps(hi) > target_epsilon:
-        lo, hi = hi, hi * 2.0
+    start = 1.0
+    if accountant == "pld":  # PLD's epsilon is below RDP's bound: start from RDP's answer
+        start = noise_for_epsilon(target_epsilon, delta, steps=n_steps, sample_rate=s.rate,
+                                  num_examples=s.num_examples, batch_size=s.batch_size,
+                                  sampling=s.kind, accountant="rdp", rtol=rtol)
+    lo, hi = start, start
+    e_lo = e_hi = eps(start)
+    while e_hi > target_epsilon:
+        lo, e_lo, hi = hi, e_hi, hi * 2.0
         if hi > 1e6:
             raise ValueError(f"no noise multiplier up to 1e6 reaches epsilon "
                              f"{target_epsilon} at delta {delta}")
-    if lo == hi:
-        while eps(lo) <= target_epsilon:
-            hi, lo = lo, lo / 2.0
-            if lo < 1e-3:
-                return hi
+        e_hi = eps(hi)
+    while e_lo <= target_epsilon:
+        hi, e_hi, lo = lo, e_lo, lo / 1.5
+        if lo < 1e-3:
+            return hi
+        e_lo = eps(lo)
+    last = None
+    while hi / lo > 1.0 + rtol:
+        # interpolate log epsilon in log sigma; bisect when one end moved twice
+        t, a, b = math.log(target_epsilon), math.log(e_lo), math.log(max(e_hi, 1e-300))
+        frac = (a - t) / (a - b) if a > b else 0.5
+        frac = min(max(frac, 0.1), 0.9) if last != "same" else 0.5
+        mid = lo * (hi / lo) ** frac
+        e_mid = eps(mid)
+        side = "hi" if e_mid <= target_epsilon else "lo"
+        last = "same" if side == last else side
+        if side == "hi":
+            hi, e_hi = mid, e_mid
+        else:
+            lo, e_lo = mid, e_mid
+    return hi
     while hi / lo > 1.0 + rtol:
         mid = math.sqrt(lo * hi)
         if eps(mid) <= target_epsilon:

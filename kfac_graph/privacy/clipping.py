@@ -139,24 +139,27 @@ def _thresholds(l2_norm_clip, names, what):
 
 
 def group_squared_norms(plan_: ClipPlan, layer_squared_norms) -> list:
-    """Per group, ``[B]``: the sum of its layers' squared norms."""
-    return [tf.add_n([tf.cast(layer_squared_norms[i], tf.float32) for i in g])
+    """Per group, ``[B]``: the sum of its layers' squared norms (float64 if any
+    layer's is, else float32)."""
+    dtype = (tf.float64 if any(t.dtype == tf.float64 for t in layer_squared_norms)
+             else tf.float32)
+    return [tf.add_n([tf.cast(layer_squared_norms[i], dtype) for i in g])
             for g in plan_.groups]
 
 
 def clip_weights(plan_: ClipPlan, squared_norms, thresholds, mask=None) -> list:
-    """Per group, ``[B]`` float32 weights ``w_{i,k}`` (module docstring);
-    ``thresholds``: ``[G]``; ``mask``: ``[B]`` or None."""
+    """Per group, ``[B]`` weights ``w_{i,k}`` (module docstring) in the norms'
+    dtype; ``thresholds``: ``[G]``; ``mask``: ``[B]`` or None."""
     out = []
     for k, sq in enumerate(squared_norms):
-        norms = tf.sqrt(tf.cast(sq, tf.float32))
-        c = thresholds[k]
+        norms = tf.sqrt(sq)
+        c = tf.cast(thresholds[k], sq.dtype)
         if plan_.automatic:
-            w = c / (norms + plan_.gamma)
+            w = c / (norms + tf.cast(plan_.gamma, sq.dtype))
         else:
-            w = tf.minimum(1.0, c / tf.maximum(norms, 1e-12))
+            w = tf.minimum(tf.cast(1.0, sq.dtype), c / tf.maximum(norms, 1e-12))
         if mask is not None:
-            w = w * tf.cast(mask, tf.float32)
+            w = w * tf.cast(mask, sq.dtype)
         out.append(w)
     return out
 
