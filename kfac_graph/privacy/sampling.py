@@ -90,7 +90,7 @@ def poisson_batches(data, rate: float, *, steps: int | None = None, seed: int | 
     tensors, n = _in_memory(data)
     sampling = Sampling.make("poisson", sample_rate=rate, num_examples=n)
     steps = _steps(steps, sampling)
-    m = pad_multiple or max(1, math.ceil(math.sqrt(rate * n)))
+    m = max(1, math.ceil(math.sqrt(rate * n))) if pad_multiple is None else pad_multiple
     if isinstance(m, bool) or not float(m).is_integer() or m < 1:
         raise ValueError(f"pad_multiple must be an integer >= 1, got {pad_multiple!r}")
     m = int(m)
