@@ -85,8 +85,8 @@ def dp_gradients(fn, *args, l2_norm_clip, noise_multiplier: float, seed=None,
     key = noise_lib.fresh_key() if seed is None else tf.convert_to_tensor(seed, tf.int32)
     run = grad_lib.compiled(fn, reg, method, plan, mask is not None)
     mask = tf.zeros([0]) if mask is None else tf.convert_to_tensor(mask, tf.float32)
-    return list(run(plan.threshold_vector(), tf.cast(noise_multiplier, tf.float32), key,
-                    tf.constant(expected_batch_size or 0.0, tf.float32), mask, *args))
+    return list(run(plan.threshold_vector(), _as_float64(noise_multiplier), key,
+                    tf.constant(expected_batch_size or 0.0, tf.float64), mask, *args))
 
 
 class DPSGD:
@@ -182,3 +182,10 @@ def _sampling(sampling, sample_rate, num_examples, batch_size):
         return None
     return accounting.Sampling.make(sampling or "poisson", sample_rate, num_examples,
                                     batch_size)
+
+
+def _as_float64(value):
+    """A float64 scalar (``tf.cast`` would round a Python float to float32 first)."""
+    if tf.is_tensor(value) or isinstance(value, tf.Variable):
+        return tf.cast(value, tf.float64)
+    return tf.constant(value, tf.float64)

@@ -58,8 +58,9 @@ class ClipPlan:
         return (self.groups, self.automatic, self.gamma)
 
     def threshold_vector(self) -> tf.Tensor:
-        """``[G]`` float32 thresholds."""
-        return tf.stack([tf.cast(c, tf.float32) for c in self.thresholds])
+        """``[G]`` float64 thresholds (cast to each gradient's dtype where used)."""
+        return tf.stack([tf.cast(c, tf.float64) if tf.is_tensor(c) or isinstance(c, tf.Variable)
+                         else tf.constant(c, tf.float64) for c in self.thresholds])
 
 
 def plan(registration, clipping="flat", l2_norm_clip=1.0, automatic: bool = False,
@@ -166,4 +167,4 @@ def clip_weights(plan_: ClipPlan, squared_norms, thresholds, mask=None) -> list:
 
 def sensitivity(thresholds) -> tf.Tensor:
     """``sqrt(sum_k C_k^2)``: the L2 sensitivity of the clipped sum."""
-    return tf.sqrt(tf.reduce_sum(tf.square(tf.cast(thresholds, tf.float32))))
+    return tf.sqrt(tf.reduce_sum(tf.square(tf.cast(thresholds, tf.float64))))

@@ -30,7 +30,8 @@ from kfac_graph.taps import LayerTaps
 
 
 def compiled(fn, reg: Registration, method: str, plan: clip_lib.ClipPlan, masked: bool):
-    """``run(thresholds [G], noise_multiplier, key [2], denominator, mask, *args)``
+    """``run(thresholds [G] float64, noise_multiplier, key [2], denominator
+    float64, mask, *args)``
     -> gradients aligned with ``reg.variables``; cached on ``fn`` per
     registration, method, clipping structure and whether a mask is passed
     (``mask`` is ignored when ``masked`` is False; ``denominator <= 0``
@@ -65,12 +66,12 @@ def compiled(fn, reg: Registration, method: str, plan: clip_lib.ClipPlan, masked
                                             thresholds, mask)
             summed = [tf.tensordot(tf.cast(weights[group_of_layer[i]], g.dtype), g, axes=1)
                       for i, grads in enumerate(per_layer) for g in grads]
-        stddev = tf.cast(noise_multiplier, tf.float32) * clip_lib.sensitivity(thresholds)
+        stddev = tf.cast(noise_multiplier, tf.float64) * clip_lib.sensitivity(thresholds)
         noisy = [g + z for g, z in zip(summed, noise_lib.gaussian(summed, stddev, noise_key))]
         if reg.loss.reduction != "mean":
             return noisy
-        d = tf.cast(denominator, tf.float32)
-        d = tf.where(d > 0, d, tf.cast(batch, tf.float32))
+        d = tf.cast(denominator, tf.float64)
+        d = tf.where(d > 0, d, tf.cast(batch, tf.float64))
         return [g / tf.cast(d, g.dtype) for g in noisy]
 
     fn.derived[key] = run
