@@ -64,7 +64,7 @@ def test_a_dataset_pipeline_and_its_sampling_record():
     ds = tf.data.Dataset.from_tensor_slices((x, y)).map(lambda a, b: (a * 2.0, b))
     batches = kg.privacy.poisson_batches(ds, 0.2, seed=0)
     assert batches.privacy_sampling == kg.privacy.Sampling("poisson", 0.2, 100, 20.0)
-    assert len(list(batches)) == 5  # one epoch: ceil(1 / q) steps
+    assert len(list(batches)) == 5  # one epoch: floor(1 / q) steps
     xb, yb, mask = next(iter(batches))
     b = int(mask.numpy().sum())
     np.testing.assert_array_equal(xb.numpy()[:b], 2.0 * x[yb.numpy()[:b]])

@@ -29,7 +29,8 @@ examples on the first axis), as each step needs random access to all of them.
 The sampling randomness is secret and fresh: ``seed=None`` draws the seed
 from the operating system (``secrets``), and every pass over the dataset
 (``repeat``, each Keras epoch) draws new batches. ``steps``: batches per pass
-(default ``ceil(1/q)``, one epoch's worth).
+(default ``floor(1/q)``, at least 1: so ``E`` passes never take more steps
+than the ``ceil(E/q)`` that ``noise_for_epsilon(epochs=E)`` plans for).
 
 The returned dataset carries its sampler as ``dataset.privacy_sampling`` (an
 ``accounting.Sampling``), which ``kg.DPModel.fit`` reads; transformations of
@@ -142,7 +143,7 @@ def fixed_size_batches(data, batch_size: int, *, steps: int | None = None,
 
 def _steps(steps, sampling: Sampling) -> int:
     if steps is None:
-        return sampling.steps_for_epochs(1)
+        return max(1, int(math.floor(1.0 / sampling.rate + 1e-9)))
     if isinstance(steps, bool) or not float(steps).is_integer() or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     return int(steps)
