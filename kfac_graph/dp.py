@@ -70,14 +70,25 @@ def dp_gradients(fn, *args, l2_norm_clip, noise_multiplier: float, seed=None,
     (the default) draws a fresh key from the OS (``privacy/noise.py``).
     ``mask``: ``[B]``, 1 for real examples and 0 for padding; with a mask,
     a mean loss needs ``expected_batch_size`` (Poisson sampling's ``qN``)."""
-    options.check_all("kg.dp_gradients", OPTIONS, dict(
+    return privatize(fn, *args, l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+                     seed=seed, method=method, clipping=clipping,
+                     automatic_clipping=automatic_clipping, mask=mask,
+                     expected_batch_size=expected_batch_size, owner="kg.dp_gradients")[1]
+
+
+def privatize(fn, *args, l2_norm_clip, noise_multiplier, seed=None, method="auto",
+              clipping="flat", automatic_clipping=False, mask=None, expected_batch_size=None,
+              owner="kg.dp_gradients"):
+    """``(batch loss, dp_gradients(...))`` from one forward pass: the loss is
+    the non-private batch loss at the current weights."""
+    options.check_all(owner, OPTIONS, dict(
         noise_multiplier=noise_multiplier, method=method,
         expected_batch_size=expected_batch_size))
-    _check_clip("kg.dp_gradients", clipping, l2_norm_clip)
+    _check_clip(owner, clipping, l2_norm_clip)
     fn, reg = _registered(fn, args)
     plan = clip_lib.plan(reg, clipping, l2_norm_clip, automatic_clipping)
     if mask is not None and expected_batch_size is None and reg.loss.reduction == "mean":
-        raise ValueError("kg.dp_gradients: with a mask (padded Poisson batches) give "
+        raise ValueError(f"{owner}: with a mask (padded Poisson batches) give "
                          "expected_batch_size, the sampling rate times the data set size: "
                          "the mean must not divide by the drawn batch size")
     if method == "auto":
@@ -85,8 +96,9 @@ def dp_gradients(fn, *args, l2_norm_clip, noise_multiplier: float, seed=None,
     key = noise_lib.fresh_key() if seed is None else tf.convert_to_tensor(seed, tf.int32)
     run = grad_lib.compiled(fn, reg, method, plan, mask is not None)
     mask = tf.zeros([0]) if mask is None else tf.convert_to_tensor(mask, tf.float32)
-    return list(run(plan.threshold_vector(), _as_float64(noise_multiplier), key,
-                    tf.constant(expected_batch_size or 0.0, tf.float64), mask, *args))
+    loss, grads = run(plan.threshold_vector(), _as_float64(noise_multiplier), key,
+                      tf.constant(expected_batch_size or 0.0, tf.float64), mask, *args)
+    return loss, list(grads)
 
 
 class DPSGD:
@@ -136,15 +148,15 @@ class DPSGD:
 
     def _step_impl(self, *args, mask=None):
         reg = self.fn.registration(*args)
-        loss = self.fn.tf_function(*args)
         expected = None
         if self.sampling is not None and self.sampling.kind == "poisson":
             expected = self.sampling.batch_size
-        grads = dp_gradients(self.fn, *args, l2_norm_clip=self.l2_norm_clip,
-                             noise_multiplier=self.noise_multiplier,
-                             seed=self.noise.next_key(), method=self.method,
-                             clipping=self.clipping, automatic_clipping=self.automatic_clipping,
-                             mask=mask, expected_batch_size=expected)
+        loss, grads = privatize(self.fn, *args, l2_norm_clip=self.l2_norm_clip,
+                                noise_multiplier=self.noise_multiplier,
+                                seed=self.noise.next_key(), method=self.method,
+                                clipping=self.clipping,
+                                automatic_clipping=self.automatic_clipping, mask=mask,
+                                expected_batch_size=expected, owner="kg.DPSGD")
         for v, g in zip(reg.variables, grads):
             v.assign_sub(tf.cast(self.learning_rate, v.dtype) * tf.cast(g, v.dtype))
         self.iterations.assign_add(1)

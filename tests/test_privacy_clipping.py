@@ -162,3 +162,13 @@ def test_bad_clipping_is_a_one_line_error(clipping, clip, message):
         kg.dp_gradients(loss_fn, *args, l2_norm_clip=clip, noise_multiplier=0.0,
                         clipping=clipping)
     assert "\n" not in str(info.value)
+
+
+def test_the_noise_is_standard_normal():
+    from scipy import stats
+    for dtype in (tf.float32, tf.float64):
+        z = kg.privacy.noise.standard_normal([20001], tf.constant([3, 4]), dtype).numpy()
+        assert z.dtype == dtype.as_numpy_dtype and z.shape == (20001,)
+        assert stats.kstest(z, "norm").pvalue > 1e-3
+        pairs = z[:10000], z[10000:20000]  # the cos and sin halves are independent
+        assert abs(np.corrcoef(*pairs)[0, 1]) < 0.05
