@@ -33,32 +33,8 @@ import tensorflow as tf
 from kfac_graph import options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.privacy import accounting
-from kfac_graph.privacy import clipping as clip_lib
-from kfac_graph.privacy import gradients as grad_lib
 from kfac_graph.privacy import noise as noise_lib
-
-_METHODS = ("auto", "reweight", "materialize")
-# what each option takes (kfac_graph/options.py); a tensor passes unchecked
-OPTIONS = {"learning_rate": options.Real(0.0, low_open=True, dynamic=True),
-           "noise_multiplier": options.Real(0.0, dynamic=True),
-           "method": options.OneOf(_METHODS), "seed": options.Integer(),
-           "expected_batch_size": options.Real(0.0, low_open=True, none=True)}
-_CLIP = options.Real(0.0, low_open=True, dynamic=True)
-
-
-def _check_clip(owner, clipping, l2_norm_clip):
-    if isinstance(clipping, str) and clipping == "flat":
-        options.check(owner, "l2_norm_clip", l2_norm_clip, _CLIP)
-
-
-def _registered(fn, args):
-    fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
-    reg = fn.registration(*args)
-    if reg.per_example_loss is None:
-        raise ValueError(f"{fn.__name__}: the pass did not find the per-example loss terms, "
-                         "so examples cannot be clipped one by one")
-    return fn, reg
-
+from kfac_graph.privacy.privatize import OPTIONS, check_clip, privatize, sampling_from
 
 def dp_gradients(fn, *args, l2_norm_clip, noise_multiplier: float, seed=None,
                  method: str = "auto", clipping="flat", automatic_clipping: bool = False,
@@ -74,31 +50,6 @@ def dp_gradients(fn, *args, l2_norm_clip, noise_multiplier: float, seed=None,
                      seed=seed, method=method, clipping=clipping,
                      automatic_clipping=automatic_clipping, mask=mask,
                      expected_batch_size=expected_batch_size, owner="kg.dp_gradients")[1]
-
-
-def privatize(fn, *args, l2_norm_clip, noise_multiplier, seed=None, method="auto",
-              clipping="flat", automatic_clipping=False, mask=None, expected_batch_size=None,
-              owner="kg.dp_gradients"):
-    """``(batch loss, dp_gradients(...))`` from one forward pass: the loss is
-    the non-private batch loss at the current weights."""
-    options.check_all(owner, OPTIONS, dict(
-        noise_multiplier=noise_multiplier, method=method,
-        expected_batch_size=expected_batch_size))
-    _check_clip(owner, clipping, l2_norm_clip)
-    fn, reg = _registered(fn, args)
-    plan = clip_lib.plan(reg, clipping, l2_norm_clip, automatic_clipping)
-    if mask is not None and expected_batch_size is None and reg.loss.reduction == "mean":
-        raise ValueError(f"{owner}: with a mask (padded Poisson batches) give "
-                         "expected_batch_size, the sampling rate times the data set size: "
-                         "the mean must not divide by the drawn batch size")
-    if method == "auto":
-        method = "materialize" if any(l.kind == "generic" for l in reg.layers) else "reweight"
-    key = noise_lib.fresh_key() if seed is None else tf.convert_to_tensor(seed, tf.int32)
-    run = grad_lib.compiled(fn, reg, method, plan, mask is not None)
-    mask = tf.zeros([0]) if mask is None else tf.convert_to_tensor(mask, tf.float32)
-    loss, grads = run(plan.threshold_vector(), _as_float64(noise_multiplier), key,
-                      tf.constant(expected_batch_size or 0.0, tf.float64), mask, *args)
-    return loss, list(grads)
 
 
 class DPSGD:
@@ -124,7 +75,7 @@ class DPSGD:
         options.check_all("kg.DPSGD", OPTIONS, dict(
             learning_rate=learning_rate, noise_multiplier=noise_multiplier, method=method,
             **({} if seed is None else {"seed": seed})))
-        _check_clip("kg.DPSGD", clipping, l2_norm_clip)
+        check_clip("kg.DPSGD", clipping, l2_norm_clip)
         self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
         self.learning_rate = learning_rate
         self.l2_norm_clip = l2_norm_clip
@@ -133,7 +84,7 @@ class DPSGD:
         self.clipping = clipping
         self.automatic_clipping = automatic_clipping
         self.noise = noise_lib.NoiseSource(seed, secure_mode)
-        self.sampling = _sampling(sampling, sample_rate, num_examples, batch_size)
+        self.sampling = sampling_from(sampling, sample_rate, num_examples, batch_size)
         self._accountant = None
         self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="dpsgd_step")
         # autograph=False: nothing here branches on tensors, and autograph would
@@ -181,23 +132,3 @@ class DPSGD:
         return accounting.statement(self.noise_multiplier, delta, steps=int(self.iterations),
                                     sample_rate=s.rate, num_examples=s.num_examples,
                                     batch_size=s.batch_size, sampling=s.kind)
-
-
-def _sampling(sampling, sample_rate, num_examples, batch_size):
-    """An ``accounting.Sampling`` or None (nothing said about the sampler)."""
-    if isinstance(sampling, accounting.Sampling):
-        return sampling
-    if sample_rate is None and num_examples is None and batch_size is None:
-        if sampling not in (None, "poisson", "fixed"):
-            raise ValueError(f"sampling must be 'poisson', 'fixed' or a "
-                             f"kg.privacy.Sampling, got {sampling!r}")
-        return None
-    return accounting.Sampling.make(sampling or "poisson", sample_rate, num_examples,
-                                    batch_size)
-
-
-def _as_float64(value):
-    """A float64 scalar (``tf.cast`` would round a Python float to float32 first)."""
-    if tf.is_tensor(value) or isinstance(value, tf.Variable):
-        return tf.cast(value, tf.float64)
-    return tf.constant(value, tf.float64)

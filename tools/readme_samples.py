@@ -76,8 +76,14 @@ def verify_sample(program: str, head: int = 4, tail: int = 3) -> str:
     return "\n".join(lines[:top + 1] + rows + footer)
 
 
+def program_sample(program: str) -> str:
+    """What the python block before the sample prints."""
+    return _run(_IMPORTS + program).rstrip("\n")
+
+
 SAMPLES = {
     "main": Sample(main_sample, drifting=(r"^step ", r"^test accuracy")),
+    "privacy_statement": Sample(program_sample),
     "verify": Sample(verify_sample, drifting=(r" (ok|FAIL)$", r"^PASSED|^FAILED")),
 }
 

@@ -52,9 +52,9 @@ import numpy as np
 import tensorflow as tf
 
 from kfac_graph.auto_register import auto_register
-from kfac_graph.dp import OPTIONS, _check_clip, dp_gradients
 from kfac_graph import options
-from kfac_graph.keras_fit import _as_loss
+from kfac_graph.keras_loss import as_loss as _as_loss
+from kfac_graph.privacy.privatize import OPTIONS, check_clip, privatize
 from kfac_graph.privacy import accounting
 from kfac_graph.privacy.noise import NoiseSource
 from kfac_graph.privacy.sampling import fixed_size_batches, poisson_batches
@@ -73,7 +73,7 @@ class DPModel(keras.Model):
         options.check_all("kg.DPModel", OPTIONS, dict(
             noise_multiplier=noise_multiplier, method=method,
             **({} if seed is None else {"seed": seed})))
-        _check_clip("kg.DPModel", clipping, l2_norm_clip)
+        check_clip("kg.DPModel", clipping, l2_norm_clip)
         if accountant not in accounting.ACCOUNTANTS:
             raise ValueError(f"kg.DPModel: accountant must be one of {accounting.ACCOUNTANTS}, "
                              f"got {accountant!r}")
@@ -260,11 +260,11 @@ class DPModel(keras.Model):
             raise ValueError("kg.DPModel: padded Poisson batches need the expected batch size "
                              "(num_examples= and batch_size=, or sample_rate= with "
                              "num_examples=)")
-        grads = dp_gradients(self.loss_fn, x, y, l2_norm_clip=self.l2_norm_clip,
+        _, grads = privatize(self.loss_fn, x, y, l2_norm_clip=self.l2_norm_clip,
                              noise_multiplier=self.noise_multiplier, seed=key,
                              method=self.method, clipping=self.clipping,
                              automatic_clipping=self.automatic_clipping, mask=mask,
-                             expected_batch_size=expected)
+                             expected_batch_size=expected, owner="kg.DPModel")
         reg = self.loss_fn.registration(x, y)
         by_ref = {v.ref(): g for v, g in zip(reg.variables, grads)}
         pairs = []
