@@ -172,3 +172,44 @@ def test_the_noise_is_standard_normal():
         assert stats.kstest(z, "norm").pvalue > 1e-3
         pairs = z[:10000], z[10000:20000]  # the cos and sin halves are independent
         assert abs(np.corrcoef(*pairs)[0, 1]) < 0.05
+
+
+def test_conv_and_shared_weights_clip_by_their_definition():
+    """A conv (the reweighted step through its own op) and a dense layer applied
+    twice (shared weights: a backward pass of the reweighted loss terms)."""
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(6)
+    conv = keras.layers.Conv2D(3, 3, padding="same", activation="tanh", name="conv")
+    shared = keras.layers.Dense(12, activation="tanh", name="shared")
+    head = keras.layers.Dense(3, name="head")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = keras.layers.Flatten()(conv(x))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, head(shared(shared(h)))))
+
+    x = tf.random.stateless_normal([B, 2, 2, 3], seed=[6, 1], dtype=tf.float64) * 2.0
+    y = tf.random.stateless_uniform([B], [6, 2], maxval=3, dtype=tf.int32)
+    reg = loss_fn.registration(x, y)
+    assert [layer.uses for layer in reg.layers] == [1, 2, 1]
+    per_layer = _loop(loss_fn, reg, (x, y))
+    clips = [float(np.median(np.sqrt(_sq(g)))) for g in per_layer]
+    for method in ("reweight", "materialize"):
+        got = kg.dp_gradients(loss_fn, x, y, l2_norm_clip=clips, noise_multiplier=0.0,
+                              clipping="per_layer", method=method)
+        _close(got, _reference(per_layer, [[0], [1], [2]], clips))
+
+
+def test_dpsgd_steps_on_masked_poisson_batches():
+    loss_fn, reg, (x, y) = _setup(7)
+    per_layer = _loop(loss_fn, reg, (x, y))
+    mask = np.array([1, 0, 1, 1, 1, 0], np.float64)
+    before = [v.numpy() for v in reg.variables]
+    sampling = kg.privacy.Sampling.make(sample_rate=0.1, num_examples=50)  # qN = 5
+    opt = kg.DPSGD(loss_fn, learning_rate=0.5, l2_norm_clip=0.2, noise_multiplier=0.0,
+                   sampling=sampling)
+    opt.step(x, y, mask=tf.constant(mask))
+    want = _reference(per_layer, [[0, 1, 2]], [0.2], mask=mask, denom=5.0)
+    _close([v.numpy() - b for v, b in zip(reg.variables, before)], [-0.5 * w for w in want])

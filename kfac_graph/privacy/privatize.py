@@ -55,7 +55,7 @@ def privatize(fn, *args, l2_norm_clip, noise_multiplier, seed=None, method="auto
         method = "materialize" if any(l.kind == "generic" for l in reg.layers) else "reweight"
     key = noise_lib.fresh_key() if seed is None else tf.convert_to_tensor(seed, tf.int32)
     run = grad_lib.compiled(fn, reg, method, plan, mask is not None)
-    mask = tf.zeros([0]) if mask is None else tf.convert_to_tensor(mask, tf.float32)
+    mask = tf.zeros([0]) if mask is None else tf.cast(tf.convert_to_tensor(mask), tf.float32)
     loss, grads = run(plan.threshold_vector(), as_float64(noise_multiplier), key,
                       tf.constant(expected_batch_size or 0.0, tf.float64), mask, *args)
     return loss, list(grads)
