@@ -221,6 +221,7 @@ def _plot(epsilons, acc, path):
                 marker="o", capsize=3, label="DP-SGD (kg.DPModel)")
     ax.axhline(acc[None][0], color="gray", linestyle="--", label="SGD, no privacy")
     ax.set_xscale("log")
+    ax.minorticks_off()
     ax.set_xticks(epsilons)
     ax.set_xticklabels([f"{e:g}" for e in epsilons])
     ax.set_xlabel("epsilon (delta = 1e-5)")
