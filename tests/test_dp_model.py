@@ -129,3 +129,17 @@ def test_bad_use_is_a_one_line_error():
         kg.DPModel(model, loss=_loss(), noise_multiplier=-1.0)
     with pytest.raises(ValueError, match="the sampler is unknown"):
         kg.DPModel(model, loss=_loss()).epsilon()
+
+
+def test_a_keras_file_keeps_the_model_the_sampler_and_the_count(tmp_path):
+    model, x, y = _small(5)
+    dp = kg.DPModel(model, loss=_loss(), l2_norm_clip=1.0, noise_multiplier=1.0, delta=1e-4)
+    dp.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
+    dp.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    dp.save(str(tmp_path / "dp.keras"))
+    back = keras.saving.load_model(str(tmp_path / "dp.keras"))
+    assert isinstance(back, kg.DPModel) and back.sampling == dp.sampling
+    assert int(back.optimizer.iterations) == 2
+    assert back.epsilon() == dp.epsilon()
+    for a, b in zip(back.model.weights, model.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
