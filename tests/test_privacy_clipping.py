@@ -213,3 +213,26 @@ def test_dpsgd_steps_on_masked_poisson_batches():
     opt.step(x, y, mask=tf.constant(mask))
     want = _reference(per_layer, [[0, 1, 2]], [0.2], mask=mask, denom=5.0)
     _close([v.numpy() - b for v, b in zip(reg.variables, before)], [-0.5 * w for w in want])
+
+
+@pytest.mark.parametrize("method", ["reweight", "materialize"])
+def test_mixed_precision_gives_float32_sums_near_the_batch_gradient(method):
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(8)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"),
+                              keras.layers.Dense(3, dtype="float32")])
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+    x = tf.random.stateless_normal([7, 6], seed=[8, 1])
+    y = tf.constant([0, 1, 2, 0, 1, 2, 0])
+    reg = loss_fn.registration(x, y)
+    with tf.GradientTape() as tape:
+        loss = loss_fn(x, y)
+    want = tape.gradient(loss, list(reg.variables))
+    got = kg.dp_gradients(loss_fn, x, y, l2_norm_clip=1e9, noise_multiplier=0.0, method=method)
+    for g, w in zip(got, want):
+        assert g.dtype == tf.float32
+        np.testing.assert_allclose(g, w, atol=2e-3)
