@@ -236,3 +236,29 @@ def test_mixed_precision_gives_float32_sums_near_the_batch_gradient(method):
     for g, w in zip(got, want):
         assert g.dtype == tf.float32
         np.testing.assert_allclose(g, w, atol=2e-3)
+
+
+def test_sequence_layers_clip_by_their_definition():
+    """Dense and EinsumDense on [B, T, d] (outputs with positions after the
+    batch axis), a per-sequence mean loss."""
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(9)
+    proj = keras.layers.EinsumDense("btd,de->bte", output_shape=(None, 4), bias_axes="e",
+                                    activation="tanh")
+    head = keras.layers.Dense(3)
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        logits = tf.reduce_mean(head(proj(x)), axis=1)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    x = tf.random.stateless_normal([B, 5, 3], seed=[9, 1], dtype=tf.float64) * 2.0
+    y = tf.random.stateless_uniform([B], [9, 2], maxval=3, dtype=tf.int32)
+    reg = loss_fn.registration(x, y)
+    per_layer = _loop(loss_fn, reg, (x, y))
+    clip = float(np.median(np.sqrt(sum(_sq(g) for g in per_layer))))
+    for method in ("reweight", "materialize"):
+        got = kg.dp_gradients(loss_fn, x, y, l2_norm_clip=clip, noise_multiplier=0.0,
+                              method=method)
+        _close(got, _reference(per_layer, [list(range(len(per_layer)))], [clip]))
