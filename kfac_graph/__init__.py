@@ -12,6 +12,8 @@ from kfac_graph.estimator import FisherEstimator
 from kfac_graph.optimizer import KFAC
 from kfac_graph.keras_fit import KFACKerasOptimizer, KFACModel
 from kfac_graph.dp import DPSGD, dp_gradients
+from kfac_graph import privacy
+from kfac_graph.privacy.keras_model import DPModel
 from kfac_graph.per_example_api import per_example_gradient_norms, per_example_gradients
 from kfac_graph.registration import GraphVariable, Layer, LossSpec, Registration
 from kfac_graph.verify import verify
@@ -24,7 +26,7 @@ __all__ = [
     "per_example_gradients", "per_example_gradient_norms", "dp_gradients", "DPSGD",
     "FisherEstimator", "KFAC",
     "verify", "VerifyReport",
-    "KFACModel", "KFACKerasOptimizer",
+    "KFACModel", "KFACKerasOptimizer", "DPModel", "privacy",
     "KfacGraphError", "TraceError", "LoadError", "LossNotFoundError",
 ]
 __version__ = "0.1.0"

@@ -1,142 +1,134 @@
 """Differentially private SGD: per-example clipping and Gaussian noise.
 
-The privatised gradient, as TensorFlow Privacy defines it for a mean loss:
+The privatised gradient, as TensorFlow Privacy defines it for a mean loss
+with flat clipping:
 
     g~ = (sum_i g_i * min(1, C / ||g_i||) + N(0, (sigma C)^2 I)) / B
 
 with ``C = l2_norm_clip``, ``sigma = noise_multiplier`` and ``g_i`` example
 i's own gradient (``kg.per_example_gradients``). For a sum loss the division
-by ``B`` is left out. Two ways to compute it, chosen by ``method``:
+by ``B`` is left out. Options (``kfac_graph/privacy``):
 
-- ``"reweight"``: the per-example norms without materialising the gradients
-  (the rules' Gram and ``||a|| ||g||`` forms), then one more backward pass of
-  ``sum_i w_i l_i`` with the clipping weights ``w_i`` held constant. Memory
-  stays that of a batch gradient.
-- ``"materialize"``: build the ``[B, ...]`` per-example gradients, clip and
-  sum them.
+- ``clipping``: ``"flat"``, ``"per_layer"`` or named groups of layers, each
+  with its threshold; ``automatic_clipping`` normalises instead of clipping
+  (Bu et al. 2022); the noise follows the sensitivity ``sqrt(sum_k C_k^2)``
+  (``privacy/clipping.py``).
+- ``mask`` and ``expected_batch_size``: for padded Poisson batches
+  (``kg.privacy.poisson_batches``) a padded example contributes nothing and
+  the mean divides by the expected batch size, not the drawn one
+  (``privacy/sampling.py``).
+- the noise: Philox keyed from OS entropy unless a seed is given;
+  ``secure_mode`` refuses seeds (``privacy/noise.py``).
 
-``"auto"`` reweights unless the loss has a generic layer (whose norms need
-the materialised Jacobian anyway), then materialises.
+``method``: ``"reweight"`` (norms without materialising the gradients, then a
+backward pass of the reweighted loss terms: memory of a batch gradient),
+``"materialize"`` (the ``[B, ...]`` per-example gradients, clipped and
+summed), or ``"auto"``: reweight unless the loss has a generic layer (whose
+norms need the materialised Jacobian anyway).
 """
 from __future__ import annotations
 
 import tensorflow as tf
 
 from kfac_graph import options
-from kfac_graph import per_example as pe
 from kfac_graph.auto_register import RegisteredFunction, auto_register
-from kfac_graph.taps import LayerTaps
-from kfac_graph.per_example.gradients import per_layer_results
-from kfac_graph.registration import Registration
+from kfac_graph.privacy import accounting
+from kfac_graph.privacy import noise as noise_lib
+from kfac_graph.privacy.privatize import OPTIONS, check_clip, privatize, sampling_from
 
-_METHODS = ("auto", "reweight", "materialize")
-# what each option takes (kfac_graph/options.py); a tensor passes unchecked
-OPTIONS = {"learning_rate": options.Real(0.0, low_open=True, dynamic=True),
-           "l2_norm_clip": options.Real(0.0, low_open=True, dynamic=True),
-           "noise_multiplier": options.Real(0.0, dynamic=True),
-           "method": options.OneOf(_METHODS), "seed": options.Integer()}
-
-
-def dp_gradients(fn, *args, l2_norm_clip: float, noise_multiplier: float, seed=(0, 0),
-                 method: str = "auto") -> list[tf.Tensor]:
+def dp_gradients(fn, *args, l2_norm_clip, noise_multiplier: float, seed=None,
+                 method: str = "auto", clipping="flat", automatic_clipping: bool = False,
+                 mask=None, expected_batch_size: float | None = None) -> list[tf.Tensor]:
     """Clipped-and-noised gradients aligned with the registration's variables.
-    ``seed``: a stateless seed (two integers); the same seed gives the same
-    noise."""
-    options.check_all("kg.dp_gradients", OPTIONS, dict(
-        l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier, method=method))
-    fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
-    reg = fn.registration(*args)
-    if reg.per_example_loss is None:
-        raise ValueError(f"{fn.__name__}: the pass did not find the per-example loss terms, "
-                         "so examples cannot be clipped one by one")
-    if method == "auto":
-        method = "materialize" if any(l.kind == "generic" for l in reg.layers) else "reweight"
-    run = _compiled(fn, reg, method)
-    return list(run(tf.cast(l2_norm_clip, tf.float32), tf.cast(noise_multiplier, tf.float32),
-                    tf.convert_to_tensor(seed, tf.int32), *args))
+
+    ``seed``: a stateless key (two integers, or a ``[2]`` tensor such as
+    ``NoiseSource.next_key()``); the same key gives the same noise. ``None``
+    (the default) draws a fresh key from the OS (``privacy/noise.py``).
+    ``mask``: ``[B]``, 1 for real examples and 0 for padding; with a mask,
+    a mean loss needs ``expected_batch_size`` (Poisson sampling's ``qN``)."""
+    return privatize(fn, *args, l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+                     seed=seed, method=method, clipping=clipping,
+                     automatic_clipping=automatic_clipping, mask=mask,
+                     expected_batch_size=expected_batch_size, owner="kg.dp_gradients")[1]
 
 
 class DPSGD:
     """SGD on the privatised gradient: ``v <- v - learning_rate * g~``.
 
-    ``step(*args)`` runs one compiled step and returns the (non-private)
-    batch loss; the noise seed advances each step from ``seed``."""
+    ``step(*args, mask=None)`` runs one compiled step and returns the
+    (non-private) batch loss. The noise comes from a ``NoiseSource``: OS
+    entropy unless ``seed`` is given (``secure_mode=True`` refuses a seed).
 
-    def __init__(self, fn, learning_rate: float, l2_norm_clip: float, noise_multiplier: float,
-                 seed: int = 0, method: str = "auto"):
+    Accounting: give the sampler, either ``sampling=dataset.privacy_sampling``
+    (from ``kg.privacy.poisson_batches`` / ``fixed_size_batches``) or
+    ``sample_rate`` / ``num_examples`` and ``batch_size`` with
+    ``sampling="poisson"`` or ``"fixed"``; then ``epsilon(delta)`` is the
+    epsilon of the steps taken so far and ``privacy_statement(delta)`` says
+    it in words. Under Poisson sampling with ``num_examples`` known, the mean
+    divides by the expected batch size ``qN``."""
+
+    def __init__(self, fn, learning_rate: float, l2_norm_clip, noise_multiplier: float,
+                 seed: int | None = None, method: str = "auto", *, clipping="flat",
+                 automatic_clipping: bool = False, secure_mode: bool = False,
+                 sampling=None, sample_rate: float | None = None,
+                 num_examples: int | None = None, batch_size: float | None = None):
         options.check_all("kg.DPSGD", OPTIONS, dict(
-            learning_rate=learning_rate, l2_norm_clip=l2_norm_clip,
-            noise_multiplier=noise_multiplier, seed=seed, method=method))
+            learning_rate=learning_rate, noise_multiplier=noise_multiplier, method=method,
+            **({} if seed is None else {"seed": seed})))
+        check_clip("kg.DPSGD", clipping, l2_norm_clip)
         self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
         self.learning_rate = learning_rate
         self.l2_norm_clip = l2_norm_clip
         self.noise_multiplier = noise_multiplier
         self.method = method
-        self.seed = int(seed)
+        self.clipping = clipping
+        self.automatic_clipping = automatic_clipping
+        self.noise = noise_lib.NoiseSource(seed, secure_mode)
+        self.sampling = sampling_from(sampling, sample_rate, num_examples, batch_size)
+        self._accountant = None
         self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="dpsgd_step")
         # autograph=False: nothing here branches on tensors, and autograph would
         # convert every function the step calls, the pass included (~20 s, once)
         self._step = tf.function(self._step_impl, autograph=False)
 
-    def step(self, *args):
+    def step(self, *args, mask=None):
         self.fn.registration(*args)  # the pass runs eagerly, never under autograph
-        return self._step(*args)
+        if mask is None:
+            return self._step(*args)
+        return self._step(*args, mask=mask)
 
-    def _step_impl(self, *args):
+    def _step_impl(self, *args, mask=None):
         reg = self.fn.registration(*args)
-        loss = self.fn.tf_function(*args)
-        seed = tf.stack([tf.constant(self.seed, tf.int64), self.iterations])
-        grads = dp_gradients(self.fn, *args, l2_norm_clip=self.l2_norm_clip,
-                             noise_multiplier=self.noise_multiplier,
-                             seed=tf.cast(seed, tf.int32), method=self.method)
+        expected = None
+        if self.sampling is not None and self.sampling.kind == "poisson":
+            expected = self.sampling.batch_size
+        loss, grads = privatize(self.fn, *args, l2_norm_clip=self.l2_norm_clip,
+                                noise_multiplier=self.noise_multiplier,
+                                seed=self.noise.next_key(), method=self.method,
+                                clipping=self.clipping,
+                                automatic_clipping=self.automatic_clipping, mask=mask,
+                                expected_batch_size=expected, owner="kg.DPSGD")
         for v, g in zip(reg.variables, grads):
             v.assign_sub(tf.cast(self.learning_rate, v.dtype) * tf.cast(g, v.dtype))
         self.iterations.assign_add(1)
         return loss
 
+    def epsilon(self, delta: float, accountant: str = "rdp") -> float:
+        """Epsilon at ``delta`` for the ``iterations`` steps taken so far."""
+        if self.sampling is None:
+            raise ValueError("DPSGD.epsilon needs the sampler: DPSGD(..., sampling="
+                             "dataset.privacy_sampling) or sample_rate= / num_examples= and "
+                             "batch_size=")
+        if not isinstance(self.noise_multiplier, (int, float)):
+            raise ValueError("DPSGD.epsilon needs a fixed numeric noise_multiplier")
+        if self._accountant is None:
+            self._accountant = accounting.StepAccountant(self.noise_multiplier, self.sampling)
+        return self._accountant.epsilon(int(self.iterations), delta, accountant)
 
-def _compiled(fn: RegisteredFunction, reg: Registration, method: str):
-    key = ("dp", method, id(reg))
-    if key in fn.derived:
-        return fn.derived[key]
-    registry = pe.default_registry()
-    variables = list(reg.variables)
-    generic = reg.generic_variables
-
-    @tf.function(autograph=False)  # (no tensor-dependent Python control flow)
-    def run(clip, noise, seed, *args):
-        reads = variables if method == "reweight" else generic
-        taps = LayerTaps.build(reg, args, read_variables=reads)
-        batch = taps.batch_size
-        if method == "reweight":
-            sq = tf.add_n(per_layer_results(reg, taps, registry, "norms"))
-            weights = _clip_weights(sq, clip)
-            terms = taps.per_example_loss
-            summed = tf.gradients(tf.reduce_sum(tf.stop_gradient(tf.cast(weights, terms.dtype))
-                                                * terms), [taps.variable_reads[v.ref()]
-                                                           for v in variables])
-            summed = [tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
-                      for g, v in zip(summed, variables)]
-        else:
-            grads = [g for layer in per_layer_results(reg, taps, registry, "grads") for g in layer]
-            sq = tf.add_n([tf.reduce_sum(tf.square(tf.reshape(g, [batch, -1])), 1) for g in grads])
-            weights = _clip_weights(sq, clip)
-            summed = [tf.tensordot(tf.cast(weights, g.dtype), g, axes=1) for g in grads]
-        out = []
-        for k, g in enumerate(summed):
-            z = tf.random.stateless_normal(tf.shape(g), seed=seed + [0, 1 + k], dtype=g.dtype,
-                                           alg="philox")  # the same numbers under XLA
-            g = g + tf.cast(noise * clip, g.dtype) * z
-            if reg.loss.reduction == "mean":
-                g = g / tf.cast(batch, g.dtype)
-            out.append(g)
-        return out
-
-    fn.derived[key] = run
-    return run
-
-
-def _clip_weights(squared_norms, clip):
-    """``min(1, C / ||g_i||)``; an example with a zero gradient keeps weight 1."""
-    norms = tf.sqrt(tf.cast(squared_norms, tf.float32))
-    return tf.minimum(1.0, clip / tf.maximum(norms, 1e-12))
+    def privacy_statement(self, delta: float) -> str:
+        """``kg.privacy.statement`` for the steps taken so far."""
+        self.epsilon(delta)  # the same checks
+        s = self.sampling
+        return accounting.statement(self.noise_multiplier, delta, steps=int(self.iterations),
+                                    sample_rate=s.rate, num_examples=s.num_examples,
+                                    batch_size=s.batch_size, sampling=s.kind)

@@ -59,6 +59,7 @@ import keras
 import tensorflow as tf
 
 from kfac_graph.auto_register import auto_register
+from kfac_graph.keras_loss import as_loss as _as_loss
 from kfac_graph.keras_optimizer import KFACKerasOptimizer
 from kfac_graph.optimizer.kfac import KFAC
 
@@ -78,25 +79,6 @@ def _check_kfac_options(kfac_options: dict) -> None:
         raise TypeError(f"kg.KFACModel: unknown K-FAC option {unknown[0]!r}; "
                         f"kg.KFAC takes {', '.join(known)}")
     KFAC.check_options("kg.KFACModel", **kfac_options)
-
-
-def _as_loss(loss):
-    """A callable ``(y_true, y_pred) -> scalar``; returns ``(callable, keras_loss)``
-    where ``keras_loss`` is what ``compile`` passes to Keras (for evaluate)."""
-    if loss is None:
-        raise ValueError("KFACModel needs a loss: KFACModel(model, loss=...) or "
-                         "compile(loss=...)")
-    obj = keras.losses.get(loss) if isinstance(loss, (str, dict)) else loss
-    if isinstance(obj, keras.losses.Loss):
-        return obj, obj
-    if not callable(obj):
-        raise ValueError(f"loss must be a keras loss, its name, or fn(y_true, y_pred); got {loss!r}")
-
-    def mean_loss(y_true, y_pred):
-        value = obj(y_true, y_pred)
-        return tf.reduce_mean(value) if value.shape.rank else value
-
-    return mean_loss, obj
 
 
 @keras.saving.register_keras_serializable(package="kfac_graph")

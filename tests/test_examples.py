@@ -21,3 +21,14 @@ def test_example_runs(script):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "test accuracy" in result.stdout
     assert "(K-FAC steps 4)" in result.stdout
+
+
+def test_dp_example_reports_accuracy_and_its_privacy():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "dp_digits.py"), "--epochs=1", "--epsilon=3",
+         "--verbose=0"], capture_output=True, text=True, timeout=300, env=env,
+        cwd=EXAMPLES.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "test accuracy" in result.stdout
+    assert "epsilon by RDP accounting" in result.stdout and "11 steps" in result.stdout

@@ -84,6 +84,7 @@ def program_sample(program: str) -> str:
 SAMPLES = {
     "main": Sample(main_sample, drifting=(r"^step ", r"^test accuracy")),
     "memory": Sample(program_sample),
+    "privacy_statement": Sample(program_sample),
     "verify": Sample(verify_sample, drifting=(r" (ok|FAIL)$", r"^PASSED|^FAILED")),
 }
 

@@ -1,0 +1,327 @@
+"""Train a Keras 3 model with DP-SGD through ``model.fit``.
+
+    dp = kg.DPModel(model, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    l2_norm_clip=1.0, noise_multiplier=1.1, delta=1e-5)
+    dp.compile(optimizer=keras.optimizers.SGD(0.5), metrics=["accuracy"])
+    dp.fit(x, y, batch_size=64, epochs=20, callbacks=[...])   # logs epsilon
+    dp.evaluate(x_test, y_test); dp.epsilon(); print(dp.privacy_statement())
+
+``DPModel`` is a ``keras.Model`` wrapping ``model`` (``call`` delegates to
+it). Its step privatises the gradient of ``loss(x, y) = loss_obj(y,
+model(x, training=True))`` (``kg.dp_gradients``: clipping, mask, noise,
+normalisation) and hands it to the compiled Keras optimizer (any of them:
+SGD, Adam, ...; optimizers only post-process the private gradient). The
+constructor's keywords are ``kg.DPSGD``'s (``clipping``,
+``automatic_clipping``, ``seed``, ``secure_mode``, ``method``).
+
+Sampling and accounting:
+
+- ``fit(x, y, batch_size=b)`` with arrays draws Poisson batches at rate
+  ``b / N`` (``kg.privacy.poisson_batches``; ``sampling="fixed"`` in the
+  constructor draws fixed-size batches instead), ``floor(N / b)`` steps per
+  epoch (so ``E`` epochs stay within what ``noise_for_epsilon(epochs=E)``
+  planned); Keras's ``shuffle`` is not used.
+- ``fit(dataset)`` with a dataset from ``poisson_batches`` /
+  ``fixed_size_batches`` reads its sampler (``dataset.privacy_sampling``);
+  for another dataset give ``sample_rate`` / ``num_examples`` and
+  ``batch_size`` to the constructor, which then vouches for the sampler.
+- Poisson batches come as ``(x, y, mask)``: the mask arrives as Keras's
+  ``sample_weight``, is taken as the padding mask (padded examples count for
+  nothing), and the mean divides by the expected batch size ``qN``. Any
+  other ``sample_weight`` or ``class_weight`` is refused.
+- Epsilon at ``delta`` (default 1e-5) for the steps taken
+  (``optimizer.iterations``, saved with checkpoints) is in the logs as
+  ``epsilon`` after every step, so the progress bar, ``History`` and
+  ``TensorBoard`` show it; ``accountant="pld"`` logs it at the end of each
+  epoch only (each PLD evaluation takes about a second).
+
+The logged ``loss`` and metrics are computed on the training batch at the
+weights before the update (one extra forward pass in a
+``keras.StatelessScope``, real examples only): they are *not* private.
+Checkpoints (``ModelCheckpoint``, ``.weights.h5`` or ``.keras``) hold the
+model's and optimizer's variables; the noise generator's state is never
+saved (``privacy/noise.py``). Runs on one device (no ``tf.distribute``).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kfac_graph.auto_register import auto_register
+from kfac_graph import options
+from kfac_graph.keras_loss import as_loss as _as_loss
+from kfac_graph.privacy.privatize import OPTIONS, check_clip, privatize
+from kfac_graph.privacy import accounting
+from kfac_graph.privacy.noise import NoiseSource
+from kfac_graph.privacy.sampling import fixed_size_batches, poisson_batches
+
+
+@keras.saving.register_keras_serializable(package="kfac_graph")
+class DPModel(keras.Model):
+    """``model`` trained by DP-SGD through ``fit`` (see the module docstring)."""
+
+    def __init__(self, model, loss=None, l2_norm_clip=1.0, noise_multiplier=1.0, *,
+                 delta: float = 1e-5, accountant: str = "rdp", clipping="flat",
+                 automatic_clipping: bool = False, seed: int | None = None,
+                 secure_mode: bool = False, method: str = "auto", sampling="poisson",
+                 sample_rate: float | None = None, num_examples: int | None = None,
+                 batch_size: float | None = None, loss_kind: str | None = None, name=None):
+        options.check_all("kg.DPModel", OPTIONS, dict(
+            noise_multiplier=noise_multiplier, method=method,
+            **({} if seed is None else {"seed": seed})))
+        check_clip("kg.DPModel", clipping, l2_norm_clip)
+        if accountant not in accounting.ACCOUNTANTS:
+            raise ValueError(f"kg.DPModel: accountant must be one of {accounting.ACCOUNTANTS}, "
+                             f"got {accountant!r}")
+        if not 0.0 < delta < 1.0:
+            raise ValueError(f"kg.DPModel: delta must be in (0, 1), got {delta!r}")
+        super().__init__(name=name or f"dp_{model.name}")
+        self.model = model
+        self.l2_norm_clip = l2_norm_clip
+        self.noise_multiplier = noise_multiplier
+        self.delta = float(delta)
+        self.accountant = accountant
+        self.clipping = clipping
+        self.automatic_clipping = bool(automatic_clipping)
+        self.method = method
+        self.loss_kind = loss_kind
+        self.sampler_kind = sampling
+        self.noise = NoiseSource(seed, secure_mode)
+        self.sampling = None
+        if sample_rate is not None or num_examples is not None or batch_size is not None:
+            self.sampling = accounting.Sampling.make(sampling, sample_rate, num_examples,
+                                                     batch_size)
+        self._step_accountant = None
+        self._loss_spec = None
+        self._step_function = None
+        if loss is not None:
+            self._set_loss(loss)
+        if model.built:
+            self.built = True
+
+    # -- Keras plumbing -------------------------------------------------------------------
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    def compile(self, optimizer="sgd", loss=None, metrics=None, **kwargs):
+        """Keras's ``compile``; ``optimizer`` applies the private gradient.
+        ``loss`` replaces the constructor's."""
+        if loss is not None:
+            self._set_loss(loss)
+        if self._loss_spec is None:
+            _as_loss(None)  # raises: no loss
+        kwargs.setdefault("jit_compile", False)
+        super().compile(optimizer=optimizer, loss=self._keras_loss, metrics=metrics, **kwargs)
+        self._step_function = None
+
+    def get_compile_config(self):
+        config = dict(super().get_compile_config() or {})
+        config.pop("loss", None)
+        return config
+
+    def compile_from_config(self, config):
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**{k: v for k, v in config.items() if k != "loss"})
+        if self.built and self.optimizer is not None:
+            self.optimizer.build(self.trainable_variables)
+
+    def get_config(self):
+        return {"name": self.name, "model": keras.saving.serialize_keras_object(self.model),
+                "loss": keras.saving.serialize_keras_object(self._loss_spec),
+                "l2_norm_clip": self.l2_norm_clip, "noise_multiplier": self.noise_multiplier,
+                "delta": self.delta, "accountant": self.accountant,
+                "clipping": self.clipping, "automatic_clipping": self.automatic_clipping,
+                "method": self.method, "sampling": self.sampler_kind,
+                "loss_kind": self.loss_kind,
+                **({} if self.sampling is None else {
+                    "sample_rate": self.sampling.rate,
+                    "num_examples": self.sampling.num_examples,
+                    "batch_size": self.sampling.batch_size})}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(config.pop("model"),
+                                                      custom_objects=custom_objects)
+        loss = keras.saving.deserialize_keras_object(config.pop("loss"),
+                                                     custom_objects=custom_objects)
+        return cls(model, loss=loss, **config)
+
+    # -- privacy ------------------------------------------------------------------------
+    def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
+        """Epsilon at ``delta`` (default the constructor's) for the optimizer's
+        steps so far."""
+        if self.sampling is None:
+            raise ValueError("kg.DPModel: the sampler is unknown: fit on arrays or on "
+                             "kg.privacy.poisson_batches / fixed_size_batches, or give "
+                             "sample_rate= / num_examples= and batch_size=")
+        if self._step_accountant is None:
+            self._step_accountant = accounting.StepAccountant(self.noise_multiplier,
+                                                              self.sampling)
+        steps = 0 if self.optimizer is None else int(self.optimizer.iterations)
+        return self._step_accountant.epsilon(steps, delta or self.delta,
+                                             accountant or self.accountant)
+
+    def privacy_statement(self, delta: float | None = None) -> str:
+        """``kg.privacy.statement`` for the steps taken so far."""
+        self.epsilon(delta)
+        s = self.sampling
+        return accounting.statement(self.noise_multiplier, delta or self.delta,
+                                    steps=int(self.optimizer.iterations), sample_rate=s.rate,
+                                    num_examples=s.num_examples, batch_size=s.batch_size,
+                                    sampling=s.kind)
+
+    # -- data ---------------------------------------------------------------------------
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, callbacks=None,
+            validation_split=0.0, validation_data=None, **kwargs):
+        """Keras's ``fit`` with DP sampling (module docstring)."""
+        if isinstance(x, tf.data.Dataset):
+            sampling = getattr(x, "privacy_sampling", None)
+            if sampling is not None:
+                self._use_sampling(sampling)
+            elif self.sampling is None:
+                warnings.warn("kg.DPModel.fit: the dataset does not say how it was sampled, "
+                              "so no epsilon is logged; use kg.privacy.poisson_batches or "
+                              "give sample_rate= to DPModel", stacklevel=2)
+        elif x is not None:
+            if y is None:
+                raise ValueError("kg.DPModel.fit needs targets y")
+            n = int(np.shape(tf.nest.flatten(x)[0])[0])
+            if validation_split:
+                cut = n - int(math.floor(n * validation_split))
+                validation_data = (_rows(x, cut, None), _rows(y, cut, None))
+                x, y, n = _rows(x, 0, cut), _rows(y, 0, cut), cut
+            b = batch_size or 32
+            if self.sampler_kind == "fixed":
+                x = fixed_size_batches((x, y), b, seed=None)
+            else:
+                x = poisson_batches((x, y), b / n)
+            self._use_sampling(x.privacy_sampling)
+            y, batch_size = None, None
+        kwargs["shuffle"] = False  # the sampler draws the batches
+        callbacks = list(callbacks or [])
+        if self.sampling is not None and self.accountant == "pld":
+            callbacks.insert(0, _EpochEpsilon(self))
+        return super().fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
+                           validation_data=validation_data, **kwargs)
+
+    def _use_sampling(self, sampling):
+        if self.sampling != sampling:
+            self.sampling, self._step_accountant = sampling, None
+
+    # -- training -----------------------------------------------------------------------
+    def _set_loss(self, loss):
+        loss_fn, keras_loss = _as_loss(loss)
+        inner = self.model
+        per_example = keras_loss.call if isinstance(keras_loss, keras.losses.Loss) else keras_loss
+
+        def dp_loss(x, y):
+            value = loss_fn(y, inner(x, training=True))
+            if inner.losses:
+                value = value + tf.add_n([tf.cast(v, value.dtype) for v in inner.losses])
+            return value
+
+        dp_loss.__name__ = f"{inner.name}_loss"
+        self._loss_spec, self._keras_loss, self._per_example_loss = loss, keras_loss, per_example
+        self.loss_fn = auto_register(dp_loss, loss=self.loss_kind)
+        self._step_function = None
+
+    def train_step(self, data):
+        x, y, mask = keras.utils.unpack_x_y_sample_weight(data)
+        if y is None:
+            raise ValueError("kg.DPModel.fit needs targets y")
+        if mask is not None and (self.sampling is None or self.sampling.kind != "poisson"):
+            raise ValueError("kg.DPModel.fit: sample_weight and class_weight are not "
+                             "supported (a third element is read only as the padding mask "
+                             "of kg.privacy.poisson_batches)")
+        if self._step_function is None:
+            if not self.optimizer.built:
+                self.optimizer.build(self.trainable_variables)
+            self._step_function = (self._dp_step if self.run_eagerly
+                                   else tf.function(self._dp_step, autograph=False))
+        self.loss_fn.registration(x, y)  # the pass runs eagerly, never under tf.function
+        key = self.noise.next_key()
+        logs = dict(self._step_function(x, y, key) if mask is None
+                    else self._step_function(x, y, key, mask))
+        if self.sampling is not None and self.accountant == "rdp":
+            logs["epsilon"] = self.epsilon()
+        return logs
+
+    def _dp_step(self, x, y, key, mask=None):
+        y_pred = None
+        with keras.StatelessScope():
+            y_pred = self.model(x, training=True)
+        expected = self.sampling.batch_size if mask is not None else None
+        if mask is not None and expected is None:
+            raise ValueError("kg.DPModel: padded Poisson batches need the expected batch size "
+                             "(num_examples= and batch_size=, or sample_rate= with "
+                             "num_examples=)")
+        _, grads = privatize(self.loss_fn, x, y, l2_norm_clip=self.l2_norm_clip,
+                             noise_multiplier=self.noise_multiplier, seed=key,
+                             method=self.method, clipping=self.clipping,
+                             automatic_clipping=self.automatic_clipping, mask=mask,
+                             expected_batch_size=expected, owner="kg.DPModel")
+        reg = self.loss_fn.registration(x, y)
+        by_ref = {v.ref(): g for v, g in zip(reg.variables, grads)}
+        pairs = []
+        for kv in self.trainable_variables:
+            g = by_ref.get(_tf_variable(kv).ref())
+            if g is not None:
+                pairs.append((tf.cast(g, kv.dtype), kv))
+        self.optimizer.apply_gradients(pairs)
+        return self._step_logs(x, y, y_pred, mask)
+
+    def _step_logs(self, x, y, y_pred, mask):
+        values = tf.convert_to_tensor(self._per_example_loss(y, y_pred))
+        if values.shape.rank > 1:
+            values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
+        weights = tf.ones_like(values) if mask is None else tf.cast(mask, values.dtype)
+        count = tf.reduce_sum(weights)
+        loss = tf.reduce_sum(values * weights) / tf.maximum(count, 1.0)
+        self._loss_tracker.update_state(loss, sample_weight=count)
+        return self.compute_metrics(x, y, y_pred, sample_weight=mask)
+
+    def make_train_function(self, force=False):
+        """Python drives the steps (so epsilon joins the logs); each step is one
+        compiled call."""
+        if self.train_function is not None and not force:
+            return self.train_function
+
+        def function(iterator):
+            logs = None
+            for _, data in zip(range(self.steps_per_execution), iterator):
+                data = tf.nest.map_structure(
+                    lambda t: None if isinstance(t, tf.experimental.Optional) else t, data)
+                logs = self.train_step(data)
+            if logs is None:
+                raise StopIteration
+            return logs
+
+        self.train_function = function
+        return function
+
+
+class _EpochEpsilon(keras.callbacks.Callback):
+    """Adds PLD epsilon to each epoch's logs (before the progress bar and
+    TensorBoard read them: it runs first)."""
+
+    def __init__(self, dp_model):
+        super().__init__()
+        self._dp = dp_model
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["epsilon"] = self._dp.epsilon()
+
+
+def _tf_variable(v):
+    """The ``tf.Variable`` behind a Keras variable (the registration holds those)."""
+    return getattr(v, "_value", v) if isinstance(v, keras.Variable) else v
+
+
+def _rows(data, start, stop):
+    return tf.nest.map_structure(lambda t: t[start:stop], data)

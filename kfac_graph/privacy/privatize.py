@@ -1,0 +1,81 @@
+"""Checked entry to the privatised gradient (``gradients.py``) for the
+public façades (``kg.dp_gradients``, ``kg.DPSGD``, ``kg.DPModel``): the
+options, the clipping plan, the noise key, the call, and the sampler a
+façade was told about."""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from kfac_graph import options
+from kfac_graph.auto_register import RegisteredFunction, auto_register
+from kfac_graph.privacy import accounting
+from kfac_graph.privacy import clipping as clip_lib
+from kfac_graph.privacy import gradients as grad_lib
+from kfac_graph.privacy import noise as noise_lib
+
+_METHODS = ("auto", "reweight", "materialize")
+# what each option takes (kfac_graph/options.py); a tensor passes unchecked
+OPTIONS = {"learning_rate": options.Real(0.0, low_open=True, dynamic=True),
+           "noise_multiplier": options.Real(0.0, dynamic=True),
+           "method": options.OneOf(_METHODS), "seed": options.Integer(),
+           "expected_batch_size": options.Real(0.0, low_open=True, none=True)}
+_CLIP = options.Real(0.0, low_open=True, dynamic=True)
+
+
+def check_clip(owner, clipping, l2_norm_clip):
+    if isinstance(clipping, str) and clipping == "flat":
+        options.check(owner, "l2_norm_clip", l2_norm_clip, _CLIP)
+
+
+def registered(fn, args):
+    fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
+    reg = fn.registration(*args)
+    if reg.per_example_loss is None:
+        raise ValueError(f"{fn.__name__}: the pass did not find the per-example loss terms, "
+                         "so examples cannot be clipped one by one")
+    return fn, reg
+
+
+def privatize(fn, *args, l2_norm_clip, noise_multiplier, seed=None, method="auto",
+              clipping="flat", automatic_clipping=False, mask=None, expected_batch_size=None,
+              owner="kg.dp_gradients"):
+    """``(batch loss, dp_gradients(...))`` from one forward pass: the loss is
+    the non-private batch loss at the current weights."""
+    options.check_all(owner, OPTIONS, dict(
+        noise_multiplier=noise_multiplier, method=method,
+        expected_batch_size=expected_batch_size))
+    check_clip(owner, clipping, l2_norm_clip)
+    fn, reg = registered(fn, args)
+    plan = clip_lib.plan(reg, clipping, l2_norm_clip, automatic_clipping)
+    if mask is not None and expected_batch_size is None and reg.loss.reduction == "mean":
+        raise ValueError(f"{owner}: with a mask (padded Poisson batches) give "
+                         "expected_batch_size, the sampling rate times the data set size: "
+                         "the mean must not divide by the drawn batch size")
+    if method == "auto":
+        method = "materialize" if any(l.kind == "generic" for l in reg.layers) else "reweight"
+    key = noise_lib.fresh_key() if seed is None else tf.convert_to_tensor(seed, tf.int32)
+    run = grad_lib.compiled(fn, reg, method, plan, mask is not None)
+    mask = tf.zeros([0]) if mask is None else tf.cast(tf.convert_to_tensor(mask), tf.float32)
+    loss, grads = run(plan.threshold_vector(), as_float64(noise_multiplier), key,
+                      tf.constant(expected_batch_size or 0.0, tf.float64), mask, *args)
+    return loss, list(grads)
+
+
+def sampling_from(sampling, sample_rate, num_examples, batch_size):
+    """An ``accounting.Sampling`` or None (nothing said about the sampler)."""
+    if isinstance(sampling, accounting.Sampling):
+        return sampling
+    if sample_rate is None and num_examples is None and batch_size is None:
+        if sampling not in (None, "poisson", "fixed"):
+            raise ValueError(f"sampling must be 'poisson', 'fixed' or a "
+                             f"kg.privacy.Sampling, got {sampling!r}")
+        return None
+    return accounting.Sampling.make(sampling or "poisson", sample_rate, num_examples,
+                                    batch_size)
+
+
+def as_float64(value):
+    """A float64 scalar (``tf.cast`` would round a Python float to float32 first)."""
+    if tf.is_tensor(value) or isinstance(value, tf.Variable):
+        return tf.cast(value, tf.float64)
+    return tf.constant(value, tf.float64)

@@ -1,0 +1,149 @@
+"""Samplers whose batches match the privacy accounting (``accounting.py``).
+
+``poisson_batches(data, rate)``: at every step each of the ``N`` examples is
+in the batch independently with probability ``rate`` (``q``), so the batch
+size is Binomial(N, q): mean ``qN``, variance ``qN(1-q)``, sometimes 0. This
+is the sampling the ``"poisson"`` accountant assumes. To keep the step from
+retracing for every size, a batch of ``b`` examples is padded with zeros up to
+the next multiple of ``pad_multiple`` (at least one multiple; default
+``ceil(sqrt(qN))``, about one standard deviation of the size, so a few sizes
+cover almost every batch and padding wastes about ``sqrt(qN)/2`` examples)
+and comes with a ``mask`` (1.0 real, 0.0 padding). Elements are
+``(x, y, mask)`` for ``(x, y)`` data (``(*element, mask)`` for other tuples),
+so Keras reads the mask as ``sample_weight``. A padded example contributes
+exactly nothing to the clipped sum (its clipping weight is multiplied by 0),
+and the privatised gradient of a mean loss is divided by the *expected* batch
+size ``qN``, never by the drawn size (a data-dependent divisor would need its
+own accounting): ``g~ = (sum_i m_i clip(g_i) + N(0, sigma^2 C^2)) / (qN)``.
+This is Opacus's convention for Poisson sampling.
+
+``fixed_size_batches(data, batch_size)``: each step draws ``batch_size``
+distinct examples uniformly at random, afresh (sampling without replacement
+within a step, with replacement across steps); accounted as
+``SampledWithoutReplacementDpEvent`` under replace-one adjacency (RDP), and
+normalised by ``batch_size``. Elements are the data's own structure.
+
+Both keep the examples in memory (drawn once from ``data``: a finite
+``tf.data.Dataset`` of single examples, or a tuple of arrays/tensors with the
+examples on the first axis), as each step needs random access to all of them.
+The sampling randomness is secret and fresh: ``seed=None`` draws the seed
+from the operating system (``secrets``), and every pass over the dataset
+(``repeat``, each Keras epoch) draws new batches. ``steps``: batches per pass
+(default ``floor(1/q)``, at least 1: so ``E`` passes never take more steps
+than the ``ceil(E/q)`` that ``noise_for_epsilon(epochs=E)`` plans for).
+
+The returned dataset carries its sampler as ``dataset.privacy_sampling`` (an
+``accounting.Sampling``), which ``kg.DPModel.fit`` reads; transformations of
+the dataset drop it.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+
+import numpy as np
+import tensorflow as tf
+
+from kfac_graph.privacy.accounting import Sampling
+
+
+def _in_memory(data):
+    """``(structure of tensors with examples on axis 0, N)``."""
+    if isinstance(data, tf.data.Dataset):
+        card = int(data.cardinality())
+        if card == int(tf.data.INFINITE_CARDINALITY):
+            raise ValueError("a DP sampler needs a finite dataset of single examples "
+                             "(this one repeats forever)")
+        if card == 0:
+            raise ValueError("a DP sampler needs at least one example (the dataset is empty)")
+        tensors = data.batch(2 ** 31 - 1).get_single_element()
+    else:
+        tensors = tf.nest.map_structure(tf.convert_to_tensor, data)
+    flat = tf.nest.flatten(tensors)
+    sizes = {int(t.shape[0]) for t in flat}
+    if len(sizes) != 1:
+        raise ValueError(f"every component of the data needs the same number of examples "
+                         f"on its first axis, got {sorted(sizes)}")
+    n = sizes.pop()
+    if n == 0:
+        raise ValueError("a DP sampler needs at least one example (the data is empty)")
+    return tensors, n
+
+
+def _seed(seed):
+    if seed is None:
+        return secrets.randbits(62)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    return int(seed)
+
+
+def _step_keys(seed, steps):
+    """``steps`` fresh stateless keys per pass (``[2]`` int64 each)."""
+    return (tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
+            .batch(2, drop_remainder=True).take(steps))
+
+
+def poisson_batches(data, rate: float, *, steps: int | None = None, seed: int | None = None,
+                    pad_multiple: int | None = None) -> tf.data.Dataset:
+    """Poisson-sampled, padded, masked batches of ``data`` (see the module
+    docstring)."""
+    tensors, n = _in_memory(data)
+    sampling = Sampling.make("poisson", sample_rate=rate, num_examples=n)
+    steps = _steps(steps, sampling)
+    m = max(1, math.ceil(math.sqrt(rate * n))) if pad_multiple is None else pad_multiple
+    if isinstance(m, bool) or not float(m).is_integer() or m < 1:
+        raise ValueError(f"pad_multiple must be an integer >= 1, got {pad_multiple!r}")
+    m = int(m)
+
+    def draw(key):
+        chosen = tf.where(tf.random.stateless_uniform([n], seed=key, dtype=tf.float64)
+                          < rate)[:, 0]
+        b = tf.shape(chosen)[0]
+        padded = tf.maximum(1, (b + m - 1) // m) * m
+        mask = tf.concat([tf.ones([b], tf.float32), tf.zeros([padded - b], tf.float32)], 0)
+
+        def take(t):
+            picked = tf.gather(t, chosen)
+            pad = [[0, padded - b]] + [[0, 0]] * (t.shape.rank - 1)
+            return tf.pad(picked, pad)
+
+        batch = tf.nest.map_structure(take, tensors)
+        if isinstance(batch, tuple):
+            return (*batch, mask)
+        return batch, mask
+
+    dataset = _step_keys(_seed(seed), steps).map(draw, num_parallel_calls=1)
+    dataset = dataset.prefetch(2)
+    dataset.privacy_sampling = sampling
+    return dataset
+
+
+def fixed_size_batches(data, batch_size: int, *, steps: int | None = None,
+                       seed: int | None = None) -> tf.data.Dataset:
+    """Batches of ``batch_size`` distinct examples drawn uniformly afresh at
+    every step (see the module docstring)."""
+    tensors, n = _in_memory(data)
+    if isinstance(batch_size, bool) or not float(batch_size).is_integer() or \
+            not 1 <= batch_size <= n:
+        raise ValueError(f"batch_size must be an integer in [1, {n}], got {batch_size!r}")
+    sampling = Sampling.make("fixed", num_examples=n, batch_size=int(batch_size))
+    steps = _steps(steps, sampling)
+    b = int(batch_size)
+
+    def draw(key):
+        # the b smallest of n iid uniforms: a uniformly random b-subset
+        _, chosen = tf.math.top_k(-tf.random.stateless_uniform([n], seed=key), k=b)
+        return tf.nest.map_structure(lambda t: tf.gather(t, chosen), tensors)
+
+    dataset = _step_keys(_seed(seed), steps).map(draw, num_parallel_calls=1).prefetch(2)
+    dataset.privacy_sampling = sampling
+    return dataset
+
+
+def _steps(steps, sampling: Sampling) -> int:
+    if steps is None:
+        return max(1, int(math.floor(1.0 / sampling.rate + 1e-9)))
+    if isinstance(steps, bool) or not float(steps).is_integer() or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    return int(steps)

@@ -1,0 +1,145 @@
+"""kg.DPModel: Keras fit with DP-SGD, Poisson sampling and epsilon in the logs."""
+import glob
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+
+
+def _small(seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"),
+                              keras.layers.Dense(3)])
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((40, 4)).astype("float32")
+    y = rng.integers(0, 3, 40).astype("int32")
+    return model, x, y
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def test_digits_reach_90_percent_at_epsilon_8():
+    import dp_digits
+    accuracy, spent, sigma, dp = dp_digits.train(8.0, epochs=10, batch_size=128, seed=0)
+    assert spent <= 8.0
+    assert accuracy >= 0.90, accuracy
+    history = dp.history.history
+    assert len(history["epsilon"]) == 10 and history["epsilon"][-1] == pytest.approx(spent)
+    assert np.all(np.diff(history["epsilon"]) > 0)
+
+
+def test_without_noise_and_clipping_a_step_is_the_optimizers_step():
+    model, x, y = _small()
+    before = [v.numpy() for v in model.trainable_variables]
+    with tf.GradientTape() as tape:
+        loss = _loss()(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    dp = kg.DPModel(model, loss=_loss(), l2_norm_clip=1e9, noise_multiplier=0.0)
+    dp.compile(optimizer=keras.optimizers.SGD(0.1))
+    batches = kg.privacy.fixed_size_batches((x, y), 40, steps=1, seed=0)
+    history = dp.fit(batches, epochs=1, verbose=0)
+    for v, b, g in zip(model.trainable_variables, before, grads):
+        np.testing.assert_allclose(v.numpy(), b - 0.1 * g.numpy(), rtol=1e-5, atol=1e-6)
+    assert history.history["loss"][0] == pytest.approx(float(loss), rel=1e-5)
+    assert history.history["epsilon"] == [np.inf]
+
+
+def test_poisson_padding_counts_for_nothing_and_the_mean_uses_the_expected_size():
+    model, x, y = _small(1)
+    batches = kg.privacy.poisson_batches((x, y), 0.25, steps=1, seed=4, pad_multiple=8)
+    xb, yb, mask = next(iter(batches))
+    real = mask.numpy() == 1
+    assert not real.all()  # some padding in this draw
+    before = [v.numpy() for v in model.trainable_variables]
+    with tf.GradientTape() as tape:
+        per_example = _loss().call(yb[real], model(xb[real], training=True))
+        total = tf.reduce_sum(per_example) / 10.0  # q N = 0.25 * 40
+    grads = tape.gradient(total, model.trainable_variables)
+    dp = kg.DPModel(model, loss=_loss(), l2_norm_clip=1e9, noise_multiplier=0.0)
+    dp.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"])
+    drawn = tf.data.Dataset.from_tensors((xb, yb, mask))  # the batch drawn above
+    drawn.privacy_sampling = batches.privacy_sampling
+    history = dp.fit(drawn, epochs=1, verbose=0)
+    for v, b, g in zip(model.trainable_variables, before, grads):
+        np.testing.assert_allclose(v.numpy(), b - 0.1 * g.numpy(), rtol=1e-5, atol=1e-6)
+    assert history.history["loss"][0] == pytest.approx(float(tf.reduce_mean(per_example)),
+                                                       rel=1e-5)
+
+
+def test_epsilon_in_history_tensorboard_and_checkpoints(tmp_path):
+    model, x, y = _small(2)
+    dp = kg.DPModel(model, loss=_loss(), l2_norm_clip=1.0, noise_multiplier=1.0, delta=1e-4)
+    dp.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
+    ckpt = str(tmp_path / "dp.weights.h5")
+    dp.fit(x, y, batch_size=20, epochs=2, verbose=0,
+           callbacks=[keras.callbacks.ModelCheckpoint(ckpt, save_weights_only=True),
+                      keras.callbacks.TensorBoard(str(tmp_path / "tb"))])
+    assert int(dp.optimizer.iterations) == 4  # floor(40 / 20) Poisson steps per epoch
+    want = kg.privacy.epsilon(1.0, 1e-4, steps=4, sample_rate=0.5)
+    assert dp.epsilon() == pytest.approx(want, rel=1e-12)
+    assert dp.history.history["epsilon"][-1] == pytest.approx(want, rel=1e-12)
+    assert "4 steps" in dp.privacy_statement()
+    tags = set()
+    for path in glob.glob(str(tmp_path / "tb" / "train" / "*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags.update(v.tag for v in event.summary.value)
+    assert "epoch_epsilon" in tags
+    # a fresh model restored from the checkpoint resumes the privacy count
+    fresh, _, _ = _small(3)
+    again = kg.DPModel(fresh, loss=_loss(), l2_norm_clip=1.0, noise_multiplier=1.0,
+                       delta=1e-4, sample_rate=0.5, num_examples=40)
+    again.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
+    again.optimizer.build(again.trainable_variables)
+    again.load_weights(ckpt)
+    for a, b in zip(fresh.weights, model.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert again.epsilon() == pytest.approx(want, rel=1e-12)
+
+
+def test_pld_epsilon_is_logged_per_epoch_and_per_layer_clipping_trains():
+    model, x, y = _small(4)
+    dp = kg.DPModel(model, loss=_loss(), l2_norm_clip=[1.0, 0.5], clipping="per_layer",
+                    noise_multiplier=1.0, accountant="pld", seed=1)
+    dp.compile(optimizer=keras.optimizers.SGD(0.1))
+    history = dp.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    want = kg.privacy.epsilon(1.0, 1e-5, steps=4, sample_rate=0.25, accountant="pld")
+    assert history.history["epsilon"] == [pytest.approx(want, rel=1e-9)]
+
+
+def test_bad_use_is_a_one_line_error():
+    model, x, y = _small()
+    dp = kg.DPModel(model, loss=_loss(), l2_norm_clip=1.0, noise_multiplier=1.0)
+    dp.compile(optimizer="sgd")
+    weighted = tf.data.Dataset.from_tensor_slices((x, y, np.ones(40, "float32"))).batch(8)
+    with pytest.warns(UserWarning, match="does not say how it was sampled"), \
+            pytest.raises(ValueError, match="sample_weight and class_weight are not supported"):
+        dp.fit(weighted, verbose=0)
+    with pytest.raises(ValueError, match="secure_mode refuses a fixed noise seed"):
+        kg.DPModel(model, loss=_loss(), seed=1, secure_mode=True)
+    with pytest.raises(ValueError, match="kg.DPModel: noise_multiplier must be"):
+        kg.DPModel(model, loss=_loss(), noise_multiplier=-1.0)
+    with pytest.raises(ValueError, match="the sampler is unknown"):
+        kg.DPModel(model, loss=_loss()).epsilon()
+
+
+def test_a_keras_file_keeps_the_model_the_sampler_and_the_count(tmp_path):
+    model, x, y = _small(5)
+    dp = kg.DPModel(model, loss=_loss(), l2_norm_clip=1.0, noise_multiplier=1.0, delta=1e-4)
+    dp.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"])
+    dp.fit(x, y, batch_size=20, epochs=1, verbose=0)
+    dp.save(str(tmp_path / "dp.keras"))
+    back = keras.saving.load_model(str(tmp_path / "dp.keras"))
+    assert isinstance(back, kg.DPModel) and back.sampling == dp.sampling
+    assert int(back.optimizer.iterations) == 2
+    assert back.epsilon() == dp.epsilon()
+    for a, b in zip(back.model.weights, model.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
