@@ -13,6 +13,7 @@ one of the aliases its kind's record allows (``LayerKind.blocks``); today:
     depthwise_conv2d  DepthwiseConvKronecker   DepthwiseConvDiagonal   NaiveFull
     scale_and_shift   -                        ScaleAndShiftDiagonal   ScaleAndShiftFull
     embedding         EmbeddingKronecker       NaiveDiagonal           NaiveFull
+    tied_embedding    -                        NaiveDiagonal           NaiveFull
     generic           -                        NaiveDiagonal           NaiveFull
 
 plus ``"series"`` (dense: ``FullyConnectedSeriesBlock``, option 2) and
