@@ -24,7 +24,7 @@ from passes.atrous import atrous_attrs
 from passes.matcher import find_matches
 from passes.catalogue import LAYER_PATTERNS
 from passes.patterns import Pattern, einsum_kernel_layout
-from passes.patterns_multiaxis import kernel_in_axes, part_rows, slice_rows
+from passes.patterns_multiaxis import kernel_in_axes, kernel_perm, part_rows, slice_rows
 from passes.tied_embedding import merge_tied
 from passes.unroll import ITERATION_SCOPE, WHILE_OPS
 
@@ -46,7 +46,8 @@ class Use:
     nodes of the match. ``attrs``: the main op's attributes plus ``op``,
     ``input_shape``, ``output_shape`` and, where it applies,
     ``transpose_kernel``, ``kernel_in_axes`` (a dense kernel of rank > 2: how
-    many leading axes are contracted), ``ids_broadcast`` (a lookup whose ids
+    many leading axes are contracted; ``kernel_perm``: of the kernel after a
+    Transpose, ``passes.patterns_multiaxis``), ``ids_broadcast`` (a lookup whose ids
     have no batch axis, added over the batch; ``row_range``: those ids are
     ``range(*row_range)``, a table slice or its rows broadcast over the
     batch), for scale-and-shift ``normalizer``,
@@ -153,6 +154,8 @@ def _use(g, pattern: Pattern, roles) -> Use:
         k = kernel_in_axes(g, roles)
         if k is not None:
             attrs["kernel_in_axes"] = k
+        if "perm" in roles:
+            attrs["kernel_perm"] = kernel_perm(g, roles)
     if pattern.kind == "embedding" and "add" in roles:
         attrs["ids_broadcast"] = True
         if "slice" in roles:

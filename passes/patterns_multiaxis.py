@@ -15,6 +15,11 @@ the activation's leading axes. Two graph forms compute it:
   ``MatMul(x, Reshape(w, [d_in, d_out]))``, then maybe a ``Reshape`` of the
   last axis into the kernel's output axes.
 
+A kernel contracted on a later axis (``"btd,ndh->btnh"``: Keras transposes
+it first, ``Transpose(w, perm) -> Reshape -> MatMul``) is the same layer on
+the permuted kernel ``w' = transpose(w, perm)``; the match records
+``kernel_perm`` = perm and the layer's ``d_in``, ``d_out`` are ``w'``'s.
+
 A bias whose shape is the output's trailing axes, with ``d_out`` entries in
 all (``[heads, head_dim]`` or ``[d]``), belongs to the same layer. The match
 records ``kernel_in_axes`` = k (``kernel_in_axes``).
@@ -66,11 +71,32 @@ def _same(a, b) -> bool:
     return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b))
 
 
+def kernel_perm(g, m) -> tuple | None:
+    """The permutation of a kernel ``Transpose(w, perm)`` before its Reshape
+    (role ``"perm"``), or None when the kernel is not transposed."""
+    if "perm" not in m:
+        return None
+    perm = ir.const_value(g, g.nodes[m["perm"]]["inputs"][1])
+    return None if perm is None else tuple(int(p) for p in perm)
+
+
+def kernel_shape(g, m) -> tuple:
+    """The kernel's shape as the layer applies it: the variable's, permuted
+    by ``kernel_perm`` when a Transpose comes first (() when unknown)."""
+    w = var_shape(g, m["w"])
+    if "perm" not in m:
+        return w
+    perm = kernel_perm(g, m)
+    if perm is None or sorted(perm) != list(range(len(w))):
+        return ()
+    return tuple(w[p] for p in perm)
+
+
 def _split(g, m):
     """k with ``Reshape(w)`` = ``[prod(w[:k]), prod(w[k:])]``, else None. (A
     Reshape that only drops unit axes is gone from the IR: then the MatMul's
     kernel operand had the 2-D shape.)"""
-    w = var_shape(g, m["w"])
+    w = kernel_shape(g, m)
     flat = _shape(g, m["wr"]) if "wr" in m else ir.shape_of(g, g.nodes[m["op"]]["raw_inputs"][1])
     if len(w) < 3 or flat is None or len(flat) != 2:
         return None
@@ -104,7 +130,7 @@ def _unflat_ok(g, m) -> bool:
     k, before, after = _split(g, m), _shape(g, m["op"]), _shape(g, m["unflat"])
     if k is None or before is None or after is None:
         return False
-    out = var_shape(g, m["w"])[k:]
+    out = kernel_shape(g, m)[k:]
     return _same(after, (*before[:-1], *out))
 
 
@@ -117,7 +143,7 @@ def _bias_ok(g, m, out_role) -> bool:
         return False
     if None in out[1:] + before[1:] or math.prod(out[1:]) != math.prod(before[1:]):
         return False  # the sum is no wider than the projection (unit axes aside)
-    if math.prod(bias) != math.prod(var_shape(g, m["w"])[k:]) or not _same(out[-len(bias):], bias):
+    if math.prod(bias) != math.prod(kernel_shape(g, m)[k:]) or not _same(out[-len(bias):], bias):
         return False
     add = g.nodes[m["add"]]
     if str(add["attrs"].get("data_format", "NHWC")).strip("b'").startswith("NC"):
@@ -153,6 +179,22 @@ RESHAPED_DENSE_UNFLAT_BIAS, RESHAPED_DENSE_UNFLAT = _with_bias(
     _RESHAPED_EDGES + (("op", "unflat", 0),), "unflat", _unflat_ok, _IN)
 RESHAPED_DENSE_BIAS, RESHAPED_DENSE = _with_bias(
     "reshaped_kernel_dense", _RESHAPED, _RESHAPED_EDGES, "op",
+    lambda g, m: _split(g, m) is not None, _IN)
+# A kernel contracted on a later axis (Keras's "btd,ndh->btnh", Gemma's
+# projections): Transpose(w, perm), then the forms above on the permuted
+# kernel (``kernel_perm``; a Reshape that only dropped unit axes is gone).
+_PERMUTED = {"x": ANY, "perm": ops("Transpose"), "wr": ops("Reshape"), "op": _MATMUL, "w": VAR}
+_PERMUTED_EDGES = (("w", "perm", 0), ("perm", "wr", 0), ("x", "op", 0), ("wr", "op", 1))
+PERMUTED_DENSE_UNFLAT_BIAS, PERMUTED_DENSE_UNFLAT = _with_bias(
+    "permuted_kernel_dense_unflat", {**_PERMUTED, "unflat": ops("Reshape")},
+    _PERMUTED_EDGES + (("op", "unflat", 0),), "unflat", _unflat_ok, _IN)
+PERMUTED_DENSE_BIAS, PERMUTED_DENSE = _with_bias(
+    "permuted_kernel_dense", _PERMUTED, _PERMUTED_EDGES, "op",
+    lambda g, m: _split(g, m) is not None, _IN)
+_PERMUTED_SQUEEZED = {"x": ANY, "perm": ops("Transpose"), "op": _MATMUL, "w": VAR}
+PERMUTED_SQUEEZED_DENSE_BIAS, PERMUTED_SQUEEZED_DENSE = _with_bias(
+    "permuted_squeezed_kernel_dense", _PERMUTED_SQUEEZED,
+    (("w", "perm", 0), ("x", "op", 0), ("perm", "op", 1)), "op",
     lambda g, m: _split(g, m) is not None, _IN)
 # A kernel with one non-unit output axis: the Reshape only dropped unit axes.
 SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE = _with_bias(
@@ -243,9 +285,11 @@ POSITION_BROADCAST = Pattern(
     check=_part_broadcast)
 
 MULTIAXIS_PATTERNS: tuple[Pattern, ...] = (
+    PERMUTED_DENSE_UNFLAT_BIAS, PERMUTED_DENSE_UNFLAT, PERMUTED_DENSE_BIAS, PERMUTED_DENSE,
+    PERMUTED_SQUEEZED_DENSE_BIAS, PERMUTED_SQUEEZED_DENSE,
     RESHAPED_DENSE_UNFLAT_BIAS, RESHAPED_DENSE_UNFLAT, RESHAPED_DENSE_BIAS, RESHAPED_DENSE,
     SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE, EINSUM_DENSE_BIAS, EINSUM_DENSE, POSITION_EMBEDDING, POSITION_TABLE_SLICE,
     POSITION_BROADCAST)
 
 __all__ = ["MULTIAXIS_PATTERNS", "einsum_dense_axes", "kernel_in_axes",
-           "slice_rows", "part_rows", "Op"]
+           "slice_rows", "part_rows", "kernel_perm", "Op"]

@@ -39,6 +39,10 @@ def _backbone(family, tied=False):
         return keras_hub.models.GPT2Backbone(
             vocabulary_size=V, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
             max_sequence_length=8)
+    if family == "gemma":
+        return keras_hub.models.GemmaBackbone(
+            vocabulary_size=V, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+            hidden_dim=16, intermediate_dim=32, head_dim=8)
     return keras_hub.models.LlamaBackbone(
         vocabulary_size=V, num_layers=2, num_query_heads=4, num_key_value_heads=2,
         hidden_dim=16, intermediate_dim=32, tie_word_embeddings=tied)
@@ -97,7 +101,7 @@ def _assert_matches_loop(loss_fn, args, rtol, atol):
     return reg
 
 
-def _assert_all_registered(reg, backbone, extra=0):
+def _assert_all_registered(reg, backbone, extra=()):
     assert not reg.generic_variables, reg.summary()
     own = sum(int(np.prod(v.shape)) for v in backbone.trainable_variables)
     assert len(reg.variables) == len(backbone.trainable_variables) + len(extra), reg.summary()
@@ -108,12 +112,13 @@ def _kinds(reg):
     return {layer.name.rsplit("/", 1)[-1].rstrip("_1"): layer.kind for layer in reg.layers}
 
 
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+@pytest.mark.parametrize("family", [
+    "bert", "gpt2", "llama", pytest.param("gemma", marks=pytest.mark.slow)])
 def test_backbone_registers_and_per_example_gradients_are_exact_float64(family):
     loss_fn, args, backbone = _model(family, "float64")
-    # LlamaLayerNorm normalises in float32 whatever the model's dtype: the
-    # loop itself is only float32-exact there
-    rtol, atol = (1e-4, 1e-7) if family == "llama" else (1e-6, 1e-12)
+    # Llama's and Gemma's RMSNorm normalise in float32 whatever the model's
+    # dtype: the loop itself is only float32-exact there
+    rtol, atol = (1e-4, 1e-7) if family in ("llama", "gemma") else (1e-6, 1e-12)
     reg = _assert_matches_loop(loss_fn, args, rtol=rtol, atol=atol)
     _assert_all_registered(reg, backbone, extra=(16 * C, C) if family == "bert" else ())
     kinds = _kinds(reg)
@@ -130,6 +135,11 @@ def test_backbone_registers_and_per_example_gradients_are_exact_float64(family):
         assert kinds["feedforward_gate_dense/Tensordot"] == "dense", reg.summary()
         shapes = [tuple(v.shape) for v in reg.variables]
         assert (16, 2, 4) in shapes and (16, 4, 4) in shapes  # 2 key/value heads, 4 query heads
+    if family == "gemma":  # x * (1 + scale); kernels [heads, d, head_dim] contracted on axis 1
+        assert reg.layers[0].kind == "tied_embedding"
+        assert kinds["pre_attention_norm"] == "scale_and_shift", reg.summary()
+        query = [layer for layer in reg.layers if layer.name.endswith("query_1")][0]
+        assert query.kind == "dense" and query.attrs["kernel_perm"] == (1, 0, 2)
 
 
 @pytest.mark.parametrize("family,tied", [
@@ -158,7 +168,7 @@ def _trains(loss_fn, args, steps=20):
 
 @pytest.mark.slow  # ~50 s each, most of it the first K-FAC step's build
 @pytest.mark.parametrize("family,tied", [
-    ("gpt2", True), ("bert", False), ("llama", False), ("llama", True)])
+    ("gpt2", True), ("bert", False), ("llama", False), ("llama", True), ("gemma", True)])
 def test_backbone_trains_with_kfac_defaults_and_dpsgd(family, tied):
     loss_fn, args, _ = _model(family, "float32", tied=tied)
     _trains(loss_fn, args)
