@@ -154,8 +154,9 @@ def _use(g, pattern: Pattern, roles) -> Use:
         k = kernel_in_axes(g, roles)
         if k is not None:
             attrs["kernel_in_axes"] = k
-        if "perm" in roles:
-            attrs["kernel_perm"] = kernel_perm(g, roles)
+        perm = kernel_perm(g, roles)
+        if perm is not None:
+            attrs["kernel_perm"] = perm
     if pattern.kind == "embedding" and "add" in roles:
         attrs["ids_broadcast"] = True
         if "slice" in roles:

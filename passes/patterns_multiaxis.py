@@ -10,7 +10,9 @@ axes are output axes is a dense layer with
 the activation's leading axes. Two graph forms compute it:
 
 - an ``Einsum`` op ``x,w->y`` with ``x = P + C``, ``w = C + O`` and
-  ``y = P + O`` (C the contracted letters, P the positions; ``einsum_dense_axes``);
+  ``y = P + O`` (C the contracted letters, P the positions; ``einsum_dense_axes``;
+  ``w`` holding C and O in another order is the same layer on the permuted
+  kernel, below);
 - Keras's lowering of ``"abc,cde->abde"`` and ``"abcd,cde->abe"``:
   ``MatMul(x, Reshape(w, [d_in, d_out]))``, then maybe a ``Reshape`` of the
   last axis into the kernel's output axes.
@@ -44,21 +46,34 @@ from passes import ir
 from passes.patterns import ADD, ANY, EMBEDDING, VAR, VAR_PART, Op, Pattern, ops, var_shape
 
 
-def einsum_dense_axes(equation: str) -> int | None:
-    """k for an Einsum ``x,w->y`` applying a kernel of rank > 2 as a dense
-    layer (``x = P + w[:k]``, ``y = P + w[k:]``, P non-empty); else None."""
+def einsum_dense_form(equation: str) -> tuple[int, tuple] | None:
+    """``(k, perm)`` for an Einsum ``x,w->y`` applying a kernel of rank > 2 as
+    a dense layer: ``x = P + C``, ``y = P + O`` (P non-empty or an ellipsis),
+    ``w`` holding the letters of C and O in any order; ``k = len(C)`` and
+    ``perm`` orders ``w``'s axes as C (in ``x``'s order) then O (in ``y``'s),
+    the identity when ``w = C + O`` already. Else None."""
     m = re.fullmatch(r"(\.\.\.)?([a-z]*),([a-z]+)->(\.\.\.)?([a-z]*)", equation.replace(" ", ""))
     if not m:
         return None
     ell_x, x, w, ell_y, y = m.groups()
     if bool(ell_x) != bool(ell_y) or len(w) < 3 or len(set(w)) != len(w) or len(set(x)) != len(x):
         return None
-    for k in range(1, len(w)):
-        positions = x[:-k]
-        if (x.endswith(w[:k]) and (positions or ell_x) and not set(positions) & set(w)
-                and y == positions + w[k:]):
-            return k
-    return None
+    contracted = [c for c in x if c in w]
+    k = len(contracted)
+    positions = x[:len(x) - k]
+    if not k or k == len(w) or x[len(x) - k:] != "".join(contracted) or not (positions or ell_x):
+        return None
+    out = y[len(positions):]
+    if (y[:len(positions)] != positions or len(out) != len(w) - k or set(out) != set(w) - set(x)
+            or len(set(y)) != len(y)):
+        return None
+    return k, tuple(w.index(c) for c in contracted + list(out))
+
+
+def einsum_dense_axes(equation: str) -> int | None:
+    """k of ``einsum_dense_form`` (None when the Einsum is no dense layer)."""
+    form = einsum_dense_form(equation)
+    return None if form is None else form[0]
 
 
 def _shape(g, node, index=0):
@@ -72,24 +87,35 @@ def _same(a, b) -> bool:
 
 
 def kernel_perm(g, m) -> tuple | None:
-    """The permutation of a kernel ``Transpose(w, perm)`` before its Reshape
-    (role ``"perm"``), or None when the kernel is not transposed."""
-    if "perm" not in m:
+    """The permutation the layer applies its kernel in: a ``Transpose(w,
+    perm)`` before the Reshape (role ``"perm"``), or an Einsum's
+    (``einsum_dense_form``); None when it applies the kernel as stored."""
+    if "perm" in m:
+        perm = ir.const_value(g, g.nodes[m["perm"]]["inputs"][1])
+        perm = None if perm is None else tuple(int(p) for p in perm)
+    elif g.nodes[m["op"]]["op"] == "Einsum" and len(var_shape(g, m["w"])) > 2:
+        form = einsum_dense_form(g.nodes[m["op"]]["attrs"].get("equation", ""))
+        perm = None if form is None else form[1]
+    else:
         return None
-    perm = ir.const_value(g, g.nodes[m["perm"]]["inputs"][1])
-    return None if perm is None else tuple(int(p) for p in perm)
+    return None if perm is None or perm == tuple(range(len(perm))) else perm
 
 
 def kernel_shape(g, m) -> tuple:
     """The kernel's shape as the layer applies it: the variable's, permuted
     by ``kernel_perm`` when a Transpose comes first (() when unknown)."""
     w = var_shape(g, m["w"])
-    if "perm" not in m:
-        return w
     perm = kernel_perm(g, m)
-    if perm is None or sorted(perm) != list(range(len(w))):
+    if perm is None:
+        return () if "perm" in m and not _identity_transpose(g, m) else w
+    if sorted(perm) != list(range(len(w))):
         return ()
     return tuple(w[p] for p in perm)
+
+
+def _identity_transpose(g, m) -> bool:
+    perm = ir.const_value(g, g.nodes[m["perm"]]["inputs"][1])
+    return perm is not None and list(perm) == list(range(len(perm)))
 
 
 def _split(g, m):
@@ -291,5 +317,5 @@ MULTIAXIS_PATTERNS: tuple[Pattern, ...] = (
     SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE, EINSUM_DENSE_BIAS, EINSUM_DENSE, POSITION_EMBEDDING, POSITION_TABLE_SLICE,
     POSITION_BROADCAST)
 
-__all__ = ["MULTIAXIS_PATTERNS", "einsum_dense_axes", "kernel_in_axes",
+__all__ = ["MULTIAXIS_PATTERNS", "einsum_dense_axes", "einsum_dense_form", "kernel_in_axes",
            "slice_rows", "part_rows", "kernel_perm", "Op"]

@@ -208,10 +208,35 @@ def test_raw_einsum_op_and_separate_bias():
 
 @pytest.mark.parametrize("equation,axes", [
     ("abc,cde->abde", 1), ("abcd,cde->abe", 2), ("...c,cde->...de", 1), ("bc,cde->bde", 1),
-    ("abc,dce->abde", None), ("abc,cd->abd", None), ("abc,abd->acd", None), ("abc,bcd->abd", None),
-    ("abc,cde->abed", None)])
+    ("abc,dce->abde", 1), ("abc,cd->abd", None), ("abc,abd->acd", None), ("abc,bcd->abd", None),
+    ("abc,cde->abed", 1), ("abc,cde->aebd", None), ("abc,cdc->abd", None)])
 def test_einsum_dense_axes(equation, axes):
     assert einsum_dense_axes(equation) == axes
+
+
+@pytest.mark.parametrize("equation,perm", [("btd,ndh->btnh", (1, 0, 2)),
+                                           ("btd,dhn->btnh", (0, 2, 1))])
+def test_einsum_op_kernel_in_another_order(equation, perm):
+    """tf.einsum with the contracted axis not first in the kernel (Gemma's
+    ``"btd,ndh->btnh"``), or the output axes in another order, and a bias
+    ``[n, h]``: one dense layer on the permuted kernel, exact."""
+    rng = np.random.RandomState(6)
+    w_shape = {"n": 2, "d": D, "h": 3}
+    w = tf.Variable(rng.normal(size=[w_shape[c] for c in equation.split(",")[1][:3]]) / 3)
+    b = tf.Variable(rng.normal(size=(2, 3)))
+    head = tf.Variable(rng.normal(size=(6, C)))
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = tf.tanh(tf.einsum(equation, x, w) + b)
+        logits = tf.reshape(tf.reduce_mean(h, axis=1), [-1, 6]) @ head
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    args = (tf.constant(rng.normal(size=(B, T, D))), tf.constant([0, 3, 1]))
+    reg = _assert_matches_loop(loss_fn, args)
+    first = reg.layers[0]
+    assert first.kind == "dense" and len(first.variables) == 2, reg.summary()
+    assert first.attrs["kernel_perm"] == perm and first.attrs["kernel_in_axes"] == 1
 
 
 @settings(max_examples=3, deadline=None)

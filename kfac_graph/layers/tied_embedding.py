@@ -45,7 +45,6 @@ import tensorflow as tf
 from kfac_graph.layers import dense, embedding
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers.kind import LayerKind, variable_shapes
-from passes.errors import KfacGraphError
 
 LOOKUP, PROJECTION = "lookup", "projection"
 _PROJECTION_SPEC = dense.DenseSpec(transpose_kernel=True)
@@ -71,7 +70,7 @@ def split_uses(uses, spec):
     """``(lookups, projections)``: the ``(ids, g)`` and ``(h, q)`` pairs."""
     uses = uses_lib.as_uses(uses)
     if len(uses) != len(spec.roles):
-        raise KfacGraphError(f"tied embedding: {len(uses)} uses given for the "
+        raise ValueError(f"tied embedding: {len(uses)} uses given for the "
                              f"{len(spec.roles)} roles of its spec")
     pick = lambda role: [u for u, r in zip(uses, spec.roles) if r == role]
     return pick(LOOKUP), pick(PROJECTION)
