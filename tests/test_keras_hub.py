@@ -12,6 +12,8 @@ the brute-force Jacobian Fisher; kg.KFAC with its defaults lowers the loss
 in 20 steps with no skipped step, and kg.DPSGD runs a step. The losses:
 a classifier on BERT's pooled output, and the LM head's logits at the last
 position against ``[B]`` next tokens for GPT-2 and Llama."""
+import re
+
 import keras
 import keras_hub
 import numpy as np
@@ -109,7 +111,12 @@ def _assert_all_registered(reg, backbone, extra=()):
 
 
 def _kinds(reg):
-    return {layer.name.rsplit("/", 1)[-1].rstrip("_1"): layer.kind for layer in reg.layers}
+    """``{Keras layer name: {kinds of the layers under its scope}}``."""
+    out = {}
+    for layer in reg.layers:
+        for part in layer.name.split("/"):
+            out.setdefault(re.sub(r"_\d+$", "", part), set()).add(layer.kind)
+    return out
 
 
 @pytest.mark.parametrize("family", [
@@ -124,20 +131,20 @@ def test_backbone_registers_and_per_example_gradients_are_exact_float64(family):
     kinds = _kinds(reg)
     if family == "bert":
         assert [kinds[k] for k in ("token_embedding", "position_embedding",
-                                   "segment_embedding")] == ["embedding"] * 3, reg.summary()
+                                   "segment_embedding")] == [{"embedding"}] * 3, reg.summary()
     if family == "gpt2":  # the LM head is the token table, transposed
         token = reg.layers[0]
         assert (token.kind, token.uses) == ("tied_embedding", 2), reg.summary()
         assert [a["tied_role"] for a in token.use_attrs] == ["lookup", "projection"]
-        assert kinds["position_embedding"] == "embedding"
+        assert kinds["position_embedding"] == {"embedding"}
     if family == "llama":  # RMSNorm: a scale alone; the SwiGLU gate a dense layer
-        assert kinds["self_attention_layernorm"] == "scale_and_shift"
-        assert kinds["feedforward_gate_dense/Tensordot"] == "dense", reg.summary()
+        assert kinds["self_attention_layernorm"] == {"scale_and_shift"}, reg.summary()
+        assert kinds["feedforward_gate_dense"] == {"dense"}, reg.summary()
         shapes = [tuple(v.shape) for v in reg.variables]
         assert (16, 2, 4) in shapes and (16, 4, 4) in shapes  # 2 key/value heads, 4 query heads
     if family == "gemma":  # x * (1 + scale); kernels [heads, d, head_dim] contracted on axis 1
         assert reg.layers[0].kind == "tied_embedding"
-        assert kinds["pre_attention_norm"] == "scale_and_shift", reg.summary()
+        assert kinds["pre_attention_norm"] == {"scale_and_shift"}, reg.summary()
         query = [layer for layer in reg.layers if layer.name.endswith("query_1")][0]
         assert query.kind == "dense" and query.attrs["kernel_perm"] == (1, 0, 2)
 
