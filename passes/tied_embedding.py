@@ -13,9 +13,10 @@ groups ``{(kind, variable keys): [(pattern, roles, Use)]}`` and returns them
 with every such pair merged under ``("tied_embedding", (table,))``. A
 projection's bias (``h @ E^T + b``) is not the table's: ``detach_bias(roles,
 use)`` returns the use without it and the bias's own shift item
-``(pattern, roles, Use)``, which joins a scale-and-shift layer of the bias. Only the forms the runtime states
-exactly are merged: the projection multiplies by the whole table transposed
-(a 2-D kernel, no part of it), the lookups read whole rows. Any other mix of
+``(pattern, roles, Use)``, which joins a scale-and-shift layer of the bias.
+Only the forms the runtime states exactly are merged: the projection
+multiplies by the whole table transposed (a 2-D kernel, no part of it),
+the lookups read whole rows. Any other mix of
 kinds is left to the caller's conflict rule (generic, with the reason).
 """
 from __future__ import annotations

@@ -145,6 +145,7 @@ def test_registry_has_the_matcher_kinds():
         "conv3d_transpose",
         "scale_and_shift",
         "embedding",
+        "tied_embedding",
     }
     assert all(isinstance(DEFAULT[k], pe.PerExampleRule) for k in DEFAULT.kinds)
 

@@ -113,7 +113,6 @@ def make_layer_block(layer, approximations=None, **options) -> blocks_base.Fishe
     return make(layer.kind, shapes, overrides)
 
 
-
 def _permuted_block(layer, factory, shapes, make, overrides, perms, options):
     """A dense kernel the op transposes by ``perm`` before applying it: the
     block of the permuted kernel, wrapped in ``PermutedKernelBlock``; uses
