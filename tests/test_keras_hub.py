@@ -181,8 +181,9 @@ def test_backbone_trains_with_kfac_defaults_and_dpsgd(family, tied):
     _trains(loss_fn, args)
 
 
-def _tied_model(bias):
-    """A raw tied table ``E [7, 3]``: ``z = tanh(mean_t E[x_t] W) E^T (+ b)``."""
+def _tied_model(bias, form):
+    """A raw tied table ``E [7, 3]``: ``z = tanh(mean_t E[x_t] W) E^T (+ b)``,
+    the projection written as ``form``."""
     rng = np.random.RandomState(5)
     table = tf.Variable(rng.normal(size=(7, 3)), name="table")
     w = tf.Variable(rng.normal(size=(3, 3)), name="w")
@@ -190,7 +191,9 @@ def _tied_model(bias):
 
     def logits(x):
         h = tf.tanh(tf.reduce_mean(tf.gather(table, x), axis=1) @ w)
-        z = tf.matmul(h, table, transpose_b=True)
+        z = {"transpose_b": lambda: tf.matmul(h, table, transpose_b=True),
+             "einsum": lambda: tf.einsum("bd,vd->bv", h, table),
+             "transpose": lambda: h @ tf.transpose(table)}[form]()
         return z + b if bias else z
 
     @kg.auto_register
@@ -200,12 +203,13 @@ def _tied_model(bias):
     return loss_fn, logits, table, (x, tf.constant([1, 6, 0]))
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_tied_table_fisher_blocks_match_brute_force(bias):
+@pytest.mark.parametrize("bias,form", [(False, "transpose_b"), (True, "einsum"),
+                                       (True, "transpose")])
+def test_tied_table_fisher_blocks_match_brute_force(bias, form):
     """The full block is the exact Fisher of the table (both uses and their
     cross terms); the default block its exact diagonal. A projection bias is
     a shift layer of its own."""
-    loss_fn, logits, table, args = _tied_model(bias)
+    loss_fn, logits, table, args = _tied_model(bias, form)
     reg = _assert_matches_loop(loss_fn, args, rtol=1e-6, atol=1e-12)
     got = [(layer.kind, [v.name.split(":")[0] for v in layer.variables]) for layer in reg.layers]
     assert got == [("tied_embedding", ["table"]), ("dense", ["w"])] + (
@@ -220,3 +224,23 @@ def test_tied_table_fisher_blocks_match_brute_force(bias):
         np.testing.assert_allclose(est.blocks[0].full_matrix(), expected, rtol=1e-6, atol=1e-12)
     report = kg.verify(loss_fn, *args, estimation_mode="exact")
     assert report.passed, report.table()
+
+
+def test_table_projected_untransposed_stays_generic():
+    """A square table looked up and also multiplied as stored (``h @ E``,
+    not ``h @ E^T``) is no tied embedding: generic, with the reason; its
+    per-example gradients are a one-line error naming it (the lookup reads
+    the variable's handle), never a wrong tensor."""
+    rng = np.random.RandomState(7)
+    table = tf.Variable(rng.normal(size=(5, 5)), name="square")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = tf.tanh(tf.reduce_mean(tf.gather(table, x), axis=1))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, h @ table))
+
+    args = (tf.constant(rng.randint(0, 5, (B, 4))), tf.constant([1, 4, 0]))
+    reg = loss_fn.registration(*args)
+    assert reg.layers[0].kind == "generic" and "different kinds" in reg.layers[0].reason
+    with pytest.raises(kg.KfacGraphError, match="square"):
+        kg.per_example_gradients(loss_fn, *args)
