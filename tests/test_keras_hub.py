@@ -173,7 +173,7 @@ def _trains(loss_fn, args, steps=20):
     assert any(not np.array_equal(b, v.numpy()) for b, v in zip(before, variables))
 
 
-@pytest.mark.slow  # ~50 s each, most of it the first K-FAC step's build
+@pytest.mark.slow  # 30-80 s each, most of it building the first K-FAC and DP-SGD steps
 @pytest.mark.parametrize("family,tied", [
     ("gpt2", True), ("bert", False), ("llama", False), ("llama", True), ("gemma", True)])
 def test_backbone_trains_with_kfac_defaults_and_dpsgd(family, tied):
