@@ -24,7 +24,8 @@ from passes.atrous import atrous_attrs
 from passes.matcher import find_matches
 from passes.catalogue import LAYER_PATTERNS
 from passes.patterns import Pattern, einsum_kernel_layout
-from passes.patterns_multiaxis import kernel_in_axes, slice_rows
+from passes.patterns_multiaxis import kernel_in_axes, kernel_perm, part_rows, slice_rows
+from passes.tied_embedding import merge_tied
 from passes.unroll import ITERATION_SCOPE, WHILE_OPS
 
 _TRANSPOSE_KINDS = frozenset({"conv2d_transpose", "conv3d_transpose"})
@@ -45,9 +46,11 @@ class Use:
     nodes of the match. ``attrs``: the main op's attributes plus ``op``,
     ``input_shape``, ``output_shape`` and, where it applies,
     ``transpose_kernel``, ``kernel_in_axes`` (a dense kernel of rank > 2: how
-    many leading axes are contracted), ``ids_broadcast`` (a lookup whose ids
+    many leading axes are contracted; ``kernel_perm``: of the kernel after a
+    Transpose, ``passes.patterns_multiaxis``), ``ids_broadcast`` (a lookup whose ids
     have no batch axis, added over the batch; ``row_range``: those ids are
-    ``range(*row_range)``, a table slice), for scale-and-shift ``normalizer``,
+    ``range(*row_range)``, a table slice or its rows broadcast over the
+    batch), for scale-and-shift ``normalizer``,
     ``operand_shapes`` and ``scale_broadcast`` (``passes.scale_shift_use``),
     ``unsupported`` (why the form has no exact layer of its kind: the layer
     then becomes generic), ``parts`` (per variable, the box of it the use
@@ -151,10 +154,15 @@ def _use(g, pattern: Pattern, roles) -> Use:
         k = kernel_in_axes(g, roles)
         if k is not None:
             attrs["kernel_in_axes"] = k
+        perm = kernel_perm(g, roles)
+        if perm is not None:
+            attrs["kernel_perm"] = perm
     if pattern.kind == "embedding" and "add" in roles:
         attrs["ids_broadcast"] = True
         if "slice" in roles:
             attrs["row_range"] = slice_rows(g, roles)
+        elif "bc" in roles:  # rows of the table broadcast over the batch
+            attrs["row_range"] = part_rows(g, roles)
     if pattern.kind in _CONV_KINDS:
         attrs["kernel_shape"] = ir.shape_of(g, data["raw_inputs"][1])
         attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))
@@ -165,7 +173,9 @@ def _use(g, pattern: Pattern, roles) -> Use:
     if pattern.kind == "scale_and_shift":
         inputs, attrs = scale_shift_use.use_attrs(g, pattern, roles, main, inputs, attrs)
     parts = tuple(g.nodes[roles[p]].get("part") for p in pattern.params)
-    if any(parts):  # (passes.variable_parts) per variable: its box, or None when whole
+    # (passes.variable_parts) per variable: its box, or None when whole; a
+    # lookup's rows say it as row_range
+    if any(parts) and "row_range" not in attrs:
         attrs["parts"] = parts
     nodes = tuple(roles[r] for r, spec in pattern.nodes.items() if spec.exclusive)
     return Use(inputs, ir.tensor_name(roles[pattern.output]), nodes, attrs)
@@ -195,7 +205,9 @@ def _resolve_conflicts(g, groups, on_path, readers):
     loss's path that depend on the data (a weight penalty's reads do not).
 
     A kernel shared by uses with different biases (tied weights) keeps one
-    group for the kernel and gives each bias its own shift-only layer. A
+    group for the kernel and gives each bias its own shift-only layer; a
+    table both looked up and projected onto is one tied embedding
+    (``passes.tied_embedding``). A
     variable claimed by groups of different kinds, read outside its matches,
     or used in a form its kind cannot state exactly (``attrs["unsupported"]``:
     a fused batch norm whose normalised input cannot be recovered, an atrous
@@ -217,6 +229,8 @@ def _resolve_conflicts(g, groups, on_path, readers):
                         shift = _bias_as_shift(g, roles, use)
                         groups.setdefault(("scale_and_shift", (owner[1][1],)), []).append(shift)
             groups[(owners[0][0], (kernel,))] = merged
+    groups = merge_tied(groups, lambda roles, use: (
+        _without_bias(g, use, roles), _bias_as_shift(g, roles, use)))
     owners_of = collections.defaultdict(set)
     for group in groups:
         for key in group[1]:

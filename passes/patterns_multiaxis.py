@@ -10,10 +10,17 @@ axes are output axes is a dense layer with
 the activation's leading axes. Two graph forms compute it:
 
 - an ``Einsum`` op ``x,w->y`` with ``x = P + C``, ``w = C + O`` and
-  ``y = P + O`` (C the contracted letters, P the positions; ``einsum_dense_axes``);
+  ``y = P + O`` (C the contracted letters, P the positions; ``einsum_dense_axes``;
+  ``w`` holding C and O in another order is the same layer on the permuted
+  kernel, below);
 - Keras's lowering of ``"abc,cde->abde"`` and ``"abcd,cde->abe"``:
   ``MatMul(x, Reshape(w, [d_in, d_out]))``, then maybe a ``Reshape`` of the
   last axis into the kernel's output axes.
+
+A kernel contracted on a later axis (``"btd,ndh->btnh"``: Keras transposes
+it first, ``Transpose(w, perm) -> Reshape -> MatMul``) is the same layer on
+the permuted kernel ``w' = transpose(w, perm)``; the match records
+``kernel_perm`` = perm and the layer's ``d_in``, ``d_out`` are ``w'``'s.
 
 A bias whose shape is the output's trailing axes, with ``d_out`` entries in
 all (``[heads, head_dim]`` or ``[d]``), belongs to the same layer. The match
@@ -25,6 +32,10 @@ output is the Add, so its output gradient is per example; the runtime
 broadcasts the ids over the batch (``ids_broadcast``). A slice
 ``table[start:stop]`` added the same way is the lookup of
 ``range(start, stop)`` (``slice_rows``; the use records ``row_range``).
+keras-hub's ``PositionEmbedding`` slices its table (a part of the variable,
+``passes.variable_parts``, or the whole table) and broadcasts the rows to
+``[B, T, D]`` with ``BroadcastTo`` before the sum: the same lookup, its
+rows read from the part's box (``part_rows``).
 """
 from __future__ import annotations
 
@@ -32,24 +43,37 @@ import math
 import re
 
 from passes import ir
-from passes.patterns import ADD, ANY, EMBEDDING, VAR, Op, Pattern, ops, var_shape
+from passes.patterns import ADD, ANY, EMBEDDING, VAR, VAR_PART, Op, Pattern, ops, var_shape
 
 
-def einsum_dense_axes(equation: str) -> int | None:
-    """k for an Einsum ``x,w->y`` applying a kernel of rank > 2 as a dense
-    layer (``x = P + w[:k]``, ``y = P + w[k:]``, P non-empty); else None."""
+def einsum_dense_form(equation: str) -> tuple[int, tuple] | None:
+    """``(k, perm)`` for an Einsum ``x,w->y`` applying a kernel of rank > 2 as
+    a dense layer: ``x = P + C``, ``y = P + O`` (P non-empty or an ellipsis),
+    ``w`` holding the letters of C and O in any order; ``k = len(C)`` and
+    ``perm`` orders ``w``'s axes as C (in ``x``'s order) then O (in ``y``'s),
+    the identity when ``w = C + O`` already. Else None."""
     m = re.fullmatch(r"(\.\.\.)?([a-z]*),([a-z]+)->(\.\.\.)?([a-z]*)", equation.replace(" ", ""))
     if not m:
         return None
     ell_x, x, w, ell_y, y = m.groups()
     if bool(ell_x) != bool(ell_y) or len(w) < 3 or len(set(w)) != len(w) or len(set(x)) != len(x):
         return None
-    for k in range(1, len(w)):
-        positions = x[:-k]
-        if (x.endswith(w[:k]) and (positions or ell_x) and not set(positions) & set(w)
-                and y == positions + w[k:]):
-            return k
-    return None
+    contracted = [c for c in x if c in w]
+    k = len(contracted)
+    positions = x[:len(x) - k]
+    if not k or k == len(w) or x[len(x) - k:] != "".join(contracted) or not (positions or ell_x):
+        return None
+    out = y[len(positions):]
+    if (y[:len(positions)] != positions or len(out) != len(w) - k or set(out) != set(w) - set(x)
+            or len(set(y)) != len(y)):
+        return None
+    return k, tuple(w.index(c) for c in contracted + list(out))
+
+
+def einsum_dense_axes(equation: str) -> int | None:
+    """k of ``einsum_dense_form`` (None when the Einsum is no dense layer)."""
+    form = einsum_dense_form(equation)
+    return None if form is None else form[0]
 
 
 def _shape(g, node, index=0):
@@ -62,11 +86,43 @@ def _same(a, b) -> bool:
     return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b))
 
 
+def kernel_perm(g, m) -> tuple | None:
+    """The permutation the layer applies its kernel in: a ``Transpose(w,
+    perm)`` before the Reshape (role ``"perm"``), or an Einsum's
+    (``einsum_dense_form``); None when it applies the kernel as stored."""
+    if "perm" in m:
+        perm = ir.const_value(g, g.nodes[m["perm"]]["inputs"][1])
+        perm = None if perm is None else tuple(int(p) for p in perm)
+    elif g.nodes[m["op"]]["op"] == "Einsum" and len(var_shape(g, m["w"])) > 2:
+        form = einsum_dense_form(g.nodes[m["op"]]["attrs"].get("equation", ""))
+        perm = None if form is None else form[1]
+    else:
+        return None
+    return None if perm is None or perm == tuple(range(len(perm))) else perm
+
+
+def kernel_shape(g, m) -> tuple:
+    """The kernel's shape as the layer applies it: the variable's, permuted
+    by ``kernel_perm`` when a Transpose comes first (() when unknown)."""
+    w = var_shape(g, m["w"])
+    perm = kernel_perm(g, m)
+    if perm is None:
+        return () if "perm" in m and not _identity_transpose(g, m) else w
+    if sorted(perm) != list(range(len(w))):
+        return ()
+    return tuple(w[p] for p in perm)
+
+
+def _identity_transpose(g, m) -> bool:
+    perm = ir.const_value(g, g.nodes[m["perm"]]["inputs"][1])
+    return perm is not None and list(perm) == list(range(len(perm)))
+
+
 def _split(g, m):
     """k with ``Reshape(w)`` = ``[prod(w[:k]), prod(w[k:])]``, else None. (A
     Reshape that only drops unit axes is gone from the IR: then the MatMul's
     kernel operand had the 2-D shape.)"""
-    w = var_shape(g, m["w"])
+    w = kernel_shape(g, m)
     flat = _shape(g, m["wr"]) if "wr" in m else ir.shape_of(g, g.nodes[m["op"]]["raw_inputs"][1])
     if len(w) < 3 or flat is None or len(flat) != 2:
         return None
@@ -100,7 +156,7 @@ def _unflat_ok(g, m) -> bool:
     k, before, after = _split(g, m), _shape(g, m["op"]), _shape(g, m["unflat"])
     if k is None or before is None or after is None:
         return False
-    out = var_shape(g, m["w"])[k:]
+    out = kernel_shape(g, m)[k:]
     return _same(after, (*before[:-1], *out))
 
 
@@ -113,7 +169,7 @@ def _bias_ok(g, m, out_role) -> bool:
         return False
     if None in out[1:] + before[1:] or math.prod(out[1:]) != math.prod(before[1:]):
         return False  # the sum is no wider than the projection (unit axes aside)
-    if math.prod(bias) != math.prod(var_shape(g, m["w"])[k:]) or not _same(out[-len(bias):], bias):
+    if math.prod(bias) != math.prod(kernel_shape(g, m)[k:]) or not _same(out[-len(bias):], bias):
         return False
     add = g.nodes[m["add"]]
     if str(add["attrs"].get("data_format", "NHWC")).strip("b'").startswith("NC"):
@@ -149,6 +205,22 @@ RESHAPED_DENSE_UNFLAT_BIAS, RESHAPED_DENSE_UNFLAT = _with_bias(
     _RESHAPED_EDGES + (("op", "unflat", 0),), "unflat", _unflat_ok, _IN)
 RESHAPED_DENSE_BIAS, RESHAPED_DENSE = _with_bias(
     "reshaped_kernel_dense", _RESHAPED, _RESHAPED_EDGES, "op",
+    lambda g, m: _split(g, m) is not None, _IN)
+# A kernel contracted on a later axis (Keras's "btd,ndh->btnh", Gemma's
+# projections): Transpose(w, perm), then the forms above on the permuted
+# kernel (``kernel_perm``; a Reshape that only dropped unit axes is gone).
+_PERMUTED = {"x": ANY, "perm": ops("Transpose"), "wr": ops("Reshape"), "op": _MATMUL, "w": VAR}
+_PERMUTED_EDGES = (("w", "perm", 0), ("perm", "wr", 0), ("x", "op", 0), ("wr", "op", 1))
+PERMUTED_DENSE_UNFLAT_BIAS, PERMUTED_DENSE_UNFLAT = _with_bias(
+    "permuted_kernel_dense_unflat", {**_PERMUTED, "unflat": ops("Reshape")},
+    _PERMUTED_EDGES + (("op", "unflat", 0),), "unflat", _unflat_ok, _IN)
+PERMUTED_DENSE_BIAS, PERMUTED_DENSE = _with_bias(
+    "permuted_kernel_dense", _PERMUTED, _PERMUTED_EDGES, "op",
+    lambda g, m: _split(g, m) is not None, _IN)
+_PERMUTED_SQUEEZED = {"x": ANY, "perm": ops("Transpose"), "op": _MATMUL, "w": VAR}
+PERMUTED_SQUEEZED_DENSE_BIAS, PERMUTED_SQUEEZED_DENSE = _with_bias(
+    "permuted_squeezed_kernel_dense", _PERMUTED_SQUEEZED,
+    (("w", "perm", 0), ("x", "op", 0), ("perm", "op", 1)), "op",
     lambda g, m: _split(g, m) is not None, _IN)
 # A kernel with one non-unit output axis: the Reshape only dropped unit axes.
 SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE = _with_bias(
@@ -207,9 +279,43 @@ POSITION_TABLE_SLICE = Pattern(
     anchor="slice", output="add", params=("w",), inputs=(("slice", "in", 1),),
     check=_slice_broadcast)
 
-MULTIAXIS_PATTERNS: tuple[Pattern, ...] = (
-    RESHAPED_DENSE_UNFLAT_BIAS, RESHAPED_DENSE_UNFLAT, RESHAPED_DENSE_BIAS, RESHAPED_DENSE,
-    SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE, EINSUM_DENSE_BIAS, EINSUM_DENSE, POSITION_EMBEDDING, POSITION_TABLE_SLICE)
+def part_rows(g, m) -> tuple[int, int] | None:
+    """``(start, stop)``: the rows of a ``[V, D]`` table that ``m["w"]`` holds
+    (a part of it with every column, or the whole table); else None."""
+    data, whole = g.nodes[m["w"]], g.graph["variables"][g.nodes[m["w"]]["variable"]].shape
+    if whole is None or len(whole) != 2 or None in whole:
+        return None
+    box = data.get("part")
+    if box is None:
+        return 0, int(whole[0])
+    if len(box["begin"]) != 2 or box["begin"][1] != 0 or box["end"][1] != whole[1]:
+        return None
+    return int(box["begin"][0]), int(box["end"][0])
 
-__all__ = ["MULTIAXIS_PATTERNS", "einsum_dense_axes", "kernel_in_axes",
-           "slice_rows", "Op"]
+
+def _part_broadcast(g, m) -> bool:
+    """``BroadcastTo(rows [T, D], [B, T, D])`` added to an activation of that shape."""
+    rows, bc, out = part_rows(g, m), _shape(g, m["bc"]), _shape(g, m["add"])
+    return (rows is not None and bc is not None and out is not None and len(bc) == 3
+            and m["x"] != m["bc"] and _same(out, bc)
+            and _same(bc[1:], (rows[1] - rows[0], var_shape(g, m["w"])[-1])))
+
+
+# keras-hub's PositionEmbedding: table rows broadcast over the batch, then
+# added. Its operand is the broadcast's shape (the runtime makes the ids).
+POSITION_BROADCAST = Pattern(
+    "position_broadcast", "embedding",
+    {"w": VAR_PART, "bc": ops("BroadcastTo"), "x": ANY, "add": ops("AddV2", "Add")},
+    (("w", "bc", 0), ("bc", "add", None), ("x", "add", None)),
+    anchor="bc", output="add", params=("w",), inputs=(("bc", "in", 1),),
+    check=_part_broadcast)
+
+MULTIAXIS_PATTERNS: tuple[Pattern, ...] = (
+    PERMUTED_DENSE_UNFLAT_BIAS, PERMUTED_DENSE_UNFLAT, PERMUTED_DENSE_BIAS, PERMUTED_DENSE,
+    PERMUTED_SQUEEZED_DENSE_BIAS, PERMUTED_SQUEEZED_DENSE,
+    RESHAPED_DENSE_UNFLAT_BIAS, RESHAPED_DENSE_UNFLAT, RESHAPED_DENSE_BIAS, RESHAPED_DENSE,
+    SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE, EINSUM_DENSE_BIAS, EINSUM_DENSE,
+    POSITION_EMBEDDING, POSITION_TABLE_SLICE, POSITION_BROADCAST)
+
+__all__ = ["MULTIAXIS_PATTERNS", "einsum_dense_axes", "einsum_dense_form", "kernel_in_axes",
+           "slice_rows", "part_rows", "kernel_perm", "Op"]

@@ -4,7 +4,7 @@ and/or Add), declared as data like ``passes.patterns``.
 from __future__ import annotations
 
 from passes import ir
-from passes.patterns import ADD, ANY, VAR, VAR_PART, Pattern, ops, var_shape
+from passes.patterns import ADD, ANY, VAR, VAR_PART, Op, Pattern, ops, var_shape
 
 # --- scale and shift ---------------------------------------------------------
 # Normalisers: how the layer's normalised input xhat is recovered from the
@@ -106,6 +106,26 @@ SCALE_SHIFT = Pattern(
                         and var_shape(g, m["gamma"]) == var_shape(g, m["beta"])
                         and _same_layout(g, m, "mul", "add")
                         and _shared_by_examples("gamma", "mul")(g, m)))
+def _offset_ok(g, m) -> bool:
+    """``x * (c + gamma)``: ``c`` a constant that does not widen ``gamma``, and
+    the Mul reads the sum in ``gamma``'s own layout (the layout is read there)."""
+    gamma = ir.read_shape(g, m["plus"], ir.tensor_name(m["gamma"]))
+    total = ir.read_shape(g, m["mul"], ir.tensor_name(m["plus"]))
+    return (m["x"] != m["plus"] and gamma is not None and total is not None
+            and tuple(gamma) == tuple(total) == tuple(g.nodes[m["plus"]]["shapes"][0] or ())
+            and ir.const_value(g, ir.tensor_name(m["c"])) is not None
+            and _shared_by_examples("plus", "mul")(g, m))
+
+
+# A scale offset by a constant, ``x * (1 + gamma)`` (Gemma's RMSNorm): the
+# gradient of gamma is the scale's, ``xhat * g``, whatever the constant.
+SCALE_OFFSET = Pattern(
+    "scale_offset", "scale_and_shift",
+    {"x": ANY, "mul": MUL, "plus": ops("AddV2", "Add"),
+     "c": Op(frozenset({"Const"}), exclusive=False), "gamma": VAR_PART},
+    (("c", "plus", None), ("gamma", "plus", None), ("plus", "mul", None), ("x", "mul", None)),
+    anchor="mul", output="mul", params=("gamma",), inputs=(("x", "out", 0),),
+    normalizer="identity", check=_offset_ok)
 SCALE = Pattern(
     "scale", "scale_and_shift", {"x": ANY, "mul": MUL, "gamma": VAR_PART},
     (("x", "mul", None), ("gamma", "mul", None)),
@@ -123,5 +143,5 @@ SHIFT = Pattern(
 SCALE_SHIFT_PATTERNS: tuple[Pattern, ...] = (
     KERAS_BATCH_NORM, KERAS_BATCH_NORM_NO_SCALE, KERAS_BATCH_NORM_NO_CENTER, KERAS_LAYER_NORM,
     FUSED_BATCH_NORM,
-    SCALE_SHIFT, SCALE, SHIFT,
+    SCALE_SHIFT, SCALE_OFFSET, SCALE, SHIFT,
 )

@@ -1,4 +1,4 @@
-"""Scale-and-shift and embedding rules, the registry and the specs."""
+"""Scale-and-shift, embedding and tied-embedding rules, the registry and the specs."""
 
 import dataclasses
 
@@ -145,6 +145,7 @@ def test_registry_has_the_matcher_kinds():
         "conv3d_transpose",
         "scale_and_shift",
         "embedding",
+        "tied_embedding",
     }
     assert all(isinstance(DEFAULT[k], pe.PerExampleRule) for k in DEFAULT.kinds)
 
@@ -233,3 +234,33 @@ def test_gram_cost_rule():
     assert pe.gram_is_cheaper(1, 784, 512)
     assert not pe.gram_is_cheaper(1024, 27, 32)
     assert not pe.gram_is_cheaper(None, 10, 10)
+
+
+def test_tied_embedding_rule_sums_both_roles_and_its_norm_has_the_cross_term():
+    """Two lookups and two projections of one table ``E [V, D]``: the rule's
+    gradient is the scatter of the lookups' ``g`` plus ``sum_t q_t^T h_t``,
+    written out in numpy; its norm form (with the lookup-projection cross
+    term) equals the squared norm of that gradient."""
+    from kfac_graph.layers import tied_embedding as tied
+
+    rng = np.random.RandomState(0)
+    b, vocab, d = 3, 6, 4
+    lookups = [(rng.randint(0, vocab, (b, t)), rng.normal(size=(b, t, d))) for t in (5, 2)]
+    projections = [(rng.normal(size=(b, t, d)), rng.normal(size=(b, t, vocab))) for t in (3, 1)]
+    uses = [lookups[0], projections[0], lookups[1], projections[1]]
+    spec = tied.TiedEmbeddingSpec(vocab, ("lookup", "projection", "lookup", "projection"))
+    want = np.zeros((b, vocab, d))
+    for ids, g in lookups:
+        for i in range(b):
+            for t in range(ids.shape[1]):
+                want[i, ids[i, t]] += g[i, t]
+    for h, q in projections:
+        want += np.einsum("btv,btd->bvd", q, h)
+    rule = tied.TiedEmbeddingRule()
+    got = rule.per_example_grads(uses, spec)
+    assert len(got) == 1
+    np.testing.assert_allclose(got[0], want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(rule.squared_norms(uses, spec),
+                               np.sum(want.reshape(b, -1) ** 2, axis=1), rtol=1e-10)
+    with pytest.raises(ValueError, match="tied embedding"):
+        rule.per_example_grads(uses[:3], spec)

@@ -13,6 +13,7 @@ one of the aliases its kind's record allows (``LayerKind.blocks``); today:
     depthwise_conv2d  DepthwiseConvKronecker   DepthwiseConvDiagonal   NaiveFull
     scale_and_shift   -                        ScaleAndShiftDiagonal   ScaleAndShiftFull
     embedding         EmbeddingKronecker       NaiveDiagonal           NaiveFull
+    tied_embedding    -                        NaiveDiagonal           NaiveFull
     generic           -                        NaiveDiagonal           NaiveFull
 
 plus ``"series"`` (dense: ``FullyConnectedSeriesBlock``, option 2),
@@ -39,6 +40,9 @@ vectors and ``full_matrix`` follow the variables' own row-major layout:
   (tied encoder/decoder weights): no Kronecker or (a, g) block describes
   it, so it gets a block fed per-example gradients (``NaiveDiagonalBlock``
   unless a per-example-gradient block is asked for), with a warning;
+- a dense kernel the op transposes by ``perm`` before applying it
+  (``kernel_perm``: Keras's ``"btd,ndh->btnh"``): the block is built for
+  the permuted kernel and wrapped in ``PermutedKernelBlock``;
 - a scale-and-shift layer without a scale (a bias alone) is fed ``xhat = 1``
   (its gradient is then the scale rule's); ``xhat`` and ``g`` arrive with
   the axes the scale varies along moved last and read as the scale's shape
@@ -54,7 +58,7 @@ from absl import logging
 
 from kfac_graph import layers
 from kfac_graph.fisher import blocks_base, blocks_full, defaults
-from kfac_graph.fisher.blocks_compose import TransposedKernelBlock
+from kfac_graph.fisher.blocks_compose import PermutedKernelBlock, TransposedKernelBlock
 
 ALIASES = types.MappingProxyType({kind: types.MappingProxyType(defaults.kind_blocks(kind))
                                    for kind in layers.KINDS})
@@ -113,6 +117,9 @@ def make_layer_block(layer, approximations=None, max_factor_size=None,
     make = lambda kind, s, o: defaults.make_block(kind, s, attrs, num_uses=layer.uses,
                                                 overrides=o, **options)
     orientation = kernel_orientation(layer)
+    perms = {tuple(a.get("kernel_perm") or ()) for a in layer.use_attrs}
+    if layer.kind == "dense" and perms != {()}:
+        return _permuted_block(layer, factory, shapes, make, overrides, perms, options)
     if orientation == "mixed":
         if getattr(factory, "stats", None) == PER_EXAMPLE:
             return make(layer.kind, shapes, overrides)
@@ -130,3 +137,21 @@ def make_layer_block(layer, approximations=None, max_factor_size=None,
         return TransposedKernelBlock(inner, shapes, attrs, num_uses=layer.uses, **options)
     return make(layer.kind, shapes, overrides)
 
+
+def _permuted_block(layer, factory, shapes, make, overrides, perms, options):
+    """A dense kernel the op transposes by ``perm`` before applying it: the
+    block of the permuted kernel, wrapped in ``PermutedKernelBlock``; uses
+    with different permutations get a block fed per-example gradients."""
+    if getattr(factory, "stats", None) == PER_EXAMPLE:
+        return make(layer.kind, shapes, overrides)
+    if len(perms) > 1:
+        logging.warning("kfac_graph: dense layer %s applies its kernel in different layouts; "
+                        "it gets a diagonal Fisher block from per-example gradients", layer.name)
+        return blocks_full.NaiveDiagonalBlock(shapes, dict(layer.attrs), num_uses=layer.uses,
+                                              **options)
+    perm = perms.pop()
+    inner = make(layer.kind, [tuple(shapes[0][p] for p in perm)] + shapes[1:], overrides)
+    if block_stats(inner) == PER_EXAMPLE:
+        return make(layer.kind, shapes, overrides)
+    return PermutedKernelBlock(inner, shapes, perm, dict(layer.attrs), num_uses=layer.uses,
+                               **options)

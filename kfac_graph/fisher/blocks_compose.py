@@ -10,6 +10,12 @@ kh*kw*Cout_t]`). Vectors are transposed on the way in and out, `full_matrix`
 is permuted to the stored row-major order; other variables (a bias) pass
 through as they are.
 
+`PermutedKernelBlock(block, var_shapes, perm)`: a kernel the op applies as
+`transpose(W, perm)` (a dense kernel contracted on a later axis), handed to
+`block` in that permuted layout: vectors are transposed by `perm` on the
+way in and back on the way out, `full_matrix` is permuted to the stored
+row-major order.
+
 `PartsBlock(parts)`: `F ~= diag(F_1, F_2, ...)`, part k a block over the
 next `len(parts[k].var_shapes)` variables (in layer order), the cross terms
 between parts dropped. Every part sees the layer's whole data; every method
@@ -81,6 +87,31 @@ class TransposedKernelBlock(blocks_base.FisherBlock):
     def full_matrix(self):
         inner = self.block.full_matrix()
         return tf.gather(tf.gather(inner, self._perm, axis=0), self._perm, axis=1)
+
+
+class PermutedKernelBlock(TransposedKernelBlock):
+    """``block`` (built for the kernel ``transpose(W, perm)``) presented for
+    the stored kernel ``var_shapes[0]`` (module docstring)."""
+
+    def __init__(self, block, var_shapes, perm, attrs=None, **kwargs):
+        blocks_base.FisherBlock.__init__(self, var_shapes, attrs, **kwargs)
+        self.block = block
+        self.stats = block.stats
+        self._forward = [int(p) for p in perm]
+        self._backward = [int(i) for i in np.argsort(self._forward)]
+        kernel_shape = self.var_shapes[0]
+        size = int(np.prod(kernel_shape))
+        # stored flat index of each entry of the permuted kernel, then inverted:
+        # the row of the inner matrix that each stored entry is
+        stored = np.arange(size).reshape(kernel_shape).transpose(self._forward).reshape(-1)
+        self._perm = np.concatenate([np.argsort(stored),
+                                     np.arange(size, self.num_params)]).astype(np.int64)
+
+    def _inward(self, vs):
+        return [tf.transpose(vs[0], self._forward)] + list(vs[1:])
+
+    def _outward(self, vs):
+        return [tf.transpose(vs[0], self._backward)] + list(vs[1:])
 
 
 class PartsBlock(blocks_base.FisherBlock):

@@ -15,6 +15,8 @@ default alias; today's defaults:
                                      SCALE_AND_SHIFT_FULL_MAX_PARAMS (1024),
                                      diagonal above
   embedding                        -> EmbeddingKroneckerBlock
+  tied_embedding                   -> NaiveDiagonalBlock (per-example grads;
+                                     the exact diagonal of the tied table)
   generic                          -> NaiveDiagonalBlock (per-example grads)
 
 Layers at several positions "expand" by default (`positions.py`); dense,

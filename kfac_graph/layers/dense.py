@@ -27,7 +27,10 @@ contracted): the same layer with `W` reshaped row-major to `[d_in, d_out]`,
 `d_in = prod(shape[:k])`, `d_out = prod(shape[k:])`; `operands` flattens the
 activation to `[B, T, d_in]` and the output gradient to `[B, T, d_out]`, and the
 rule reshapes `dW_i` (and `db_i`, a bias of the output's trailing axes with
-`d_out` entries) back to the variables' shapes.
+`d_out` entries) back to the variables' shapes. A kernel contracted on a
+later axis (`"btd,ndh->btnh"`: the op applies `W' = transpose(W, perm)`,
+`attrs["kernel_perm"]`) is the same layer on `W'`, its gradient transposed
+back by the inverse permutation.
 
 Norms: Gram form iff `T (d_in + d_out) < d_in d_out` (see `norms.py`), else the
 materialised gradient is squared; the bias norm is always `|sum_t g_t|^2`.
@@ -52,13 +55,17 @@ class DenseSpec:
       has_bias: the layer has a bias `[d_out]` (its gradient comes second).
       transpose_kernel: the kernel is stored `[d_out, d_in]` (`s = a @ W^T`).
       kernel_shape, bias_shape: the variables' shapes when they are not
-        `[d_in, d_out]` and `[d_out]` (a multi-axis kernel); () otherwise.
+        `[d_in, d_out]` and `[d_out]` (a multi-axis kernel; the kernel's as
+        applied, after `kernel_perm`); () otherwise.
+      kernel_perm: the op applies `transpose(kernel, kernel_perm)` (a kernel
+        contracted on a later axis); () when it applies the kernel as stored.
     """
 
     has_bias: bool = False
     transpose_kernel: bool = False
     kernel_shape: tuple = ()
     bias_shape: tuple = ()
+    kernel_perm: tuple = ()
 
 
 def _outer(left, right):
@@ -131,6 +138,8 @@ class DenseRule:
         if spec.kernel_shape:
             shapes = [spec.kernel_shape, spec.bias_shape][:len(out)]
             out = [tf.reshape(t, [-1, *shape]) for t, shape in zip(out, shapes)]
+        if spec.kernel_perm:  # back to the stored layout
+            out[0] = tf.transpose(out[0], [0, *(1 + int(i) for i in np.argsort(spec.kernel_perm))])
         return out
 
     def squared_norms(self, uses, spec):
@@ -173,15 +182,26 @@ def matrix_shape(kernel_shape, kernel_in_axes=None) -> tuple:
     return int(np.prod(kernel_shape[:k])), int(np.prod(kernel_shape[k:]))
 
 
+def applied_kernel_shape(layer, use) -> tuple:
+    """The kernel's shape as use `use` applies it: the variable's, permuted
+    by `use_attrs[use]["kernel_perm"]` when the op transposes it first."""
+    shape = variable_shapes(layer)[0]
+    perm = layer.use_attrs[use].get("kernel_perm")
+    return tuple(shape[p] for p in perm) if perm else shape
+
+
 def spec(layer, use):
     """`DenseSpec` of one use: a bias if the layer has a second variable; the
     kernel transposed if the op multiplies by `W^T`; the variables' shapes for
-    a multi-axis kernel."""
+    a multi-axis kernel (the kernel's as applied, and its permutation)."""
     attrs = layer.use_attrs[use]
     shapes = variable_shapes(layer) if attrs.get("kernel_in_axes") else [(), ()]
+    if attrs.get("kernel_in_axes"):
+        shapes[0] = applied_kernel_shape(layer, use)
     return DenseSpec(has_bias=len(layer.variables) == 2,
                      transpose_kernel=bool(attrs.get("transpose_kernel")),
-                     kernel_shape=shapes[0], bias_shape=shapes[-1] if len(shapes) > 1 else ())
+                     kernel_shape=shapes[0], bias_shape=shapes[-1] if len(shapes) > 1 else (),
+                     kernel_perm=tuple(attrs.get("kernel_perm") or ()))
 
 
 def operands(layer, use, tensors, grads):
@@ -193,7 +213,7 @@ def operands(layer, use, tensors, grads):
     attrs = layer.use_attrs[use]
     shape = attrs.get("input_shape")
     if attrs.get("kernel_in_axes"):
-        d_in, d_out = matrix_shape(variable_shapes(layer)[0], attrs["kernel_in_axes"])
+        d_in, d_out = matrix_shape(applied_kernel_shape(layer, use), attrs["kernel_in_axes"])
         if shape is None or None in shape[1:]:
             flat = lambda t, d: tf.reshape(t, [uses_lib.batch_size(t), -1, d])
         else:

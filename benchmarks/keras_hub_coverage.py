@@ -1,0 +1,155 @@
+"""Which keras-hub backbones register with no generic variable.
+
+Builds each backbone from a tiny config with random weights (never a
+preset: nothing is downloaded), puts a loss on it and runs the pass. The
+loss: a decoder whose token embedding can run in reverse (a
+``ReversibleEmbedding``: GPT-2, Llama, Gemma, ...) predicts the next token
+from the last position with that LM head (tied to the token table where
+the backbone ties it); any other backbone (the encoders, which return a
+dict) classifies its mean-pooled
+sequence output with a Dense layer. Prints, per backbone: its trainable
+variables, how many of them the loss reads and how many register in a
+non-generic layer, the layer kinds found, the pass time, and with
+``--check`` the largest relative difference between an example's
+``kg.per_example_gradients`` and its one-example tape (float32; norms over
+the whole gradient);
+the generic variables follow with their reasons.
+
+    python benchmarks/keras_hub_coverage.py [--models bert,gpt2,...] [--check]
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import bench_env  # noqa: E402,F401  (first: quiet logs, the repository importable)
+
+import keras  # noqa: E402
+import keras_hub  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+
+import kfac_graph as kg  # noqa: E402
+
+V, T, B = 40, 5, 3
+_M = keras_hub.models
+_DEC = dict(vocabulary_size=V, num_layers=2, hidden_dim=16, intermediate_dim=32)
+_ENC = dict(_DEC, num_heads=2, max_sequence_length=8)
+BACKBONES = {
+    "bert": lambda: _M.BertBackbone(**_ENC),
+    "distil_bert": lambda: _M.DistilBertBackbone(**_ENC),
+    "roberta": lambda: _M.RobertaBackbone(**_ENC),
+    "albert": lambda: _M.AlbertBackbone(**_ENC, embedding_dim=8, num_groups=1,
+                                        num_inner_repetition=1),
+    "electra": lambda: _M.ElectraBackbone(
+        vocab_size=V, num_layers=2, num_heads=2, hidden_dim=16, embedding_dim=8,
+        intermediate_dim=32, max_sequence_length=8),
+    "deberta_v3": lambda: _M.DebertaV3Backbone(**_ENC, bucket_size=4),
+    "f_net": lambda: _M.FNetBackbone(
+        vocabulary_size=V, num_layers=2, hidden_dim=16, intermediate_dim=32,
+        max_sequence_length=8),
+    "xlnet": lambda: _M.XLNetBackbone(**{**_DEC, "num_heads": 2}),
+    "gpt2": lambda: _M.GPT2Backbone(**_ENC),
+    "gpt_neo_x": lambda: _M.GPTNeoXBackbone(**_ENC),
+    "opt": lambda: _M.OPTBackbone(**_ENC),
+    "bloom": lambda: _M.BloomBackbone(**{**_DEC, "num_heads": 2}),
+    "falcon": lambda: _M.FalconBackbone(**{**_DEC, "num_attention_heads": 2}),
+    "llama": lambda: _M.LlamaBackbone(**_DEC, num_query_heads=4, num_key_value_heads=2),
+    "llama_tied": lambda: _M.LlamaBackbone(**_DEC, num_query_heads=4, num_key_value_heads=2,
+                                           tie_word_embeddings=True),
+    "mistral": lambda: _M.MistralBackbone(**_DEC, num_query_heads=4, num_key_value_heads=2),
+    "qwen": lambda: _M.QwenBackbone(**_DEC, num_query_heads=4, num_key_value_heads=2),
+    "phi3": lambda: _M.Phi3Backbone(**_DEC, num_query_heads=4, num_key_value_heads=2),
+    "gemma": lambda: _M.GemmaBackbone(**_DEC, num_query_heads=2, num_key_value_heads=1,
+                                      head_dim=8),
+}
+flags.DEFINE_list("models", list(BACKBONES), "Which backbones.")
+flags.DEFINE_bool("check", False, "Also compare per-example gradients with a loop.")
+FLAGS = flags.FLAGS
+
+
+def _features(backbone, x):
+    keys = backbone.input.keys() if isinstance(backbone.input, dict) else None
+    if keys is None:
+        return x
+    return {k: tf.ones_like(x) if "mask" in k else tf.zeros_like(x) if "segment" in k else x
+            for k in keys}
+
+
+def build(name):
+    """``(backbone, loss_fn, args, head)``: the backbone, a registered loss on it, a batch."""
+    keras.utils.set_random_seed(0)
+    backbone = BACKBONES[name]()
+    rng = np.random.RandomState(1)
+    x = tf.constant(rng.randint(1, V, (B, T)))
+    token = getattr(backbone, "token_embedding", None)
+    decoder = not isinstance(backbone.output, dict)  # encoders return their outputs by name
+    if decoder and token is not None and "reverse" in token.call.__code__.co_varnames:
+        head = "LM head"
+
+        def logits(x):
+            h = backbone(_features(backbone, x))
+            return token(h[:, -1], reverse=True)
+        y = tf.constant(rng.randint(0, V, (B,)))
+    else:
+        head, dense = "classifier", keras.layers.Dense(3)
+
+        def logits(x):
+            out = backbone(_features(backbone, x))
+            out = out["sequence_output"] if isinstance(out, dict) else out
+            return dense(tf.reduce_mean(out, axis=1))
+        y = tf.constant(rng.randint(0, 3, (B,)))
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits(x)))
+    return backbone, loss_fn, (x, y), head
+
+
+def loop_error(loss_fn, reg, args) -> float:
+    """The largest over examples of ``|got_i - loop_i| / |loop_i|``, the
+    norms over the whole gradient (a per-variable ratio means nothing for
+    an attention key bias, whose gradient is zero up to roundoff)."""
+    got = kg.per_example_gradients(loss_fn, *args)
+    worst = 0.0
+    for i in range(B):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(*[a[i:i + 1] for a in args])
+        want = [tf.convert_to_tensor(w).numpy().ravel() for w in
+                tape.gradient(loss, reg.variables)]
+        diff = np.concatenate([g[i].numpy().ravel() - w for g, w in zip(got, want)])
+        worst = max(worst, float(np.linalg.norm(diff) / np.linalg.norm(np.concatenate(want))))
+    return worst
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.ERROR)
+    header = "| backbone | head | variables | read by the loss | registered | kinds | pass s |"
+    print(header + (" per-example rel err |" if FLAGS.check else ""))
+    print("|---|---|---:|---:|---:|---|---:|" + ("---:|" if FLAGS.check else ""))
+    reasons = []
+    for name in FLAGS.models:
+        backbone, loss_fn, args, head = build(name)
+        loss_fn(*args)
+        start = time.perf_counter()
+        reg = loss_fn.registration(*args)
+        seconds = time.perf_counter() - start
+        own = {id(v) for v in backbone.trainable_variables}
+        kinds = collections.Counter(layer.kind for layer in reg.layers)
+        generic = [layer for layer in reg.layers if layer.kind == "generic"]
+        reasons += [f"{name}: {layer.name}: {layer.reason}" for layer in generic]
+        read = len(reg.variables) - (2 if head == "classifier" else 0)
+        registered = read - sum(len(layer.variables) for layer in generic)
+        row = (f"| {name} | {head} | {len(own)} | {read} | {registered} | "
+               f"{', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))} | {seconds:.2f} |")
+        if FLAGS.check:
+            row += f" {loop_error(loss_fn, reg, args):.1e} |"
+        print(row, flush=True)
+    for line in reasons:
+        print("generic:", line)
+
+
+if __name__ == "__main__":
+    app.run(main)

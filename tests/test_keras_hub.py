@@ -1,0 +1,246 @@
+"""keras-hub backbones built from tiny configs with random weights (never a
+preset): BERT (token, position and segment embeddings, post-norm LayerNorm,
+a pooled tanh head), GPT-2 (pre-norm, its LM head tied to the token table:
+``ReversibleEmbedding(reverse=True)``) and Llama (RMSNorm, rotary position
+embeddings, grouped-query attention with fewer key/value heads, a gated
+SwiGLU MLP; untied and tied heads).
+
+Shown: every trainable variable registers in a non-generic layer; the
+per-example gradients and norms equal a loop of one-example tapes (float64
+at rtol 1e-6, float32 at 1e-4); a tied table's exact-mode Fisher blocks equal
+the brute-force Jacobian Fisher; kg.KFAC with its defaults lowers the loss
+in 20 steps with no skipped step, and kg.DPSGD runs a step. The losses:
+a classifier on BERT's pooled output, and the LM head's logits at the last
+position against ``[B]`` next tokens for GPT-2 and Llama."""
+import re
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+from fisher_reference import brute_fisher
+
+B, T, V, C = 3, 5, 40, 4
+
+
+def _set_dtype(dtype):
+    keras.config.set_floatx(dtype)
+    keras.config.set_dtype_policy(dtype)
+
+
+def _backbone(family, tied=False):
+    keras.utils.set_random_seed(0)
+    if family == "bert":
+        return keras_hub.models.BertBackbone(
+            vocabulary_size=V, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+            max_sequence_length=8, num_segments=2)
+    if family == "gpt2":
+        return keras_hub.models.GPT2Backbone(
+            vocabulary_size=V, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+            max_sequence_length=8)
+    if family == "gemma":
+        return keras_hub.models.GemmaBackbone(
+            vocabulary_size=V, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+            hidden_dim=16, intermediate_dim=32, head_dim=8)
+    return keras_hub.models.LlamaBackbone(
+        vocabulary_size=V, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=16, intermediate_dim=32, tie_word_embeddings=tied)
+
+
+def _model(family, dtype="float32", tied=False):
+    """``(loss_fn, args, backbone)``: BERT classifies its pooled output into
+    C classes; GPT-2 and Llama predict the next token from the last position
+    with the backbone's LM head (GPT-2's tied to the token table)."""
+    _set_dtype(dtype)
+    backbone = _backbone(family, tied)
+    rng = np.random.RandomState(1)
+    x = tf.constant(rng.randint(0, V, (B, T)))
+    mask = tf.ones_like(x)
+    if family == "bert":
+        head = keras.layers.Dense(C)
+        segments = tf.constant([[0] * 3 + [1] * (T - 3)] * B)
+
+        def logits(x):
+            out = backbone({"token_ids": x, "segment_ids": segments[:tf.shape(x)[0]],
+                            "padding_mask": tf.ones_like(x)})
+            return head(out["pooled_output"])
+        y = tf.constant(rng.randint(0, C, (B,)))
+    else:
+        def logits(x):
+            h = backbone({"token_ids": x, "padding_mask": tf.ones_like(x)})
+            return backbone.token_embedding(h[:, -1], reverse=True)
+        y = tf.constant(rng.randint(0, V, (B,)))
+    del mask
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits(x)))
+    return loss_fn, (x, y), backbone
+
+
+def _loop(loss_fn, variables, args):
+    out = []
+    for i in range(B):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(*[a[i:i + 1] for a in args])
+        out.append([tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)])
+    return [np.stack([o[j] for o in out]) for j in range(len(variables))]
+
+
+def _assert_matches_loop(loss_fn, args, rtol, atol):
+    reg = loss_fn.registration(*args)
+    got = kg.per_example_gradients(loss_fn, *args)
+    want = _loop(loss_fn, reg.variables, args)
+    for v, g, w in zip(reg.variables, got, want):
+        assert g.shape == (B, *v.shape), v.name
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=v.name)
+    norms = np.sqrt(sum(np.sum(np.reshape(w, [B, -1]).astype(np.float64) ** 2, axis=1)
+                        for w in want))
+    np.testing.assert_allclose(kg.per_example_gradient_norms(loss_fn, *args), norms, rtol=rtol)
+    return reg
+
+
+def _assert_all_registered(reg, backbone, extra=()):
+    assert not reg.generic_variables, reg.summary()
+    own = sum(int(np.prod(v.shape)) for v in backbone.trainable_variables)
+    assert len(reg.variables) == len(backbone.trainable_variables) + len(extra), reg.summary()
+    assert sum(layer.num_parameters for layer in reg.layers) == own + sum(extra), reg.summary()
+
+
+def _kinds(reg):
+    """``{Keras layer name: {kinds of the layers under its scope}}``."""
+    out = {}
+    for layer in reg.layers:
+        for part in layer.name.split("/"):
+            out.setdefault(re.sub(r"_\d+$", "", part), set()).add(layer.kind)
+    return out
+
+
+@pytest.mark.parametrize("family", [
+    "bert", "gpt2", "llama", pytest.param("gemma", marks=pytest.mark.slow)])
+def test_backbone_registers_and_per_example_gradients_are_exact_float64(family):
+    loss_fn, args, backbone = _model(family, "float64")
+    # Llama's and Gemma's RMSNorm normalise in float32 whatever the model's
+    # dtype: the loop itself is only float32-exact there
+    rtol, atol = (1e-4, 1e-7) if family in ("llama", "gemma") else (1e-6, 1e-12)
+    reg = _assert_matches_loop(loss_fn, args, rtol=rtol, atol=atol)
+    _assert_all_registered(reg, backbone, extra=(16 * C, C) if family == "bert" else ())
+    kinds = _kinds(reg)
+    if family == "bert":
+        assert [kinds[k] for k in ("token_embedding", "position_embedding",
+                                   "segment_embedding")] == [{"embedding"}] * 3, reg.summary()
+    if family == "gpt2":  # the LM head is the token table, transposed
+        token = reg.layers[0]
+        assert (token.kind, token.uses) == ("tied_embedding", 2), reg.summary()
+        assert [a["tied_role"] for a in token.use_attrs] == ["lookup", "projection"]
+        assert kinds["position_embedding"] == {"embedding"}
+    if family == "llama":  # RMSNorm: a scale alone; the SwiGLU gate a dense layer
+        assert kinds["self_attention_layernorm"] == {"scale_and_shift"}, reg.summary()
+        assert kinds["feedforward_gate_dense"] == {"dense"}, reg.summary()
+        shapes = [tuple(v.shape) for v in reg.variables]
+        assert (16, 2, 4) in shapes and (16, 4, 4) in shapes  # 2 key/value heads, 4 query heads
+    if family == "gemma":  # x * (1 + scale); kernels [heads, d, head_dim] contracted on axis 1
+        assert reg.layers[0].kind == "tied_embedding"
+        assert kinds["pre_attention_norm"] == {"scale_and_shift"}, reg.summary()
+        query = [layer for layer in reg.layers if layer.name.endswith("query_1")][0]
+        assert query.kind == "dense" and query.attrs["kernel_perm"] == (1, 0, 2)
+
+
+@pytest.mark.parametrize("family,tied", [
+    ("gpt2", True), pytest.param("bert", False, marks=pytest.mark.slow),
+    pytest.param("llama", True, marks=pytest.mark.slow)])
+def test_backbone_per_example_gradients_float32(family, tied):
+    loss_fn, args, backbone = _model(family, "float32", tied=tied)
+    reg = _assert_matches_loop(loss_fn, args, rtol=1e-4, atol=1e-6)
+    assert not reg.generic_variables, reg.summary()
+    assert reg.layers[0].kind == ("tied_embedding" if tied else "embedding"), reg.summary()
+
+
+def _trains(loss_fn, args, steps=20):
+    opt = kg.KFAC(loss_fn)
+    losses = [float(opt.step(*args)) for _ in range(steps)]
+    assert all(np.isfinite(losses)) and int(opt.skipped_steps) == 0, losses
+    assert losses[-1] < 0.5 * losses[0], losses
+    variables = loss_fn.registration(*args).variables
+    fresh = kg.auto_register(loss_fn.python_function)  # DPSGD.step runs the pass itself
+    dp = kg.DPSGD(fresh, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.5)
+    before = [v.numpy() for v in variables]
+    assert np.isfinite(float(dp.step(*args))) and int(dp.iterations) == 1
+    assert all(np.all(np.isfinite(v.numpy())) for v in variables)
+    assert any(not np.array_equal(b, v.numpy()) for b, v in zip(before, variables))
+
+
+@pytest.mark.slow  # 30-80 s each, most of it building the first K-FAC and DP-SGD steps
+@pytest.mark.parametrize("family,tied", [
+    ("gpt2", True), ("bert", False), ("llama", False), ("llama", True), ("gemma", True)])
+def test_backbone_trains_with_kfac_defaults_and_dpsgd(family, tied):
+    loss_fn, args, _ = _model(family, "float32", tied=tied)
+    _trains(loss_fn, args)
+
+
+def _tied_model(bias, form):
+    """A raw tied table ``E [7, 3]``: ``z = tanh(mean_t E[x_t] W) E^T (+ b)``,
+    the projection written as ``form``."""
+    rng = np.random.RandomState(5)
+    table = tf.Variable(rng.normal(size=(7, 3)), name="table")
+    w = tf.Variable(rng.normal(size=(3, 3)), name="w")
+    b = tf.Variable(rng.normal(size=(7,)), name="b")
+
+    def logits(x):
+        h = tf.tanh(tf.reduce_mean(tf.gather(table, x), axis=1) @ w)
+        z = {"transpose_b": lambda: tf.matmul(h, table, transpose_b=True),
+             "einsum": lambda: tf.einsum("bd,vd->bv", h, table),
+             "transpose": lambda: h @ tf.transpose(table)}[form]()
+        return z + b if bias else z
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits(x)))
+    x = tf.constant(rng.randint(0, 7, (B, 4)))
+    return loss_fn, logits, table, (x, tf.constant([1, 6, 0]))
+
+
+@pytest.mark.parametrize("bias,form", [(False, "transpose_b"), (True, "einsum"),
+                                       (True, "transpose")])
+def test_tied_table_fisher_blocks_match_brute_force(bias, form):
+    """The full block is the exact Fisher of the table (both uses and their
+    cross terms); the default block its exact diagonal. A projection bias is
+    a shift layer of its own."""
+    loss_fn, logits, table, args = _tied_model(bias, form)
+    reg = _assert_matches_loop(loss_fn, args, rtol=1e-6, atol=1e-12)
+    got = [(layer.kind, [v.name.split(":")[0] for v in layer.variables]) for layer in reg.layers]
+    assert got == [("tied_embedding", ["table"]), ("dense", ["w"])] + (
+        [("scale_and_shift", ["b"])] if bias else []), got
+    softmax_fisher = lambda z: (lambda p: tf.linalg.diag(p) - p[:, :, None] * p[:, None, :])(
+        tf.nn.softmax(z))
+    want = brute_fisher(lambda p, xx: logits(xx), [table], args[0], softmax_fisher)
+    for approximation, expected in (("full", want), (None, np.diag(np.diag(want)))):
+        est = kg.FisherEstimator(loss_fn, estimation_mode="exact", approximations=(
+            {"tied_embedding": approximation} if approximation else None))
+        est.update(*args)
+        np.testing.assert_allclose(est.blocks[0].full_matrix(), expected, rtol=1e-6, atol=1e-12)
+    report = kg.verify(loss_fn, *args, estimation_mode="exact")
+    assert report.passed, report.table()
+
+
+def test_table_projected_untransposed_stays_generic():
+    """A square table looked up and also multiplied as stored (``h @ E``,
+    not ``h @ E^T``) is no tied embedding: generic, with the reason; its
+    per-example gradients are a one-line error naming it (the lookup reads
+    the variable's handle), never a wrong tensor."""
+    rng = np.random.RandomState(7)
+    table = tf.Variable(rng.normal(size=(5, 5)), name="square")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = tf.tanh(tf.reduce_mean(tf.gather(table, x), axis=1))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, h @ table))
+
+    args = (tf.constant(rng.randint(0, 5, (B, 4))), tf.constant([1, 4, 0]))
+    reg = loss_fn.registration(*args)
+    assert reg.layers[0].kind == "generic" and "different kinds" in reg.layers[0].reason
+    with pytest.raises(kg.KfacGraphError, match="square"):
+        kg.per_example_gradients(loss_fn, *args)
