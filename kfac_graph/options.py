@@ -86,14 +86,19 @@ class Real:
 
 @dataclasses.dataclass(frozen=True)
 class Integer:
-    """An integer ``>= minimum`` (None: any integer); an integral float counts."""
+    """An integer ``>= minimum`` (None: any integer); an integral float counts;
+    ``none``: None is allowed too."""
 
     minimum: int | None = None
+    none: bool = False
 
     def requirement(self) -> str:
-        return "an integer" + ("" if self.minimum is None else f" >= {self.minimum}")
+        return ("an integer" + ("" if self.minimum is None else f" >= {self.minimum}")
+                + (", or None" if self.none else ""))
 
-    def convert(self, value) -> int:
+    def convert(self, value) -> int | None:
+        if value is None and self.none:
+            return None
         if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
             n = int(value)
         else:

@@ -87,13 +87,17 @@ import tensorflow as tf
 from kfac_graph import options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher.estimator import FisherEstimator
-from kfac_graph.fisher import linalg
+from kfac_graph.optimizer import costs as costs_lib
 from kfac_graph.optimizer import damping as damping_lib
+from kfac_graph.optimizer import plan
+from kfac_graph.optimizer import summaries
 from kfac_graph.optimizer import distributed
 from kfac_graph.optimizer.schedule import StepSchedule
 from kfac_graph.optimizer.single_device import SingleDeviceCore
 
 MOMENTUM_TYPES = ("regular", "adam", "qmodel")
+DEFAULT_COV_UPDATE_PERIOD = 1
+DEFAULT_INVERSE_UPDATE_PERIOD = 10
 _plain_python = tf.autograph.experimental.do_not_convert
 
 
@@ -120,6 +124,18 @@ class KFAC(tf.Module):
     initial value, see ``damping.py``). Estimator
     options (``estimation_mode``, ``num_samples``, ``cov_ema_decay``,
     ``approximations``, ``seed``) go to ``kg.FisherEstimator``.
+    ``cov_update_period``, ``inverse_update_period``: steps between
+    covariance updates and inverse refreshes (``schedule.py``; default 1 and
+    10, or, with ``overhead_budget = b``, the periods ``plan.py`` picks so
+    that the counted multiply-adds of the amortised step (``costs.py``) are
+    at most ``b`` times an SGD step's; a period given wins over the
+    budget's; ``cost_summary()`` reports the counts and the choice).
+    ``stagger_inverses`` (default True): each block refreshes its inverses
+    in its own slot of the inverse period (slots balanced by the counted
+    factorisations, every block at the first step), so no step pays every
+    block's factorisation; a block's inverses are then up to ``P - 1``
+    steps staler, and a damping change reaches each block at its slot
+    (``schedule.py``); with ``P = 1`` nothing changes.
     ``summary_writer``: a ``tf.summary`` writer; loss, damping, learning
     rate, momentum, rho and each factor's trace are written every
     ``summary_period`` steps. ``sync_statistics``: under ``tf.distribute``,
@@ -147,7 +163,10 @@ class KFAC(tf.Module):
         "momentum": options.Real(0.0, 1.0, high_open=True),
         "momentum_type": options.OneOf(MOMENTUM_TYPES), "l2_reg": options.Real(0.0),
         "norm_constraint": options.Real(0.0, low_open=True, none=True),
-        "cov_update_period": options.Integer(1), "inverse_update_period": options.Integer(1),
+        "cov_update_period": options.Integer(1, none=True),
+        "inverse_update_period": options.Integer(1, none=True),
+        "stagger_inverses": options.Boolean(),
+        "overhead_budget": options.Real(1.0, low_open=True, none=True),
         "cov_ema_decay": _EST["cov_ema_decay"], "num_burnin_steps": options.Integer(0),
         "estimation_mode": _EST["estimation_mode"], "num_samples": _EST["num_samples"],
         "adapt_damping": options.Boolean(), "damping_adaptation_interval": options.Integer(1),
@@ -172,8 +191,9 @@ class KFAC(tf.Module):
 
     def __init__(self, fn, learning_rate: float = 0.1, damping: float = 0.1,
                  momentum: float = 0.9, momentum_type: str = "qmodel", l2_reg: float = 0.0,
-                 norm_constraint: float | None = 1e-3, cov_update_period: int = 1,
-                 inverse_update_period: int = 10, cov_ema_decay: float = 0.95,
+                 norm_constraint: float | None = 1e-3, cov_update_period: int | None = None,
+                 inverse_update_period: int | None = None, stagger_inverses: bool = True,
+                 overhead_budget: float | None = None, cov_ema_decay: float = 0.95,
                  num_burnin_steps: int = 0, estimation_mode: str = "sampled",
                  num_samples: int = 1, adapt_damping: bool = True,
                  damping_adaptation_interval: int = 5, damping_adaptation_decay: float = 0.95,
@@ -193,11 +213,18 @@ class KFAC(tf.Module):
         self.qmodel_curvature = qmodel_curvature
         self.l2_reg = float(l2_reg)
         self.norm_constraint = None if norm_constraint is None else float(norm_constraint)
-        self.cov_update_period = int(cov_update_period)
-        self.inverse_update_period = int(inverse_update_period)
+        # explicit periods win over the budget's; the budget's are set by build()
+        self.given_periods = (cov_update_period, inverse_update_period)
+        self.overhead_budget = None if overhead_budget is None else float(overhead_budget)
+        self.stagger_inverses = bool(stagger_inverses)
+        self.cov_update_period = int(cov_update_period or DEFAULT_COV_UPDATE_PERIOD)
+        self.inverse_update_period = int(inverse_update_period
+                                         or DEFAULT_INVERSE_UPDATE_PERIOD)
         self.num_burnin_steps = int(num_burnin_steps)
         self.schedule = StepSchedule(self.num_burnin_steps, self.cov_update_period,
                                      self.inverse_update_period)
+        self.period_choice = None
+        self.costs = None
         self.adapt_damping = bool(adapt_damping)
         self.damping_adaptation_interval = int(damping_adaptation_interval)
         self.omega = float(damping_adaptation_decay) ** self.damping_adaptation_interval
@@ -311,6 +338,7 @@ class KFAC(tf.Module):
                                for i, v in enumerate(variables)]
         # tracked under this name: it fixes the checkpoint keys and variable order
         self._estimator_state = tuple(self.estimator.variables)
+        self._plan_schedule(reg, args)
         jit = self.jit_compile
         if jit == "auto":
             accelerated = bool(tf.config.list_physical_devices("GPU")
@@ -332,6 +360,24 @@ class KFAC(tf.Module):
         self._built = True
         return reg
 
+    def _plan_schedule(self, reg, args):
+        """The periods (by ``overhead_budget`` where none was given) and the
+        inverse slots (``plan.py``)."""
+        planned = plan.plan_schedule(self, reg, args)
+        self.costs, self.period_choice, self.schedule = planned
+        self.cov_update_period = self.schedule.cov_update_period
+        self.inverse_update_period = self.schedule.inverse_update_period
+
+    def cost_summary(self) -> str:
+        """The counted multiply-adds per layer, the periods and the counted
+        step over an SGD step (and the budget's verdict, if one was given);
+        after ``build``."""
+        if self.costs is None:
+            raise ValueError("kg.KFAC.cost_summary: the optimizer is not built yet "
+                             "(call step or build first)")
+        return costs_lib.summary(self.costs, self.period_choice, self.cov_update_period,
+                                 self.inverse_update_period, plan.cost_options(self))
+
     # -- the step ----------------------------------------------------------------------
     def step(self, *args):
         """One K-FAC step on the batch ``args``; returns the loss (before the update)."""
@@ -350,46 +396,10 @@ class KFAC(tf.Module):
 
         tf.cond(applied, lambda: tf.constant(True), warn)
         if self.summary_writer is not None:
-            self._write_summaries(loss, t)
+            summaries.write(self, loss, t)
         return loss
 
     @property
     def built(self) -> bool:
         """Whether the state (factors, velocities, counters) exists yet."""
         return self._built
-
-    # -- summaries ------------------------------------------------------------------------
-    def _write_summaries(self, loss, t):
-        record = tf.equal(t % self.summary_period, 0)
-        with self.summary_writer.as_default(step=t), tf.summary.record_if(record):
-            tf.summary.scalar("kfac/loss", loss)
-            tf.summary.scalar("kfac/damping", self.damping)
-            tf.summary.scalar("kfac/learning_rate", self.learning_rate)
-            tf.summary.scalar("kfac/momentum", self.momentum)
-            if self.adapt_damping:
-                tf.summary.scalar("kfac/rho", self.rho)
-            tf.summary.scalar("kfac/skipped_steps", self.skipped_steps)
-            for layer, block in zip(self.registration.layers, self.estimator.blocks):
-                for label, factor in factors_of(block):
-                    trace = linalg.trace(factor.value(), factor.diagonal)
-                    tf.summary.scalar(f"factors/{layer.name}/{label}_trace",
-                                      tf.reduce_sum(trace))
-
-
-def factors_of(block):
-    """``[(label, factor)]``: the covariance factors a block keeps (a
-    ``PartsBlock``'s labelled by part)."""
-    inner = getattr(block, "block", None)
-    if inner is not None:
-        return factors_of(inner)
-    parts = getattr(block, "parts", None)
-    if parts is not None:
-        return [(f"{part.name}_{label}", factor) for part in parts
-                for label, factor in factors_of(part)]
-    out = []
-    for label in ("input_factor", "output_factor", "factor"):
-        factor = getattr(block, label, None)
-        if factor is not None and hasattr(factor, "value"):
-            out.append((label.replace("_factor", "") or label, factor))
-    return out
-
