@@ -13,7 +13,8 @@ Each ``step(*args)`` runs one ``tf.function`` that, on the step counter
    inverses), refreshes the estimator's cached inverses, after (1);
 3. outside the burn-in, preconditions the gradient ``g`` (plus
    ``l2_reg * theta``) with the damped blocks' inverses (an inner
-   ``tf.function(jit_compile=True)``), forms the update by the momentum
+   ``tf.function``, XLA-compiled unless ``jit_compile="auto"`` on the
+   CPU), forms the update by the momentum
    rule (``update_rules.py``) and applies it:
 
    - ``"regular"``: ``v <- mu v + F~^{-1} g``, ``delta = -lr v``;
@@ -67,8 +68,11 @@ so on accelerators only: on the CPU, XLA's convolutions, Cholesky
 factorisations and matmuls trail TensorFlow's own (oneDNN) kernels, so
 even convolution-free models train faster without it there (measured in
 ``benchmarks/step_overhead.py``; figures in the README). The
-preconditioning is compiled in every case. Summaries and the skip warning
-run outside XLA.
+preconditioning is compiled with ``True`` and ``False``; ``"auto"`` on the
+CPU runs it with TensorFlow's kernels too (faster there, and its XLA
+compile was the largest part of a first step: 42 s of MobileNetV3Small's,
+``benchmarks/cold_start.py``). Summaries and the skip warning run outside
+XLA.
 
 Under ``tf.distribute`` (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``,
 ``TPUStrategy``; the strategy in scope when the optimizer is made) the same
@@ -124,18 +128,11 @@ class KFAC(tf.Module):
     initial value, see ``damping.py``). Estimator
     options (``estimation_mode``, ``num_samples``, ``cov_ema_decay``,
     ``approximations``, ``seed``) go to ``kg.FisherEstimator``.
-    ``cov_update_period``, ``inverse_update_period``: steps between
-    covariance updates and inverse refreshes (``schedule.py``; default 1 and
-    10, or, with ``overhead_budget = b``, the periods ``plan.py`` picks so
-    that the counted multiply-adds of the amortised step (``costs.py``) are
-    at most ``b`` times an SGD step's; a period given wins over the
-    budget's; ``cost_summary()`` reports the counts and the choice).
-    ``stagger_inverses`` (default True): each block refreshes its inverses
-    in its own slot of the inverse period (slots balanced by the counted
-    factorisations, every block at the first step), so no step pays every
-    block's factorisation; a block's inverses are then up to ``P - 1``
-    steps staler, and a damping change reaches each block at its slot
-    (``schedule.py``); with ``P = 1`` nothing changes.
+    ``cov_update_period``, ``inverse_update_period``: default 1 and 10, or
+    with ``overhead_budget = b`` those that keep the counted amortised step
+    within ``b`` SGD steps (``plan.py``; a period given wins; see
+    ``cost_summary()``). ``stagger_inverses``: each block refreshes in its
+    own slot of the inverse period (``schedule.py`` states the staleness).
     ``summary_writer``: a ``tf.summary`` writer; loss, damping, learning
     rate, momentum, rho and each factor's trace are written every
     ``summary_period`` steps. ``sync_statistics``: under ``tf.distribute``,
@@ -338,18 +335,21 @@ class KFAC(tf.Module):
                                for i, v in enumerate(variables)]
         # tracked under this name: it fixes the checkpoint keys and variable order
         self._estimator_state = tuple(self.estimator.variables)
-        self._plan_schedule(reg, args)
+        # the periods (by overhead_budget where none was given) and inverse slots
+        self.costs, self.period_choice, self.schedule = plan.plan_schedule(self, reg, args)
+        self.cov_update_period = self.schedule.cov_update_period
+        self.inverse_update_period = self.schedule.inverse_update_period
         jit = self.jit_compile
-        if jit == "auto":
-            accelerated = bool(tf.config.list_physical_devices("GPU")
-                               or tf.config.list_physical_devices("TPU"))
-            jit = accelerated
-        self.whole_step_jit = bool(jit)
+        accelerated = bool(tf.config.list_physical_devices("GPU")
+                           or tf.config.list_physical_devices("TPU"))
+        self.whole_step_jit = bool(accelerated if jit == "auto" else jit)
+        # "auto" on the CPU: TensorFlow's kernels for the preconditioning too
+        self.precondition_jit = accelerated if jit == "auto" else True
         # the step refreshes stale inverses before it preconditions
         self._compiled.precondition = tf.function(
             lambda vectors, damping: self.estimator.multiply_inverse(
                 vectors, refreshed=True, damping=damping),
-            jit_compile=True, autograph=False)
+            jit_compile=self.precondition_jit, autograph=False)
         # without XLA the core is traced inline into the step (no nested call);
         # the replicated core compiles its per-replica functions itself
         core = self._core.step
@@ -359,14 +359,6 @@ class KFAC(tf.Module):
         self._compiled.step = tf.function(self._step, autograph=False)
         self._built = True
         return reg
-
-    def _plan_schedule(self, reg, args):
-        """The periods (by ``overhead_budget`` where none was given) and the
-        inverse slots (``plan.py``)."""
-        planned = plan.plan_schedule(self, reg, args)
-        self.costs, self.period_choice, self.schedule = planned
-        self.cov_update_period = self.schedule.cov_update_period
-        self.inverse_update_period = self.schedule.inverse_update_period
 
     def cost_summary(self) -> str:
         """The counted multiply-adds per layer, the periods and the counted
