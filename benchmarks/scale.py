@@ -37,6 +37,7 @@ step timed. Columns:
 """
 from __future__ import annotations
 
+import gc
 import time
 
 import bench_env  # noqa: F401  (first: quiet logs, the repository importable)
@@ -167,6 +168,9 @@ def candidates(name):
 
 def measure(name):
     runs = candidates(name)
+    # the built graphs stay alive: without this, collecting them lands in random steps
+    gc.collect()
+    gc.freeze()
     times = {label: [] for label, *_ in runs}
     for _ in range(FLAGS.rounds):
         for label, step, batches, _ in runs:

@@ -91,11 +91,8 @@ import tensorflow as tf
 from kfac_graph import options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher.estimator import FisherEstimator
-from kfac_graph.optimizer import costs as costs_lib
-from kfac_graph.optimizer import damping as damping_lib
-from kfac_graph.optimizer import plan
-from kfac_graph.optimizer import summaries
-from kfac_graph.optimizer import distributed
+from kfac_graph.optimizer import costs as costs_lib, damping as damping_lib, distributed
+from kfac_graph.optimizer import graph_options, plan, summaries
 from kfac_graph.optimizer.schedule import StepSchedule
 from kfac_graph.optimizer.single_device import SingleDeviceCore
 
@@ -133,6 +130,8 @@ class KFAC(tf.Module):
     within ``b`` SGD steps (``plan.py``; a period given wins; see
     ``cost_summary()``). ``stagger_inverses``: each block refreshes in its
     own slot of the inverse period (``schedule.py`` states the staleness).
+    ``graph_optimization``: ``"off"`` (default) skips Grappler's rewrites
+    of the step's graph, ``"default"`` keeps TensorFlow's (``graph_options.py``).
     ``summary_writer``: a ``tf.summary`` writer; loss, damping, learning
     rate, momentum, rho and each factor's trace are written every
     ``summary_period`` steps. ``sync_statistics``: under ``tf.distribute``,
@@ -172,7 +171,8 @@ class KFAC(tf.Module):
         "qmodel_curvature": options.OneOf(("exact", "kfac")), "seed": _EST["seed"],
         "jit_compile": options.OneOf((True, False, "auto")),
         "summary_period": options.Integer(1),
-        "sync_statistics": options.OneOf(distributed.SYNC_MODES)}
+        "sync_statistics": options.OneOf(distributed.SYNC_MODES),
+        "graph_optimization": options.OneOf(graph_options.MODES)}
     del _EST
 
     @classmethod
@@ -197,7 +197,8 @@ class KFAC(tf.Module):
                  min_damping: float | None = None, qmodel_curvature: str = "exact",
                  approximations=None, seed: int = 0,
                  jit_compile="auto", summary_writer=None, summary_period: int = 1,
-                 sync_statistics: str = "lazy", name: str | None = None):
+                 sync_statistics: str = "lazy", graph_optimization: str = "off",
+                 name: str | None = None):
         KFAC.check_options(**{k: v for k, v in locals().items() if k in KFAC.OPTIONS})
         super().__init__(name=name or "kfac")
         if momentum_type == "qmodel" and norm_constraint is not None:
@@ -228,6 +229,7 @@ class KFAC(tf.Module):
         self.min_damping = (damping_lib.default_min_damping(damping) if min_damping is None
                             else float(min_damping))
         self.jit_compile = jit_compile
+        self.graph_optimization = graph_optimization
         self.summary_writer = summary_writer
         self.summary_period = int(summary_period)
         self._initial = dict(learning_rate=float(learning_rate), damping=float(damping),
@@ -375,7 +377,8 @@ class KFAC(tf.Module):
         """One K-FAC step on the batch ``args``; returns the loss (before the update)."""
         if not self._built:
             self.build(*args)
-        return self._compiled.step(*args)
+        with graph_options.call_options(self.graph_optimization):
+            return self._compiled.step(*args)
 
     def _step(self, *args):
         loss, applied, t = self._compiled.core(*args)
