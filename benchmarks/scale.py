@@ -5,8 +5,8 @@ Models (random weights, random data of the stated shapes):
 
 - ``resnet50``: ``keras.applications.ResNet50``, 64x64, batch 32, 10 classes;
 - ``efficientnetb0``: ``keras.applications.EfficientNetB0``, 64x64, batch 32;
-- ``bert_small``: a hand-written Keras encoder (token and position
-  embeddings, 4 layers of 4-head self-attention and a 1024-wide GELU
+- ``bert_small``: a hand-written Keras encoder (token embeddings and a
+  learned position table, 4 layers of 4-head self-attention and a 1024-wide GELU
   feed-forward, d 256, post-layer-norm), sequence 128, batch 16, a 2-class
   softmax loss on the first token;
 - ``autoencoder``: the digits autoencoder of ``digits.py``, batch 256.
@@ -69,13 +69,23 @@ VARIANTS = {
 }
 
 
+class PositionTable(keras.layers.Layer):
+    """Adds a learned ``[length, d]`` table to ``[B, length, d]`` inputs."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=tuple(shape[1:]), initializer="random_normal",
+                                     name="table")
+
+    def call(self, x):
+        return x + self.table[None]
+
+
 def bert_small(vocab=1000, length=128, d=256, heads=4, layers=4, ffn=1024, classes=2):
     """The encoder of the module docstring: logits ``[B, classes]`` of the first token."""
     ids = keras.Input((length,), dtype="int32")
     tokens = keras.layers.Embedding(vocab, d, name="tokens")(ids)
-    positions = keras.layers.Embedding(length, d, name="positions")(
-        keras.ops.arange(length)[None, :])
-    h = keras.layers.LayerNormalization(name="embedding_norm")(tokens + positions)
+    h = keras.layers.LayerNormalization(name="embedding_norm")(PositionTable(name="positions")(
+        tokens))
     for i in range(layers):
         attention = keras.layers.MultiHeadAttention(heads, d // heads, name=f"attention_{i}")
         h = keras.layers.LayerNormalization(name=f"attention_norm_{i}")(h + attention(h, h))

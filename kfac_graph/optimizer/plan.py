@@ -40,10 +40,11 @@ def cost_options(opt) -> costs_lib.StepOptions:
 
 
 def batch_of(args) -> int:
-    """The leading axis of the first argument (1 if unknown)."""
+    """The leading axis of the first argument (a tensor, spec or array; 1 if unknown)."""
     first = tf.nest.flatten(args)[0]
     shape = getattr(first, "shape", None)
-    if shape is None or not shape.rank or shape[0] is None:
+    shape = tf.TensorShape(None if shape is None else shape)  # numpy shapes are tuples
+    if not shape.rank or shape[0] is None:
         return 1
     return int(shape[0])
 
