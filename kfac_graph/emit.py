@@ -18,7 +18,8 @@ and writes a SavedModel at ``output`` whose root exposes
 
 Everything is traced into graphs here: loading the output needs TensorFlow
 alone. The preconditioning is an inner function with ``jit_compile=True``
-(it carries XLA's must-compile attribute). The registration is written as
+(it carries XLA's must-compile attribute; ``jit_compile="auto"``, the
+default, exports as ``False`` on the CPU: the preconditioning compiled). The registration is written as
 JSON to ``assets.extra/kfac_registration.json``, with the ops that touch
 the host (``passes/host_ops.py``: file reads and writes, Python callbacks,
 ...) in the loss function and elsewhere, under ``"host_ops"``.
@@ -105,6 +106,10 @@ def training_module(loaded, function: str, fn, specs, *, loss: str | None = None
         raise ExportError(f"the input already has {', '.join(clashes)}; rename it before "
                           "rewriting")
     registered = registered_loss(fn, function, loss)
+    # the output may run anywhere: "auto" would bake this machine's choice in
+    if kfac_options.get("jit_compile", "auto") == "auto":
+        kfac_options["jit_compile"] = bool(tf.config.list_physical_devices("GPU")
+                                           or tf.config.list_physical_devices("TPU"))
     try:
         optimizer = KFAC(registered, **kfac_options)
     except TypeError as e:

@@ -122,10 +122,12 @@ def test_burn_in_and_update_periods():
 def test_inverses_are_refreshed_after_each_damping_change():
     """The blocks cache damped inverses: a step that starts with a damping the
     caches were not made for refreshes them first, so every update is
-    preconditioned by the cache (never the on-the-fly fallback)."""
+    preconditioned by the cache (never the on-the-fly fallback). Unstaggered:
+    staggered refreshes take a damping change at each block's slot
+    (test_stagger.py)."""
     w, b, fn, batches = _dense_problem(seed=4)
     opt = kg.KFAC(fn, momentum_type="regular", adapt_damping=True, damping_adaptation_interval=2,
-                  inverse_update_period=100, jit_compile=False)
+                  inverse_update_period=100, jit_compile=False, stagger_inverses=False)
     opt.build(*batches[0])
     block = opt.estimator.blocks[0]
     changes = 0

@@ -42,6 +42,10 @@ KFAC_FLAGS = (
     ("norm_constraint", "float", "KL clipping bound (regular and adam); 0 turns it off."),
     ("cov_update_period", "integer", "Steps between covariance updates."),
     ("inverse_update_period", "integer", "Steps between inverse refreshes."),
+    ("stagger_inverses", "boolean", "Refresh each block's inverses in its own step of the "
+     "inverse period."),
+    ("overhead_budget", "float", "Pick the periods so the counted step is at most this many "
+     "SGD steps (explicit periods win)."),
     ("cov_ema_decay", "float", "Decay of the factors' moving averages."),
     ("num_burnin_steps", "integer", "Steps that only accumulate statistics."),
     ("estimation_mode", ("sampled", "empirical", "exact"), "How the Fisher is estimated."),

@@ -203,11 +203,18 @@ class FisherEstimator(tf.Module):
             return self._cache.inverses()
         return self._cache.inverses(tf.cast(damping, tf.float64))
 
-    def refresh_inverses(self, damping=None):
+    def refresh_inverses(self, damping=None, mask=None):
         """``update_inverses`` inside a ``tf.function`` of the caller's (the
-        optimizer's step, an exported function)."""
-        for block in self.blocks:
-            block.update_inverses(damping)
+        optimizer's step, an exported function). ``mask``: a scalar bool
+        tensor per block; only the blocks whose entry is True refresh, one
+        branch per distinct mask tensor (the blocks of one slot share it)."""
+        if mask is None:
+            for block in self.blocks:
+                block.update_inverses(damping)
+            return
+        for due, members in mask_groups(mask, self.blocks):
+            tf.cond(due, lambda members=members: _refreshed(members, damping),
+                    lambda: tf.constant(False))
 
     def inverses_stale(self, damping=None):
         """Whether any block's cached inverses were made for another damping
@@ -330,6 +337,21 @@ class FisherEstimator(tf.Module):
         n = positions.num_elements()
         return [c * tf.reshape(tf.one_hot(p, n, dtype=c.dtype), [1, *positions.as_list(), 1])
                 for p in range(n) for c in columns]
+
+
+def mask_groups(mask, items) -> list:
+    """``[(mask tensor, [items it selects])]``, grouping the items whose mask
+    entries are the same tensor, in first-seen order."""
+    groups = {}
+    for due, item in zip(mask, items):
+        groups.setdefault(due.ref(), (due, []))[1].append(item)
+    return list(groups.values())
+
+
+def _refreshed(blocks, damping):
+    for block in blocks:
+        block.update_inverses(damping)
+    return tf.constant(True)
 
 
 def _batch_first_operands(layer, uses, batch):

@@ -35,7 +35,8 @@ context:
 2. on inverse steps: block ``i``'s factors are averaged onto replica
    ``i mod R``'s device, decomposed there once for the blocks' damping the
    core passes, and the result is written to the (mirrored) inverse caches,
-   i.e. broadcast to every replica;
+   i.e. broadcast to every replica (staggered: only the blocks due, each in
+   its own branch on the owner's path);
 3. the update (preconditioning, momentum or quadratic model, damping rule)
    is formed once from the reduced quantities and applied to the mirrored
    variables (broadcast); the batch-dependent parts (the exact Fisher
@@ -101,6 +102,11 @@ def is_replica_local(variable) -> bool:
 def is_statistic(variable) -> bool:
     """A replica-local moving average that reads as the replicas' mean."""
     return is_replica_local(variable) and variable.aggregation == tf.VariableAggregation.MEAN
+
+
+def _refreshed(block, damping):
+    block.update_inverses(damping=damping)
+    return tf.constant(True)
 
 
 def _is_distributed(value) -> bool:
@@ -279,7 +285,7 @@ class ReplicatedCore(StepCore):
                 component.assign(value)
         return tf.constant(True)
 
-    def refresh_inverses(self, damping):
+    def refresh_inverses(self, damping, mask=None):
         """Block ``i``'s inverses, for the blocks' damping ``damping``, from its
         replica-averaged factors, computed once, by replica ``i mod R``, and
         shared with every replica.
@@ -298,7 +304,11 @@ class ReplicatedCore(StepCore):
             devices = strategy.extended.worker_devices
             for i in owned:
                 with tf.device(devices[ids.index(i % self.num_replicas)]):
-                    blocks[i].update_inverses(damping=damping)
+                    if mask is None:
+                        blocks[i].update_inverses(damping=damping)
+                    else:
+                        tf.cond(mask[i], lambda b=blocks[i]: _refreshed(b, damping),
+                                lambda: tf.constant(False))
             return
         # Across workers, reading the statistics here would be a collective only
         # the owners join: average them first (the same collective everywhere),
@@ -306,24 +316,30 @@ class ReplicatedCore(StepCore):
         self._average_statistics()
         caches = [[v for v in block.variables if not is_replica_local(v)] for block in blocks]
         flat = [v for group in caches for v in group]
+        due = tf.stack(mask) if mask is not None else tf.ones([len(blocks)], tf.bool)
         contributions = strategy.run(
-            self._replica_fn("inverses", lambda d: self._owned_inverses(caches, d)),
-            args=(damping,),
+            self._replica_fn("inverses", lambda d, m: self._owned_inverses(caches, d, m)),
+            args=(damping, due),
         )
         shared = strategy.extended.batch_reduce_to(SUM, list(zip(contributions, flat)))
         for v, value in zip(flat, shared):
             for component, local in zip(v.values, strategy.experimental_local_results(value)):
                 component.assign(local)
 
-    def _owned_inverses(self, caches, damping):
+    def _owned_inverses(self, caches, damping, due):
         """Per replica: for every block's cache variables, the refreshed values
-        where this replica owns the block (``i mod R``), zeros elsewhere."""
+        (the current ones where ``due[i]`` is False) where this replica owns
+        the block (``i mod R``), zeros elsewhere."""
         replica = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
         out = []
         for i, (block, group) in enumerate(zip(self.opt.estimator.blocks, caches)):
             if i % self.num_replicas == replica:
-                fresh = {v.ref(): value for v, value in block.inverse_updates(damping=damping)}
-                out += [fresh.get(v.ref(), v.read_value()) for v in group]
+                def fresh(block=block, group=group):
+                    new = {v.ref(): value for v, value in block.inverse_updates(damping=damping)}
+                    return [new.get(v.ref(), v.read_value()) for v in group]
+
+                current = lambda group=group: [v.read_value() for v in group]
+                out += list(tf.cond(due[i], fresh, current)) if group else []
             else:
                 out += [tf.zeros(v.shape, v.dtype) for v in group]
         return out

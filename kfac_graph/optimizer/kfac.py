@@ -13,7 +13,8 @@ Each ``step(*args)`` runs one ``tf.function`` that, on the step counter
    inverses), refreshes the estimator's cached inverses, after (1);
 3. outside the burn-in, preconditions the gradient ``g`` (plus
    ``l2_reg * theta``) with the damped blocks' inverses (an inner
-   ``tf.function(jit_compile=True)``), forms the update by the momentum
+   ``tf.function``, XLA-compiled unless ``jit_compile="auto"`` on the
+   CPU), forms the update by the momentum
    rule (``update_rules.py``) and applies it:
 
    - ``"regular"``: ``v <- mu v + F~^{-1} g``, ``delta = -lr v``;
@@ -67,8 +68,11 @@ so on accelerators only: on the CPU, XLA's convolutions, Cholesky
 factorisations and matmuls trail TensorFlow's own (oneDNN) kernels, so
 even convolution-free models train faster without it there (measured in
 ``benchmarks/step_overhead.py``; figures in the README). The
-preconditioning is compiled in every case. Summaries and the skip warning
-run outside XLA.
+preconditioning is compiled with ``True`` and ``False``; ``"auto"`` on the
+CPU runs it with TensorFlow's kernels too (faster there, and its XLA
+compile was the largest part of a first step: 42 s of MobileNetV3Small's,
+``benchmarks/cold_start.py``). Summaries and the skip warning run outside
+XLA.
 
 Under ``tf.distribute`` (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``,
 ``TPUStrategy``; the strategy in scope when the optimizer is made) the same
@@ -87,14 +91,14 @@ import tensorflow as tf
 from kfac_graph import options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher.estimator import FisherEstimator
-from kfac_graph.fisher import linalg
-from kfac_graph.fisher.report import factors_of
-from kfac_graph.optimizer import damping as damping_lib
-from kfac_graph.optimizer import distributed
+from kfac_graph.optimizer import costs as costs_lib, damping as damping_lib, distributed
+from kfac_graph.optimizer import graph_options, plan, summaries
 from kfac_graph.optimizer.schedule import StepSchedule
 from kfac_graph.optimizer.single_device import SingleDeviceCore
 
 MOMENTUM_TYPES = ("regular", "adam", "qmodel")
+DEFAULT_COV_UPDATE_PERIOD = 1
+DEFAULT_INVERSE_UPDATE_PERIOD = 10
 _plain_python = tf.autograph.experimental.do_not_convert
 
 
@@ -122,6 +126,13 @@ class KFAC(tf.Module):
     options (``estimation_mode``, ``num_samples``, ``cov_ema_decay``,
     ``approximations``, ``seed``, ``max_factor_size``) go to
     ``kg.FisherEstimator``; ``summary()`` and ``memory()`` are its.
+    ``cov_update_period``, ``inverse_update_period``: default 1 and 10, or
+    with ``overhead_budget = b`` those that keep the counted amortised step
+    within ``b`` SGD steps (``plan.py``; a period given wins; see
+    ``cost_summary()``). ``stagger_inverses``: each block refreshes in its
+    own slot of the inverse period (``schedule.py`` states the staleness).
+    ``graph_optimization``: ``"off"`` (default) skips Grappler's rewrites
+    of the step's graph, ``"default"`` keeps TensorFlow's (``graph_options.py``).
     ``summary_writer``: a ``tf.summary`` writer; loss, damping, learning
     rate, momentum, rho and each factor's trace are written every
     ``summary_period`` steps. ``sync_statistics``: under ``tf.distribute``,
@@ -149,7 +160,10 @@ class KFAC(tf.Module):
         "momentum": options.Real(0.0, 1.0, high_open=True),
         "momentum_type": options.OneOf(MOMENTUM_TYPES), "l2_reg": options.Real(0.0),
         "norm_constraint": options.Real(0.0, low_open=True, none=True),
-        "cov_update_period": options.Integer(1), "inverse_update_period": options.Integer(1),
+        "cov_update_period": options.Integer(1, none=True),
+        "inverse_update_period": options.Integer(1, none=True),
+        "stagger_inverses": options.Boolean(),
+        "overhead_budget": options.Real(1.0, low_open=True, none=True),
         "cov_ema_decay": _EST["cov_ema_decay"], "num_burnin_steps": options.Integer(0),
         "max_factor_size": _EST["max_factor_size"],
         "estimation_mode": _EST["estimation_mode"], "num_samples": _EST["num_samples"],
@@ -159,7 +173,8 @@ class KFAC(tf.Module):
         "qmodel_curvature": options.OneOf(("exact", "kfac")), "seed": _EST["seed"],
         "jit_compile": options.OneOf((True, False, "auto")),
         "summary_period": options.Integer(1),
-        "sync_statistics": options.OneOf(distributed.SYNC_MODES)}
+        "sync_statistics": options.OneOf(distributed.SYNC_MODES),
+        "graph_optimization": options.OneOf(graph_options.MODES)}
     del _EST
 
     @classmethod
@@ -175,8 +190,9 @@ class KFAC(tf.Module):
 
     def __init__(self, fn, learning_rate: float = 0.1, damping: float = 0.1,
                  momentum: float = 0.9, momentum_type: str = "qmodel", l2_reg: float = 0.0,
-                 norm_constraint: float | None = 1e-3, cov_update_period: int = 1,
-                 inverse_update_period: int = 10, cov_ema_decay: float = 0.95,
+                 norm_constraint: float | None = 1e-3, cov_update_period: int | None = None,
+                 inverse_update_period: int | None = None, stagger_inverses: bool = True,
+                 overhead_budget: float | None = None, cov_ema_decay: float = 0.95,
                  num_burnin_steps: int = 0, estimation_mode: str = "sampled",
                  num_samples: int = 1, adapt_damping: bool = True,
                  damping_adaptation_interval: int = 5, damping_adaptation_decay: float = 0.95,
@@ -184,7 +200,8 @@ class KFAC(tf.Module):
                  approximations=None, seed: int = 0,
                  max_factor_size: int | None = FisherEstimator.DEFAULT_MAX_FACTOR_SIZE,
                  jit_compile="auto", summary_writer=None, summary_period: int = 1,
-                 sync_statistics: str = "lazy", name: str | None = None):
+                 sync_statistics: str = "lazy", graph_optimization: str = "off",
+                 name: str | None = None):
         KFAC.check_options(**{k: v for k, v in locals().items() if k in KFAC.OPTIONS})
         super().__init__(name=name or "kfac")
         if momentum_type == "qmodel" and norm_constraint is not None:
@@ -197,17 +214,25 @@ class KFAC(tf.Module):
         self.qmodel_curvature = qmodel_curvature
         self.l2_reg = float(l2_reg)
         self.norm_constraint = None if norm_constraint is None else float(norm_constraint)
-        self.cov_update_period = int(cov_update_period)
-        self.inverse_update_period = int(inverse_update_period)
+        # explicit periods win over the budget's; the budget's are set by build()
+        self.given_periods = (cov_update_period, inverse_update_period)
+        self.overhead_budget = None if overhead_budget is None else float(overhead_budget)
+        self.stagger_inverses = bool(stagger_inverses)
+        self.cov_update_period = int(cov_update_period or DEFAULT_COV_UPDATE_PERIOD)
+        self.inverse_update_period = int(inverse_update_period
+                                         or DEFAULT_INVERSE_UPDATE_PERIOD)
         self.num_burnin_steps = int(num_burnin_steps)
         self.schedule = StepSchedule(self.num_burnin_steps, self.cov_update_period,
                                      self.inverse_update_period)
+        self.period_choice = None
+        self.costs = None
         self.adapt_damping = bool(adapt_damping)
         self.damping_adaptation_interval = int(damping_adaptation_interval)
         self.omega = float(damping_adaptation_decay) ** self.damping_adaptation_interval
         self.min_damping = (damping_lib.default_min_damping(damping) if min_damping is None
                             else float(min_damping))
         self.jit_compile = jit_compile
+        self.graph_optimization = graph_optimization
         self.summary_writer = summary_writer
         self.summary_period = int(summary_period)
         self._initial = dict(learning_rate=float(learning_rate), damping=float(damping),
@@ -324,17 +349,21 @@ class KFAC(tf.Module):
                                for i, v in enumerate(variables)]
         # tracked under this name: it fixes the checkpoint keys and variable order
         self._estimator_state = tuple(self.estimator.variables)
+        # the periods (by overhead_budget where none was given) and inverse slots
+        self.costs, self.period_choice, self.schedule = plan.plan_schedule(self, reg, args)
+        self.cov_update_period = self.schedule.cov_update_period
+        self.inverse_update_period = self.schedule.inverse_update_period
         jit = self.jit_compile
-        if jit == "auto":
-            accelerated = bool(tf.config.list_physical_devices("GPU")
-                               or tf.config.list_physical_devices("TPU"))
-            jit = accelerated
-        self.whole_step_jit = bool(jit)
+        accelerated = bool(tf.config.list_physical_devices("GPU")
+                           or tf.config.list_physical_devices("TPU"))
+        self.whole_step_jit = bool(accelerated if jit == "auto" else jit)
+        # "auto" on the CPU: TensorFlow's kernels for the preconditioning too
+        self.precondition_jit = accelerated if jit == "auto" else True
         # the step refreshes stale inverses before it preconditions
         self._compiled.precondition = tf.function(
             lambda vectors, damping: self.estimator.multiply_inverse(
                 vectors, refreshed=True, damping=damping),
-            jit_compile=True, autograph=False)
+            jit_compile=self.precondition_jit, autograph=False)
         # without XLA the core is traced inline into the step (no nested call);
         # the replicated core compiles its per-replica functions itself
         core = self._core.step
@@ -345,12 +374,23 @@ class KFAC(tf.Module):
         self._built = True
         return reg
 
+    def cost_summary(self) -> str:
+        """The counted multiply-adds per layer, the periods and the counted
+        step over an SGD step (and the budget's verdict, if one was given);
+        after ``build``."""
+        if self.costs is None:
+            raise ValueError("kg.KFAC.cost_summary: the optimizer is not built yet "
+                             "(call step or build first)")
+        return costs_lib.summary(self.costs, self.period_choice, self.cov_update_period,
+                                 self.inverse_update_period, plan.cost_options(self))
+
     # -- the step ----------------------------------------------------------------------
     def step(self, *args):
         """One K-FAC step on the batch ``args``; returns the loss (before the update)."""
         if not self._built:
             self.build(*args)
-        return self._compiled.step(*args)
+        with graph_options.call_options(self.graph_optimization):
+            return self._compiled.step(*args)
 
     def _step(self, *args):
         loss, applied, t = self._compiled.core(*args)
@@ -363,27 +403,10 @@ class KFAC(tf.Module):
 
         tf.cond(applied, lambda: tf.constant(True), warn)
         if self.summary_writer is not None:
-            self._write_summaries(loss, t)
+            summaries.write(self, loss, t)
         return loss
 
     @property
     def built(self) -> bool:
         """Whether the state (factors, velocities, counters) exists yet."""
         return self._built
-
-    # -- summaries ------------------------------------------------------------------------
-    def _write_summaries(self, loss, t):
-        record = tf.equal(t % self.summary_period, 0)
-        with self.summary_writer.as_default(step=t), tf.summary.record_if(record):
-            tf.summary.scalar("kfac/loss", loss)
-            tf.summary.scalar("kfac/damping", self.damping)
-            tf.summary.scalar("kfac/learning_rate", self.learning_rate)
-            tf.summary.scalar("kfac/momentum", self.momentum)
-            if self.adapt_damping:
-                tf.summary.scalar("kfac/rho", self.rho)
-            tf.summary.scalar("kfac/skipped_steps", self.skipped_steps)
-            for layer, block in zip(self.registration.layers, self.estimator.blocks):
-                for label, factor in factors_of(block):
-                    trace = linalg.trace(factor.value(), factor.diagonal)
-                    tf.summary.scalar(f"factors/{layer.name}/{label}_trace",
-                                      tf.reduce_sum(trace))

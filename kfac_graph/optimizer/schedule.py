@@ -6,6 +6,15 @@ with ``B = num_burnin_steps``:
 - burn-in (``t < B``): the covariances are updated, nothing else;
 - covariance steps: every burn-in step, then ``k % cov_update_period == 0``;
 - inverse steps: ``k % inverse_update_period == 0``, never in the burn-in.
+
+Staggered inverses (``inverse_slots``, one slot in ``range(P)`` per block,
+``P = inverse_update_period``): block ``i`` refreshes when ``k % P ==
+slot_i``, and every block at ``k == 0`` (the first step after the burn-in,
+which has no inverses yet), so each step of a period pays only its own
+slot's factorisations. A block's inverses are then at most ``P - 1`` steps
+older than without staggering, and a damping change reaches a block at its
+slot (without staggering every block refreshes at once when the damping
+changes); with ``P = 1`` the two schedules are the same.
 """
 from __future__ import annotations
 
@@ -33,6 +42,12 @@ class StepSchedule:
     num_burnin_steps: int = 0
     cov_update_period: int = 1
     inverse_update_period: int = 10
+    inverse_slots: tuple | None = None
+
+    @property
+    def staggered(self) -> bool:
+        """Whether each block refreshes in its own slot (module docstring)."""
+        return self.inverse_slots is not None
 
     @property
     def every_step_updates_covariances(self) -> bool:
@@ -46,3 +61,21 @@ class StepSchedule:
         do_cov = in_burnin | tf.equal(k % self.cov_update_period, 0)
         do_inv = ~in_burnin & tf.equal(k % self.inverse_update_period, 0)
         return ScheduledStep(t, in_burnin, k, do_cov, do_inv)
+
+    def refresh_mask(self, scheduled: ScheduledStep) -> list:
+        """Staggered: per block, whether step ``scheduled`` refreshes its
+        inverses (a scalar bool tensor each)."""
+        if not self.staggered:
+            raise ValueError("refresh_mask needs inverse_slots (a staggered schedule)")
+        first = tf.equal(scheduled.k, 0)
+        phase = scheduled.k % self.inverse_update_period
+        due = {slot: ~scheduled.in_burnin & (first | tf.equal(phase, slot))
+               for slot in sorted(set(self.inverse_slots))}
+        return [due[slot] for slot in self.inverse_slots]
+
+
+def slot_steps(slots, period: int, steps: int) -> list:
+    """``[[block indices refreshed at k]] for k in range(steps)``: the
+    staggered schedule written out (no burn-in)."""
+    return [[i for i, slot in enumerate(slots) if k == 0 or k % period == slot]
+            for k in range(steps)]

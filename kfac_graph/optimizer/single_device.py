@@ -48,8 +48,8 @@ class SingleDeviceCore(StepCore):
         written = [v for v in self.opt.estimator_state if is_replica_local(v)]
         return vec.all_finite([v.read_value() for v in written])
 
-    def refresh_inverses(self, damping):
-        self.opt.estimator.refresh_inverses(damping=damping)
+    def refresh_inverses(self, damping, mask=None):
+        self.opt.estimator.refresh_inverses(damping=damping, mask=mask)
 
     def batch_loss(self, args):
         return self.opt.fn.tf_function(*args)

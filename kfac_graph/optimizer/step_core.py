@@ -11,6 +11,8 @@ into the caller's ``tf.function``; on the schedule of step ``t``
 2. on inverse steps, and whenever the cached inverses were made for another
    damping (the blocks cache damped inverses; the Levenberg-Marquardt rule
    changes ``lambda``), ``refresh_inverses`` recomputes them, after (1);
+   with a staggered schedule (``schedule.py``), each block in its own slot
+   of the inverse period instead;
 3. outside the burn-in, the update rule (``update_rules.py``) forms
    ``delta`` from ``g`` and the preconditioner
    ``(c F~ + (lambda + l2_reg) I)^{-1}`` (``opt.precondition``) and
@@ -42,8 +44,8 @@ Seams (what an implementation provides; see ``SingleDeviceCore`` and
 - ``rollback_state()``: the estimator variables the core snapshots and puts
   back itself on a skip;
 - ``loss_and_gradients(args, registration, scheduled)``: a ``Gradients``;
-- ``refresh_inverses(damping)``: every block's cached inverses, for the
-  blocks' damping ``damping``;
+- ``refresh_inverses(damping, mask)``: every block's cached inverses (or
+  those ``mask`` selects), for the blocks' damping ``damping``;
 - ``batch_loss(args)``: the loss at the current parameters;
 - ``fisher_forms(args, vectors, forward)``: ``[[u_a . F u_b]]`` with ``F``
   the exact Fisher of the batch;
@@ -146,9 +148,10 @@ class StepCore:
         steps, the statistics update in the same pass)."""
         raise NotImplementedError
 
-    def refresh_inverses(self, damping):
+    def refresh_inverses(self, damping, mask=None):
         """Recomputes every block's cached inverses for the blocks' damping
-        ``damping`` (a scalar tensor)."""
+        ``damping`` (a scalar tensor); ``mask``: only the blocks whose entry
+        (a scalar bool tensor per block) is True."""
         raise NotImplementedError
 
     def batch_loss(self, args):
@@ -195,14 +198,19 @@ class StepCore:
         opt = self.opt
         lam = opt.damping.read_value()
         damping = opt.blocks_damping(lam)
-        stale = ~scheduled.in_burnin & opt.estimator.inverses_stale(damping=damping)
+        if opt.schedule.staggered:  # each block in its slot (schedule.py)
+            mask = opt.schedule.refresh_mask(scheduled)
+            due = tf.reduce_any(tf.stack(mask))
+        else:
+            mask = None
+            stale = ~scheduled.in_burnin & opt.estimator.inverses_stale(damping=damping)
+            due = scheduled.do_inv | stale
 
         def refresh():
-            self.refresh_inverses(damping)
+            self.refresh_inverses(damping, mask)
             return tf.constant(True)
 
-        refreshed = tf.cond((scheduled.do_inv | stale) & statistics_ok, refresh,
-                            lambda: tf.constant(False))
+        refreshed = tf.cond(due & statistics_ok, refresh, lambda: tf.constant(False))
         inverses_ok = tf.cond(refreshed, lambda: vec.all_finite(
             [v.read_value() for v in state]), lambda: tf.constant(True))
         statistics_ok = statistics_ok & inverses_ok

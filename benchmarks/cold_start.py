@@ -1,0 +1,204 @@
+"""Where the first K-FAC step's time goes, against a first Adam step and a
+first batch-gradient call, on real Keras models (random weights).
+
+Models: ``keras.applications.MobileNetV3Small`` (32x32, batch 16) and
+``ResNet50`` (64x64, batch 16), 10 classes, mean softmax cross-entropy.
+
+For each model, in one process:
+
+- ``Adam``: a ``tf.function`` step (``GradientTape`` and
+  ``keras.optimizers.Adam.apply_gradients``, no XLA): its first call
+  (trace, graph optimisation, run) and a later call;
+- ``kg.KFAC`` (its defaults; ``--variants`` adds ``regular``: regular
+  momentum at a fixed damping): construction and registration
+  (``build``: the loss's trace, the pass, the blocks' variables), the
+  step's trace, its first run (TensorFlow's graph optimisation and the XLA
+  compile of the preconditioning) and a later call; inside the trace, the
+  time spent in each part of the step (inclusive, measured by wrapping the
+  parts while tracing);
+- ``per_example_gradients``: its first call against a first
+  ``tf.function`` batch-gradient call.
+
+Ratios (``/ Adam first``, ``/ gradient first``) are measured side by side
+in the same process; the machine is shared, so the absolute seconds vary.
+
+    python benchmarks/cold_start.py [--models mobilenet_v3_small,resnet50]
+        [--variants defaults,regular] [--markdown out.md]
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import bench_env  # noqa: F401  (first: quiet logs, the repository importable)
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+import kfac_graph as kg  # noqa: E402
+from kfac_graph.fisher import estimator as estimator_lib  # noqa: E402
+from kfac_graph.optimizer import exact_fisher, single_device, step_core, update_rules  # noqa: E402
+from kfac_graph import taps as taps_lib  # noqa: E402
+
+tf.get_logger().setLevel("ERROR")
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["mobilenet_v3_small", "resnet50"], "models")
+flags.DEFINE_list("variants", ["defaults"], "K-FAC variants: defaults, regular")
+flags.DEFINE_string("markdown", None, "also write the table as markdown here")
+
+MODELS = {
+    "mobilenet_v3_small": (lambda: keras.applications.MobileNetV3Small(
+        input_shape=(32, 32, 3), weights=None, classes=10), 32, 16),
+    "resnet50": (lambda: keras.applications.ResNet50(
+        input_shape=(64, 64, 3), weights=None, classes=10), 64, 16),
+}
+VARIANTS = {"defaults": {}, "regular": {"momentum_type": "regular", "adapt_damping": False}}
+
+# (label, owner, attribute): the parts of the step's trace timed inclusively
+PARTS = [
+    ("registered graph imported (LayerTaps.build)", taps_lib.LayerTaps, "build"),
+    ("statistics pass (estimator accumulate)", estimator_lib.FisherEstimator, "_update"),
+    ("inverse refresh", single_device.SingleDeviceCore, "refresh_inverses"),
+    ("update: preconditioning and rule", step_core.StepCore, "update"),
+    ("exact-Fisher forms (quadratic model)", exact_fisher, "quadratic_forms"),
+    ("quadratic model solve", update_rules, "quadratic_model"),
+    ("damping rule (loss re-evaluated)", step_core.StepCore, "adapt_damping"),
+]
+
+
+@contextlib.contextmanager
+def timed_parts(totals: dict):
+    """Wraps each of ``PARTS`` so that its inclusive time adds to ``totals``."""
+    saved = []
+    for label, owner, name in PARTS:
+        original = owner.__dict__[name]
+        plain = original.__func__ if isinstance(original, (classmethod, staticmethod)) else original
+
+        def wrapper(*a, _plain=plain, _label=label, **k):
+            start = time.perf_counter()
+            try:
+                return _plain(*a, **k)
+            finally:
+                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, classmethod(wrapper) if isinstance(original, classmethod)
+                else wrapper)
+        saved.append((owner, name, original))
+    try:
+        yield totals
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def clock(fn):
+    start = time.perf_counter()
+    out = fn()
+    if isinstance(out, tf.Tensor):
+        out.numpy()
+    return time.perf_counter() - start
+
+
+def make(model_name):
+    build, size, batch = MODELS[model_name]
+    keras.utils.set_random_seed(0)
+    model = build()
+    x = tf.random.stateless_normal([batch, size, size, 3], seed=[1, 2])
+    y = tf.random.stateless_uniform([batch], seed=[3, 4], maxval=10, dtype=tf.int32)
+
+    def loss(x, y):
+        logits = model(x, training=True)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    return model, loss, (x, y)
+
+
+def adam_times(model_name):
+    model, loss, args = make(model_name)
+    optimizer = keras.optimizers.Adam(1e-3)
+    variables = model.trainable_variables
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(x, y)
+        optimizer.apply_gradients(zip(tape.gradient(value, variables), variables))
+        return value
+
+    step = tf.function(step)
+    first = clock(lambda: step(*args))
+    return {"first step": first, "later step": clock(lambda: step(*args))}
+
+
+def gradient_times(model_name):
+    model, loss, args = make(model_name)
+    variables = model.trainable_variables
+
+    @tf.function
+    def grads(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(x, y)
+        return tape.gradient(value, variables)
+
+    return {"first call": clock(lambda: grads(*args))}
+
+
+def per_example_times(model_name):
+    _, loss, args = make(model_name)
+    fn = kg.auto_register(loss)
+    return {"first call": clock(lambda: kg.per_example_gradients(fn, *args)[0]),
+            "later call": clock(lambda: kg.per_example_gradients(fn, *args)[0])}
+
+
+def kfac_times(model_name, variant):
+    _, loss, args = make(model_name)
+    out = {}
+    start = time.perf_counter()
+    opt = kg.KFAC(kg.auto_register(loss), **VARIANTS[variant])
+    opt.build(*args)
+    out["construct + register + build"] = time.perf_counter() - start
+    parts = {}
+    with timed_parts(parts):
+        out["trace step"] = clock(lambda: opt._compiled.step.get_concrete_function(*args))
+    out["first run (graph optimisation, XLA)"] = clock(lambda: opt.step(*args))
+    out["first step, total"] = (out["construct + register + build"] + out["trace step"]
+                                + out["first run (graph optimisation, XLA)"])
+    out["later step"] = clock(lambda: opt.step(*args))
+    return out, parts
+
+
+def main(argv):
+    del argv
+    rows = []
+    for model_name in FLAGS.models:
+        adam = adam_times(model_name)
+        grad = gradient_times(model_name)
+        pxg = per_example_times(model_name)
+        base = adam["first step"]
+        rows.append((model_name, "Adam first step", adam["first step"], 1.0))
+        rows.append((model_name, "Adam later step", adam["later step"],
+                     adam["later step"] / base))
+        for variant in FLAGS.variants:
+            kfac, parts = kfac_times(model_name, variant)
+            for label, seconds in kfac.items():
+                rows.append((model_name, f"K-FAC {variant}: {label}", seconds, seconds / base))
+            for label, seconds in parts.items():
+                rows.append((model_name, f"  in the trace: {label}", seconds, seconds / base))
+        rows.append((model_name, "batch gradient, first call", grad["first call"], 1.0))
+        rows.append((model_name, "per_example_gradients, first call", pxg["first call"],
+                     pxg["first call"] / grad["first call"]))
+        rows.append((model_name, "per_example_gradients, later call", pxg["later call"],
+                     pxg["later call"] / grad["first call"]))
+    lines = ["| model | phase | seconds | ratio |", "|---|---|---:|---:|"]
+    lines += [f"| {m} | {p} | {s:.2f} | {r:.2f} |" for m, p, s, r in rows]
+    print("ratio: K-FAC and Adam rows over Adam's first step; per-example rows over the "
+          "first batch-gradient call")
+    print("\n".join(lines))
+    if FLAGS.markdown:
+        with open(FLAGS.markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)

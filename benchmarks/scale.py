@@ -1,0 +1,224 @@
+"""K-FAC at scale: cold start, step-time spread, counted arithmetic and the
+estimator's memory, against SGD with momentum, side by side in one process.
+
+Models (random weights, random data of the stated shapes):
+
+- ``resnet50``: ``keras.applications.ResNet50``, 64x64, batch 32, 10 classes;
+- ``efficientnetb0``: ``keras.applications.EfficientNetB0``, 64x64, batch 32;
+- ``bert_small``: a hand-written Keras encoder (token embeddings and a
+  learned position table, 4 layers of 4-head self-attention and a 1024-wide GELU
+  feed-forward, d 256, post-layer-norm), sequence 128, batch 16, a 2-class
+  softmax loss on the first token;
+- ``autoencoder``: the digits autoencoder of ``digits.py``, batch 256.
+
+Candidates per model: SGD with momentum 0.9 (the baseline), Adam (cold
+start only), and ``kg.KFAC`` as ``defaults`` (quadratic model, adapted
+damping), ``regular`` (regular momentum, lr 1e-3, fixed damping) and
+``qmodel`` (the quadratic model at a fixed damping), each also with
+``overhead_budget=--budget``. Every candidate is built and compiled first
+(``cold start``: construction and the first step, over Adam's first step);
+then ``--rounds`` rounds each run ``--block`` steps of every candidate in
+turn (interleaved, so the shared machine's load falls on all alike), every
+step timed. Columns:
+
+- ``cold / Adam``: the candidate's first step (construction, registration,
+  tracing, compiling, running) over Adam's first step;
+- ``median / SGD``, ``p99 / SGD``: the median and 99th-percentile step time
+  over SGD's median step;
+- ``counted``: ``kg.KFAC.cost_summary``'s counted multiply-adds of the
+  amortised step over an SGD step's (``optimizer/costs.py``);
+- ``memory``: the estimator's state (factors and cached inverses) over the
+  parameters, in bytes;
+- ``periods``: the covariance and inverse periods the step ran with.
+
+    python benchmarks/scale.py [--models resnet50,efficientnetb0,bert_small,autoencoder]
+        [--variants defaults,regular,qmodel] [--budget 3] [--rounds 3] [--block 10]
+        [--markdown out.md]
+"""
+from __future__ import annotations
+
+import gc
+import time
+
+import bench_env  # noqa: F401  (first: quiet logs, the repository importable)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+import digits  # noqa: E402
+import kfac_graph as kg  # noqa: E402
+from kfac_graph.optimizer import costs, plan  # noqa: E402
+
+tf.get_logger().setLevel("ERROR")
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["resnet50", "efficientnetb0", "bert_small", "autoencoder"],
+                  "models")
+flags.DEFINE_list("variants", ["defaults", "regular", "qmodel"], "K-FAC variants")
+flags.DEFINE_float("budget", 3.0, "overhead_budget of the budgeted rows (0: no such rows)")
+flags.DEFINE_integer("rounds", 3, "interleaved rounds")
+flags.DEFINE_integer("block", 10, "steps of each candidate per round")
+flags.DEFINE_string("markdown", None, "also write the table as markdown here")
+
+VARIANTS = {
+    "defaults": {},
+    "regular": {"momentum_type": "regular", "learning_rate": 1e-3, "adapt_damping": False},
+    "qmodel": {"adapt_damping": False},
+}
+
+
+class PositionTable(keras.layers.Layer):
+    """Adds a learned ``[length, d]`` table to ``[B, length, d]`` inputs."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=tuple(shape[1:]), initializer="random_normal",
+                                     name="table")
+
+    def call(self, x):
+        return x + self.table[None]
+
+
+def bert_small(vocab=1000, length=128, d=256, heads=4, layers=4, ffn=1024, classes=2):
+    """The encoder of the module docstring: logits ``[B, classes]`` of the first token."""
+    ids = keras.Input((length,), dtype="int32")
+    tokens = keras.layers.Embedding(vocab, d, name="tokens")(ids)
+    h = keras.layers.LayerNormalization(name="embedding_norm")(PositionTable(name="positions")(
+        tokens))
+    for i in range(layers):
+        attention = keras.layers.MultiHeadAttention(heads, d // heads, name=f"attention_{i}")
+        h = keras.layers.LayerNormalization(name=f"attention_norm_{i}")(h + attention(h, h))
+        up = keras.layers.Dense(ffn, activation="gelu", name=f"ffn_up_{i}")(h)
+        h = keras.layers.LayerNormalization(name=f"ffn_norm_{i}")(
+            h + keras.layers.Dense(d, name=f"ffn_down_{i}")(up))
+    logits = keras.layers.Dense(classes, name="classifier")(h[:, 0])
+    return keras.Model(ids, logits, name="bert_small")
+
+
+def make(name):
+    """``(model, loss(x, y), batches)`` with fresh weights (seed 0)."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    if name == "autoencoder":
+        task = digits.make_task("autoencoder")
+        return task.model, task.loss_fn.python_function, task.batches(FLAGS.block, 256)
+    if name == "bert_small":
+        model = bert_small()
+        batches = [(tf.constant(rng.integers(0, 1000, (16, 128)), tf.int32),
+                    tf.constant(rng.integers(0, 2, 16), tf.int32)) for _ in range(FLAGS.block)]
+    else:
+        build = {"resnet50": keras.applications.ResNet50,
+                 "efficientnetb0": keras.applications.EfficientNetB0}[name]
+        model = build(input_shape=(64, 64, 3), weights=None, classes=10,
+                      classifier_activation=None)
+        batches = [(tf.constant(rng.normal(size=(32, 64, 64, 3)), tf.float32),
+                    tf.constant(rng.integers(0, 10, 32), tf.int32)) for _ in range(FLAGS.block)]
+
+    def loss(x, y):
+        logits = model(x, training=True)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    return model, loss, batches
+
+
+def first_order(name, optimizer):
+    model, loss, batches = make(name)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(x, y)
+        optimizer.apply_gradients(zip(tape.gradient(value, variables), variables))
+        return value
+
+    return tf.function(step), batches
+
+
+def timed(step, x, y):
+    start = time.perf_counter()
+    step(x, y).numpy()
+    return time.perf_counter() - start
+
+
+def estimator_bytes(opt):
+    return sum(int(np.prod(v.shape)) * v.dtype.size for v in opt.estimator.variables)
+
+
+def candidates(name):
+    """``[(label, step, batches, info)]``, each built and run once (its cold start)."""
+    out = []
+    for label, optimizer in (("SGD", keras.optimizers.SGD(0.01, momentum=0.9)),
+                             ("Adam", keras.optimizers.Adam(1e-3))):
+        step, batches = first_order(name, optimizer)
+        cold = timed(step, *batches[0])
+        out.append((label, step, batches, {"cold": cold}))
+        print(f"  {name} {label}: first step {cold:.1f} s", flush=True)
+    budgets = [None] + ([FLAGS.budget] if FLAGS.budget else [])
+    for variant in FLAGS.variants:
+        for budget in budgets:
+            model, loss, batches = make(name)
+            start = time.perf_counter()
+            opt = kg.KFAC(kg.auto_register(loss), overhead_budget=budget, **VARIANTS[variant])
+            opt.step(*batches[0]).numpy()
+            cold = time.perf_counter() - start
+            options = plan.cost_options(opt)
+            counted = (costs.step_multiply_adds(opt.costs, opt.cov_update_period,
+                                                opt.inverse_update_period, options)
+                       / costs.sgd_multiply_adds(opt.costs))
+            params = sum(int(np.prod(v.shape)) * v.dtype.size for v in opt.variables_to_train)
+            label = variant if budget is None else f"{variant}, budget {budget:g}"
+            info = {"cold": cold, "counted": counted, "memory": estimator_bytes(opt) / params,
+                    "periods": f"{opt.cov_update_period}/{opt.inverse_update_period}"}
+            out.append((label, opt.step, batches, info))
+            print(f"  {name} K-FAC {label}: first step {cold:.1f} s", flush=True)
+    return out
+
+
+def measure(name):
+    runs = candidates(name)
+    # the built graphs stay alive: without this, collecting them lands in random steps
+    gc.collect()
+    gc.freeze()
+    times = {label: [] for label, *_ in runs}
+    for _ in range(FLAGS.rounds):
+        for label, step, batches, _ in runs:
+            if label == "Adam":
+                continue
+            times[label] += [timed(step, x, y) for x, y in batches]
+    sgd = float(np.median(times["SGD"]))
+    adam = dict((label, info) for label, _, _, info in runs)["Adam"]["cold"]
+    rows = []
+    for label, _, _, info in runs:
+        if label == "Adam":
+            continue
+        steps = np.array(times[label])
+        rows.append((name, label, info["cold"] / adam, np.median(steps) / sgd,
+                     np.percentile(steps, 99) / sgd, info.get("counted"), info.get("memory"),
+                     info.get("periods", "-")))
+    return rows
+
+
+def main(argv):
+    del argv
+    rows = []
+    for name in FLAGS.models:
+        rows += measure(name)
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"
+    lines = [f"{FLAGS.rounds} interleaved rounds of {FLAGS.block} steps; ratios over SGD's "
+             "median step (cold start: over Adam's first step)", "",
+             "| model | optimizer | cold / Adam | median / SGD | p99 / SGD | counted | memory "
+             "| periods |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for name, label, cold, median, p99, counted, memory, periods in rows:
+        lines.append(f"| {name} | {label} | {cold:.2f} | {median:.2f} | {p99:.2f} | "
+                     f"{fmt(counted)} | {fmt(memory)} | {periods} |")
+    text = "\n".join(lines)
+    print("\n" + text)
+    if FLAGS.markdown:
+        with open(FLAGS.markdown, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)

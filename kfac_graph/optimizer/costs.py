@@ -1,0 +1,216 @@
+"""Multiply-adds of a K-FAC step, counted at registration, per layer and block.
+
+For layer ``l`` with uses ``u`` (output ``s_u``, static shape; an unknown
+axis counts as the batch ``B`` if leading, else 1), ``W`` its first variable
+and ``C`` the output's last axis (channels last):
+
+- ``forward``: ``sum_u |s_u| * |W| / C`` (dense ``d_in``, conv ``k k c_in``,
+  depthwise ``k k``); ``|s_u|`` for scale-and-shift and embedding layers,
+  ``B |W|`` for generic ones. The backward pass counts twice the forward,
+  so an SGD step is ``3 F`` with ``F`` the sum over layers;
+- ``statistics`` (a covariance update): per Kronecker factor of dimension
+  ``d`` (``g`` groups, ``g d`` if diagonal), ``rows * g d^2`` with ``rows =
+  sum_u |s_u| / C`` (examples times locations), the output factor once per
+  source ``S`` (samples, or the ``K`` Fisher columns in exact mode); a block
+  fed per-example gradients ``B n^2`` (``B n`` diagonal), ``n`` its
+  parameters; plus one more backward pass per source (``2 F S``);
+- ``precondition``: ``g (d_A^2 d_G + d_A d_G^2)`` per Kronecker block (a
+  diagonal factor's side ``d_A d_G``); ``n^2`` or ``n`` otherwise;
+- ``inverse`` (one refresh): ``g d^3`` per dense factor (Cholesky and
+  triangular inverse), ``d`` diagonal; ``4 n^3`` for a full block's
+  eigendecomposition, ``n`` diagonal.
+
+The step (``step_multiply_adds``): ``3 F`` + statistics / cov period +
+preconditioning + inverses / inverse period, plus the quadratic model's two
+exact Fisher-vector products (``2 * 4 F``: a double backward each) or two
+K-FAC products (``2 *`` preconditioning), and the damping rule's forward
+pass every ``damping_adaptation_interval`` steps. Operations between the
+layers (activations, normalisers, the loss) and memory traffic are not
+counted: the ratio is the arithmetic's, a floor on the time's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+import passes.ir
+
+# the periods ``choose_periods`` considers, in the order it prefers them
+COV_PERIODS = (1, 2, 5, 10, 20, 50, 100)
+INVERSE_PERIODS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+EIGEN_FACTOR = 4  # an eigendecomposition against a Cholesky inverse, per n^3
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """Multiply-adds of one layer (module docstring)."""
+
+    name: str
+    forward: float
+    statistics: float
+    precondition: float
+    inverse: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """What the step does besides the periods: ``sources`` of the statistics'
+    backward pass, ``qmodel`` (``"exact"``, ``"kfac"`` or None) and the
+    damping rule's interval (None: no adaptation)."""
+
+    sources: int = 1
+    qmodel: str | None = "exact"
+    damping_interval: int | None = 5
+
+
+def layer_costs(registration, blocks, batch: int, sources: int = 1) -> list:
+    """A ``LayerCost`` per registered layer (aligned with ``blocks``)."""
+    out = []
+    for layer, block in zip(registration.layers, blocks):
+        forward, rows = _forward(registration, layer, batch)
+        stats, pre, inv = _block_costs(block, rows, batch, sources)
+        out.append(LayerCost(layer.name, forward, stats + 2.0 * forward * sources, pre, inv))
+    return out
+
+
+def _forward(registration, layer, batch):
+    """``(forward multiply-adds, rows)`` of one layer over its uses."""
+    size = float(np.prod([int(d) for d in layer.variables[0].shape])) if layer.variables else 0.0
+    forward = rows = 0.0
+    for output in layer.outputs:
+        shape = static_shape(registration, output) or ()
+        dims = [d if d is not None else (batch if i == 0 else 1) for i, d in enumerate(shape)]
+        numel = float(np.prod(dims)) if dims else 1.0
+        width = float(dims[-1]) if dims else 1.0
+        rows += numel / max(width, 1.0)
+        if layer.kind in ("scale_and_shift", "embedding"):
+            forward += numel
+        elif layer.kind == "generic":
+            forward += batch * size
+        else:
+            forward += numel * size / max(width, 1.0)
+    if not layer.outputs:
+        forward, rows = batch * size, float(batch)
+    return forward, rows
+
+
+def static_shape(registration, tensor):
+    """A tensor's static shape in the registration's IR (None if unknown)."""
+    if registration.ir is None or not tensor:
+        return None
+    return passes.ir.shape_of(registration.ir, tensor)
+
+
+def _factors(block):
+    """The block's Kronecker factors ``(input, output)``, or None."""
+    a, g = getattr(block, "input_factor", None), getattr(block, "output_factor", None)
+    return (a, g) if a is not None and g is not None else None
+
+
+def _block_costs(block, rows, batch, sources):
+    """``(statistics, precondition, inverse)`` of one block (module docstring)."""
+    inner = getattr(block, "block", None)
+    if inner is not None:
+        return _block_costs(inner, rows, batch, sources)
+    parts = getattr(block, "parts", None)
+    if parts is not None:
+        totals = [_block_costs(p, rows, batch, sources) for p in parts]
+        return tuple(float(sum(t[i] for t in totals)) for i in range(3))
+    kron = _factors(block)
+    if kron is not None:
+        a, g = kron
+        groups = float(np.prod(a.batch_shape)) if a.batch_shape else 1.0
+        side = lambda f: f.dim if f.diagonal else f.dim ** 2
+        stats = rows * groups * (side(a) + sources * side(g))
+        pre = groups * (side(a) * g.dim + a.dim * side(g))
+        cube = lambda f: f.dim if f.diagonal else f.dim ** 3
+        inv = groups * (cube(a) + cube(g))
+        return float(stats), float(pre), float(inv)
+    n = float(block.num_params)
+    factor = getattr(block, "factor", None)
+    if factor is not None and getattr(factor, "diagonal", False):
+        return batch * n * sources, n, n
+    return batch * n * n * sources, n * n, EIGEN_FACTOR * n ** 3
+
+
+def step_multiply_adds(costs, cov_period: int, inverse_period: int,
+                       options: StepOptions = StepOptions()) -> float:
+    """The amortised multiply-adds of one K-FAC step (module docstring)."""
+    f = sum(c.forward for c in costs)
+    pre = sum(c.precondition for c in costs)
+    total = 3 * f + sum(c.statistics for c in costs) / cov_period + pre
+    total += sum(c.inverse for c in costs) / inverse_period
+    if options.qmodel == "exact":
+        total += 2 * 4 * f
+    elif options.qmodel == "kfac":
+        total += 2 * pre
+    if options.damping_interval:
+        total += f / options.damping_interval
+    return total
+
+
+def sgd_multiply_adds(costs) -> float:
+    """An SGD step: forward and backward, ``3 F``."""
+    return 3 * sum(c.forward for c in costs)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeriodChoice:
+    """The periods ``choose_periods`` picked and the counted ratio they give
+    (``within``: whether it is at most the budget)."""
+
+    cov_update_period: int
+    inverse_update_period: int
+    ratio: float
+    budget: float
+    within: bool
+
+
+def choose_periods(costs, budget: float, options: StepOptions = StepOptions()) -> PeriodChoice:
+    """The smallest covariance period, then the smallest inverse period (a
+    multiple of it), from ``COV_PERIODS`` x ``INVERSE_PERIODS`` whose
+    amortised step is at most ``budget`` SGD steps; if none is, the largest
+    pair (``within`` False)."""
+    sgd = sgd_multiply_adds(costs)
+    ratio = lambda c, i: step_multiply_adds(costs, c, i, options) / sgd if sgd else math.inf
+    pairs = [(c, i) for c in COV_PERIODS for i in INVERSE_PERIODS if i % c == 0]
+    for c, i in pairs:
+        r = ratio(c, i)
+        if r <= budget:
+            return PeriodChoice(c, i, r, budget, True)
+    c, i = pairs[-1]
+    return PeriodChoice(c, i, ratio(c, i), budget, False)
+
+
+def balanced_slots(weights, period: int) -> tuple:
+    """A slot in ``range(period)`` per weight (a block's inverse cost) such
+    that the slots' totals are balanced: the heaviest first, each into the
+    slot with the least so far (ties: the lowest slot)."""
+    totals = [0.0] * period
+    slots = [0] * len(weights)
+    for index in sorted(range(len(weights)), key=lambda k: (-weights[k], k)):
+        slot = min(range(period), key=lambda s: (totals[s], s))
+        slots[index] = slot
+        totals[slot] += weights[index]
+    return tuple(slots)
+
+
+def summary(costs, choice: PeriodChoice | None, cov_period: int, inverse_period: int,
+            options: StepOptions = StepOptions()) -> str:
+    """A table of the per-layer counts and the step's ratio over SGD."""
+    lines = [f"{'layer':<40} {'forward':>10} {'statistics':>11} {'precondition':>13} "
+             f"{'inverse':>10}"]
+    for c in costs:
+        lines.append(f"{c.name[:40]:<40} {c.forward:>10.3g} {c.statistics:>11.3g} "
+                     f"{c.precondition:>13.3g} {c.inverse:>10.3g}")
+    ratio = step_multiply_adds(costs, cov_period, inverse_period, options) / max(
+        sgd_multiply_adds(costs), 1.0)
+    lines.append(f"cov_update_period={cov_period}, inverse_update_period={inverse_period}: "
+                 f"counted step / SGD step = {ratio:.2f}")
+    if choice is not None:
+        verdict = "within" if choice.within else "NOT within (the largest periods tried)"
+        lines.append(f"overhead_budget={choice.budget:g}: periods chosen by the budget, "
+                     f"{verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""How TensorFlow optimises the graph of a K-FAC step when it first runs it.
+
+A ``tf.function`` is optimised by Grappler the first time it is called
+(constant folding, arithmetic and layout rewrites, operator fusion, each
+pass twice over the whole graph). A K-FAC step's graph holds the model's
+forward and backward passes several times over (statistics, the quadratic
+model's double backward passes) plus every block's algebra, and on large
+models that optimisation was the largest part of the first step
+(``benchmarks/cold_start.py``). ``call_options(mode)`` is a context manager
+under which calls of ``tf.function``s run with:
+
+- ``"default"``: TensorFlow's configuration (``tf.config.optimizer``);
+- ``"off"``: Grappler's meta-optimizer disabled for these calls only.
+
+The setting is per thread and per call (``tf.function`` keys an optimised
+graph by it, so every call of one function must use the same mode); it is
+restored on exit. The graph TensorFlow runs computes the same values either
+way; only its rewrites (and the time they take) differ.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.eager import context
+
+MODES = ("default", "off")
+
+
+def _config(mode: str):
+    config = config_pb2.ConfigProto()
+    if mode == "off":
+        config.graph_options.rewrite_options.disable_meta_optimizer = True
+    return config
+
+
+@contextlib.contextmanager
+def call_options(mode: str):
+    """Calls of ``tf.function``s in this block are optimised by ``mode``."""
+    if mode not in MODES:
+        raise ValueError(f"graph_optimization must be one of {MODES}, got {mode!r}")
+    if mode == "default":
+        yield
+        return
+    ctx = context.context()
+    previous = ctx.function_call_options
+    options = copy.copy(previous)
+    options.config_proto_serialized = _config(mode)
+    ctx.function_call_options = options
+    try:
+        yield
+    finally:
+        ctx.function_call_options = previous

@@ -1,0 +1,28 @@
+"""``kg.KFAC``'s ``tf.summary`` records: loss, damping, learning rate,
+momentum, rho, skipped steps and each factor's trace, every
+``summary_period`` steps."""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from kfac_graph.fisher import linalg
+from kfac_graph.fisher.report import factors_of
+
+
+def write(opt, loss, t):
+    """Records step ``t``'s summaries of the optimizer ``opt``."""
+    record = tf.equal(t % opt.summary_period, 0)
+    with opt.summary_writer.as_default(step=t), tf.summary.record_if(record):
+        tf.summary.scalar("kfac/loss", loss)
+        tf.summary.scalar("kfac/damping", opt.damping)
+        tf.summary.scalar("kfac/learning_rate", opt.learning_rate)
+        tf.summary.scalar("kfac/momentum", opt.momentum)
+        if opt.adapt_damping:
+            tf.summary.scalar("kfac/rho", opt.rho)
+        tf.summary.scalar("kfac/skipped_steps", opt.skipped_steps)
+        for layer, block in zip(opt.registration.layers, opt.estimator.blocks):
+            for label, factor in factors_of(block):
+                trace = linalg.trace(factor.value(), factor.diagonal)
+                tf.summary.scalar(f"factors/{layer.name}/{label}_trace",
+                                  tf.reduce_sum(trace))
+

@@ -1,0 +1,118 @@
+"""``kg.KFAC(overhead_budget=...)``: the multiply-adds counted per layer
+(``optimizer/costs.py``) against hand counts, the periods the budget picks,
+explicit periods winning, and the summary."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+from kfac_graph.optimizer import costs
+
+
+def _mlp(batch=32):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(50, activation="tanh"),
+                              keras.layers.Dense(10)])
+    x = tf.random.normal([batch, 20])
+    y = tf.random.uniform([batch], 0, 10, tf.int32)
+
+    @kg.auto_register
+    def loss(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+    return loss, (x, y)
+
+
+def _cnn(batch=4):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8, 8, 3)),
+                              keras.layers.Conv2D(6, 3, strides=2, padding="same"),
+                              keras.layers.Flatten(), keras.layers.Dense(5)])
+    x = tf.random.normal([batch, 8, 8, 3])
+    y = tf.random.uniform([batch], 0, 5, tf.int32)
+
+    @kg.auto_register
+    def loss(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+    return loss, (x, y)
+
+
+def test_dense_counts_match_hand_counts():
+    loss, args = _mlp()
+    opt = kg.KFAC(loss, momentum_type="regular", adapt_damping=False)
+    opt.build(*args)
+    first, second = opt.costs
+    b = 32
+    assert first.forward == b * 20 * 50 and second.forward == b * 50 * 10
+    # A: 21x21, G: 50x50 over B rows (one sample), plus the sample's backward pass
+    assert first.statistics == b * (21 ** 2 + 50 ** 2) + 2 * b * 20 * 50
+    assert first.precondition == 21 ** 2 * 50 + 21 * 50 ** 2
+    assert first.inverse == 21 ** 3 + 50 ** 3
+    assert second.inverse == 51 ** 3 + 10 ** 3
+
+
+def test_conv_counts_per_location():
+    loss, args = _cnn()
+    opt = kg.KFAC(loss, momentum_type="regular", adapt_damping=False)
+    opt.build(*args)
+    conv = opt.costs[0]
+    rows = 4 * 4 * 4  # batch x 4x4 output locations
+    assert conv.forward == rows * 6 * (3 * 3 * 3)
+    assert conv.statistics == rows * (28 ** 2 + 6 ** 2) + 2 * conv.forward
+    assert conv.inverse == 28 ** 3 + 6 ** 3
+
+
+def test_budget_picks_the_smallest_periods_within_it():
+    loss, args = _cnn()
+    opt = kg.KFAC(loss, momentum_type="regular", adapt_damping=False, overhead_budget=3.0)
+    opt.build(*args)
+    choice = opt.period_choice
+    assert choice.within and choice.ratio <= 3.0
+    assert (opt.cov_update_period, opt.inverse_update_period) == (
+        choice.cov_update_period, choice.inverse_update_period)
+    options = costs.StepOptions(qmodel=None, damping_interval=None)
+    ratio = lambda c, i: (costs.step_multiply_adds(opt.costs, c, i, options)
+                          / costs.sgd_multiply_adds(opt.costs))
+    assert ratio(opt.cov_update_period, opt.inverse_update_period) == pytest.approx(choice.ratio)
+    # every pair tried before the chosen one is over the budget
+    for c in costs.COV_PERIODS:
+        for i in costs.INVERSE_PERIODS:
+            if (c, i) == (opt.cov_update_period, opt.inverse_update_period):
+                break
+            if i % c == 0:
+                assert ratio(c, i) > 3.0, (c, i)
+        else:
+            continue
+        break
+    assert opt.schedule.inverse_update_period == opt.inverse_update_period
+    assert "overhead_budget=3: periods chosen by the budget, within" in opt.cost_summary()
+
+
+def test_explicit_periods_win_and_tight_budgets_say_so():
+    loss, args = _cnn()
+    opt = kg.KFAC(loss, overhead_budget=1.01, inverse_update_period=7)
+    opt.build(*args)
+    assert opt.inverse_update_period == 7 and not opt.period_choice.within
+    assert opt.cov_update_period == costs.COV_PERIODS[-1]
+    assert "NOT within" in opt.cost_summary()
+    assert max(opt.schedule.inverse_slots) < 7
+
+
+def test_budgeted_optimizer_trains():
+    loss, args = _mlp()
+    opt = kg.KFAC(loss, momentum_type="regular", adapt_damping=False, learning_rate=0.05,
+                  overhead_budget=1.5)
+    first = float(opt.step(*args))
+    assert opt.cov_update_period > 1 or opt.inverse_update_period > 10
+    for _ in range(15):
+        opt.step(*args)
+    assert float(loss(*args)) < 0.8 * first
+
+
+def test_cost_summary_needs_a_build():
+    loss, _ = _mlp()
+    with pytest.raises(ValueError, match="not built"):
+        kg.KFAC(loss).cost_summary()
+
