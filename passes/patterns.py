@@ -299,8 +299,27 @@ ATROUS_CONV3D_BIAS, ATROUS_CONV3D = _atrous("conv3d", ("Conv3D",), "atrous_conv3
 ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE = _atrous(
     "depthwise_conv2d", ("DepthwiseConv2dNative",), "atrous_depthwise_conv2d")
 
+# Tensordot on a transposed kernel (``matmul(h [B, T, d], transpose(E))``,
+# a tied LM head written with Keras ops).
+_TENSORDOT_T_NODES = {"x": ANY, "flat": ops("Reshape"), "op": ops("MatMul", where=_dense_op),
+                      "t": ops("Transpose"), "unflat": ops("Reshape"), "w": VAR}
+_TENSORDOT_T_EDGES = (("x", "flat", 0), ("flat", "op", 0), ("w", "t", 0), ("t", "op", 1),
+                      ("op", "unflat", 0))
+DENSE_TENSORDOT_TRANSPOSED_BIAS = Pattern(
+    "dense_tensordot_transposed_bias", "dense", {**_TENSORDOT_T_NODES, "b": VAR, "add": ADD},
+    _TENSORDOT_T_EDGES + (("unflat", "add", None), ("b", "add", None)),
+    anchor="op", output="add", params=("w", "b"), inputs=(("flat", "in", 0),),
+    check=lambda g, m: (_merges_leading(g, m) and _transposed_kernel(g, m)
+                        and _bias_fits(g, {**m, "op": m["unflat"]}, -1)))
+DENSE_TENSORDOT_TRANSPOSED = Pattern(
+    "dense_tensordot_transposed", "dense", _TENSORDOT_T_NODES, _TENSORDOT_T_EDGES,
+    anchor="op", output="unflat", params=("w",), inputs=(("flat", "in", 0),),
+    check=lambda g, m: _merges_leading(g, m) and _transposed_kernel(g, m))
+
 DENSE_AND_CONV_PATTERNS: tuple[Pattern, ...] = (
-    DENSE_TENSORDOT_BIAS, DENSE_TENSORDOT, DENSE_TRANSPOSED_BIAS, DENSE_TRANSPOSED,
+    DENSE_TENSORDOT_BIAS, DENSE_TENSORDOT,
+    DENSE_TENSORDOT_TRANSPOSED_BIAS, DENSE_TENSORDOT_TRANSPOSED,
+    DENSE_TRANSPOSED_BIAS, DENSE_TRANSPOSED,
     DENSE_BIAS, DENSE,
     ATROUS_CONV2D_BIAS, ATROUS_CONV2D, ATROUS_CONV3D_BIAS, ATROUS_CONV3D,
     ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE,

@@ -244,3 +244,31 @@ def test_table_projected_untransposed_stays_generic():
     assert reg.layers[0].kind == "generic" and "different kinds" in reg.layers[0].reason
     with pytest.raises(kg.KfacGraphError, match="square"):
         kg.per_example_gradients(loss_fn, *args)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_tied_head_over_positions_through_tensordot(bias):
+    """``keras.ops.matmul(h [B, T, d], transpose(E))`` (Keras writes it as a
+    Tensordot: Reshape to ``[B*T, d]``, MatMul, Reshape back) with a
+    per-token loss: the projection reads ``h`` with its batch axis, so the
+    per-example gradients equal a loop and the Fisher update runs (before: a
+    ``[B*T, ...]`` shape error)."""
+    rng = np.random.RandomState(3)
+    table = tf.Variable(rng.normal(size=(7, 3)), name="table")
+    b = tf.Variable(rng.normal(size=(7,)), name="b")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = tf.tanh(tf.gather(table, x))
+        z = keras.ops.matmul(h, keras.ops.transpose(table))
+        z = z + b if bias else z
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, z))
+
+    x = tf.constant(rng.randint(0, 7, (B, 4)))
+    args = (x, tf.constant(rng.randint(0, 7, (B, 4))))
+    reg = _assert_matches_loop(loss_fn, args, rtol=1e-6, atol=1e-12)
+    assert [layer.kind for layer in reg.layers] == ["tied_embedding"] + (
+        ["scale_and_shift"] if bias else [])
+    est = kg.FisherEstimator(loss_fn, approximations={"tied_embedding": "full"})
+    est.update(*args)
+    assert np.all(np.isfinite(est.blocks[0].full_matrix()))
