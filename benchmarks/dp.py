@@ -13,9 +13,11 @@ medians of ``--reps`` rounds after a warm call) two steps on the same batch:
 
 Target: dpsgd / sgd <= 2. Models: ``mlp`` 784-512-512-10 relu, batch 256;
 ``cnn`` the per-example benchmark's CNN (``per_example.py``: 32x32x3, conv
-32, strided conv 64, depthwise, 1x1 conv 64, pool, dense 10), batch 64.
-``MODELS`` is the hook for more rows (a transformer block is the next one):
-a builder returning ``(keras model, x, y)`` and the batch.
+32, strided conv 64, depthwise, 1x1 conv 64, pool, dense 10), batch 64;
+``transformer`` the character transformer LM of ``transformer_lm.py``
+(``char_transformer.py``: 2 blocks, d 128, 4 heads, context 64, tied head,
+per-token mean cross-entropy), batch 32. ``MODELS`` maps a name to a
+builder of ``(keras model, x, y)``.
 
 Part 2, accuracy. ``examples/dp_digits.py``'s training (softmax regression
 on scikit-learn's digits, Poisson batches of expected size 128, 10 epochs,
@@ -24,7 +26,7 @@ clip 1, SGD with momentum) at epsilon 1, 3 and 8 (delta 1e-5; noise by
 seeds; the mean held-out accuracy (360 digits) is tabulated and, when
 matplotlib is importable, plotted to ``--plot``.
 
-    python benchmarks/dp.py [--reps 15] [--models mlp,cnn] [--epsilons 1,3,8]
+    python benchmarks/dp.py [--reps 15] [--models mlp,cnn,transformer] [--epsilons 1,3,8]
         [--seeds 3] [--plot docs/dp_accuracy.png] [--markdown out.md]
 """
 import os
@@ -38,7 +40,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+import char_transformer  # noqa: E402
 import kfac_graph as kg  # noqa: E402
+from char_text import CharText  # noqa: E402
 
 sys.path.insert(0, os.path.join(bench_env.ROOT, "examples"))
 import dp_digits  # noqa: E402
@@ -46,7 +50,7 @@ import dp_digits  # noqa: E402
 tf.get_logger().setLevel("ERROR")
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("reps", 15, "interleaved rounds (medians)")
-flags.DEFINE_list("models", ["mlp", "cnn"], "models to time")
+flags.DEFINE_list("models", ["mlp", "cnn", "transformer"], "models to time")
 flags.DEFINE_list("epsilons", ["1", "3", "8"], "target epsilons for the accuracy table")
 flags.DEFINE_integer("seeds", 3, "seeds per accuracy entry")
 flags.DEFINE_string("plot", None, "save the accuracy plot here (needs matplotlib)")
@@ -79,8 +83,17 @@ def _cnn():
             tf.constant(rng.integers(0, 10, 64), tf.int32))
 
 
-# name -> builder of (keras model, x, y); add a transformer block here
-MODELS = {"mlp": _mlp, "cnn": _cnn}
+def _transformer():
+    """The character transformer LM of ``transformer_lm.py`` (2 blocks, d 128,
+    4 heads, context 64, tied head) on a batch of 32 windows of the text."""
+    text = CharText(64)
+    model = char_transformer.build(text.vocab_size)
+    x, y = text.batches(1, 32, 0)[0]
+    return model, tf.constant(x), tf.constant(y)
+
+
+# name -> builder of (keras model, x, y)
+MODELS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer}
 
 
 def steps(model, x, y):
@@ -97,7 +110,7 @@ def steps(model, x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(x, y)
         for v, g in zip(variables, tape.gradient(loss, variables)):
-            v.assign_sub(1e-3 * g)
+            v.assign_sub(1e-3 * tf.convert_to_tensor(g))
         return loss
 
     flat = kg.DPSGD(loss_fn, learning_rate=1e-3, l2_norm_clip=1.0, noise_multiplier=1.0)

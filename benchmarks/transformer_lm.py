@@ -29,6 +29,7 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import kfac_graph as kg  # noqa: E402
+import char_transformer  # noqa: E402
 import lm_race  # noqa: E402
 from char_text import CharText  # noqa: E402
 
@@ -53,43 +54,9 @@ flags.DEFINE_string("plot", None, "write the held-out-loss-vs-time plot here")
 flags.DEFINE_integer("seed", 0, "seed of the weights and the batches")
 
 
-class TiedHead(keras.layers.Layer):
-    """Logits ``h E^T`` from the token embedding's table ``E``."""
-
-    def __init__(self, embedding, **kwargs):
-        super().__init__(**kwargs)
-        self.embedding = embedding
-
-    def call(self, h):
-        return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
-
-
-class AddPositions(keras.layers.Layer):
-    """``h + P[arange(T)]``: a learned position embedding (looked up inside
-    the call, so that the model's graph reads the table)."""
-
-    def __init__(self, length, width, **kwargs):
-        super().__init__(**kwargs)
-        self.table = keras.layers.Embedding(length, width)
-
-    def call(self, h):
-        return h + self.table(keras.ops.arange(keras.ops.shape(h)[1]))
-
-
 def make_model(vocab):
-    keras.utils.set_random_seed(FLAGS.seed)
-    L, d, T = keras.layers, FLAGS.width, FLAGS.seq_len
-    ids = keras.Input((T,), dtype="int32")
-    tokens = L.Embedding(vocab, d)
-    h = AddPositions(T, d)(tokens(ids))
-    for _ in range(FLAGS.blocks):
-        a = L.LayerNormalization()(h)
-        h = h + L.MultiHeadAttention(FLAGS.heads, d // FLAGS.heads)(a, a, use_causal_mask=True)
-        m = L.LayerNormalization()(h)
-        h = h + L.Dense(d)(L.Dense(4 * d, activation="gelu")(m))
-    h = L.LayerNormalization()(h)
-    logits = TiedHead(tokens)(h) if FLAGS.tied else L.Dense(vocab)(h)
-    return keras.Model(ids, logits)
+    return char_transformer.build(vocab, FLAGS.seq_len, FLAGS.width, FLAGS.heads, FLAGS.blocks,
+                                  FLAGS.tied, FLAGS.seed)
 
 
 def make_loss(model):
