@@ -92,11 +92,11 @@ from kfac_graph import options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher.estimator import FisherEstimator
 from kfac_graph.optimizer import costs as costs_lib, damping as damping_lib, distributed
-from kfac_graph.optimizer import graph_options, plan, summaries
+from kfac_graph.optimizer import graph_options, kfac_options, plan, summaries
 from kfac_graph.optimizer.schedule import StepSchedule
 from kfac_graph.optimizer.single_device import SingleDeviceCore
 
-MOMENTUM_TYPES = ("regular", "adam", "qmodel")
+MOMENTUM_TYPES = kfac_options.MOMENTUM_TYPES
 DEFAULT_COV_UPDATE_PERIOD = 1
 DEFAULT_INVERSE_UPDATE_PERIOD = 10
 _plain_python = tf.autograph.experimental.do_not_convert
@@ -154,28 +154,7 @@ class KFAC(tf.Module):
     what each takes, also checked by ``KFACModel`` and ``kfac-rewrite``).
     """
 
-    _EST = FisherEstimator.OPTIONS
-    OPTIONS = {
-        "learning_rate": options.Real(0.0, low_open=True), "damping": options.Real(0.0),
-        "momentum": options.Real(0.0, 1.0, high_open=True),
-        "momentum_type": options.OneOf(MOMENTUM_TYPES), "l2_reg": options.Real(0.0),
-        "norm_constraint": options.Real(0.0, low_open=True, none=True),
-        "cov_update_period": options.Integer(1, none=True),
-        "inverse_update_period": options.Integer(1, none=True),
-        "stagger_inverses": options.Boolean(),
-        "overhead_budget": options.Real(1.0, low_open=True, none=True),
-        "cov_ema_decay": _EST["cov_ema_decay"], "num_burnin_steps": options.Integer(0),
-        "max_factor_size": _EST["max_factor_size"],
-        "estimation_mode": _EST["estimation_mode"], "num_samples": _EST["num_samples"],
-        "adapt_damping": options.Boolean(), "damping_adaptation_interval": options.Integer(1),
-        "damping_adaptation_decay": options.Real(0.0, 1.0, low_open=True),
-        "min_damping": options.Real(0.0, none=True),
-        "qmodel_curvature": options.OneOf(("exact", "kfac")), "seed": _EST["seed"],
-        "jit_compile": options.OneOf((True, False, "auto")),
-        "summary_period": options.Integer(1),
-        "sync_statistics": options.OneOf(distributed.SYNC_MODES),
-        "graph_optimization": options.OneOf(graph_options.MODES)}
-    del _EST
+    OPTIONS = kfac_options.OPTIONS
 
     @classmethod
     def check_options(cls, owner: str | None = "kg.KFAC", prefix: str = "", **values) -> dict:

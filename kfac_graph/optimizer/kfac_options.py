@@ -1,0 +1,33 @@
+"""What each ``kg.KFAC`` option takes (``kfac_graph/options.py`` checks them):
+``KFAC.OPTIONS`` is this table; the estimator's options are
+``FisherEstimator``'s own."""
+import types
+
+from kfac_graph import options
+from kfac_graph.fisher.estimator import FisherEstimator
+from kfac_graph.optimizer import distributed, graph_options
+
+MOMENTUM_TYPES = ("regular", "adam", "qmodel")
+
+_EST = FisherEstimator.OPTIONS
+OPTIONS = types.MappingProxyType({
+    "learning_rate": options.Real(0.0, low_open=True), "damping": options.Real(0.0),
+    "momentum": options.Real(0.0, 1.0, high_open=True),
+    "momentum_type": options.OneOf(MOMENTUM_TYPES), "l2_reg": options.Real(0.0),
+    "norm_constraint": options.Real(0.0, low_open=True, none=True),
+    "cov_update_period": options.Integer(1, none=True),
+    "inverse_update_period": options.Integer(1, none=True),
+    "stagger_inverses": options.Boolean(),
+    "overhead_budget": options.Real(1.0, low_open=True, none=True),
+    "cov_ema_decay": _EST["cov_ema_decay"], "num_burnin_steps": options.Integer(0),
+    "max_factor_size": _EST["max_factor_size"],
+    "estimation_mode": _EST["estimation_mode"], "num_samples": _EST["num_samples"],
+    "adapt_damping": options.Boolean(), "damping_adaptation_interval": options.Integer(1),
+    "damping_adaptation_decay": options.Real(0.0, 1.0, low_open=True),
+    "min_damping": options.Real(0.0, none=True),
+    "qmodel_curvature": options.OneOf(("exact", "kfac")), "seed": _EST["seed"],
+    "jit_compile": options.OneOf((True, False, "auto")),
+    "summary_period": options.Integer(1),
+    "sync_statistics": options.OneOf(distributed.SYNC_MODES),
+    "graph_optimization": options.OneOf(graph_options.MODES)})
+del _EST
