@@ -21,6 +21,7 @@ import networkx as nx
 
 from passes import ir, scale_shift_use
 from passes.atrous import atrous_attrs
+from passes.lookup_ids import ids_without_batch
 from passes.matcher import find_matches
 from passes.catalogue import LAYER_PATTERNS
 from passes.patterns import Pattern, einsum_kernel_layout
@@ -107,7 +108,7 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
             holders[d["variable"]].append(node)
     readers = {key: [dst for node in nodes for dst in g.successors(node)]
                for key, nodes in holders.items()}
-    groups = _group(g, found)
+    groups = ids_without_batch(g, _group(g, found), data)
     groups, reasons = _resolve_conflicts(g, groups, on_path & batched, readers)
     layers = [_layer(g, kind, keys, uses, order) for (kind, keys), uses in groups.items()]
     owned = {k for layer in layers for k in layer.variables}

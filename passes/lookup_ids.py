@@ -1,0 +1,43 @@
+"""Lookups without an example axis.
+
+Contract: ``ids_without_batch(g, groups, data) -> groups`` takes the
+matcher's groups ``{(kind, variable keys): [(pattern, roles, Use)]}`` and
+the set of nodes that depend on the arguments, and returns them with every
+embedding use whose ids carry no example axis marked ``unsupported``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from passes import ir
+
+
+def ids_without_batch(g, groups, data):
+    """A lookup whose ids do not depend on the arguments (``table[range(T)]``)
+    and is not a recognised position embedding (added over the batch) has
+    no example axis unless the ids are laid out ``[B, ...]`` themselves
+    (constant segment ids): its kind's rule would read position t as
+    example t. Such a use is marked ``unsupported`` (the table becomes
+    generic, whose per-example gradients are exact)."""
+    batch_sizes = {shape[0] for shape in (
+        (g.nodes[a]["shapes"] or [None])[0] for a in g.graph["arguments"]) if shape}
+
+    def has_example_axis(use):
+        if use.attrs.get("ids_broadcast"):
+            return True
+        ids = ir.resolve(g, use.inputs[0])
+        if ir.split_tensor(ids)[0] in data:
+            return True
+        shape = ir.shape_of(g, ids)
+        return bool(shape) and len(shape) >= 2 and shape[0] in batch_sizes
+
+    out = {}
+    for (kind, keys), items in groups.items():
+        if kind == "embedding":
+            items = [(pattern, roles, use) if has_example_axis(use)
+                     else (pattern, roles, dataclasses.replace(use, attrs={
+                         **use.attrs, "unsupported": "a lookup of ids that do not depend on "
+                         "the data (no example axis), not added over the batch"}))
+                     for pattern, roles, use in items]
+        out[(kind, keys)] = items
+    return out
