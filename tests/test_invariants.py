@@ -114,9 +114,11 @@ def _token_model():
     return tokens, head, (ids, y)
 
 
-def test_embedding_read_without_a_batch_axis_refuses():
+def test_embedding_read_without_a_batch_axis_is_generic_and_exact():
     """A lookup of un-batched ids that is not added over the batch (a product
-    here; an added one is a position embedding, tests/test_transformer_layers.py)."""
+    here; an added one is a position embedding, tests/test_transformer_layers.py)
+    has no example axis: the pass leaves its table generic with the reason
+    (``passes/lookup_ids.py``), and its per-example gradients are exact."""
     tokens, head, args = _token_model()
     positions = keras.layers.Embedding(T, D, name="positions")
     positions.build((None,))
@@ -126,11 +128,13 @@ def test_embedding_read_without_a_batch_axis_refuses():
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
 
     fn = kg.auto_register(loss_fn)
-    where = r"layer positions\w* \(embedding, op positions\w*/GatherV2\): "
-    _raises_line(where + r"per-example gradient of positions\w*/embeddings has leading axis 5, "
-                 r"expected the batch 4" + UNSUPPORTED, lambda: kg.per_example_gradients(fn, *args))
-    _raises_line(where + r"layer input has leading axis 5, expected the batch 4" + UNSUPPORTED,
-                 lambda: kg.FisherEstimator(fn).update(*args))
+    reg = fn.registration(*args)
+    generic = [layer for layer in reg.layers if layer.kind == "generic"]
+    assert len(generic) == 1 and "do not depend on the data" in generic[0].reason
+    got = kg.per_example_gradients(fn, *args)
+    for g, w in zip(got, one_example_loop(loss_fn, args, reg.variables)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    kg.FisherEstimator(fn).update(*args)
 
 
 @pytest.mark.parametrize("flatten", [True, False], ids=["terms_BT", "terms_B_T"])
