@@ -15,6 +15,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import kfac_graph as kg
+
 
 class Run:
     """One optimizer on its own copy of the model: ``step(x, y) -> loss``,
@@ -160,6 +162,34 @@ def plot(runs, path, title):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
+
+
+def evaluator(model, held_out):
+    """``evaluate() -> held-out loss``: mean per-token cross-entropy of
+    ``model`` (inference mode) on the windows ``held_out = (x, y)``."""
+    x, y = (tf.constant(t) for t in held_out)
+
+    @tf.function
+    def evaluate():
+        logits = model(x, training=False)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+    return evaluate
+
+
+def norms_cost(model, loss_fn, batch, reps):
+    """Median seconds of ``kg.per_example_gradient_norms`` over a batch
+    gradient's, on ``batch``, for the registered ``loss_fn`` of ``model``."""
+    variables = model.trainable_variables
+
+    @tf.function
+    def batch_gradient(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(x, y)
+        return tape.gradient(loss, variables)
+
+    fns = {"batch": batch_gradient,
+           "norms": tf.function(lambda x, y: kg.per_example_gradient_norms(loss_fn, x, y))}
+    return median_ratio(fns, batch, reps)
 
 
 def adam_family(name, lr, weight_decay):

@@ -60,16 +60,6 @@ def make_loss(model):
     return loss_fn
 
 
-def evaluator(model, held_out):
-    x, y = (tf.constant(t) for t in held_out)
-
-    @tf.function
-    def evaluate():
-        logits = model(x, training=False)
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-    return evaluate
-
-
 def kfac_run(label, data, held_out, first_batch):
     model = make_model(data.vocab_size)
     loss_fn = kg.auto_register(make_loss(model))
@@ -79,7 +69,8 @@ def kfac_run(label, data, held_out, first_batch):
         approximations = {l.name: "series" for l in reg.layers
                           if l.kind == "dense" and l.uses > 1}
     opt = kg.KFAC(loss_fn, approximations=approximations)
-    return lm_race.Run(f"K-FAC {label}", "kfac", opt.step, evaluator(model, held_out),
+    return lm_race.Run(f"K-FAC {label}", "kfac", opt.step,
+                       lm_race.evaluator(model, held_out),
                        FLAGS.kfac_steps)
 
 
@@ -88,25 +79,9 @@ def adam_run(family, lr, vocab, held_out):
     step = lm_race.keras_step(model, make_loss(model), lm_race.adam_family(family, lr, 0.01),
                               jit_compile=True)
     name = "AdamW" if family == "adamw" else "Adam"
-    return lm_race.Run(f"{name} lr={lr:g}", family, step, evaluator(model, held_out),
+    return lm_race.Run(f"{name} lr={lr:g}", family, step,
+                       lm_race.evaluator(model, held_out),
                        FLAGS.adam_steps)
-
-
-def norms_cost(data, batch):
-    """Median seconds of kg.per_example_gradient_norms over a batch gradient's."""
-    model = make_model(data.vocab_size)
-    loss_fn = kg.auto_register(make_loss(model))
-    variables = model.trainable_variables
-
-    @tf.function
-    def batch_gradient(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(x, y)
-        return tape.gradient(loss, variables)
-
-    fns = {"batch": batch_gradient,
-           "norms": tf.function(lambda x, y: kg.per_example_gradient_norms(loss_fn, x, y))}
-    return lm_race.median_ratio(fns, batch, FLAGS.norm_reps)
 
 
 def main(argv):
@@ -122,7 +97,9 @@ def main(argv):
     start = time.perf_counter()
     lm_race.race(runs, batches, FLAGS.eval_every)
     rows, _, _ = lm_race.table(runs, reference_families=("adam",))
-    ratio = norms_cost(data, batches[0])
+    model = make_model(data.vocab_size)
+    ratio = lm_race.norms_cost(model, kg.auto_register(make_loss(model)), batches[0],
+                               FLAGS.norm_reps)
     print(f"\nLSTM LM: embedding {FLAGS.embed}, LSTM {FLAGS.units}, vocabulary "
           f"{data.vocab_size}, batch {FLAGS.batch} x {FLAGS.seq_len} characters; "
           f"{len(data.train):,} training / {len(data.test):,} held-out characters\n")

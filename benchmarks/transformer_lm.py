@@ -66,16 +66,6 @@ def make_loss(model):
     return loss_fn
 
 
-def evaluator(model, held_out):
-    x, y = (tf.constant(t) for t in held_out)
-
-    @tf.function
-    def evaluate():
-        logits = model(x, training=False)
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-    return evaluate
-
-
 def parse_kfac(spec):
     """``label[:kind=approximation,...]`` -> (label, approximations or None)."""
     label, _, rest = spec.partition(":")
@@ -87,7 +77,8 @@ def kfac_run(spec, vocab, held_out):
     label, approximations = parse_kfac(spec)
     model = make_model(vocab)
     opt = kg.KFAC(kg.auto_register(make_loss(model)), approximations=approximations)
-    return lm_race.Run(f"K-FAC {label}", "kfac", opt.step, evaluator(model, held_out),
+    return lm_race.Run(f"K-FAC {label}", "kfac", opt.step,
+                       lm_race.evaluator(model, held_out),
                        FLAGS.kfac_steps)
 
 
@@ -97,25 +88,9 @@ def adamw_run(lr, vocab, held_out):
         0.0, FLAGS.adam_steps - FLAGS.warmup, warmup_target=lr, warmup_steps=FLAGS.warmup)
     optimizer = keras.optimizers.AdamW(schedule, weight_decay=0.01)
     step = lm_race.keras_step(model, make_loss(model), optimizer, jit_compile=True)
-    return lm_race.Run(f"AdamW lr={lr:g}", "adamw", step, evaluator(model, held_out),
+    return lm_race.Run(f"AdamW lr={lr:g}", "adamw", step,
+                       lm_race.evaluator(model, held_out),
                        FLAGS.adam_steps)
-
-
-def norms_cost(vocab, batch):
-    """Median seconds of kg.per_example_gradient_norms over a batch gradient's."""
-    model = make_model(vocab)
-    loss_fn = kg.auto_register(make_loss(model))
-    variables = model.trainable_variables
-
-    @tf.function
-    def batch_gradient(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(x, y)
-        return tape.gradient(loss, variables)
-
-    fns = {"batch": batch_gradient,
-           "norms": tf.function(lambda x, y: kg.per_example_gradient_norms(loss_fn, x, y))}
-    return lm_race.median_ratio(fns, batch, FLAGS.norm_reps)
 
 
 def main(argv):
@@ -130,7 +105,9 @@ def main(argv):
     start = time.perf_counter()
     lm_race.race(runs, batches, FLAGS.eval_every)
     rows, _, _ = lm_race.table(runs, reference_families=("adamw",))
-    ratio = norms_cost(data.vocab_size, batches[0])
+    model = make_model(data.vocab_size)
+    ratio = lm_race.norms_cost(model, kg.auto_register(make_loss(model)), batches[0],
+                               FLAGS.norm_reps)
     print(f"\ntransformer LM: {FLAGS.blocks} blocks, d {FLAGS.width}, {FLAGS.heads} heads, "
           f"context {FLAGS.seq_len}, {'tied' if FLAGS.tied else 'untied'} embeddings, "
           f"vocabulary {data.vocab_size}, batch {FLAGS.batch}; {len(data.train):,} training / "

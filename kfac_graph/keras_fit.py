@@ -58,6 +58,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from kfac_graph import keras_train_loop
 from kfac_graph.auto_register import auto_register
 from kfac_graph.keras_loss import as_loss as _as_loss
 from kfac_graph.keras_optimizer import KFACKerasOptimizer
@@ -270,18 +271,8 @@ class KFACModel(keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
 
-        def function(iterator):
-            logs = None
-            for _, data in zip(range(self.steps_per_execution), iterator):
-                data = tf.nest.map_structure(
-                    lambda t: None if isinstance(t, tf.experimental.Optional) else t, data)
-                logs = self.train_step(data)
-            if logs is None:
-                raise StopIteration
-            return logs
-
-        self.train_function = function
-        return function
+        self.train_function = keras_train_loop.python_driven(self)
+        return self.train_function
 
 
 def _one_replica(strategy):
