@@ -42,6 +42,7 @@ from absl import app, flags  # noqa: E402
 
 import digits  # noqa: E402
 import kfac_graph as kg  # noqa: E402
+import kfac_spec  # noqa: E402
 
 tf.get_logger().setLevel("ERROR")
 
@@ -62,22 +63,6 @@ flags.DEFINE_multi_string(
 flags.DEFINE_integer("seed", 0, "seed of the initial weights and the data order")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
                     "where plots and the results JSON go")
-
-
-def _parse_kfac(spec: str) -> dict:
-    options = {}
-    for item in spec.split():
-        key, value = item.split("=", 1)
-        for convert in (int, float):
-            try:
-                value = convert(value)
-                break
-            except ValueError:
-                pass
-        else:
-            value = {"True": True, "False": False}.get(value, value)
-        options[key] = value
-    return options
 
 
 class Run:
@@ -122,8 +107,7 @@ def make_runs(model: str, first_batch):
     runs, seen = [], set()
     for spec in FLAGS.kfac:
         task = digits.make_task(model, FLAGS.seed)
-        options = _parse_kfac(spec)
-        label = str(options.pop("label", spec or "defaults"))
+        label, options = kfac_spec.parse(spec, default_label=spec or "defaults")
         opt = kg.KFAC(task.loss_fn, **options)
         opt.build(*first_batch)
         shown = ", ".join(f"{k}={v!r}" for k, v in options.items())

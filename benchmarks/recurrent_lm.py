@@ -5,15 +5,17 @@ its loop) -> Dense to the vocabulary; per-token mean cross-entropy over
 ``[batch, 64]`` next-character targets; the help text of ``pydoc_data``
 (``char_text.py``), last 10% held out; batch 32, float32.
 
-Rows: ``kg.KFAC`` with its defaults; ``kg.KFAC`` with the recurrent layers'
-kernels under series blocks (``approximations={name: "series"}``, Martens,
+Rows: ``kg.KFAC`` for each ``--kfac`` spec (``kfac_spec.py``), by default
+with its defaults, and with the recurrent layers' kernels under series
+blocks (``recurrent=series``: ``approximations={name: "series"}``, Martens,
 Ba & Johnson 2018, option 2); Adam and AdamW (weight decay 0.01) at each
 learning rate of a grid. The target is the best Adam run's held-out loss
 after ``--adam_steps`` (``lm_race.py``). The per-example gradient norms'
 cost over the batch gradient's is measured apart, side by side.
 
     python benchmarks/recurrent_lm.py [--adam_steps 2000] [--kfac_steps 1000]
-        [--lrs 1e-3,3e-3,1e-2] [--plot docs/recurrent_lm.png]
+        [--lrs 1e-3,3e-3,1e-2] [--kfac "label=NAME key=value ..."]...
+        [--plot docs/recurrent_lm.png]
 """
 import time
 
@@ -24,6 +26,7 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import kfac_graph as kg  # noqa: E402
+import kfac_spec  # noqa: E402
 import lm_race  # noqa: E402
 from char_text import CharText  # noqa: E402
 
@@ -37,7 +40,9 @@ flags.DEFINE_integer("batch", 32, "windows per batch")
 flags.DEFINE_integer("embed", 64, "embedding width")
 flags.DEFINE_integer("units", 256, "LSTM units")
 flags.DEFINE_list("lrs", ["1e-3", "3e-3", "1e-2"], "Adam/AdamW learning rates")
-flags.DEFINE_list("kfac", ["defaults", "series"], "K-FAC rows: defaults, series")
+flags.DEFINE_multi_string("kfac", ["label=defaults", "label=series recurrent=series"],
+                          "a K-FAC row, repeatable: space-separated key=value pairs "
+                          "(kfac_spec.py); recurrent=A gives the LSTM's kernels approximation A")
 flags.DEFINE_integer("eval_every", 50, "steps between held-out evaluations")
 flags.DEFINE_integer("eval_windows", 128, "held-out windows")
 flags.DEFINE_integer("norm_reps", 9, "interleaved rounds timing the norms")
@@ -60,15 +65,17 @@ def make_loss(model):
     return loss_fn
 
 
-def kfac_run(label, data, held_out, first_batch):
+def kfac_run(spec, data, held_out, first_batch):
+    label, options = kfac_spec.parse(spec)
     model = make_model(data.vocab_size)
     loss_fn = kg.auto_register(make_loss(model))
-    approximations = None
-    if label == "series":  # the layers used at every time step: the LSTM's kernels
+    approximations = options.get("approximations", {})
+    if "recurrent" in approximations:  # the layers used at every time step: the LSTM's kernels
+        chosen = approximations.pop("recurrent")
         reg = loss_fn.registration(*first_batch)
-        approximations = {l.name: "series" for l in reg.layers
-                          if l.kind == "dense" and l.uses > 1}
-    opt = kg.KFAC(loss_fn, approximations=approximations)
+        approximations.update({l.name: chosen for l in reg.layers
+                               if l.kind == "dense" and l.uses > 1})
+    opt = kg.KFAC(loss_fn, **options)
     return lm_race.Run(f"K-FAC {label}", "kfac", opt.step,
                        lm_race.evaluator(model, held_out),
                        FLAGS.kfac_steps)
@@ -91,7 +98,7 @@ def main(argv):
     batches = [tuple(tf.constant(t) for t in b)
                for b in data.batches(steps, FLAGS.batch, FLAGS.seed)]
     held_out = data.held_out_windows(FLAGS.eval_windows)
-    runs = [kfac_run(label, data, held_out, batches[0]) for label in FLAGS.kfac]
+    runs = [kfac_run(spec, data, held_out, batches[0]) for spec in FLAGS.kfac]
     runs += [adam_run(family, float(lr), data.vocab_size, held_out)
              for family in ("adam", "adamw") for lr in FLAGS.lrs]
     start = time.perf_counter()

@@ -8,8 +8,8 @@ per-token mean cross-entropy over ``[batch, 64]`` next-character targets on
 the help text of ``pydoc_data`` (``char_text.py``), last 10% held out;
 batch 32, float32.
 
-Rows: ``kg.KFAC`` for each ``--kfac`` entry (``label`` or
-``label:kind=approximation,...``, e.g. ``reduce:dense=kron_reduce``) and
+Rows: ``kg.KFAC`` for each ``--kfac`` spec (``kfac_spec.py``: e.g.
+``"label=reduce dense=kron_reduce"``, ``"label=regular momentum_type=regular"``) and
 AdamW (weight decay 0.01, linear warm-up over ``--warmup`` steps, cosine
 decay to 0 at ``--adam_steps``, as transformers are trained) at each
 learning rate of a grid. The target is the best AdamW run's held-out loss
@@ -18,7 +18,8 @@ loss after the same wall time as that AdamW run. The per-example gradient
 norms' cost over the batch gradient's is measured apart, side by side.
 
     python benchmarks/transformer_lm.py [--adam_steps 2000] [--kfac_steps 1000]
-        [--lrs 1e-3,3e-3,1e-2] [--kfac defaults] [--plot docs/transformer_lm.png]
+        [--lrs 1e-3,3e-3,1e-2] [--kfac "label=NAME key=value ..."]...
+        [--plot docs/transformer_lm.png]
 """
 import time
 
@@ -30,6 +31,7 @@ from absl import app, flags  # noqa: E402
 
 import kfac_graph as kg  # noqa: E402
 import char_transformer  # noqa: E402
+import kfac_spec  # noqa: E402
 import lm_race  # noqa: E402
 from char_text import CharText  # noqa: E402
 
@@ -46,7 +48,8 @@ flags.DEFINE_integer("blocks", 2, "transformer blocks")
 flags.DEFINE_bool("tied", True, "tie the LM head to the token embedding")
 flags.DEFINE_integer("warmup", 100, "AdamW warm-up steps")
 flags.DEFINE_list("lrs", ["1e-3", "3e-3", "1e-2"], "AdamW peak learning rates")
-flags.DEFINE_list("kfac", ["defaults"], "K-FAC rows: label[:kind=approximation,...]")
+flags.DEFINE_multi_string("kfac", ["label=defaults"], "a K-FAC row, repeatable: space-separated "
+                          "key=value pairs (kfac_spec.py)")
 flags.DEFINE_integer("eval_every", 50, "steps between held-out evaluations")
 flags.DEFINE_integer("eval_windows", 128, "held-out windows")
 flags.DEFINE_integer("norm_reps", 9, "interleaved rounds timing the norms")
@@ -66,17 +69,10 @@ def make_loss(model):
     return loss_fn
 
 
-def parse_kfac(spec):
-    """``label[:kind=approximation,...]`` -> (label, approximations or None)."""
-    label, _, rest = spec.partition(":")
-    pairs = [p.split("=", 1) for p in rest.split(",") if p]
-    return label, (dict(pairs) or None)
-
-
 def kfac_run(spec, vocab, held_out):
-    label, approximations = parse_kfac(spec)
+    label, options = kfac_spec.parse(spec)
     model = make_model(vocab)
-    opt = kg.KFAC(kg.auto_register(make_loss(model)), approximations=approximations)
+    opt = kg.KFAC(kg.auto_register(make_loss(model)), **options)
     return lm_race.Run(f"K-FAC {label}", "kfac", opt.step,
                        lm_race.evaluator(model, held_out),
                        FLAGS.kfac_steps)

@@ -102,11 +102,13 @@ DEFAULT = pe.default_registry()
 
 def one_example_loop(loss_fn, args, variables):
     """Per variable ``[B, *shape]``: the gradient of ``loss_fn`` on each batch
-    of one ``args[i:i+1]`` (zeros where the loss does not reach a variable)."""
+    of one ``args[i:i+1]`` (``args`` may nest; zeros where the loss does not
+    reach a variable)."""
     out = []
-    for i in range(int(args[0].shape[0])):
+    for i in range(int(tf.nest.flatten(args)[0].shape[0])):
+        one = tf.nest.map_structure(lambda a: a[i:i + 1], tuple(args))
         with tf.GradientTape() as tape:
-            loss = loss_fn(*[a[i:i + 1] for a in args])
+            loss = loss_fn(*one)
         grads = tape.gradient(loss, list(variables))
         out.append([tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                     for g, v in zip(grads, variables)])

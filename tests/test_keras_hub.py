@@ -22,6 +22,7 @@ import tensorflow as tf
 
 import kfac_graph as kg
 from fisher_reference import brute_fisher
+from per_example_reference import one_example_loop
 
 B, T, V, C = 3, 5, 40, 4
 
@@ -81,19 +82,10 @@ def _model(family, dtype="float32", tied=False):
     return loss_fn, (x, y), backbone
 
 
-def _loop(loss_fn, variables, args):
-    out = []
-    for i in range(B):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(*[a[i:i + 1] for a in args])
-        out.append([tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)])
-    return [np.stack([o[j] for o in out]) for j in range(len(variables))]
-
-
 def _assert_matches_loop(loss_fn, args, rtol, atol):
     reg = loss_fn.registration(*args)
     got = kg.per_example_gradients(loss_fn, *args)
-    want = _loop(loss_fn, reg.variables, args)
+    want = one_example_loop(loss_fn, args, reg.variables)
     for v, g, w in zip(reg.variables, got, want):
         assert g.shape == (B, *v.shape), v.name
         np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=v.name)

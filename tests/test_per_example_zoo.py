@@ -6,6 +6,7 @@ import tensorflow as tf
 
 import kfac_graph as kg
 import zoo
+from per_example_reference import one_example_loop
 
 # Cases where "example i's own gradient" differs from the one-example loop:
 # batch norm in training mode couples the examples through the batch
@@ -15,18 +16,6 @@ COUPLED = {"batchnorm_training": "batch statistics couple the examples",
 CASES = [c for c in zoo.CASES if c.name not in COUPLED]
 JIT_CASES = {"seq_mlp", "conv_stride2", "depthwise", "embedding", "tied_transpose_b",
              "rnn_unrolled", "generic_sin", "dense_sequence"}
-
-
-def _loop(loss_fn, args, variables):
-    batch = int(tf.nest.flatten(args)[0].shape[0])
-    out = []
-    for i in range(batch):
-        one = tf.nest.map_structure(lambda a: a[i:i + 1], args)
-        with tf.GradientTape() as tape:
-            loss = loss_fn(*one)
-        grads = tape.gradient(loss, list(variables))
-        out.append([tf.convert_to_tensor(g) for g in grads])
-    return [tf.stack(parts) for parts in zip(*out)]
 
 
 def _tolerance(case):
@@ -40,7 +29,7 @@ def test_per_example_gradients_equal_a_loop(case):
     args = built.args
     reg = fn.registration(*args)
     got = kg.per_example_gradients(fn, *args)
-    want = _loop(built.loss_fn, args, reg.variables)
+    want = one_example_loop(built.loss_fn, args, reg.variables)
     rtol = _tolerance(case)
     assert len(got) == len(reg.variables)
     for g, w, v in zip(got, want, reg.variables):
@@ -85,7 +74,7 @@ def test_batch_of_one_and_odd(name, batch):
     args = built.make_args(batch)
     reg = fn.registration(*args)
     got = kg.per_example_gradients(fn, *args)
-    for g, w in zip(got, _loop(built.loss_fn, args, reg.variables)):
+    for g, w in zip(got, one_example_loop(built.loss_fn, args, reg.variables)):
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-6)
 
 
@@ -110,7 +99,7 @@ def test_float64_matches_to_1e6():
     assert [layer.kind for layer in reg.layers] == ["conv2d", "depthwise_conv2d",
                                                      "scale_and_shift", "dense"]
     got = kg.per_example_gradients(fn, x, y)
-    for g, want in zip(got, _loop(loss_fn, (x, y), reg.variables)):
+    for g, want in zip(got, one_example_loop(loss_fn, (x, y), reg.variables)):
         np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-10)
 
 
@@ -126,5 +115,5 @@ def test_nchw_bias_is_per_channel():
     fn = kg.auto_register(loss_fn)
     reg = fn.registration(x)
     got = kg.per_example_gradients(fn, x)
-    for g, want in zip(got, _loop(loss_fn, (x,), reg.variables)):
+    for g, want in zip(got, one_example_loop(loss_fn, (x,), reg.variables)):
         np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-10)

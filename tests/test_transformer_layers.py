@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import kfac_graph as kg
 from fisher_reference import brute_fisher
+from per_example_reference import one_example_loop
 from passes.patterns_multiaxis import einsum_dense_axes
 
 B, T, D, V, C = 3, 4, 8, 11, 5
@@ -65,20 +66,10 @@ def _encoder(position="embedding"):
     return model, _loss(model), (x, y)
 
 
-def _loop(loss_fn, variables, args):
-    """Each example's gradient, one GradientTape per example."""
-    out = []
-    for i in range(B):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(*[a[i:i + 1] for a in args])
-        out.append([tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)])
-    return [np.stack([o[j] for o in out]) for j in range(len(variables))]
-
-
 def _assert_matches_loop(loss_fn, args):
     reg = loss_fn.registration(*args)
     got = kg.per_example_gradients(loss_fn, *args)
-    want = _loop(loss_fn, reg.variables, args)
+    want = one_example_loop(loss_fn, args, reg.variables)
     for v, g, w in zip(reg.variables, got, want):
         assert g.shape == (B, *v.shape)
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12, err_msg=v.name)

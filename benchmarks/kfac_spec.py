@@ -1,0 +1,37 @@
+"""One K-FAC run from the command line, shared by the benchmarks that race
+K-FAC settings (``convergence.py``, ``recurrent_lm.py``,
+``transformer_lm.py``).
+
+A spec is space-separated ``key=value`` pairs: ``label=NAME`` names the row;
+a key that is a ``kg.KFAC`` option sets it (``momentum_type=regular
+cov_update_period=5``); any other key is a layer kind or layer name given an
+approximation (``dense=kron_reduce``), passed as ``approximations``. Values
+are read as Python literals where they are one (``5``, ``1e-3``, ``False``)
+and kept as strings otherwise. ``""`` is the defaults.
+"""
+import ast
+
+import kfac_graph as kg
+
+
+def parse(spec: str, default_label: str = "defaults"):
+    """``spec`` -> ``(label, options for kg.KFAC)``."""
+    label, options, approximations = default_label, {}, {}
+    for item in spec.split():
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"K-FAC spec {spec!r}: {item!r} is not key=value")
+        if key == "label":
+            label = value
+            continue
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            pass
+        if key in kg.KFAC.OPTIONS:
+            options[key] = value
+        else:
+            approximations[key] = value
+    if approximations:
+        options["approximations"] = approximations
+    return label, options
