@@ -35,6 +35,7 @@ from kfac_graph.fisher.blocks_reduce import (
 )
 from kfac_graph.fisher.blocks_series import FullyConnectedSeriesBlock
 from kfac_graph.fisher.blocks_compose import PartsBlock, TransposedKernelBlock
+from kfac_graph.fisher.blocks_tied import TiedEmbeddingKroneckerBlock
 from kfac_graph.fisher.blocks_conv_transpose import (
     ConvTransposeKroneckerBlock,
     ConvTransposeDiagonalBlock,

@@ -13,10 +13,13 @@ one of the aliases its kind's record allows (``LayerKind.blocks``); today:
     depthwise_conv2d  DepthwiseConvKronecker   DepthwiseConvDiagonal   NaiveFull
     scale_and_shift   -                        ScaleAndShiftDiagonal   ScaleAndShiftFull
     embedding         EmbeddingKronecker       NaiveDiagonal           NaiveFull
-    tied_embedding    -                        NaiveDiagonal           NaiveFull
+    tied_embedding    TiedEmbeddingKronecker   NaiveDiagonal           NaiveFull
     generic           -                        NaiveDiagonal           NaiveFull
 
-plus ``"series"`` (dense: ``FullyConnectedSeriesBlock``, option 2),
+(``TiedEmbeddingKronecker``: ``R_L diag(p) (x) G_L + R_P Q (x) H``, the
+lookups' and the projections' Kronecker terms summed, their cross terms
+dropped, the damped sum inverted exactly; ``blocks_tied.py``) plus
+``"series"`` (dense: ``FullyConnectedSeriesBlock``, option 2),
 ``"auto"`` (scale_and_shift: full up to 1024 parameters, else diagonal),
 and, for dense, conv2d, conv3d and depthwise_conv2d layers applied at
 several positions per example, ``"kron_reduce"`` (K-FAC-reduce:
@@ -28,6 +31,11 @@ several positions per example, ``"kron_reduce"`` (K-FAC-reduce:
 ``DEFAULT_MAX_FACTOR_SIZE``) goes to every factory that takes it (each
 block class does): a Kronecker factor wider than it keeps only its
 diagonal; the estimator's ``summary()`` (``report.py``) says which did.
+
+Per-use information reaches a factory through ``attrs`` (``block_attrs``):
+the layer's own attributes, and for a tied embedding ``"tied_roles"``, every
+use's role (``"lookup"`` or ``"projection"``) in use order, the order of the
+``(a, g)`` pairs the block is fed.
 
 Layouts the blocks do not assume, adapted here so that every block's
 vectors and ``full_matrix`` follow the variables' own row-major layout:
@@ -103,6 +111,14 @@ def _takes(factory, option) -> bool:
     return any(p.name == option or p.kind == p.VAR_KEYWORD for p in params)
 
 
+def block_attrs(layer) -> dict:
+    """The ``attrs`` a block factory gets for ``layer`` (module docstring)."""
+    attrs = dict(layer.attrs)
+    if layer.kind == "tied_embedding":
+        attrs["tied_roles"] = tuple(a.get("tied_role") for a in layer.use_attrs)
+    return attrs
+
+
 def make_layer_block(layer, approximations=None, max_factor_size=None,
                      **options) -> blocks_base.FisherBlock:
     """The block for ``layer``; ``options`` go to the factory (damping,
@@ -113,7 +129,7 @@ def make_layer_block(layer, approximations=None, max_factor_size=None,
         options["max_factor_size"] = max_factor_size
     overrides = {layer.kind: factory} if factory is not None else None
     shapes = [tuple(int(d) for d in v.shape) for v in layer.variables]
-    attrs = dict(layer.attrs)
+    attrs = block_attrs(layer)
     make = lambda kind, s, o: defaults.make_block(kind, s, attrs, num_uses=layer.uses,
                                                 overrides=o, **options)
     orientation = kernel_orientation(layer)

@@ -16,7 +16,10 @@ default alias; today's defaults:
                                      diagonal above
   embedding                        -> EmbeddingKroneckerBlock
   tied_embedding                   -> NaiveDiagonalBlock (per-example grads;
-                                     the exact diagonal of the tied table)
+                                     the exact diagonal of the tied table);
+                                     "kron": TiedEmbeddingKroneckerBlock
+                                     (lookup and projection Kronecker terms
+                                     summed, inverted exactly; blocks_tied.py)
   generic                          -> NaiveDiagonalBlock (per-example grads)
 
 Layers at several positions "expand" by default (`positions.py`); dense,
@@ -34,6 +37,7 @@ from kfac_graph.fisher import blocks_full
 from kfac_graph.fisher import blocks_kron
 from kfac_graph.fisher import blocks_reduce
 from kfac_graph.fisher import blocks_series
+from kfac_graph.fisher import blocks_tied
 
 SCALE_AND_SHIFT_FULL_MAX_PARAMS = 1024
 
@@ -60,7 +64,8 @@ BLOCK_FACTORIES = types.MappingProxyType({
         blocks_full.ScaleAndShiftFullBlock, blocks_full.ScaleAndShiftDiagonalBlock,
         blocks_full.NaiveFullBlock, blocks_full.NaiveDiagonalBlock, scale_and_shift_block,
         blocks_conv_transpose.ConvTransposeKroneckerBlock,
-        blocks_conv_transpose.ConvTransposeDiagonalBlock)
+        blocks_conv_transpose.ConvTransposeDiagonalBlock,
+        blocks_tied.TiedEmbeddingKroneckerBlock)
 })
 
 

@@ -25,7 +25,8 @@ import tensorflow as tf
 
 def factors_of(block):
     """``[(label, factor)]``: the covariance factors a block keeps (a
-    ``PartsBlock``'s labelled by part, a wrapper's those of the block inside)."""
+    ``PartsBlock``'s labelled by part, a wrapper's those of the block inside,
+    a block with several named factors its ``named_factors()``)."""
     inner = getattr(block, "block", None)
     if inner is not None:
         return factors_of(inner)
@@ -33,6 +34,9 @@ def factors_of(block):
     if parts is not None:
         return [(f"{part.name}_{label}", factor) for part in parts
                 for label, factor in factors_of(part)]
+    named = getattr(block, "named_factors", None)
+    if named is not None:
+        return list(named())
     out = []
     for label in ("input_factor", "output_factor", "factor"):
         factor = getattr(block, label, None)

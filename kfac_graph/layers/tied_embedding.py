@@ -31,10 +31,14 @@ rule's per-example gradients (``NaiveDiagonalBlock``, ``NaiveFullBlock``):
 the full block is the exact Fisher of the table, cross terms between the
 lookup and the projection included; the diagonal block is its exact
 diagonal, and its only approximation is dropping the off-diagonal entries.
-No Kronecker block: the lookup's factors (id frequencies ``[V]`` by ``g``
-covariance ``[D, D]``) and the projection's (``q`` covariance ``[V, V]`` by
-``h`` covariance ``[D, D]``) are over the same two spaces, but their sum
-is not a Kronecker product.
+Both cost ``B V D`` numbers per step. ``"kron"``
+(``TiedEmbeddingKroneckerBlock``, ``fisher/blocks_tied.py``) is fed the
+uses' ``(ids, g)`` and ``(h, q)`` pairs instead: the lookups' factors (id
+frequencies ``[V]`` by ``g`` covariance ``[D, D]``) and the projections'
+(``q`` covariance ``[V, V]``, its diagonal for a wide vocabulary, by ``h``
+covariance ``[D, D]``) are over the same two spaces; their sum is no
+Kronecker product, but the damped sum is inverted exactly by simultaneous
+diagonalisation. It drops the lookup-projection cross terms.
 """
 from __future__ import annotations
 
@@ -135,7 +139,8 @@ KIND = LayerKind(
     rule=TiedEmbeddingRule(),
     spec=spec,
     operands=operands,
-    blocks={"diagonal": "NaiveDiagonalBlock", "full": "NaiveFullBlock"},
+    blocks={"kron": "TiedEmbeddingKroneckerBlock", "diagonal": "NaiveDiagonalBlock",
+            "full": "NaiveFullBlock"},
     default_block="diagonal",
     colour="peachpuff",
 )
