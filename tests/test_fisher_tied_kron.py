@@ -181,3 +181,75 @@ def test_a_layer_without_both_roles_is_a_one_line_error_naming_it(roles):
         block_choice.make_layer_block(layer, {"tied_embedding": "kron"},
                                       name=f"block_0_{layer.name}")
     assert "\n" not in str(err.value) and "lookup and projection" in str(err.value)
+
+
+class _TiedHead(keras.layers.Layer):
+    """Logits ``h E^T`` from the token embedding's table ``E``."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
+
+
+def _tied_lm(vocab=11, seq=6, width=8, batch=8):
+    """A tiny tied language model: ids ``[B, T]`` -> embedding -> a tanh
+    Dense -> LayerNorm -> ``h E^T``, per-token cross-entropy on shifted ids."""
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((seq,), dtype="int32")
+    tokens = keras.layers.Embedding(vocab, width)
+    h = keras.layers.Dense(width, activation="tanh")(tokens(ids))
+    logits = _TiedHead(tokens)(keras.layers.LayerNormalization()(h))
+    model = keras.Model(ids, logits)
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+    rng = np.random.default_rng(3)
+    text = (np.arange(batch * (seq + 1)).reshape(batch, seq + 1) * 3 + rng.integers(
+        0, 2, size=(batch, 1))) % vocab
+    return loss_fn, (tf.constant(text[:, :-1], tf.int32), tf.constant(text[:, 1:], tf.int32))
+
+
+def test_estimator_runs_the_block_and_reports_its_factors():
+    loss_fn, args = _tied_lm()
+    est = kg.FisherEstimator(loss_fn, approximations={"tied_embedding": "kron"},
+                             max_factor_size=8)
+    est.update(*args)
+    est.update_inverses()
+    table = loss_fn.registration(*args).layers[0]
+    assert table.kind == "tied_embedding"
+    block = est.blocks[0]
+    assert isinstance(block, fisher.TiedEmbeddingKroneckerBlock)
+    assert block.roles == ("lookup", "projection")
+    assert not bool(block.inverses_stale())
+    vs = [tf.ones_like(v) for v in table.variables]
+    assert np.all(np.isfinite(block.multiply_inverse(vs)[0].numpy()))
+    row = est.memory()["layers"][0]
+    assert row["block"] == "TiedEmbeddingKroneckerBlock" and row["positions"] == "expand"
+    assert [(f["label"], f["dim"], f["layout"]) for f in row["factors"]] == [
+        ("lookup ids", 11, "diagonal"), ("lookup grads", 8, "full"),
+        ("projection inputs", 8, "full"), ("projection grads", 11, "diagonal (wide)")]
+    # cached: K_a [V] and s_a [V] (Q wide), K_b [D, D], s_b [D], the damping
+    assert row["inverses_bytes"] == 8 * (11 + 11 + 64 + 8 + 1)
+    text = est.summary()
+    assert "TiedEmbeddingKroneckerBlock" in text and "projection grads 11 diagonal (wide)" in text
+    assert report.factors_of(block)[0][0] == "lookup ids"
+
+
+@pytest.mark.parametrize("momentum_type", ["qmodel", "regular"])
+def test_kfac_trains_the_tied_model_with_the_block(momentum_type):
+    """``kg.KFAC`` with its defaults (and regular momentum) lowers the loss in
+    20 steps with no skipped step."""
+    loss_fn, args = _tied_lm()
+    opt = kg.KFAC(loss_fn, approximations={"tied_embedding": "kron"},
+                  momentum_type=momentum_type)
+    losses = [float(opt.step(*args)) for _ in range(20)]
+    assert isinstance(opt.estimator.blocks[0], fisher.TiedEmbeddingKroneckerBlock)
+    assert all(np.isfinite(losses)) and int(opt.skipped_steps) == 0, losses
+    assert losses[-1] < 0.5 * losses[0], losses
