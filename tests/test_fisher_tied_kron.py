@@ -17,6 +17,7 @@ import kfac_graph as kg
 from fisher_reference import F64, brute_fisher, cov, operator_matrix
 from kfac_graph import fisher
 from kfac_graph.fisher import block_choice, report
+from kfac_graph.optimizer import costs
 
 V, D, LAM = 5, 3, 0.3
 ROLES = ("lookup", "projection", "lookup")
@@ -240,6 +241,9 @@ def test_estimator_runs_the_block_and_reports_its_factors():
     text = est.summary()
     assert "TiedEmbeddingKroneckerBlock" in text and "projection grads 11 diagonal (wide)" in text
     assert report.factors_of(block)[0][0] == "lookup ids"
+    # counted costs (optimizer/costs.py), V 11 (both V factors diagonal), D 8:
+    # statistics rows (11 + 64 + 64 + 11), products 2 (V D + V D^2), eigh 4 (V + 2 D^3)
+    assert costs._block_costs(block, 10.0, 8, 1) == (1500.0, 1584.0, 4140.0)
 
 
 @pytest.mark.parametrize("momentum_type", ["qmodel", "regular"])

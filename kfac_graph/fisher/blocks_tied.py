@@ -108,6 +108,12 @@ class TiedEmbeddingKroneckerBlock(blocks_base.FisherBlock):
                 ("projection inputs", self.projection_inputs),
                 ("projection grads", self.projection_grads)]
 
+    def kronecker_terms(self):
+        """``[(V-side factor, D-side factor)]`` of the two terms (the step's
+        cost count, ``optimizer/costs.py``)."""
+        return [(self.lookup_ids, self.lookup_grads),
+                (self.projection_grads, self.projection_inputs)]
+
     def _init_inverses(self):
         """Cached basis: the identity, made for damping -1 (stale until refreshed)."""
         def cache(dim, diagonal, name):

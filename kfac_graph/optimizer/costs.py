@@ -20,6 +20,15 @@ and ``C`` the output's last axis (channels last):
   triangular inverse), ``d`` diagonal; ``4 n^3`` for a full block's
   eigendecomposition, ``n`` diagonal.
 
+A block that sums Kronecker terms over the same two sides and inverts the
+sum jointly (``kronecker_terms()``: ``[(left, right)]`` factor pairs, a tied
+embedding's ``[V]``/``[V, V]`` by ``[D, D]``): statistics ``rows * S *
+sum(side(f))`` over all its factors (each counted on all the layer's rows:
+a bound), preconditioning two products per side, ``2 (side_L d_R + d_L
+side_R)`` (a side is diagonal only if all its factors are), and a refresh
+``4 (cube_L + 2 cube_R)`` (the eigendecompositions of the simultaneous
+diagonalisation).
+
 The step (``step_multiply_adds``): ``3 F`` + statistics / cov period +
 preconditioning + inverses / inverse period, plus the quadratic model's two
 exact Fisher-vector products (``2 * 4 F``: a double backward each) or two
@@ -118,6 +127,9 @@ def _block_costs(block, rows, batch, sources):
     if parts is not None:
         totals = [_block_costs(p, rows, batch, sources) for p in parts]
         return tuple(float(sum(t[i] for t in totals)) for i in range(3))
+    terms = getattr(block, "kronecker_terms", None)
+    if terms is not None:
+        return _kron_sum_costs(terms(), rows, sources)
     kron = _factors(block)
     if kron is not None:
         a, g = kron
@@ -133,6 +145,24 @@ def _block_costs(block, rows, batch, sources):
     if factor is not None and getattr(factor, "diagonal", False):
         return batch * n * sources, n, n
     return batch * n * n * sources, n * n, EIGEN_FACTOR * n ** 3
+
+
+def _kron_sum_costs(terms, rows, sources):
+    """``(statistics, precondition, inverse)`` of a jointly inverted sum of
+    Kronecker terms (module docstring)."""
+    side = lambda f: f.dim if f.diagonal else f.dim ** 2  # noqa: E731
+    stats = rows * sources * sum(side(f) for pair in terms for f in pair)
+    dims, sides, cubes = [], [], []
+    for k in range(2):
+        factors = [pair[k] for pair in terms]
+        diagonal = all(f.diagonal for f in factors)
+        dim = factors[0].dim
+        dims.append(dim)
+        sides.append(dim if diagonal else dim ** 2)
+        cubes.append(dim if diagonal else dim ** 3)
+    pre = 2 * (sides[0] * dims[1] + dims[0] * sides[1])
+    inv = EIGEN_FACTOR * (cubes[0] + 2 * cubes[1])
+    return float(stats), float(pre), float(inv)
 
 
 def step_multiply_adds(costs, cov_period: int, inverse_period: int,
