@@ -217,19 +217,22 @@ def _static_output_size(g, m) -> bool:
     return None not in spatial
 
 
-def _ungrouped_3d(g, m) -> bool:
-    """A Conv3D whose kernel reads every input channel (TF's CPU Conv3D has no
-    groups) and whose input has a static spatial size (the patches need it)."""
+def _static_3d(g, m) -> bool:
+    """A Conv3D whose input has a static spatial size (the patches need it)
+    and whose kernel reads its channels or a whole share of them (grouped:
+    ``Cin = G * cg``; the graph that is run has it per group, see
+    ``passes.grouped_conv3d``)."""
     x = ir.shape_of(g, g.nodes[m["op"]]["raw_inputs"][0])
     fmt = g.nodes[m["op"]]["attrs"].get("data_format", "NDHWC")
-    if x is None or len(x) != 5:
+    kernel = var_shape(g, m["w"])
+    if x is None or len(x) != 5 or len(kernel) != 5:
         return False
     channels, spatial = (x[1], x[2:]) if fmt.startswith("NC") else (x[-1], x[1:4])
-    return channels == var_shape(g, m["w"])[3] and None not in spatial
+    return channels is not None and channels % kernel[3] == 0 and None not in spatial
 
 
 CONV2D_BIAS, CONV2D = _conv("conv2d", ("Conv2D",), "conv2d")
-CONV3D_BIAS, CONV3D = _conv("conv3d", ("Conv3D",), "conv3d", check=_ungrouped_3d)
+CONV3D_BIAS, CONV3D = _conv("conv3d", ("Conv3D",), "conv3d", check=_static_3d)
 DEPTHWISE_BIAS, DEPTHWISE = _conv("depthwise_conv2d", ("DepthwiseConv2dNative",), "depthwise_conv2d")
 # Conv2DTranspose (and Conv1DTranspose on a unit axis): the input gradient of
 # a forward convolution, Conv2DBackpropInput(input_sizes, filter, out_backprop=x).

@@ -5,7 +5,9 @@ is static (``passes.unroll``, at most ``max_loop_iterations`` each), imports
 the traced graph into the IR, marks where it computes in a narrower float
 than its inputs (precision), canonicalizes it, reads static slices of
 variables as parts of them (variable_parts), matches layers and the loss,
-and records how long each pass took (``timings``, seconds).
+and records how long each pass took (``timings``, seconds). The graph the
+runtime re-imports has each grouped Conv3D written per group
+(``passes.grouped_conv3d``: TensorFlow's CPU Conv3D has no groups).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import networkx as nx
 from passes import frontends
 from passes.canonicalize import canonicalize
 from passes.errors import TraceError
+from passes.grouped_conv3d import split_grouped_conv3d
 from passes.match_layers import LayerMatch, match_layers
 from passes.match_loss import LossMatch, match_loss
 from passes.precision import mark_narrowing
@@ -57,4 +60,7 @@ def run(traced: frontends.Traced, loss: str | None = None,
     start = time.perf_counter()
     loss_match = match_loss(g, loss)
     timings["match_loss"] = time.perf_counter() - start
+    graph_def = split_grouped_conv3d(traced.graph_def, g)
+    if graph_def is not traced.graph_def:
+        traced = dataclasses.replace(traced, graph_def=graph_def)
     return PassResult(traced, g, layers, loss_match, timings)

@@ -213,7 +213,7 @@ def input_rows(a, spec):
     rows = tf.reshape(patches, [-1, patches.shape[-1]])
     if spec.groups == 1:
         return rows
-    return cg.group_features(rows, spec.kernel_shape[2] * spec.groups, spec.groups)
+    return cg.group_features(rows, spec.kernel_shape[-2] * spec.groups, spec.groups)
 
 
 def output_rows(g, spec):

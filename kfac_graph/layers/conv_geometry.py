@@ -266,7 +266,7 @@ def nhwc_use(a, g, spec):
     channels = spec.kernel_shape[-2] * spec.groups
     if a.shape[-1] is not None and a.shape[-1] != channels:
         raise ValueError(f"the input has {a.shape[-1]} channels; the kernel reads {channels} "
-                         f"({spec.groups} group(s) of {spec.kernel_shape[2]})")
+                         f"({spec.groups} group(s) of {spec.kernel_shape[-2]})")
     if tuple(g.shape[1:-1]) != geo.out_size:
         raise ValueError(
             f"g spatial shape {g.shape[1:-1]} does not match the convolution's output "
