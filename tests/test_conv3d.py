@@ -8,6 +8,8 @@ References, all independent of the code under test (float64):
   gradients of the model, `kg.verify` in exact mode, and three K-FAC steps;
 - the Kronecker block's factors against 3-D patches cut by hand in numpy,
   its full matrix against T (A (x) G).
+
+Grouped Conv3D (`Conv3D(groups=G)`): tests/test_grouped_conv3d.py.
 """
 import hypothesis
 from hypothesis import strategies as st
@@ -155,19 +157,6 @@ def test_keras_verifies_and_trains():
     losses = [float(opt.step(*args)) for _ in range(3)]
     assert all(np.isfinite(losses)) and int(opt.skipped_steps) == 0
     assert losses[-1] < losses[0]
-
-
-def test_grouped_conv3d_is_not_registered():
-    """TF's CPU Conv3D has no groups: a grouped Conv3D op stays generic."""
-    w = tf.Variable(tf.zeros([2, 2, 2, 1, 4], F64))
-
-    @kg.auto_register
-    def loss_fn(x):
-        y = tf.raw_ops.Conv3D(input=x, filter=w, strides=[1] * 5, padding="SAME")
-        return tf.reduce_mean(tf.square(y))
-
-    reg = loss_fn.registration(tf.zeros([2, 3, 3, 3, 2], F64))
-    assert [layer.kind for layer in reg.layers] == ["generic"]
 
 
 # -- the Kronecker block against numpy patches --------------------------------------

@@ -340,3 +340,29 @@ def test_full_and_diagonal_blocks_match_brute_force_fisher(float64):
         est = kg.FisherEstimator(fn, estimation_mode="exact", approximations={"conv3d": mode})
         est.update(x, y)
         np.testing.assert_allclose(est.blocks[0].full_matrix(), expect, rtol=RTOL, atol=1e-12)
+
+
+def test_a_dynamic_depth_stays_generic_and_its_rule_is_exact():
+    """A grouped Conv3D whose depth and height are known only at run time has
+    no patch geometry: it stays generic, and the generic rule (on the graph with the
+    Conv3D per group) matches one-example gradients of the split reference."""
+    rng = np.random.default_rng(2)
+    w = tf.Variable(rng.normal(size=(2, 2, 2, 2, 4)))
+    x = tf.constant(rng.normal(size=(3, 3, 3, 3, 4)))
+
+    def depth_at_run_time(x):  # tf.where's size is data-dependent
+        d = tf.shape(tf.where(tf.reshape(x[0, :, 0, 0, 0], [-1]) > -1e30))[0]
+        return tf.reshape(x, tf.stack([tf.shape(x)[0], d, d, 3, 4]))  # two unknown axes
+
+    def loss(conv):
+        def loss_fn(x):
+            y = conv(depth_at_run_time(x))
+            return tf.reduce_mean(tf.reduce_sum(tf.square(y), [1, 2, 3, 4]))
+        return loss_fn
+
+    fn = kg.auto_register(loss(lambda x: tf.raw_ops.Conv3D(input=x, filter=w, strides=[1] * 5,
+                                                           padding="SAME")))
+    reg = fn.registration(x)
+    assert [layer.kind for layer in reg.layers] == ["generic"]
+    want = one_example_loop(loss(lambda x: split_conv3d(2, size=3)(x, w)), (x,), [w])
+    assert_close(kg.per_example_gradients(fn, x)[0].numpy(), want[0].numpy(), RTOL)
