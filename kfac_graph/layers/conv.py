@@ -208,7 +208,8 @@ def input_rows(a, spec):
     """The A factor's rows: the input patch at every output location,
     `[N, kh*kw*Cin]` in the flattened kernel's `(p, q, c)` order (3-D:
     `[N, kd*kh*kw*Cin]`, `(r, p, q, c)`); grouped,
-    each group's patch, `[N, G, kh*kw*cg]`."""
+    each group's patch, `[N, G, kh*kw*cg]` (3-D: `[N, G, kd*kh*kw*cg]`; cg
+    is the kernel's last-but-one axis in either rank)."""
     patches = cg.extract_patches(a, spec)
     rows = tf.reshape(patches, [-1, patches.shape[-1]])
     if spec.groups == 1:

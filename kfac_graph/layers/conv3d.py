@@ -5,8 +5,8 @@ axes.
 A `Conv3D` op (input NDHWC or NCDHW, kernel `[kd, kh, kw, Cin, Cout]`, bias
 `[Cout]`) is the conv kind's math with one more spatial axis: its spec is
 `conv.ConvSpec` read from 5-lists (`ConvAttrs.rank` 3), the rule is
-`conv.ConvRule` (kernels "taps", "gather", "im2col"; "grouped" is 2-D
-only), and its Kronecker factors are KFC's over the `T = Do*Ho*Wo` output
+`conv.ConvRule` (kernels "taps", "gather", "im2col"; "grouped", a 2-D
+filter-gradient op, is not one of them), and its Kronecker factors are KFC's over the `T = Do*Ho*Wo` output
 locations: A from the `kd*kh*kw*Cin` (+1) input patches (`conv.input_rows`),
 G from the `Cout` output gradients (`conv.output_rows`):
 
@@ -14,9 +14,22 @@ G from the `Cout` output gradients (`conv.output_rows`):
     F_kernel ~= T (A (x) G)
 
 So it shares the conv kind's blocks ("kron": `ConvKroneckerBlock`,
-"diagonal": `ConvDiagonalBlock`, "full"). Grouped `Conv3D` is not
-registered (TensorFlow's CPU Conv3D has no groups; the pass leaves it
-generic).
+"kron_reduce": `ConvKroneckerReduceBlock`, "diagonal": `ConvDiagonalBlock`,
+"full").
+
+Grouped `Conv3D` (Keras `Conv3D(groups=G)`: kernel `[kd, kh, kw, cg, Cout]`
+on `Cin = G*cg` channels, `og = Cout/G`; `spec.groups` from
+`input_channels`) is G such layers side by side, as a grouped Conv2D:
+
+    dW_i[r, p, q, c, j*og + o] = sum_{uses} sum_{z,y,x} tap_{r,p,q}(a_i)[z, y, x, j*cg + c]
+                                                       g_i[z, y, x, j*og + o]
+    F_kernel ~= blockdiag_j T (A_j (x) G_j)
+
+(the rule's "taps", "gather" and "im2col" kernels through
+`conv.groups_as_examples`; the blocks per group). TensorFlow's CPU Conv3D
+has no groups, forward or backward (Keras compiles a grouped one with XLA),
+so the graph the runtime re-runs has each grouped Conv3D written as G
+ungrouped ones on channel slices (`passes.grouped_conv3d`).
 
 "conv3d_transpose" is `conv_transpose`'s kind the same way: the forward
 convolution's geometry from 5-lists, its rule (the conv rule on `(dy, x)`)
