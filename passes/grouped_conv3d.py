@@ -1,5 +1,5 @@
-"""A grouped `Conv3D` in the graph that is run: G ungrouped `Conv3D`s on
-channel slices.
+"""A grouped or channels-first `Conv3D` in the graph that is run: G
+ungrouped channels-last `Conv3D`s on channel slices.
 
 TensorFlow's CPU `Conv3D` kernel has no groups ("input and filter must have
 the same depth"); Keras runs its `Conv3D(groups=G)` by compiling the op with
@@ -10,16 +10,20 @@ written as the same convolution per group,
 
     y = concat_j Conv3D(x[..., j*cg:(j+1)*cg], W[..., j*og:(j+1)*og])
 
-(channel axis 1 for NCDHW), which the CPU runs forward and differentiates to
-any order (its gradients are TensorFlow's own `Conv3D` gradients), and XLA
-compiles too. The same multiply-adds as the grouped op; each output channel
-sums the same products, so the result is exact. The concatenation keeps the
-`Conv3D` node's name, so every tensor the registration names still exists.
+which the CPU runs forward and differentiates to any order (its gradients
+are TensorFlow's own `Conv3D` gradients), and XLA compiles too. The same
+multiply-adds as the grouped op; each output channel sums the same
+products, so the result is exact. Channels-first (NCDHW, which Keras also
+compiles with XLA, and the CPU runs only in float32) is transposed to NDHWC
+around the convolutions (G = 1 included), so it runs in every dtype. The
+last node keeps the `Conv3D` node's name, so every tensor the registration
+names still exists.
 
 Contract: ``split_grouped_conv3d(graph_def, g) -> graph_def``: ``g`` is the
 IR of ``graph_def`` (its static shapes say which `Conv3D` is grouped); the
 returned GraphDef is a new proto (the input is left as it is); a grouped
-`Conv3D` whose channel counts are not static is left unchanged.
+`Conv3D` whose channel counts are not static is left unchanged (and fails
+where TensorFlow's kernel does).
 """
 from __future__ import annotations
 
@@ -46,6 +50,10 @@ def _groups(g, node) -> int:
     return channels // per_group
 
 
+def _channels_first(node) -> bool:
+    return "data_format" in node.attr and node.attr["data_format"].s.decode().startswith("NC")
+
+
 def _const_int(name, value):
     node = tf.compat.v1.NodeDef(name=name, op="Const")
     node.attr["dtype"].type = tf.int32.as_datatype_enum
@@ -53,62 +61,85 @@ def _const_int(name, value):
     return node
 
 
-def _split(name, axis, value, groups, dtype_attr):
-    node = tf.compat.v1.NodeDef(name=name, op="Split", input=[axis, value])
-    node.attr["num_split"].i = groups
+def _op(name, op, inputs, dtype_attr, device, **ints):
+    node = tf.compat.v1.NodeDef(name=name, op=op, input=inputs, device=device)
     node.attr["T"].CopyFrom(dtype_attr)
+    for key, value in ints.items():
+        if key in ("Tidx", "Tperm"):
+            node.attr[key].type = tf.int32.as_datatype_enum
+        else:
+            node.attr[key].i = value
     return node
 
 
 def _rewrite(node, groups, names):
-    """The nodes that replace grouped `Conv3D` ``node`` (module docstring)."""
+    """The nodes that replace `Conv3D` ``node`` (module docstring); the last
+    one takes its name."""
     base = f"{node.name}/{_PREFIX}"
     while any(n.startswith(base) for n in names):
         base += "_"
+    dtype, device = node.attr["T"], node.device
     x, w = node.input[0], node.input[1]
     control = [t for t in node.input[2:] if t.startswith("^")]
-    fmt = node.attr["data_format"].s.decode() if "data_format" in node.attr else "NDHWC"
-    dtype = node.attr["T"]
-    out = [_const_int(f"{base}/channel_axis", 1 if fmt.startswith("NC") else 4),
-           _const_int(f"{base}/kernel_axis", 4)]
-    xs = _split(f"{base}/inputs", out[0].name, x, groups, dtype)
-    ws = _split(f"{base}/kernels", out[1].name, w, groups, dtype)
-    xs.input.extend(control)
-    ws.input.extend(control)
-    out += [xs, ws]
-    for j in range(groups):
-        conv = tf.compat.v1.NodeDef(name=f"{base}/group_{j}", op="Conv3D",
-                                    input=[f"{xs.name}:{j}", f"{ws.name}:{j}"],
-                                    device=node.device)
-        for key, value in node.attr.items():
-            if not key.startswith("_"):
-                conv.attr[key].CopyFrom(value)
+    first = _channels_first(node)
+    out = []
+    if first:  # NCDHW -> NDHWC
+        out += [_const_int(f"{base}/to_channels_last", [0, 2, 3, 4, 1]),
+                _op(f"{base}/inputs_channels_last", "Transpose", [x, f"{base}/to_channels_last"]
+                    + control, dtype, device, Tperm=0)]
+        x = out[-1].name
+    attrs = {key: value for key, value in node.attr.items() if not key.startswith("_")}
+    if first:
+        attrs = dict(attrs)
+        for key in ("strides", "dilations"):
+            if key in attrs:
+                v = list(attrs[key].list.i)
+                attrs[key] = tf.compat.v1.AttrValue(
+                    list=tf.compat.v1.AttrValue.ListValue(i=[v[0], *v[2:], v[1]]))
+        attrs["data_format"] = tf.compat.v1.AttrValue(s=b"NDHWC")
+    if groups > 1:
+        out += [_const_int(f"{base}/channel_axis", 4),
+                _op(f"{base}/inputs", "Split", [f"{base}/channel_axis", x] + control, dtype,
+                    device, num_split=groups),
+                _op(f"{base}/kernels", "Split", [f"{base}/channel_axis", w] + control, dtype,
+                    device, num_split=groups)]
+        pairs = [(f"{base}/inputs:{j}", f"{base}/kernels:{j}") for j in range(groups)]
+    else:
+        pairs = [(x, w)]
+    for j, (xj, wj) in enumerate(pairs):
+        conv = tf.compat.v1.NodeDef(name=f"{base}/group_{j}", op="Conv3D", input=[xj, wj],
+                                    device=device)
+        for key, value in attrs.items():
+            conv.attr[key].CopyFrom(value)
         out.append(conv)
-    concat = tf.compat.v1.NodeDef(name=node.name, op="ConcatV2", device=node.device,
-                                  input=[f"{base}/group_{j}" for j in range(groups)]
-                                  + [out[0].name])
-    concat.attr["N"].i = groups
-    concat.attr["T"].CopyFrom(dtype)
-    concat.attr["Tidx"].type = tf.int32.as_datatype_enum
+    if groups > 1:
+        out.append(_op(f"{base}/concat", "ConcatV2",
+                       [f"{base}/group_{j}" for j in range(groups)] + [f"{base}/channel_axis"],
+                       dtype, device, N=groups, Tidx=0))
+    if first:  # NDHWC -> NCDHW
+        out += [_const_int(f"{base}/to_channels_first", [0, 4, 1, 2, 3]),
+                _op(f"{base}/channels_first", "Transpose",
+                    [out[-1].name, f"{base}/to_channels_first"], dtype, device, Tperm=0)]
+    out[-1].name = node.name
     if "_output_shapes" in node.attr:
-        concat.attr["_output_shapes"].CopyFrom(node.attr["_output_shapes"])
-    out.append(concat)
+        out[-1].attr["_output_shapes"].CopyFrom(node.attr["_output_shapes"])
     return out
 
 
 def split_grouped_conv3d(graph_def, g):
-    """``graph_def`` with each grouped `Conv3D` written per group (module
-    docstring); the same proto object when there is none."""
-    groups = {node.name: _groups(g, node.name) for node in graph_def.node if node.op == "Conv3D"}
-    if all(n == 1 for n in groups.values()):
+    """``graph_def`` with each grouped or channels-first `Conv3D` rewritten
+    (module docstring); the same proto object when there is none."""
+    todo = {node.name: _groups(g, node.name) for node in graph_def.node
+            if node.op == "Conv3D" and (_channels_first(node) or _groups(g, node.name) > 1)}
+    if not todo:
         return graph_def
     names = {node.name for node in graph_def.node}
     out = type(graph_def)()
     out.versions.CopyFrom(graph_def.versions)
     out.library.CopyFrom(graph_def.library)
     for node in graph_def.node:
-        if groups.get(node.name, 1) > 1:
-            out.node.extend(_rewrite(node, groups[node.name], names))
+        if node.name in todo:
+            out.node.extend(_rewrite(node, todo[node.name], names))
         else:
             out.node.add().CopyFrom(node)
     return out

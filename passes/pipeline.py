@@ -6,8 +6,9 @@ the traced graph into the IR, marks where it computes in a narrower float
 than its inputs (precision), canonicalizes it, reads static slices of
 variables as parts of them (variable_parts), matches layers and the loss,
 and records how long each pass took (``timings``, seconds). The graph the
-runtime re-imports has each grouped Conv3D written per group
-(``passes.grouped_conv3d``: TensorFlow's CPU Conv3D has no groups).
+runtime re-imports has each grouped Conv3D written per group, and NCDHW
+ones as NDHWC (``passes.grouped_conv3d``: TensorFlow's CPU Conv3D has no
+groups, and runs NCDHW in float32 only).
 """
 from __future__ import annotations
 

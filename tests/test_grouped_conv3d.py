@@ -109,13 +109,13 @@ def test_property_rule_matches_split_convolutions(groups, per_group, out_per_gro
 
 @pytest.mark.parametrize("fmt", ["NDHWC", "NCDHW"])
 def test_the_run_graph_splits_a_grouped_conv3d(fmt):
-    """The registration's graph has the grouped Conv3D per group: the same
-    output as the split reference and as XLA's grouped op, the same
-    gradients; an ungrouped Conv3D is left as it is."""
+    """The registration's graph has the grouped Conv3D per group (NCDHW
+    transposed to NDHWC around them: TF's CPU Conv3D runs NCDHW in float32
+    only): the same output as the split reference and as XLA's grouped op,
+    the same gradients; an ungrouped NDHWC Conv3D is left as it is."""
     rng = np.random.default_rng(0)
-    dtype = F64 if fmt == "NDHWC" else tf.float32  # TF's CPU Conv3D: NCDHW in float32 only
-    w = tf.Variable(rng.normal(size=(2, 2, 2, 2, 6)), dtype=dtype)
-    x = tf.constant(rng.normal(size=(2, 4, 4, 4, 4)), dtype)
+    w = tf.Variable(rng.normal(size=(2, 2, 2, 2, 6)), dtype=F64)
+    x = tf.constant(rng.normal(size=(2, 4, 4, 4, 4)), F64)
 
     def grouped(x):
         first = fmt == "NCDHW"
@@ -137,7 +137,7 @@ def test_the_run_graph_splits_a_grouped_conv3d(fmt):
         return tf.reduce_mean(tf.reduce_sum(tf.square(split_conv3d(2, size=4)(x, w)),
                                             [1, 2, 3, 4]))
 
-    tol = 1e-12 if dtype == F64 else 1e-5
+    tol = 1e-12
     got = kg.per_example_gradients(loss_fn, x)[0].numpy().mean(0)
     values = []
     for fn in (reference, tf.function(loss_fn, jit_compile=True)):  # XLA has grouped Conv3D
@@ -212,12 +212,14 @@ def test_keras_registration_and_per_example_gradients(groups, padding, strides, 
     _check_per_example(fn, loss_fn, args)
 
 
-def test_keras_channels_first_float32():
-    """NCDHW (float32: TF's CPU Conv3D runs channels-first only there)."""
+@pytest.mark.parametrize("groups", [2, 1])
+def test_keras_channels_first(groups, float64):
+    """NCDHW in float64 (TF's CPU Conv3D runs channels-first only in float32;
+    the graph that is run transposes it, grouped or not)."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((4, 4, 4, 4)),
-        keras.layers.Conv3D(4, 2, groups=2, strides=2, padding="same",
+        keras.layers.Conv3D(4, 2, groups=groups, strides=2, padding="same",
                             data_format="channels_first"),
         keras.layers.Flatten(), keras.layers.Dense(3)])
 
@@ -225,9 +227,12 @@ def test_keras_channels_first_float32():
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
 
     fn = kg.auto_register(loss_fn)
-    args = (tf.random.stateless_normal([3, 4, 4, 4, 4], [1, 2]), tf.constant([0, 1, 2]))
-    assert [layer.kind for layer in fn.registration(*args).layers] == ["conv3d", "dense"]
-    _check_per_example(fn, loss_fn, args, rtol=1e-4)
+    args = (tf.random.stateless_normal([3, 4, 4, 4, 4], [1, 2], dtype=F64),
+            tf.constant([0, 1, 2]))
+    reg = fn.registration(*args)
+    assert [layer.kind for layer in reg.layers] == ["conv3d", "dense"]
+    assert reg.layers[0].attrs.get("input_channels", 4) == 4
+    _check_per_example(fn, loss_fn, args)
 
 
 def test_keras_verifies_and_trains(float64):

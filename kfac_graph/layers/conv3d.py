@@ -29,7 +29,8 @@ on `Cin = G*cg` channels, `og = Cout/G`; `spec.groups` from
 `conv.groups_as_examples`; the blocks per group). TensorFlow's CPU Conv3D
 has no groups, forward or backward (Keras compiles a grouped one with XLA),
 so the graph the runtime re-runs has each grouped Conv3D written as G
-ungrouped ones on channel slices (`passes.grouped_conv3d`).
+ungrouped ones on channel slices, and an NCDHW one (which the CPU runs in
+float32 only) transposed to NDHWC (`passes.grouped_conv3d`).
 
 "conv3d_transpose" is `conv_transpose`'s kind the same way: the forward
 convolution's geometry from 5-lists, its rule (the conv rule on `(dy, x)`)
