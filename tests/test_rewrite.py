@@ -296,19 +296,21 @@ def test_console_script_exit_status(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_keras_grouped_convolution_is_rewritten(tmp_path):
-    """Keras compiles a grouped Conv2D in a function of its own (XLA); the
-    rewritten model trains it and gives its per-example gradients."""
-    model = keras.Sequential([keras.Input((6, 6, 4)),
-                              keras.layers.Conv2D(8, 3, groups=2, padding="same",
-                                                  activation="tanh"),
+@pytest.mark.parametrize("rank", [2, 3])
+def test_a_keras_grouped_convolution_is_rewritten(tmp_path, rank):
+    """Keras compiles a grouped Conv2D (Conv3D) in a function of its own
+    (XLA); the rewritten model trains it and gives its per-example gradients."""
+    layer = keras.layers.Conv2D if rank == 2 else keras.layers.Conv3D
+    shape = (6, 6, 4) if rank == 2 else (4, 4, 4, 4)
+    model = keras.Sequential([keras.Input(shape),
+                              layer(8, 3, groups=2, padding="same", activation="tanh"),
                               keras.layers.Flatten(), keras.layers.Dense(3)])
 
     class Grouped(tf.Module):
         def __init__(self):
             self.model = model
 
-        @tf.function(input_signature=[tf.TensorSpec([None, 6, 6, 4]),
+        @tf.function(input_signature=[tf.TensorSpec([None, *shape]),
                                       tf.TensorSpec([None], tf.int32)])
         def loss(self, x, y):
             logits = self.model(x)
@@ -318,8 +320,9 @@ def test_a_keras_grouped_convolution_is_rewritten(tmp_path):
     assert rewrite(["--input", str(tmp_path / "input"), "--function", "loss",
                     "--output", str(tmp_path / "out")]) == 0
     loaded = tf.saved_model.load(str(tmp_path / "out"))
-    x = tf.random.stateless_normal([4, 6, 6, 4], [1, 2])
+    x = tf.random.stateless_normal([4, *shape], [1, 2])
     y = tf.constant([0, 1, 2, 1])
-    assert [g.shape for g in loaded.per_example_gradients(x, y)][:2] == [[4, 3, 3, 2, 8], [4, 8]]
+    assert [g.shape for g in loaded.per_example_gradients(x, y)][:2] == [
+        [4, *(3,) * rank, 2, 8], [4, 8]]
     losses = [float(loaded.kfac_step(x, y)) for _ in range(3)]
     assert losses[-1] < losses[0], losses
