@@ -10,6 +10,8 @@ they do not couple the examples):
 
 One model is in the fast set; the rest run with ``-m slow``.
 """
+import gc
+
 import numpy as np
 import pytest
 import keras
@@ -66,6 +68,8 @@ def test_application_registers_verifies_and_trains(name):
     est.update_inverses()
     probe = [tf.ones_like(v) for v in reg.variables]
     assert all(np.all(np.isfinite(p.numpy())) for p in est.multiply_inverse(probe))
+    del est, probe  # its factors and inverses: as large as K-FAC's own (ResNet152: 2.9 GB)
+    gc.collect()
 
     opt = kg.KFAC(loss_fn, learning_rate=0.05, damping=0.1)
     losses = [float(opt.step(x, y)) for _ in range(5)]

@@ -65,12 +65,22 @@ def pi_split_damping(damping, trace_a, dim_a, trace_g, dim_g):
     return pi * root, root / pi
 
 
+def identity_like(matrix):
+    """The identity shaped like `matrix` `[..., n, n]`, computed when the
+    graph runs. (`tf.eye(n)` has only constant inputs, so TensorFlow's
+    function runtime folds it into an `n x n` constant that it keeps, in
+    several copies, for as long as the function lives: a step with many
+    factors held gigabytes of identities that way.)"""
+    return tf.linalg.diag(tf.ones_like(tf.linalg.diag_part(matrix)))
+
+
 def add_damping(factor, damping, diagonal):
-    """`factor + damping I`."""
+    """`factor + damping I` (the damping added to the diagonal in place: no
+    identity matrix is formed, see `identity_like`)."""
     if diagonal:
         return factor + damping[..., None]
-    eye = tf.eye(factor.shape[-1], dtype=factor.dtype)
-    return factor + damping[..., None, None] * eye
+    diag = tf.linalg.diag_part(factor) + damping[..., None]
+    return tf.linalg.set_diag(factor, tf.broadcast_to(diag, tf.shape(factor)[:-1]))
 
 
 def mul_left(factor, x, diagonal):
@@ -114,8 +124,7 @@ def damped_inverse(factor, damping, diagonal):
         return 1.0 / (tf.maximum(factor, 0.0) + damping[..., None])
     sym = 0.5 * (factor + tf.linalg.matrix_transpose(factor))
     chol = tf.linalg.cholesky(add_damping(sym, damping, False))
-    eye = tf.eye(factor.shape[-1], batch_shape=factor.shape[:-2], dtype=factor.dtype)
-    return tf.linalg.cholesky_solve(chol, eye)
+    return tf.linalg.cholesky_solve(chol, identity_like(factor))
 
 
 def damped_power(factor, damping, diagonal, exp):
