@@ -38,6 +38,7 @@ from kfac_graph.fisher.blocks_compose import PartsBlock, TransposedKernelBlock
 from kfac_graph.fisher.blocks_tied import TiedEmbeddingKroneckerBlock
 from kfac_graph.fisher.blocks_conv_transpose import (
     ConvTransposeKroneckerBlock,
+    ConvTransposeKroneckerReduceBlock,
     ConvTransposeDiagonalBlock,
 )
 from kfac_graph.fisher.defaults import (

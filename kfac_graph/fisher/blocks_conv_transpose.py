@@ -25,6 +25,13 @@
 The approximation: KFC on the kernel, and the kernel-bias cross terms
 dropped; the bias's own block is exact.
 
+`ConvTransposeKroneckerReduceBlock` (`"kron_reduce"`): the same with
+K-FAC-reduce on the kernel (`positions.py`): `A = (1/B) sum_b xbar_b xbar_b^T`
+with `xbar_b` example b's input averaged over its T positions and U uses,
+`G = (1/B) sum_b psum_b psum_b^T` with `psum_b` its output-gradient patches
+summed there, `F ~= A (x) G` (R = 1). Exact for the kernel where the input
+does not vary over an example's positions.
+
 `ConvTransposeDiagonalBlock`: the exact diagonal of F (kernel and bias) from
 the kind's per-example rule, as `ConvDiagonalBlock`.
 """
@@ -36,6 +43,7 @@ from kfac_graph.fisher import blocks_full
 from kfac_graph.fisher import blocks_kron
 from kfac_graph.fisher import factors_grad
 from kfac_graph.fisher import factors_kron
+from kfac_graph.fisher import positions as positions_lib
 from kfac_graph.fisher.blocks_compose import PartsBlock, TransposedKernelBlock
 from kfac_graph.layers import conv_transpose
 from kfac_graph.layers.uses import as_pairs
@@ -57,7 +65,7 @@ class ConvTransposeKernelBlock(blocks_kron.KroneckerBlock):
         self.spec = spec
         self._out_width = spec.matrix_shape[1]
         self.input_factor, self.output_factor = factors_kron.conv_transpose_factors(
-            spec, **self._factor_options())
+            spec, **self._factor_options(positions=self.positions))
         self._init_kron()
 
     def _locations(self, use):
@@ -82,21 +90,38 @@ class ConvTransposeBiasBlock(blocks_base.FullBlock):
         self.factor.update_grads(grads, self._decay(decay))
 
 
+class ConvTransposeKernelReduceBlock(ConvTransposeKernelBlock):
+    """The kernel alone, K-FAC-reduce (`positions.py`): A from each example's
+    mean input over its positions (and uses), G from its summed output-gradient
+    patches, F ~= A (x) G (R = 1)."""
+
+    positions = positions_lib.REDUCE
+
+
 class ConvTransposeKroneckerBlock(PartsBlock):
     """Kernel `[kh, kw, Cout_t, Cin_t]` (+ bias `[Cout_t]`): KFC on the kernel,
     the bias's exact block beside it (module docstring)."""
+
+    kernel_block = ConvTransposeKernelBlock
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         shapes = [blocks_base.shape_of(v) for v in var_shapes]
         spec = _spec(shapes, attrs)
         options = {k: v for k, v in kwargs.items() if k != "name"}
         kernel = TransposedKernelBlock(
-            ConvTransposeKernelBlock(spec, attrs, name="kernel_kron", **options),
+            self.kernel_block(spec, attrs, name="kernel_kron", **options),
             shapes[:1], attrs, name="kernel", **options)
         parts = [kernel]
         if spec.has_bias:
             parts.append(ConvTransposeBiasBlock(spec, attrs, name="bias", **options))
         super().__init__(parts, shapes, attrs, **kwargs)
+
+
+class ConvTransposeKroneckerReduceBlock(ConvTransposeKroneckerBlock):
+    """K-FAC-reduce on the kernel (`ConvTransposeKernelReduceBlock`), the
+    bias's exact block beside it: the expand block's approximation otherwise."""
+
+    kernel_block = ConvTransposeKernelReduceBlock
 
 
 class ConvTransposeDiagonalBlock(blocks_full.ConvDiagonalBlock):

@@ -23,7 +23,7 @@ default alias; today's defaults:
   generic                          -> NaiveDiagonalBlock (per-example grads)
 
 Layers at several positions "expand" by default (`positions.py`); dense,
-conv and depthwise kinds also allow "kron_reduce" (K-FAC-reduce). Expand
+conv, depthwise and transposed-conv kinds also allow "kron_reduce" (K-FAC-reduce). Expand
 stays the default until a benchmark says otherwise.
 """
 
@@ -64,6 +64,7 @@ BLOCK_FACTORIES = types.MappingProxyType({
         blocks_full.ScaleAndShiftFullBlock, blocks_full.ScaleAndShiftDiagonalBlock,
         blocks_full.NaiveFullBlock, blocks_full.NaiveDiagonalBlock, scale_and_shift_block,
         blocks_conv_transpose.ConvTransposeKroneckerBlock,
+        blocks_conv_transpose.ConvTransposeKroneckerReduceBlock,
         blocks_conv_transpose.ConvTransposeDiagonalBlock,
         blocks_tied.TiedEmbeddingKroneckerBlock)
 })

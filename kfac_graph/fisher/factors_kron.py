@@ -11,8 +11,8 @@ rows g (conv: at every output location; grouped: per group, its og outputs;
 depthwise: per input channel, the M outputs it feeds; transposed conv: the
 output gradient's patch at each input position), summed over sources:
     G = sum_s (1 / (B T U)) sum_{i,t,u} g_s g_s^T.
-With `positions="reduce"` (`positions.py`) the dense, conv and depthwise
-factors instead take one row per example: the input rows averaged, the
+With `positions="reduce"` (`positions.py`) the dense, conv, depthwise and
+transposed-conv factors instead take one row per example: the input rows averaged, the
 output-gradient rows summed over the example's positions of every use.
 The rows come from the layer kind's own module (`kfac_graph.layers`:
 `input_rows`, `output_rows`, `id_frequencies`), the same patches and
@@ -72,19 +72,23 @@ class OutputFactor(factors_base.CovarianceFactor):
     """G from output gradients, one row per position: `rows(g)` (default the
     dense layer's `[B, ..., d_out] -> [N, d_out]`; a kind passes its own).
     Given a tensor per use (one source) it is also an input factor without
-    the homogeneous coordinate (`conv_transpose_factors`)."""
+    the homogeneous coordinate (`conv_transpose_factors`); `average`: with
+    "reduce", the example's rows are then averaged, not summed."""
 
-    def __init__(self, d_out, rows=dense.output_rows, positions="expand", **kwargs):
+    def __init__(self, d_out, rows=dense.output_rows, positions="expand", average=False,
+                 **kwargs):
         super().__init__(d_out, **kwargs)
         self.rows = rows
         self.positions = positions_lib.check_mode(positions, type(self).__name__)
+        self.average = bool(average)
 
     def update(self, grads, decay):
         sources = [[self.rows(tf.cast(g, self.dtype)) for g in uses]
                    for uses in sources_by_use(grads)]
         if self.positions == positions_lib.REDUCE:
             batches = [positions_lib.batch_size(g) for g in sources_by_use(grads)[0]]
-            sources = [[positions_lib.reduce_uses(uses, batches, mean=False)] for uses in sources]
+            sources = [[positions_lib.reduce_uses(uses, batches, mean=self.average)]
+                       for uses in sources]
         self.update_rows(sources, decay)
 
 
@@ -133,10 +137,12 @@ def conv_transpose_factors(spec, **kwargs):
     `kfac_graph.layers.conv_transpose.ConvTransposeSpec`): A from the layer
     input at each of its positions (`Cin_t`, no homogeneous coordinate: the
     bias is no input row), G from the output gradient's patch there
-    (`kh*kw*Cout_t`)."""
+    (`kh*kw*Cout_t`); with `positions="reduce"`, A from each example's mean
+    input and G from its summed patches."""
     cin, width = spec.matrix_shape
     rows = lambda f: functools.partial(f, spec=spec)  # noqa: E731
-    return (OutputFactor(cin, rows(conv_transpose.input_rows), name="input_factor", **kwargs),
+    return (OutputFactor(cin, rows(conv_transpose.input_rows), name="input_factor",
+                         average=True, **kwargs),
             OutputFactor(width, rows(conv_transpose.output_rows), name="output_factor", **kwargs))
 
 

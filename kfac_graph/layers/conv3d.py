@@ -34,8 +34,9 @@ float32 only) transposed to NDHWC (`passes.grouped_conv3d`).
 
 "conv3d_transpose" is `conv_transpose`'s kind the same way: the forward
 convolution's geometry from 5-lists, its rule (the conv rule on `(dy, x)`)
-and its blocks (KFC on the kernel `V [Cin_t, kd*kh*kw*Cout_t]`, the bias's
-exact block beside it; the exact diagonal; the full block).
+and its blocks (KFC, or K-FAC-reduce with "kron_reduce", on the kernel
+`V [Cin_t, kd*kh*kw*Cout_t]`, the bias's exact block beside it; the exact
+diagonal; the full block).
 """
 import dataclasses
 

@@ -111,8 +111,9 @@ KIND = LayerKind(
     rule=ConvTransposeRule(),
     spec=conv_family.spec_reader(ConvTransposeSpec),
     operands=conv_family.operands,
-    blocks={"kron": "ConvTransposeKroneckerBlock", "diagonal": "ConvTransposeDiagonalBlock",
-            "full": "NaiveFullBlock"},
+    blocks={"kron": "ConvTransposeKroneckerBlock",
+            "kron_reduce": "ConvTransposeKroneckerReduceBlock",
+            "diagonal": "ConvTransposeDiagonalBlock", "full": "NaiveFullBlock"},
     default_block="kron",
     colour="lightseagreen",
 )
