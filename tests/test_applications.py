@@ -10,16 +10,23 @@ they do not couple the examples):
 
 One model is in the fast set; the rest run with ``-m slow``.
 
-EfficientNetV2L runs in float64. With ``weights=None`` its batch norms keep
-their initial statistics (mean 0, variance 1), and in inference mode its
-residual stages then grow the activations to 1e4 and the gradients to
-1e25, whose squares overflow float32 in any norm (TensorFlow's own
-included). Batch-norm statistics set from data instead make the models
-ill-conditioned (channels of near-zero variance get large gains): float32
-gradients then differ between a batch of four and a batch of one by
-roundoff alone, ResNet101's by 50% with the test batch's statistics,
-ResNet101V2's by 0.9% with those of 32 other inputs. In float64 neither
-happens.
+Two constructors are expected failures (``xfail``, strict), for reasons
+that the slow runs measured:
+
+- EfficientNetV2L: with ``weights=None`` its batch norms keep their initial
+  statistics (mean 0, variance 1), and in inference mode its residual
+  stages grow the activations to 1e4 and the gradients to 1e25 against a
+  loss of 1e4, whose squares overflow float32 in any norm (TensorFlow's own
+  included). It runs in float64, where the per-example gradients sum to
+  the batch gradient within 4e-15, but the model is chaotic: the outputs
+  of a batch of one and of a batch of four, equal to 1e-12 at block 6,
+  differ by 1e-3 at the head, so no one-example gradient is reproducible
+  (its check fails by 28 times the gradient's size; by 0.59 with
+  batch-norm statistics set from 32 other inputs).
+- NASNetLarge: ``kg.verify`` passes; K-FAC's defaults take the loss from
+  10.6 to 1.38 in four steps, then the quadratic model predicts a fall of
+  1.6e6 and takes a step (``alpha`` 1.1, against 7e-5 the step before)
+  that makes the loss infinite and the weights non-finite.
 """
 import gc
 
@@ -36,11 +43,17 @@ A = keras.applications
 SIZES = {"InceptionV3": 75, "InceptionResNetV2": 75, "Xception": 71}
 FAST = {"MobileNet": {"alpha": 0.25}}
 FLOAT64 = {"EfficientNetV2L"}
+EXPECTED_FAILURES = {
+    "EfficientNetV2L": "chaotic from random weights: no one-example gradient is reproducible",
+    "NASNetLarge": "K-FAC's quadratic model overshoots at the fifth step (loss infinite)",
+}
 NAMES = sorted(n for n in dir(A) if n[:1].isupper() and callable(getattr(A, n)))
 
 
 def _case(name):
     marks = () if name in FAST else (pytest.mark.slow,)
+    if name in EXPECTED_FAILURES:
+        marks += (pytest.mark.xfail(strict=True, reason=EXPECTED_FAILURES[name]),)
     return pytest.param(name, marks=marks, id=name)
 
 
