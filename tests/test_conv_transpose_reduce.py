@@ -16,7 +16,8 @@ import tensorflow as tf
 import kfac_graph as kg
 from kfac_graph import fisher
 from kfac_graph.fisher import defaults
-from fisher_reference import F64, np_patches, operator_matrix
+from fisher_checks import assert_damped_products, assert_same_inverse_products, updated_estimators
+from fisher_reference import F64, np_patches
 
 LAM = 0.3
 
@@ -63,12 +64,7 @@ def test_reduce_block_against_definition():
     np.testing.assert_allclose(full[n:, n:], bias_part, rtol=1e-10, atol=1e-12)
     assert not np.any(full[:n, n:])
     assert float(block.parts[0].block.replicas) == 1.0
-    block.update_inverses()
-    shapes = block.var_shapes
-    np.testing.assert_allclose(operator_matrix(block.multiply, shapes), damped, rtol=1e-9,
-                               atol=1e-10)
-    np.testing.assert_allclose(operator_matrix(block.multiply_inverse, shapes),
-                               np.linalg.inv(damped), rtol=1e-7, atol=1e-9)
+    assert_damped_products(block, damped)
 
 
 def test_reduce_block_two_uses_average_inputs_and_sum_gradients_over_both():
@@ -109,18 +105,12 @@ def test_estimator_selects_reduce_for_the_kind_and_equals_expand_at_one_position
         logits = head(tf.reshape(tf.tanh(up(x)), [6, -1]))
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
 
-    ests = [kg.FisherEstimator(loss_fn, estimation_mode="exact", approximations=choice)
-            for choice in (None, {"conv2d_transpose": "kron_reduce"})]
-    for est in ests:
-        est.update(x, y)
-        est.update_inverses()
+    ests = updated_estimators(loss_fn, (x, y), (None, {"conv2d_transpose": "kron_reduce"}))
     assert type(ests[1].blocks[0]).__name__ == "ConvTransposeKroneckerReduceBlock"
-    assert est.memory()["layers"][0]["positions"] == "reduce"
+    assert ests[1].memory()["layers"][0]["positions"] == "reduce"
     np.testing.assert_allclose(ests[1].blocks[0].full_matrix(), ests[0].blocks[0].full_matrix(),
                                rtol=1e-10, atol=1e-14)
-    vs = [tf.constant(rng.normal(size=v.shape)) for v in loss_fn.registration(x, y).variables]
-    for got, want in zip(ests[1].multiply_inverse(vs), ests[0].multiply_inverse(vs)):
-        np.testing.assert_allclose(got, want, rtol=1e-9)
+    assert_same_inverse_products(ests[1], ests[0], loss_fn.registration(x, y).variables, rng)
 
 
 def test_kfac_trains_a_decoder_with_reduce():

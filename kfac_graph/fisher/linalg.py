@@ -79,8 +79,7 @@ def add_damping(factor, damping, diagonal):
     identity matrix is formed, see `identity_like`)."""
     if diagonal:
         return factor + damping[..., None]
-    diag = tf.linalg.diag_part(factor) + damping[..., None]
-    return tf.linalg.set_diag(factor, tf.broadcast_to(diag, tf.shape(factor)[:-1]))
+    return tf.linalg.set_diag(factor, tf.linalg.diag_part(factor) + damping[..., None])
 
 
 def mul_left(factor, x, diagonal):
