@@ -3,11 +3,10 @@ TensorFlow's Conv2DBackpropInput registered as kind "conv2d_transpose".
 
 Per-example gradients against one-example GradientTape loops (the rule on
 raw ops, and whole Keras models through kg.per_example_gradients and
-kg.verify); the Kronecker block's factors against numpy patches cut by hand
-(A = E[x x^T] over the input's positions, G = E[patch(dy) patch(dy)^T], the
-bias's exact block beside them); the kernel and bias blocks against the
+kg.verify); the kernel and bias blocks against the
 brute-force Fisher where KFC is exact (one example, one input position);
-kg.KFAC on a small encoder-decoder. float64, rtol 1e-6.
+kg.KFAC on a small encoder-decoder. float64, rtol 1e-6. The Kronecker blocks
+against numpy patches cut by hand: tests/test_conv_transpose_blocks.py.
 """
 import hypothesis
 from hypothesis import strategies as st
@@ -17,8 +16,7 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
-from fisher_checks import assert_damped_products
-from fisher_reference import F64, brute_fisher, np_patches, operator_matrix, out_size
+from fisher_reference import F64, brute_fisher, out_size
 from kfac_graph import fisher
 from kfac_graph.layers.conv_transpose import ConvTransposeRule, ConvTransposeSpec
 from per_example_reference import assert_close, check, one_example_loop
@@ -297,91 +295,6 @@ def test_kfac_trains_an_encoder_decoder():
     losses = [float(opt.step(*args)) for _ in range(3)]
     assert all(np.isfinite(losses)) and int(opt.skipped_steps) == 0
     assert losses[2] < losses[1] < losses[0], losses
-
-
-# -- the Kronecker block against numpy -------------------------------------------------
-
-LAM = 0.3
-
-
-def _np_block(x, dys, kernel, stride, padding, bias):
-    """The stated approximation in numpy: (kernel part, bias part, damped)."""
-    kh, kw = kernel
-    a = x.reshape(-1, x.shape[-1])
-    a_cov = a.T @ a / len(a)
-    g_cov = 0
-    for dy in dys:
-        p = np_patches(dy, kh, kw, (stride, stride), padding=padding).reshape(len(a), -1)
-        g_cov = g_cov + p.T @ p / len(p)
-    t = x.shape[1] * x.shape[2]
-    kernel_part = t * np.kron(g_cov, a_cov)  # canonical order: W[p, q, c, o], o fastest
-    r = np.sqrt(LAM / t)
-    pi = np.sqrt((np.trace(a_cov) / len(a_cov)) / (np.trace(g_cov) / len(g_cov)))
-    damped_kernel = t * np.kron(g_cov + r / pi * np.eye(len(g_cov)),
-                                a_cov + pi * r * np.eye(len(a_cov)))
-    if not bias:
-        return kernel_part, None, damped_kernel
-    bias_part = sum(dy.sum(axis=(1, 2)).T @ dy.sum(axis=(1, 2)) for dy in dys) / len(x)
-    damped = np.zeros([len(kernel_part) + len(bias_part)] * 2)
-    damped[:len(kernel_part), :len(kernel_part)] = damped_kernel
-    damped[len(kernel_part):, len(kernel_part):] = bias_part + LAM * np.eye(len(bias_part))
-    return kernel_part, bias_part, damped
-
-
-@pytest.mark.parametrize("case", [((3, 3), 2, "SAME", True, "NHWC"),
-                                  ((3, 3), 1, "SAME", True, "NCHW"),
-                                  ((2, 2), 2, "VALID", False, "NHWC"),
-                                  ((1, 3), 1, "VALID", True, "NHWC")])
-def test_kronecker_block_against_numpy(case):
-    kernel, stride, padding, bias, fmt = case
-    rng = np.random.default_rng(4)
-    cout, cin, hy, wy = 2, 2, 5, 6
-    dys = [rng.normal(size=(2, hy, wy, cout)) for _ in range(2)]
-    hx, wx = (out_size(s, k, stride, 1, padding) for s, k in zip((hy, wy), kernel))
-    x = rng.normal(size=(2, hx, wx, cin))
-    strides, to_fmt = [1, stride, stride, 1], lambda t: tf.constant(t)  # noqa: E731
-    if fmt == "NCHW":
-        strides, to_fmt = [1, 1, stride, stride], lambda t: tf.constant(t.transpose(0, 3, 1, 2))
-    attrs = dict(strides=strides, padding=padding, kernel_shape=(*kernel, cout, cin),
-                 data_format=fmt)
-    shapes = [(*kernel, cout, cin)] + ([(cout,)] if bias else [])
-    block = fisher.ConvTransposeKroneckerBlock(shapes, attrs, dtype=F64, ema_decay=0.0,
-                                               damping=LAM)
-    block.update([(to_fmt(x), [to_fmt(d) for d in dys])])
-    kernel_part, bias_part, damped = _np_block(x, dys, kernel, stride, padding, bias)
-    full = block.full_matrix().numpy()
-    n = len(kernel_part)
-    np.testing.assert_allclose(full[:n, :n], kernel_part, rtol=1e-10, atol=1e-12)
-    if bias:
-        np.testing.assert_allclose(full[n:, n:], bias_part, rtol=1e-10, atol=1e-12)
-        assert not np.any(full[:n, n:]) and not np.any(full[n:, :n])
-    assert float(block.parts[0].block.replicas) == hx * wx
-    if kernel == (3, 3):
-        return  # the products: on the smaller cases
-    assert_damped_products(block, damped)
-    shapes = block.var_shapes
-    chol = operator_matrix(block.multiply_cholesky, shapes)
-    np.testing.assert_allclose(chol @ chol.T, damped, rtol=1e-8, atol=1e-10)
-    np.testing.assert_allclose(operator_matrix(block.multiply_cholesky_inverse, shapes),
-                               np.linalg.inv(chol), rtol=1e-7, atol=1e-9)
-
-
-def test_kronecker_block_two_uses():
-    """Uses independent: A, G averaged over both uses' rows, R = T U; the
-    bias's block from the gradient summed over the uses."""
-    rng = np.random.default_rng(5)
-    uses = [(rng.normal(size=(3, 2, 2, 2)), rng.normal(size=(3, 4, 4, 1))) for _ in range(2)]
-    attrs = dict(strides=[1, 2, 2, 1], padding="VALID")
-    block = fisher.ConvTransposeKroneckerBlock([(2, 2, 1, 2), (1,)], attrs, dtype=F64,
-                                               ema_decay=0.0)
-    block.update([(tf.constant(x), tf.constant(dy)) for x, dy in uses])
-    a = np.concatenate([x.reshape(-1, 2) for x, _ in uses])
-    p = np.concatenate([np_patches(dy, 2, 2, (2, 2)).reshape(-1, 4) for _, dy in uses])
-    db = sum(dy.sum(axis=(1, 2)) for _, dy in uses)
-    want = np.zeros([9, 9])
-    want[:8, :8] = 8 * np.kron(p.T @ p / len(p), a.T @ a / len(a))
-    want[8:, 8:] = db.T @ db / 3
-    np.testing.assert_allclose(block.full_matrix().numpy(), want, rtol=1e-10, atol=1e-12)
 
 
 # -- Conv3DTranspose: its own kind (more in tests/test_conv3d.py) ----------------------
