@@ -19,6 +19,28 @@ def assert_damped_products(block, damped):
                                np.linalg.inv(damped), rtol=1e-7, atol=1e-9)
 
 
+def assert_all_products(block, damped):
+    """``assert_damped_products``, and the block's matrix powers (1/2, -1/2)
+    and Cholesky factor (and their transposes and inverses) against the dense
+    ``damped``; returns the Cholesky factor as a matrix."""
+    assert_damped_products(block, damped)
+    shapes = block.var_shapes
+    half = operator_matrix(lambda v: block.multiply_matpower(v, 0.5), shapes)
+    np.testing.assert_allclose(half @ half, damped, rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(operator_matrix(lambda v: block.multiply_matpower(v, -0.5), shapes),
+                               np.linalg.inv(half), rtol=1e-6, atol=1e-8)
+    chol = operator_matrix(block.multiply_cholesky, shapes)
+    np.testing.assert_allclose(chol @ chol.T, damped, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(operator_matrix(lambda v: block.multiply_cholesky(v, True), shapes),
+                               chol.T, atol=1e-10)
+    np.testing.assert_allclose(operator_matrix(block.multiply_cholesky_inverse, shapes),
+                               np.linalg.inv(chol), rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(
+        operator_matrix(lambda v: block.multiply_cholesky_inverse(v, True), shapes),
+        np.linalg.inv(chol.T), rtol=1e-7, atol=1e-9)
+    return chol
+
+
 def updated_estimators(fn, args, choices, estimation_mode="exact"):
     """One ``kg.FisherEstimator`` per ``approximations`` choice, each updated
     on ``args`` and its inverses refreshed."""

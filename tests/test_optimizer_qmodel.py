@@ -27,8 +27,8 @@ def test_qmodel_alpha_and_mu_are_the_numpy_2x2_solve():
     opt = kg.KFAC(fn, momentum_type="qmodel", damping=lam, estimation_mode="exact",
                   cov_ema_decay=0.0, inverse_update_period=1, jit_compile=False)
     prev = np.zeros_like(_stacked(w, b))
-    used_2x2 = 0
-    for x, y in batches[:3]:
+    used_2x2 = capped = 0
+    for x, y in batches:
         theta = _stacked(w, b)
         grad, a, g, abar, p = _numpy_quantities(theta, x, y)
         d = _numpy_precondition(grad, a, g, lam)
@@ -41,13 +41,20 @@ def test_qmodel_alpha_and_mu_are_the_numpy_2x2_solve():
             if 0 <= mu2 < 1:   # else the 1-D solve (qmodel.py's bound on mu)
                 alpha, mu = alpha2, mu2
                 used_2x2 += 1
+        step = alpha * d + mu * prev  # shortened where the undamped model falls below -L
+        linear, quadratic = np.sum(grad * step), 0.5 * _exact_fisher_form(step, step, abar, p)
+        loss = float(fn(x, y))
+        if linear + quadratic < -loss:
+            s = (-linear - np.sqrt(linear ** 2 - 4 * quadratic * loss)) / (2 * quadratic)
+            alpha, mu = s * alpha, s * mu
+            capped += 1
         opt.step(x, y)
         np.testing.assert_allclose(-opt.learning_rate.numpy(), alpha, rtol=1e-8)
         np.testing.assert_allclose(opt.momentum.numpy(), mu, rtol=1e-8, atol=1e-12)
         np.testing.assert_allclose(_stacked(w, b), theta + alpha * d + mu * prev, rtol=1e-8,
                                    atol=1e-12)
         prev = _stacked(w, b) - theta
-    assert used_2x2 > 0
+    assert used_2x2 > 0 and capped > 0, (used_2x2, capped)
 
 
 def test_fisher_forms_of_the_step_forward_pass_equal_those_of_a_fresh_one():
@@ -131,6 +138,25 @@ def test_qmodel_solve_falls_back_to_1d_on_an_ill_conditioned_system(dtype):
 def test_qmodel_solve_without_positive_curvature_takes_no_step():
     assert _solve(0.0, 0.0, 0.0, -1.0, 0.0) == (0.0, 0.0)
     assert _solve(np.nan, 0.0, 1.0, -1.0, 0.5) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("quadratic,linear,objective", [
+    (1.0, -10.0, 2.0), (1e-6, -3e6, 17.8), (0.0, -5.0, 1.0), (4.0, -9.0, 4.5)])
+def test_qmodel_cap_shortens_to_where_the_undamped_model_meets_minus_the_objective(
+        quadratic, linear, objective):
+    s = float(qmodel.cap(*(tf.constant(v, F64) for v in (quadratic, linear, objective))))
+    assert 0 < s < 1
+    assert quadratic * s * s + linear * s == pytest.approx(-objective, rel=1e-10)
+    assert quadratic * s * s + linear * s > quadratic + linear  # the first crossing, short of s=1
+
+
+@pytest.mark.parametrize("quadratic,linear,objective", [
+    (1.0, -1.5, 2.0),      # the model stays above -h at s = 1
+    (1.0, -10.0, 0.0),     # no positive objective to bound by
+    (1.0, -10.0, -3.0),
+    (1.0, np.nan, 2.0)])
+def test_qmodel_cap_leaves_other_updates_alone(quadratic, linear, objective):
+    assert float(qmodel.cap(*(tf.constant(v, F64) for v in (quadratic, linear, objective)))) == 1
 
 
 def test_qmodel_small_cnn_does_not_diverge_at_the_default_damping():

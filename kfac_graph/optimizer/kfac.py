@@ -27,8 +27,10 @@ Each ``step(*args)`` runs one ``tf.function`` that, on the step counter
      step's own forward pass when every step updates the covariances and
      there is no burn-in, else through a second one) plus
      ``(lambda + l2_reg) I``, or the estimator's damped K-FAC matrix ``F~``
-     (``"kfac"``); ``learning_rate`` and ``momentum`` then record
-     ``-alpha`` and ``mu``.
+     (``"kfac"``); where the model without ``lambda I`` promises a fall
+     below zero, the update is shortened to where it promises the whole
+     objective (``qmodel.cap``); ``learning_rate`` and ``momentum`` then
+     record ``-alpha`` and ``mu`` of the update taken.
 
    ``F~`` is damped by ``lambda + l2_reg`` in the blocks' convention
    (``pi``-split Tikhonov damping of each Kronecker factor). With

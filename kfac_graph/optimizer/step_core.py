@@ -242,7 +242,9 @@ class StepCore:
         """Forms and (if everything is finite) applies the update; True if
         applied. ``lam``: ``lambda``; ``damping``: the blocks' damping."""
         opt = self.opt
-        direction = self.direction(args, grads, lam, damping, forward)
+        direction = self.direction(args, grads, lam, damping, forward,
+                                   objective=(self.objective(loss, variables)
+                                              if opt.momentum_type == "qmodel" else None))
         delta, velocity = direction.delta, direction.velocity
         ok = statistics_ok & vec.all_finite(delta) & vec.all_finite(velocity)
 
@@ -265,8 +267,18 @@ class StepCore:
 
         return tf.cond(ok, apply, lambda: tf.constant(False))
 
-    def direction(self, args, grads, lam, damping, forward=None) -> update_rules.Direction:
-        """The update by ``opt.momentum_type``'s rule."""
+    def objective(self, loss, variables):
+        """``h = L + l2_reg/2 |theta|^2``, the objective's value before the update."""
+        h = tf.cast(loss, self.opt.dtype)
+        if self.opt.l2_reg:
+            h += 0.5 * tf.constant(self.opt.l2_reg, h.dtype) * tf.cast(
+                vec.dot(variables, variables), h.dtype)
+        return h
+
+    def direction(self, args, grads, lam, damping, forward=None,
+                  objective=None) -> update_rules.Direction:
+        """The update by ``opt.momentum_type``'s rule; ``objective``: ``h``, for
+        the quadratic model's cap (``qmodel.cap``)."""
         opt = self.opt
         dtype = opt.dtype
         lr = tf.cast(opt.learning_rate, dtype)
@@ -288,7 +300,8 @@ class StepCore:
             return update_rules.exact_quadratics(vectors, fisher, opt.curvature_scale, total,
                                                  dtype)
 
-        return update_rules.quadratic_model(grads, precondition, old, quadratics, lam, dtype)
+        return update_rules.quadratic_model(grads, precondition, old, quadratics, lam, dtype,
+                                            objective)
 
     def adapt_damping(self, args, loss, grads, delta, theta_dot_delta, model_change, lam):
         """The Levenberg-Marquardt rule (module docstring, step 4)."""

@@ -11,7 +11,8 @@
   (``qmodel.py``) of a damped curvature ``C``, given by its quadratic
   forms ``[[u_a . C u_b]]``; ``lr`` and ``mu`` then record ``-alpha`` and
   ``mu``, and the model change excludes the adapted damping:
-  ``M(delta) - lambda/2 |delta|^2``.
+  ``M(delta) - lambda/2 |delta|^2``; where that undamped model promises
+  more than the whole objective, the update is shortened (``qmodel.cap``).
 
 The quadratic forms of ``C``: ``c F + (lambda + l2_reg) I`` with ``F`` the
 exact Fisher of the batch (``exact_quadratics``) or the damped K-FAC
@@ -70,17 +71,26 @@ def adam(grads, precondition, velocities, lr, mu, norm_constraint=None) -> Direc
     return Direction(vec.scale(-lr, p), velocity, lr, mu, None)
 
 
-def quadratic_model(grads, precondition, previous, quadratics, damping, dtype) -> Direction:
-    """``delta = alpha P g + mu previous`` minimising the quadratic model whose
-    curvature's forms ``quadratics([u_1, u_2])`` returns; ``damping``: the
-    adapted ``lambda`` in ``C``, left out of the recorded model change."""
+def quadratic_model(grads, precondition, previous, quadratics, damping, dtype,
+                    objective=None) -> Direction:
+    """``delta = s (alpha P g + mu previous)``, ``(alpha, mu)`` minimising the
+    quadratic model whose curvature's forms ``quadratics([u_1, u_2])``
+    returns; ``damping``: the adapted ``lambda`` in ``C``, left out of the
+    recorded model change; ``s = qmodel.cap(...)`` for ``objective`` (the
+    objective's value now), 1 without it."""
     p = precondition(grads)
     (m11, m12), (_, m22) = quadratics([p, previous])
     c1, c2 = tf.cast(vec.dot(grads, p), dtype), tf.cast(vec.dot(grads, previous), dtype)
     alpha, mu = qmodel.solve(m11, m12, m22, c1, c2)
+    direction = vec.combine(alpha, p, mu, previous)
+    dd = tf.cast(vec.dot(direction, direction), dtype)
+    linear = alpha * c1 + mu * c2
+    quadratic = qmodel.model_value(alpha, mu, m11, m12, m22, c1, c2) - linear - 0.5 * damping * dd
+    s = tf.ones([], dtype) if objective is None else qmodel.cap(
+        quadratic, linear, tf.cast(objective, dtype))
+    alpha, mu = s * alpha, s * mu
     delta = vec.combine(alpha, p, mu, previous)
-    dd = tf.cast(vec.dot(delta, delta), dtype)
-    change = qmodel.model_value(alpha, mu, m11, m12, m22, c1, c2) - 0.5 * damping * dd
+    change = s * s * quadratic + s * linear
     return Direction(delta, delta, -alpha, mu, change)
 
 
