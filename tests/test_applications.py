@@ -48,7 +48,6 @@ FLOAT64 = {"EfficientNetV2L"}
 # chaotic from random weights: a batch of one does not reproduce an example's
 # outputs in a batch of four, so the loop runs through the batch (``_assert_in_batch_loop``)
 CHAOTIC = {"EfficientNetV2L"}
-EXPECTED_FAILURES = {}
 # name -> GiB of memory its run needs: EfficientNetV2L's float64 K-FAC part was
 # killed at 23.2 GiB (its registration, verify and in-batch loop peak at 10.7)
 MEMORY_GIB = {"EfficientNetV2L": 32}
@@ -65,8 +64,6 @@ def _case(name):
         need = MEMORY_GIB[name]
         marks += (pytest.mark.skipif(_memory_gib() < need, reason=(
             f"needs {need} GiB of memory (float64 K-FAC on the largest EfficientNetV2)")),)
-    if name in EXPECTED_FAILURES:
-        marks += (pytest.mark.xfail(strict=True, reason=EXPECTED_FAILURES[name]),)
     return pytest.param(name, marks=marks, id=name)
 
 

@@ -84,13 +84,14 @@ def quadratic_model(grads, precondition, previous, quadratics, damping, dtype,
     alpha, mu = qmodel.solve(m11, m12, m22, c1, c2)
     direction = vec.combine(alpha, p, mu, previous)
     dd = tf.cast(vec.dot(direction, direction), dtype)
-    linear = alpha * c1 + mu * c2
-    quadratic = qmodel.model_value(alpha, mu, m11, m12, m22, c1, c2) - linear - 0.5 * damping * dd
+    linear = alpha * c1 + mu * c2  # g.direction; below, 1/2 direction.C_0 direction
+    quadratic = 0.5 * (alpha * alpha * m11 + 2.0 * alpha * mu * m12 + mu * mu * m22
+                       - damping * dd)
     s = tf.ones([], dtype) if objective is None else qmodel.cap(
         quadratic, linear, tf.cast(objective, dtype))
-    alpha, mu = s * alpha, s * mu
-    delta = vec.combine(alpha, p, mu, previous)
+    delta = vec.scale(s, direction)
     change = s * s * quadratic + s * linear
+    alpha, mu = s * alpha, s * mu
     return Direction(delta, delta, -alpha, mu, change)
 
 
