@@ -69,8 +69,9 @@ def make_loss(weights):
     return [w1, b1, w2, b2], kg.auto_register(loss_fn)
 
 
-def train(config, strategy=None, sync="lazy", counter=None, **extra):
-    """Final parameters (and the optimizer) after ``STEPS`` steps on whole batches."""
+def train(config, strategy=None, sync="lazy", counter=None, order=None, **extra):
+    """Final parameters (and the optimizer) after ``STEPS`` steps on whole
+    batches, their examples in ``order`` if given."""
     import contextlib
 
     import tensorflow as tf
@@ -84,8 +85,21 @@ def train(config, strategy=None, sync="lazy", counter=None, **extra):
         opt = kg.KFAC(loss, sync_statistics=sync, **CONFIGS[config], **extra)
     losses = []
     for x, y in batches:
+        if order is not None:
+            x, y = x[order], y[order]
         losses.append(float(opt.step(tf.constant(x), tf.constant(y))))
     return [v.numpy() for v in variables], opt, losses
+
+
+def leading_order(devices, fraction):
+    """The examples of a batch reordered so that its first ``ceil(fraction B)``
+    are the replicas' own first ``ceil(fraction B / devices)`` each: where
+    one device's ``qmodel_batch_fraction`` forms are those of the replicas."""
+    share = BATCH // devices
+    lead = int(np.ceil(fraction * share))
+    assert devices * lead == int(np.ceil(fraction * BATCH))
+    first = [r * share + i for r in range(devices) for i in range(lead)]
+    return np.array(first + [i for i in range(BATCH) if i not in first])
 
 
 def logical_devices(n):
@@ -127,6 +141,15 @@ def run_mirrored(devices, out):
             results[key + "_checkpoint"] = checkpoint_round_trip(
                 config, names, sync, os.path.dirname(os.path.abspath(out))
             )
+    # the quadratic model's forms on each replica's first half: those of one
+    # device's first half, the batch reordered to put the replicas' first
+    ref, _, _ = train("qmodel", order=leading_order(devices, 0.5), qmodel_batch_fraction=0.5)
+    results["qmodel_fraction/reference"] = np.concatenate([p.ravel() for p in ref])
+    strategy = tf.distribute.MirroredStrategy(names)
+    params, _, _ = train("qmodel", strategy, qmodel_batch_fraction=0.5)
+    results["qmodel_fraction/lazy"] = np.concatenate([p.ravel() for p in params])
+    whole, _, _ = train("qmodel", qmodel_batch_fraction=0.5)
+    results["qmodel_fraction/unordered"] = np.concatenate([p.ravel() for p in whole])
     np.savez(out, **results)
 
 

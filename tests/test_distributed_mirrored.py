@@ -5,7 +5,9 @@ batches (float64, rtol 1e-6), with lazy and with eager syncing of the factor
 statistics; lazy syncing reduces fewer bytes (counted by
 ``ReductionCounter``); a batch with a NaN in one replica's share is skipped
 on every replica, changing no copy of any variable but the skip counter;
-a checkpoint taken mid-run resumes to the uninterrupted result.
+a checkpoint taken mid-run resumes to the uninterrupted result; with
+``qmodel_batch_fraction`` each replica's quadratic model reads its own
+first examples.
 
 Estimation modes: "exact" (regular momentum) and "empirical" (qmodel); the
 sampled mode draws other targets on each replica, so it is not compared.
@@ -42,6 +44,16 @@ def test_replicas_match_single_device(mirrored, config, sync):
     assert int(mirrored[key + "_skipped"]) == 0
     # the run moved the parameters (the equality is not that of two idle runs)
     assert np.max(np.abs(mirrored[key] - _initial())) > 1e-2
+
+
+def test_qmodel_batch_fraction_takes_each_replicas_first_examples(mirrored):
+    """With ``qmodel_batch_fraction=0.5`` each replica's forms are its own
+    first half's: the run equals one device's on batches reordered to put
+    those examples first, and differs from one device's on the batches as
+    they are (so the fraction was applied)."""
+    got = mirrored["qmodel_fraction/lazy"]
+    np.testing.assert_allclose(got, mirrored["qmodel_fraction/reference"], rtol=RTOL, atol=ATOL)
+    assert np.max(np.abs(got - mirrored["qmodel_fraction/unordered"])) > 1e-6
 
 
 @pytest.mark.parametrize("config", list(distributed_support.CONFIGS))

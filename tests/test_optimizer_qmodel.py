@@ -21,18 +21,23 @@ def _exact_fisher_form(u, v, abar, p):
     return np.einsum("bk,bkl,bl->", ju, f, jv) / len(abar)
 
 
-def test_qmodel_alpha_and_mu_are_the_numpy_2x2_solve():
+@pytest.mark.parametrize("fraction", [1.0, 0.3])
+def test_qmodel_alpha_and_mu_are_the_numpy_2x2_solve(fraction):
+    """With ``qmodel_batch_fraction`` f the forms are the first ceil(f B)
+    examples' (0.3 of 8: 3)."""
     w, b, fn, batches = _dense_problem(seed=4)
     lam = 1e-2
     opt = kg.KFAC(fn, momentum_type="qmodel", damping=lam, estimation_mode="exact",
-                  cov_ema_decay=0.0, inverse_update_period=1, jit_compile=False)
+                  cov_ema_decay=0.0, inverse_update_period=1, jit_compile=False,
+                  qmodel_batch_fraction=fraction)
+    n = int(np.ceil(fraction * len(batches[0][0])))
     prev = np.zeros_like(_stacked(w, b))
     used_2x2 = capped = 0
     for x, y in batches:
         theta = _stacked(w, b)
         grad, a, g, abar, p = _numpy_quantities(theta, x, y)
         d = _numpy_precondition(grad, a, g, lam)
-        form = lambda u, v: _exact_fisher_form(u, v, abar, p) + lam * np.sum(u * v)
+        form = lambda u, v: _exact_fisher_form(u, v, abar[:n], p[:n]) + lam * np.sum(u * v)
         m = np.array([[form(d, d), form(d, prev)], [form(prev, d), form(prev, prev)]])
         c = np.array([np.sum(grad * d), np.sum(grad * prev)])
         alpha, mu = -c[0] / m[0, 0], 0.0
@@ -42,7 +47,8 @@ def test_qmodel_alpha_and_mu_are_the_numpy_2x2_solve():
                 alpha, mu = alpha2, mu2
                 used_2x2 += 1
         step = alpha * d + mu * prev  # shortened where the undamped model falls below -L
-        linear, quadratic = np.sum(grad * step), 0.5 * _exact_fisher_form(step, step, abar, p)
+        linear = np.sum(grad * step)
+        quadratic = 0.5 * _exact_fisher_form(step, step, abar[:n], p[:n])
         loss = float(fn(x, y))
         if linear + quadratic < -loss:
             s = (-linear - np.sqrt(linear ** 2 - 4 * quadratic * loss)) / (2 * quadratic)

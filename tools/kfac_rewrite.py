@@ -54,6 +54,8 @@ KFAC_FLAGS = (
     ("damping_adaptation_interval", "integer", "Steps between damping adaptations."),
     ("min_damping", "float", "Lower bound on the adapted damping."),
     ("qmodel_curvature", ("exact", "kfac"), "The quadratic model's curvature."),
+    ("qmodel_batch_fraction", "float", "The share of the batch whose exact Fisher forms the "
+     "quadratic model uses."),
     ("seed", "integer", "Seed of the sampled targets."),
     ("max_factor_size", "integer",
      "Kronecker factors wider than this keep their diagonal (default 4096); 0 turns it off."),

@@ -31,8 +31,9 @@ diagonalisation).
 
 The step (``step_multiply_adds``): ``3 F`` + statistics / cov period +
 preconditioning + inverses / inverse period, plus the quadratic model's two
-exact Fisher-vector products (``2 * 4 F``: a double backward each) or two
-K-FAC products (``2 *`` preconditioning), and the damping rule's forward
+exact Fisher-vector products (``2 * 4 F``: a double backward each; on a
+share ``f < 1`` of the batch ``f (2 * 4 + 1) F``, their forward pass
+included) or two K-FAC products (``2 *`` preconditioning), and the damping rule's forward
 pass every ``damping_adaptation_interval`` steps. Operations between the
 layers (activations, normalisers, the loss) and memory traffic are not
 counted: the ratio is the arithmetic's, a floor on the time's.
@@ -66,11 +67,14 @@ class LayerCost:
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """What the step does besides the periods: ``sources`` of the statistics'
-    backward pass, ``qmodel`` (``"exact"``, ``"kfac"`` or None) and the
-    damping rule's interval (None: no adaptation)."""
+    backward pass, ``qmodel`` (``"exact"``, ``"kfac"`` or None), the share of
+    the batch the exact forms run on (``qmodel_fraction``; below 1 with a
+    forward pass of their own) and the damping rule's interval (None: no
+    adaptation)."""
 
     sources: int = 1
     qmodel: str | None = "exact"
+    qmodel_fraction: float = 1.0
     damping_interval: int | None = 5
 
 
@@ -173,7 +177,8 @@ def step_multiply_adds(costs, cov_period: int, inverse_period: int,
     total = 3 * f + sum(c.statistics for c in costs) / cov_period + pre
     total += sum(c.inverse for c in costs) / inverse_period
     if options.qmodel == "exact":
-        total += 2 * 4 * f
+        share = options.qmodel_fraction
+        total += 2 * 4 * f * share + (f * share if share < 1 else 0.0)
     elif options.qmodel == "kfac":
         total += 2 * pre
     if options.damping_interval:

@@ -359,12 +359,18 @@ class ReplicatedCore(StepCore):
 
     def fisher_forms(self, args, vectors, forward=None):
         """``[[u_a . F u_b]]``, ``F`` the exact Fisher of the whole batch (the
-        replicas' per-example means, averaged); ``forward`` is not used (each
+        replicas' per-example means, averaged; with ``qmodel_batch_fraction``
+        < 1, of each replica's first examples); ``forward`` is not used (each
         replica runs its own forward pass)."""
         n = len(vectors)
 
         def local(vectors, *a):
-            forms = exact_fisher.quadratic_forms(self.opt.registration, a, vectors)
+            opt = self.opt
+            if opt.qmodel_batch_fraction < 1:  # of each replica's first examples
+                forms = exact_fisher.leading_forms(opt.fn, opt.registration, a, vectors,
+                                                   opt.qmodel_batch_fraction)
+            else:
+                forms = exact_fisher.quadratic_forms(opt.registration, a, vectors)
             return tf.stack([tf.stack(row) for row in forms])
 
         fn = self._replica_fn(f"fisher_forms_{n}", local)

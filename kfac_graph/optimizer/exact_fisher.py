@@ -7,14 +7,22 @@ imported graph: ``r(w) = J^T w`` by ``tf.gradients(z, theta, grad_ys=w)``,
 then ``J u = d(r . u)/dw``; so ``u_a . F u_b = (1/B) sum_i (J_i u_a) .
 F_i (J_i u_b)`` with ``F_i`` applied by the distribution's
 ``multiply_fisher`` (no ``[K, K]`` matrix is formed).
+
+``leading_forms``: the same forms on the batch's first ``n = ceil(f B)``
+examples, ``(1/n) sum_{i<n} ...``: over a shuffled batch, an unbiased
+estimate of the batch's forms at about ``f`` of their cost (a forward pass
+of the ``n`` examples of their own, traced and registered for their shape).
 """
 from __future__ import annotations
+
+import math
 
 import tensorflow as tf
 
 from kfac_graph import token_weights
 from kfac_graph.fisher import at_least_float32, make_distribution
 from kfac_graph.taps import LayerTaps
+from passes.errors import KfacGraphError
 
 
 def jacobian_vector_products(registration, args, vectors, taps=None):
@@ -61,3 +69,43 @@ def quadratic_forms(registration, args, vectors, taps=None):
         fjvs = [token_weights.per_output(taps.token_weights, kind, f) * f for f in fjvs]
     n = len(vectors)
     return [[tf.reduce_sum(jvs[a] * fjvs[b]) / batch for b in range(n)] for a in range(n)]
+
+
+def leading_examples(args, fraction):
+    """``args`` cut to their first ``ceil(fraction B)`` examples: every tensor
+    whose leading axis is the batch ``B`` (the first argument's; known when
+    tracing, or every argument's leading axis unknown alike) is sliced."""
+    flat = [tf.convert_to_tensor(a) if isinstance(a, (tf.Tensor, tf.Variable)) else a
+            for a in tf.nest.flatten(args)]
+    tensors = [a for a in flat if isinstance(a, tf.Tensor) and a.shape.rank]
+    if not tensors:
+        raise KfacGraphError("qmodel_batch_fraction < 1: the loss's arguments have no batch axis")
+    batch = tensors[0].shape[0]
+    if batch is None:
+        n = tf.cast(tf.math.ceil(fraction * tf.cast(tf.shape(tensors[0])[0], tf.float64)),
+                    tf.int32)
+    else:
+        n = max(1, math.ceil(fraction * batch))
+
+    def cut(a):
+        if isinstance(a, tf.Tensor) and a.shape.rank and a.shape[0] == batch:
+            return a[:n]
+        return a
+
+    return tf.nest.pack_sequence_as(args, [cut(a) for a in flat])
+
+
+def leading_forms(fn, registration, args, vectors, fraction):
+    """``quadratic_forms`` on the first ``ceil(fraction B)`` examples of
+    ``args`` (module docstring); ``fn``: the ``kg.auto_register``ed loss,
+    registered again for their shape; ``vectors`` aligned with
+    ``registration``'s variables."""
+    part = leading_examples(args, fraction)
+    sub = fn.registration(*part)
+    index = {v.ref(): k for k, v in enumerate(registration.variables)}
+    missing = [v.name for v in sub.variables if v.ref() not in index]
+    if missing or len(sub.variables) != len(index):
+        raise KfacGraphError(f"qmodel_batch_fraction: the registration of the first examples "
+                             f"differs from the batch's (variable {missing[:1] or '?'})")
+    order = [index[v.ref()] for v in sub.variables]
+    return quadratic_forms(sub, part, [[u[k] for k in order] for u in vectors])

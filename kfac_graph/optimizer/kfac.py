@@ -27,7 +27,10 @@ Each ``step(*args)`` runs one ``tf.function`` that, on the step counter
      step's own forward pass when every step updates the covariances and
      there is no burn-in, else through a second one) plus
      ``(lambda + l2_reg) I``, or the estimator's damped K-FAC matrix ``F~``
-     (``"kfac"``); where the model without ``lambda I`` promises a fall
+     (``"kfac"``); with ``qmodel_batch_fraction = f < 1`` the exact forms
+     are those of the batch's first ``ceil(f B)`` examples, an unbiased
+     estimate of the batch's at about ``f`` of the cost, through their own
+     forward pass; where the model without ``lambda I`` promises a fall
      below zero, the update is shortened to where it promises the whole
      objective (``qmodel.cap``); ``learning_rate`` and ``momentum`` then
      record ``-alpha`` and ``mu`` of the update taken.
@@ -143,14 +146,15 @@ class KFAC(tf.Module):
     update); the steps are the same either way.
 
     What the step core (``step_core.py``) reads, all public: the options
-    (``momentum_type``, ``qmodel_curvature``, ``l2_reg``, ``norm_constraint``,
-    ``adapt_damping``, ``damping_adaptation_interval``, ``omega``,
-    ``min_damping``, ``schedule``, ``whole_step_jit``), ``fn``,
-    ``estimator``, ``registration``, ``estimator_state``, ``dtype``, the
-    state variables (``iterations``, ``skipped_steps``, ``damping``,
-    ``learning_rate``, ``momentum``, ``rho``, ``qmodel_change``,
-    ``curvature_scale``, ``velocities``) and ``blocks_damping``,
-    ``precondition``, ``curvature_multiply``.
+    (``momentum_type``, ``qmodel_curvature``, ``qmodel_batch_fraction``,
+    ``l2_reg``, ``norm_constraint``, ``adapt_damping``,
+    ``damping_adaptation_interval``, ``omega``, ``min_damping``,
+    ``schedule``, ``whole_step_jit``), ``fn``, ``estimator``,
+    ``registration``, ``estimator_state``, ``dtype``, the state variables
+    (``iterations``, ``skipped_steps``, ``damping``, ``learning_rate``,
+    ``momentum``, ``rho``, ``qmodel_change``, ``curvature_scale``,
+    ``velocities``) and ``blocks_damping``, ``precondition``,
+    ``curvature_multiply``.
 
     Bad options are one-line ``ValueError``s naming the option (``OPTIONS``:
     what each takes, also checked by ``KFACModel`` and ``kfac-rewrite``).
@@ -178,6 +182,7 @@ class KFAC(tf.Module):
                  num_samples: int = 1, adapt_damping: bool = True,
                  damping_adaptation_interval: int = 5, damping_adaptation_decay: float = 0.95,
                  min_damping: float | None = None, qmodel_curvature: str = "exact",
+                 qmodel_batch_fraction: float = 1.0,
                  approximations=None, seed: int = 0,
                  max_factor_size: int | None = FisherEstimator.DEFAULT_MAX_FACTOR_SIZE,
                  jit_compile="auto", summary_writer=None, summary_period: int = 1,
@@ -193,6 +198,7 @@ class KFAC(tf.Module):
         self._core = self._replicated if self._replicated is not None else SingleDeviceCore(self)
         self.momentum_type = momentum_type
         self.qmodel_curvature = qmodel_curvature
+        self.qmodel_batch_fraction = float(qmodel_batch_fraction)
         self.l2_reg = float(l2_reg)
         self.norm_constraint = None if norm_constraint is None else float(norm_constraint)
         # explicit periods win over the budget's; the budget's are set by build()

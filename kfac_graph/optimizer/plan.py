@@ -36,6 +36,7 @@ def cost_options(opt) -> costs_lib.StepOptions:
     return costs_lib.StepOptions(
         sources=statistics_sources(opt, opt.registration),
         qmodel=opt.qmodel_curvature if opt.momentum_type == "qmodel" else None,
+        qmodel_fraction=opt.qmodel_batch_fraction,
         damping_interval=opt.damping_adaptation_interval if opt.adapt_damping else None)
 
 

@@ -1,0 +1,98 @@
+"""``qmodel_batch_fraction``: the quadratic model's exact Fisher forms on the
+batch's first ``ceil(f B)`` examples (``exact_fisher.leading_forms``).
+
+The step's alpha and mu against a numpy solve with those forms are in
+``test_optimizer_qmodel.py``; each replica's own first examples under
+``MirroredStrategy`` in ``test_distributed_mirrored.py``.
+"""
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+import kfac_graph as kg
+from kfac_graph.optimizer import exact_fisher
+
+
+def test_leading_examples_cuts_the_batch_axis_only():
+    x, y, table = tf.zeros([8, 3]), tf.range(8), tf.zeros([5, 2])
+    cut_x, (cut_y, same_table, flag) = exact_fisher.leading_examples((x, (y, table, True)), 0.3)
+    assert cut_x.shape == [3, 3] and cut_y.numpy().tolist() == [0, 1, 2]
+    assert same_table is table and flag is True
+
+
+def test_leading_examples_of_a_batch_known_only_at_run_time():
+    @tf.function(input_signature=[tf.TensorSpec([None, 2]), tf.TensorSpec([None], tf.int32)])
+    def cut(x, y):
+        return exact_fisher.leading_examples((x, y), 0.25)
+
+    x, y = cut(tf.zeros([10, 2]), tf.range(10))
+    assert x.shape == [3, 2] and y.numpy().tolist() == [0, 1, 2]
+
+
+def test_leading_examples_without_a_batch_axis_is_one_line_error():
+    with pytest.raises(kg.KfacGraphError, match="no batch axis"):
+        exact_fisher.leading_examples((tf.constant(1.0),), 0.5)
+
+
+def test_leading_forms_are_the_forms_of_the_first_examples_alone():
+    """Against the forms of a separate registration of ``x[:n]``, with the
+    vectors given in the batch registration's variable order."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"),
+                              keras.layers.Dense(3)])
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+    x = tf.random.stateless_normal([10, 4], seed=[1, 2])
+    y = tf.constant([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+    reg = loss_fn.registration(x, y)
+    rng = np.random.default_rng(0)
+    vectors = [[tf.constant(rng.normal(size=v.shape), v.dtype) for v in reg.variables]
+               for _ in range(2)]
+    part = loss_fn.registration(x[:4], y[:4])
+    forms = tf.function(lambda f: tf.stack([tf.stack(row) for row in f()]), autograph=False)
+    got = forms(lambda: exact_fisher.leading_forms(loss_fn, reg, (x, y), vectors, 0.4)).numpy()
+    want = forms(lambda: exact_fisher.quadratic_forms(part, (x[:4], y[:4]), vectors)).numpy()
+    whole = forms(lambda: exact_fisher.quadratic_forms(reg, (x, y), vectors)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert not np.allclose(got, whole, rtol=1e-3)
+
+
+def _sequence_model_losses(layer, fraction, steps=8):
+    """K-FAC's losses, defaults but ``qmodel_batch_fraction``, on one batch of
+    a copy task (predict each token) for a recurrent or attention model."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((12,), dtype="int32")
+    h = keras.layers.Embedding(20, 16)(tokens)
+    if layer == "lstm":
+        h = keras.layers.LSTM(16, return_sequences=True)(h)
+    else:
+        h = h + keras.layers.MultiHeadAttention(2, 8)(h, h, use_causal_mask=True)
+    model = keras.Model(tokens, keras.layers.Dense(20)(h))
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+    x = tf.random.stateless_uniform([16, 12], seed=[0, 1], maxval=20, dtype=tf.int32)
+    opt = kg.KFAC(loss_fn, qmodel_batch_fraction=fraction)
+    losses = [float(opt.step(x, x)) for _ in range(steps)]
+    assert int(opt.skipped_steps) == 0, losses
+    return losses
+
+
+@pytest.mark.parametrize("layer", ["lstm", "attention"])
+def test_a_quarter_of_the_batch_trains_sequence_models_as_the_whole_does(layer):
+    quarter, whole = _sequence_model_losses(layer, 0.25), _sequence_model_losses(layer, 1.0)
+    assert quarter[-1] < 0.9 * quarter[0], quarter
+    assert abs(quarter[-1] - whole[-1]) < 0.05 * whole[0], (quarter, whole)
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.5, -0.25])
+def test_qmodel_batch_fraction_is_validated(bad):
+    fn = kg.auto_register(lambda x: tf.reduce_mean(tf.square(x)))
+    with pytest.raises(ValueError, match="qmodel_batch_fraction"):
+        kg.KFAC(fn, qmodel_batch_fraction=bad)
