@@ -8,7 +8,9 @@ they do not couple the examples):
 - a ``FisherEstimator`` update and inverse update run, every block finite;
 - 5 ``kg.KFAC`` steps on one batch lower the loss, no step skipped.
 
-One model is in the fast set; the rest run with ``-m slow``.
+One model is in the fast set; the rest run with ``-m slow``
+(``test_applications_register.py`` checks one per family's registration
+in the fast set).
 
 EfficientNetV2L is chaotic from random weights: with ``weights=None`` its
 batch norms keep their initial statistics (mean 0, variance 1), and in
