@@ -1,7 +1,7 @@
 """The step cost of K-FAC settings on the language models, side by side.
 
 For the LSTM (``recurrent_lm.py``'s model) or the transformer
-(``transformer_lm.py``'s), every ``--kfac`` spec (``kfac_spec.py``) and an
+(``transformer_lm.py``'s), every ``--kfac_row`` spec (``kfac_spec.py``) and an
 Adam (LSTM) or AdamW (transformer) step compiled with XLA run on the same
 batches, one step of each in turn, so that the machine's load falls on all
 alike. Prints each one's median and mean step (the first ``--warm`` steps,

@@ -33,8 +33,8 @@ The step (``step_multiply_adds``): ``3 F`` + statistics / cov period +
 preconditioning + inverses / inverse period, plus the quadratic model's two
 exact Fisher-vector products (``2 * 4 F``: a double backward each; on a
 share ``f < 1`` of the batch ``f (2 * 4 + 1) F``, their forward pass
-included) or two K-FAC products (``2 *`` preconditioning), and the damping rule's forward
-pass every ``damping_adaptation_interval`` steps. Operations between the
+included) or two K-FAC products (``2 *`` preconditioning), and the damping
+rule's forward pass every ``damping_adaptation_interval`` steps. Operations between the
 layers (activations, normalisers, the loss) and memory traffic are not
 counted: the ratio is the arithmetic's, a floor on the time's.
 """

@@ -366,11 +366,8 @@ class ReplicatedCore(StepCore):
 
         def local(vectors, *a):
             opt = self.opt
-            if opt.qmodel_batch_fraction < 1:  # of each replica's first examples
-                forms = exact_fisher.leading_forms(opt.fn, opt.registration, a, vectors,
-                                                   opt.qmodel_batch_fraction)
-            else:
-                forms = exact_fisher.quadratic_forms(opt.registration, a, vectors)
+            forms = exact_fisher.batch_forms(opt.fn, opt.registration, a, vectors,
+                                             opt.qmodel_batch_fraction)
             return tf.stack([tf.stack(row) for row in forms])
 
         fn = self._replica_fn(f"fisher_forms_{n}", local)

@@ -109,3 +109,12 @@ def leading_forms(fn, registration, args, vectors, fraction):
                              f"differs from the batch's (variable {missing[:1] or '?'})")
     order = [index[v.ref()] for v in sub.variables]
     return quadratic_forms(sub, part, [[u[k] for k in order] for u in vectors])
+
+
+def batch_forms(fn, registration, args, vectors, fraction=1.0, taps=None):
+    """The forms the quadratic model uses: ``quadratic_forms`` of the whole
+    batch (differentiating ``taps`` when given), or with ``fraction < 1``
+    ``leading_forms`` of its first examples (``taps`` unused)."""
+    if fraction < 1:
+        return leading_forms(fn, registration, args, vectors, fraction)
+    return quadratic_forms(registration, args, vectors, taps)

@@ -57,9 +57,7 @@ class SingleDeviceCore(StepCore):
     def fisher_forms(self, args, vectors, forward=None):
         """``[[u_a . F u_b]]`` with the exact Fisher ``F`` of the batch,
         differentiating ``forward`` when given; of its first examples with
-        ``qmodel_batch_fraction < 1`` (``exact_fisher.leading_forms``)."""
+        ``qmodel_batch_fraction < 1`` (``exact_fisher.batch_forms``)."""
         opt = self.opt
-        if opt.qmodel_batch_fraction < 1:
-            return exact_fisher.leading_forms(opt.fn, opt.registration, args, vectors,
-                                              opt.qmodel_batch_fraction)
-        return exact_fisher.quadratic_forms(opt.registration, args, vectors, forward)
+        return exact_fisher.batch_forms(opt.fn, opt.registration, args, vectors,
+                                        opt.qmodel_batch_fraction, forward)
