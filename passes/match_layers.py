@@ -13,21 +13,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
-import re
 from typing import Mapping
 
 import networkx as nx
 
 from passes import ir, scale_shift_use
 from passes.atrous import atrous_attrs
+from passes.layer_names import readable, scope_name, unique_names
 from passes.lookup_ids import ids_without_batch
 from passes.matcher import find_matches
 from passes.catalogue import LAYER_PATTERNS
-from passes.patterns import Pattern, einsum_kernel_layout
+from passes.patterns import Pattern, einsum_kernel_layout, var_shape
+from passes.patterns_stacked import STACKED_PATTERNS
 from passes.patterns_multiaxis import kernel_in_axes, kernel_perm, part_rows, slice_rows
 from passes.tied_embedding import merge_tied
-from passes.unroll import ITERATION_SCOPE, WHILE_OPS
+from passes.unroll import WHILE_OPS
 
 _TRANSPOSE_KINDS = frozenset({"conv2d_transpose", "conv3d_transpose"})
 _CONV_KINDS = frozenset({"conv2d", "conv3d", "depthwise_conv2d"}) | _TRANSPOSE_KINDS
@@ -48,7 +48,9 @@ class Use:
     ``input_shape``, ``output_shape`` and, where it applies,
     ``transpose_kernel``, ``kernel_in_axes`` (a dense kernel of rank > 2: how
     many leading axes are contracted; ``kernel_perm``: of the kernel after a
-    Transpose, ``passes.patterns_multiaxis``), ``ids_broadcast`` (a lookup whose ids
+    Transpose, ``passes.patterns_multiaxis``; ``stacked_rows``: the rows of
+    a kernel made of several variables, ``x @ W + h @ R`` read as ``[x, h] @
+    [W; R]``, ``passes.patterns_stacked``), ``ids_broadcast`` (a lookup whose ids
     have no batch axis, added over the batch; ``row_range``: those ids are
     ``range(*row_range)``, a table slice or its rows broadcast over the
     batch), for scale-and-shift ``normalizer``,
@@ -90,17 +92,10 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
     order = _data_flow_order(g, data)
     undirected = g.to_undirected(as_view=True)
 
-    found = []  # (pattern, roles)
-    claimed: set[str] = set()
-    for pattern in LAYER_PATTERNS:
-        for roles in find_matches(g, pattern, claimed, undirected):
-            if roles[pattern.output] not in on_path:
-                continue
-            source = ir.split_tensor(ir.resolve(g, _inputs(g, pattern, roles)[0]))[0]
-            if source not in batched and source in parameters:
-                continue  # a product of weights, not a layer applied to data
-            claimed |= {roles[r] for r, spec in pattern.nodes.items() if spec.exclusive}
-            found.append((pattern, roles))
+    find = lambda patterns: _find(g, patterns, on_path, batched, parameters, undirected)
+    grouped = _group(g, find(LAYER_PATTERNS))
+    if _stacked_kernels_shared(grouped):
+        grouped = _group(g, find(tuple(p for p in LAYER_PATTERNS if p not in STACKED_PATTERNS)))
 
     holders = collections.defaultdict(list)
     for node, d in g.nodes(data=True):
@@ -108,7 +103,7 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
             holders[d["variable"]].append(node)
     readers = {key: [dst for node in nodes for dst in g.successors(node)]
                for key, nodes in holders.items()}
-    groups = ids_without_batch(g, _group(g, found), data)
+    groups = ids_without_batch(g, grouped, data)
     groups, reasons = _resolve_conflicts(g, groups, on_path & batched, readers)
     layers = [_layer(g, kind, keys, uses, order) for (kind, keys), uses in groups.items()]
     owned = {k for layer in layers for k in layer.variables}
@@ -118,7 +113,37 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
             n_reads = sum(1 for n in readers[key] if n in on_path)
             layers.append(_generic(g, key, reason, max(n_reads, 1)))
     layers.sort(key=lambda layer: _first_position(layer, order, readers))
-    return tuple(_unique_names(layers))
+    return tuple(unique_names(layers))
+
+
+def _find(g, patterns, on_path, batched, parameters, undirected) -> list:
+    """``(pattern, roles)`` of every match on the loss's path, ``patterns``
+    tried in order, each op claimed by the first that takes it."""
+    found = []
+    claimed: set[str] = set()
+    for pattern in patterns:
+        for roles in find_matches(g, pattern, claimed, undirected):
+            if roles[pattern.output] not in on_path:
+                continue
+            source = ir.split_tensor(ir.resolve(g, _inputs(g, pattern, roles)[0]))[0]
+            if source not in batched and source in parameters:
+                continue  # a product of weights, not a layer applied to data
+            claimed |= {roles[r] for r, spec in pattern.nodes.items() if spec.exclusive}
+            found.append((pattern, roles))
+    return found
+
+
+def _stacked_kernels_shared(groups) -> bool:
+    """Whether a variable of a stacked dense layer (``passes.patterns_stacked``)
+    is also in another group: a kernel summed with another in some uses and
+    applied alone in others. The pass then matches each product on its own
+    (one dense layer per kernel, the bias a shift), the form every use fits."""
+    stacked = [keys for (kind, keys), items in groups.items()
+               if any(p in STACKED_PATTERNS for p, _, _ in items)]
+    if not stacked:
+        return False
+    count = collections.Counter(k for _, keys in groups for k in keys)
+    return any(count[k] > 1 for keys in stacked for k in keys)
 
 
 def _inputs(g, pattern: Pattern, roles) -> tuple[str, ...]:
@@ -158,6 +183,8 @@ def _use(g, pattern: Pattern, roles) -> Use:
         perm = kernel_perm(g, roles)
         if perm is not None:
             attrs["kernel_perm"] = perm
+        if "w2" in roles:  # a stacked kernel: the rows each variable gives it
+            attrs["stacked_rows"] = tuple(int(var_shape(g, roles[r])[0]) for r in ("w", "w2"))
     if pattern.kind == "embedding" and "add" in roles:
         attrs["ids_broadcast"] = True
         if "slice" in roles:
@@ -324,7 +351,7 @@ def _loop_reason(g, readers) -> str:
     if not loops:
         return ""
     why = g.graph.get("loops", {}).get(loops[0], "")
-    return f"read inside loop {_readable(loops[0])!r}, which is not unrolled" + (
+    return f"read inside loop {readable(loops[0])!r}, which is not unrolled" + (
         f": {why}" if why else "")
 
 
@@ -333,7 +360,7 @@ def _layer(g, kind, keys, items, order) -> LayerMatch:
     nodes = list(uses[0].ops) if uses else []
     if uses and uses[0].attrs.get("ids_broadcast"):
         nodes = nodes[:1]  # a position embedding: named by its lookup, not the sum
-    return LayerMatch(kind, _scope_name(nodes), keys, tuple(uses))
+    return LayerMatch(kind, scope_name(nodes), keys, tuple(uses))
 
 
 def _generic(g, key, reason, n_reads) -> LayerMatch:
@@ -363,38 +390,3 @@ def _first_position(layer: LayerMatch, order, readers) -> tuple:
     if layer.uses:
         return (order[ir.split_tensor(layer.uses[0].output)[0]], layer.name)
     return (min([order[n] for n in readers.get(layer.variables[0], ())] or [(0, 0)]), layer.name)
-
-
-def _scope_name(nodes) -> str:
-    if not nodes:
-        return "layer"
-    if len(nodes) == 1:
-        scope = nodes[0].rsplit("/", 1)[0] if "/" in nodes[0] else nodes[0]
-        return scope
-    prefix = os.path.commonprefix([n.split("/") for n in nodes])
-    return "/".join(prefix) or nodes[0]
-
-
-_CALL_SCOPE = re.compile(r"^((Stateful)?PartitionedCall(_\d+)?/)+")
-_TRAILING_CALL = re.compile(r"(/(Stateful)?PartitionedCall(_\d+)?)+$")
-
-
-def _readable(name: str) -> str:
-    """``name`` without the scopes of inlined function calls it starts with
-    (a restored SavedModel function wraps its body in one) or ends with (a
-    layer whose op alone sits in an inlined call: Keras compiles a grouped
-    convolution in its own function), and without the iteration scopes of
-    unrolled loops (``passes.unroll``)."""
-    return ITERATION_SCOPE.sub("", _TRAILING_CALL.sub("", _CALL_SCOPE.sub("", name)) or name)
-
-
-def _unique_names(layers):
-    seen = collections.Counter()
-    out = []
-    for layer in layers:
-        name = _readable(layer.name)
-        seen[name] += 1
-        if seen[name] > 1:
-            name = f"{name}_{seen[name] - 1}"
-        out.append(dataclasses.replace(layer, name=name))
-    return out

@@ -47,7 +47,7 @@ def _lstm_lm(seed=0):
 
 
 MODELS = {"token": (_token_model, ["embedding", "dense", "dense"]),
-          "lstm": (_lstm_lm, ["embedding", "dense", "dense", "scale_and_shift", "dense"])}
+          "lstm": (_lstm_lm, ["embedding", "dense", "dense"])}
 LSTM_FAST = ("masked_mean_flattened", "keras_sample_weight", "keras_ignore_class", "bernoulli")
 
 

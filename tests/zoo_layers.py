@@ -189,9 +189,9 @@ def rnn_unrolled(steps: int = 3):
 
 
 def rnn_zero_state(steps: int = 3):
-    """The usual way to write it: h_0 = zeros, then T=3 steps. The recurrent
-    weights are a dense layer used T times (or T-1, if the use on the
-    constant zero state is dropped), not a generic one."""
+    """The usual way to write it: h_0 = zeros, then T=3 steps. The cell
+    ``(x @ wx + b) + h @ wh`` is one stacked dense layer ``[x, h] @ [wx; wh]
+    + b`` used T times, not a generic one."""
     wx, b = var([2, 4], "wx", 16), tf.Variable(tf.zeros([4]), name="b")
     wh = var([4, 4], "wh", 17)
     head = var([4, 3], "head", 18)
@@ -203,8 +203,7 @@ def rnn_zero_state(steps: int = 3):
         return tf.reduce_mean(sparse_ce(y, tf.matmul(h, head)))
 
     return Built(loss_fn, xy_sparse(None, 3, seed=35, x_shape=(steps, 2)),
-                 [L("dense", [wx, b], uses=steps), L("dense", [wh], uses=(steps, steps - 1)),
-                  L("dense", [head])], "categorical", track=[wx, b, wh, head])
+                 [L("dense", [wx, wh, b], uses=steps), L("dense", [head])], "categorical", track=[wx, b, wh, head])
 
 
 # --- what no pattern matches --------------------------------------------------------

@@ -51,6 +51,11 @@ vectors and ``full_matrix`` follow the variables' own row-major layout:
 - a dense kernel the op transposes by ``perm`` before applying it
   (``kernel_perm``: Keras's ``"btd,ndh->btnh"``): the block is built for
   the permuted kernel and wrapped in ``PermutedKernelBlock``;
+- a dense kernel made of several variables (``stacked_rows``: ``x @ W + h
+  @ R``, ``passes/patterns_stacked.py``): the block is built for the one
+  kernel ``[W; R]`` and wrapped in ``StackedKernelBlock``, so that every
+  dense block (the Kronecker block over ``[x, h, 1]``, series, diagonal)
+  applies; blocks fed per-example gradients take the variables as they are;
 - a scale-and-shift layer without a scale (a bias alone) is fed ``xhat = 1``
   (its gradient is then the scale rule's); ``xhat`` and ``g`` arrive with
   the axes the scale varies along moved last and read as the scale's shape
@@ -66,7 +71,8 @@ from absl import logging
 
 from kfac_graph import layers
 from kfac_graph.fisher import blocks_base, blocks_full, defaults
-from kfac_graph.fisher.blocks_compose import PermutedKernelBlock, TransposedKernelBlock
+from kfac_graph.fisher.blocks_compose import (PermutedKernelBlock, StackedKernelBlock,
+                                              TransposedKernelBlock)
 
 ALIASES = types.MappingProxyType({kind: types.MappingProxyType(defaults.kind_blocks(kind))
                                    for kind in layers.KINDS})
@@ -136,6 +142,14 @@ def make_layer_block(layer, approximations=None, max_factor_size=None,
     perms = {tuple(a.get("kernel_perm") or ()) for a in layer.use_attrs}
     if layer.kind == "dense" and perms != {()}:
         return _permuted_block(layer, factory, shapes, make, overrides, perms, options)
+    rows = attrs.get("stacked_rows")
+    if layer.kind == "dense" and rows:
+        if getattr(factory, "stats", None) == PER_EXAMPLE:
+            return make(layer.kind, shapes, overrides)
+        inner = make(layer.kind, [(sum(rows), shapes[0][1])] + shapes[len(rows):], overrides)
+        if block_stats(inner) == PER_EXAMPLE:
+            return make(layer.kind, shapes, overrides)
+        return StackedKernelBlock(inner, shapes, rows, attrs, num_uses=layer.uses, **options)
     if orientation == "mixed":
         if getattr(factory, "stats", None) == PER_EXAMPLE:
             return make(layer.kind, shapes, overrides)

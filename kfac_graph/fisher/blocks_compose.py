@@ -16,6 +16,13 @@ through as they are.
 way in and back on the way out, `full_matrix` is permuted to the stored
 row-major order.
 
+`StackedKernelBlock(block, var_shapes, rows)`: a dense kernel made of
+several variables, `[W; R]` (`W` `[rows[0], d_out]`, then `R`; a recurrent
+cell's input and recurrent kernels), handed to `block` as the one matrix
+it was built for: vectors are concatenated along the rows on the way in
+and split on the way out; the row-major order of `[W; R]` is that of `W`
+then `R`, so `full_matrix` is the inner one.
+
 `PartsBlock(parts)`: `F ~= diag(F_1, F_2, ...)`, part k a block over the
 next `len(parts[k].var_shapes)` variables (in layer order), the cross terms
 between parts dropped. Every part sees the layer's whole data; every method
@@ -112,6 +119,28 @@ class PermutedKernelBlock(TransposedKernelBlock):
 
     def _outward(self, vs):
         return [tf.transpose(vs[0], self._backward)] + list(vs[1:])
+
+
+class StackedKernelBlock(TransposedKernelBlock):
+    """``block`` (built for the kernel ``[sum(rows), d_out]``) presented for
+    the kernel's variables, ``rows[k]`` rows each, then the rest (module
+    docstring)."""
+
+    def __init__(self, block, var_shapes, rows, attrs=None, **kwargs):
+        blocks_base.FisherBlock.__init__(self, var_shapes, attrs, **kwargs)
+        self.block = block
+        self.stats = block.stats
+        self._rows = [int(r) for r in rows]
+
+    def _inward(self, vs):
+        k = len(self._rows)
+        return [tf.concat(list(vs[:k]), axis=0)] + list(vs[k:])
+
+    def _outward(self, vs):
+        return tf.split(vs[0], self._rows, axis=0) + list(vs[1:])
+
+    def full_matrix(self):
+        return self.block.full_matrix()
 
 
 class PartsBlock(blocks_base.FisherBlock):

@@ -32,6 +32,13 @@ later axis (`"btd,ndh->btnh"`: the op applies `W' = transpose(W, perm)`,
 `attrs["kernel_perm"]`) is the same layer on `W'`, its gradient transposed
 back by the inverse permutation.
 
+Stacked kernels (a sum of products `x @ W + h @ R (+ b)` sharing one
+output, a recurrent cell's; `attrs["stacked_rows"]` = the rows of each
+variable): one layer on the concatenated input `a = [x, h]` with the kernel
+`[W; R]` (`d_in` = the rows' sum); `operands` concatenates the use's inputs
+and the rule splits `dW_i` back into the variables' rows. The layer's
+variables are the kernels in that order, then the bias.
+
 Norms: Gram form iff `T (d_in + d_out) < d_in d_out` (see `norms.py`), else the
 materialised gradient is squared; the bias norm is always `|sum_t g_t|^2`.
 """
@@ -59,6 +66,8 @@ class DenseSpec:
         applied, after `kernel_perm`); () otherwise.
       kernel_perm: the op applies `transpose(kernel, kernel_perm)` (a kernel
         contracted on a later axis); () when it applies the kernel as stored.
+      kernel_rows: the rows of each variable of a stacked kernel `[W; R]`
+        (its gradient comes as one tensor per variable); () for one kernel.
     """
 
     has_bias: bool = False
@@ -66,6 +75,7 @@ class DenseSpec:
     kernel_shape: tuple = ()
     bias_shape: tuple = ()
     kernel_perm: tuple = ()
+    kernel_rows: tuple = ()
 
 
 def _outer(left, right):
@@ -140,6 +150,8 @@ class DenseRule:
             out = [tf.reshape(t, [-1, *shape]) for t, shape in zip(out, shapes)]
         if spec.kernel_perm:  # back to the stored layout
             out[0] = tf.transpose(out[0], [0, *(1 + int(i) for i in np.argsort(spec.kernel_perm))])
+        if spec.kernel_rows:  # one gradient per variable of a stacked kernel
+            out = tf.split(out[0], list(spec.kernel_rows), axis=1) + out[1:]
         return out
 
     def squared_norms(self, uses, spec):
@@ -190,15 +202,24 @@ def applied_kernel_shape(layer, use) -> tuple:
     return tuple(shape[p] for p in perm) if perm else shape
 
 
+def kernel_variables(layer) -> int:
+    """How many of `layer`'s variables make its kernel (more than one when
+    stacked); the bias, if any, comes after them."""
+    return max([len(a.get("stacked_rows", ())) for a in layer.use_attrs] + [1])
+
+
 def spec(layer, use):
-    """`DenseSpec` of one use: a bias if the layer has a second variable; the
-    kernel transposed if the op multiplies by `W^T`; the variables' shapes for
-    a multi-axis kernel (the kernel's as applied, and its permutation)."""
+    """`DenseSpec` of one use: a bias if the layer has a variable after its
+    kernel's; the kernel transposed if the op multiplies by `W^T`; the
+    variables' shapes for a multi-axis kernel (the kernel's as applied, and
+    its permutation); a stacked kernel's rows."""
     attrs = layer.use_attrs[use]
     shapes = variable_shapes(layer) if attrs.get("kernel_in_axes") else [(), ()]
     if attrs.get("kernel_in_axes"):
         shapes[0] = applied_kernel_shape(layer, use)
-    return DenseSpec(has_bias=len(layer.variables) == 2,
+    rows = tuple(attrs.get("stacked_rows", ()))
+    return DenseSpec(has_bias=len(layer.variables) == max(len(rows), 1) + 1,
+                     kernel_rows=rows,
                      transpose_kernel=bool(attrs.get("transpose_kernel")),
                      kernel_shape=shapes[0], bias_shape=shapes[-1] if len(shapes) > 1 else (),
                      kernel_perm=tuple(attrs.get("kernel_perm") or ()))
@@ -209,9 +230,16 @@ def operands(layer, use, tensors, grads):
     the pass saw through), each `g` to the same positions with `d_out`; for a
     multi-axis kernel `a [B, T, d_in]` and `g [B, T, d_out]` (T: all positions);
     for a use of a box of the kernel (`parts.py`), both zero-padded to the
-    whole kernel's `d_in` and `d_out`."""
+    whole kernel's `d_in` and `d_out`; for a stacked kernel the use's inputs
+    concatenated along their last axis."""
     attrs = layer.use_attrs[use]
     shape = attrs.get("input_shape")
+    rows = attrs.get("stacked_rows")
+    if rows:  # [x, h]: the inputs side by side, as the stacked kernel's rows
+        lead = tuple(shape[:-1]) if shape else None
+        a = tf.concat([reshape_like(t, lead and (*lead, d)) for t, d in zip(tensors, rows)],
+                      axis=-1)
+        return a, [reshape_like(g, lead and (*lead, g.shape[-1])) for g in grads]
     if attrs.get("kernel_in_axes"):
         d_in, d_out = matrix_shape(applied_kernel_shape(layer, use), attrs["kernel_in_axes"])
         if shape is None or None in shape[1:]:

@@ -46,6 +46,7 @@ import math
 import numpy as np
 
 import passes.ir
+from kfac_graph.layers import dense
 
 # the periods ``choose_periods`` considers, in the order it prefers them
 COV_PERIODS = (1, 2, 5, 10, 20, 50, 100)
@@ -90,7 +91,9 @@ def layer_costs(registration, blocks, batch: int, sources: int = 1) -> list:
 
 def _forward(registration, layer, batch):
     """``(forward multiply-adds, rows)`` of one layer over its uses."""
-    size = float(np.prod([int(d) for d in layer.variables[0].shape])) if layer.variables else 0.0
+    kernels = layer.variables[:dense.kernel_variables(layer)] if layer.kind == "dense" else \
+        layer.variables[:1]
+    size = float(sum(np.prod([int(d) for d in v.shape]) for v in kernels))
     forward = rows = 0.0
     for output in layer.outputs:
         shape = static_shape(registration, output) or ()
