@@ -9,7 +9,9 @@ the help text of ``pydoc_data`` (``char_text.py``), last 10% held out;
 batch 32, float32.
 
 Rows: ``kg.KFAC`` for each ``--kfac`` spec (``kfac_spec.py``: e.g.
-``"label=reduce dense=kron_reduce"``, ``"label=regular momentum_type=regular"``) and
+``"label=reduce dense=kron_reduce"``, ``"label=regular momentum_type=regular"``,
+``"label=cosine momentum_type=regular cosine_lr=0.3"``: AdamW's warm-up
+and cosine decay over ``--kfac_steps``) and
 AdamW (weight decay 0.01, linear warm-up over ``--warmup`` steps, cosine
 decay to 0 at ``--adam_steps``, as transformers are trained) at each
 learning rate of a grid. The target is the best AdamW run's held-out loss
@@ -70,7 +72,7 @@ def make_loss(model):
 
 
 def kfac_run(spec, vocab, held_out):
-    label, options = kfac_spec.parse(spec)
+    label, options = kfac_spec.parse(spec, steps=FLAGS.kfac_steps, warmup=FLAGS.warmup)
     model = make_model(vocab)
     opt = kg.KFAC(kg.auto_register(make_loss(model)), **options)
     return lm_race.Run(f"K-FAC {label}", "kfac", opt.step,

@@ -5,6 +5,7 @@ the covariances and inverses), ``update_rules.py`` (the momentum rules and
 the norm constraint), ``damping.py`` (Levenberg-Marquardt adaptation),
 ``qmodel.py`` (the 2x2 quadratic model), ``exact_fisher.py`` (exact Fisher
 quadratic forms), ``vectors.py`` (arithmetic on parameter lists)."""
-from kfac_graph.optimizer.kfac import KFAC, MOMENTUM_TYPES
+from kfac_graph.optimizer.kfac import KFAC
+from kfac_graph.optimizer.kfac_options import MOMENTUM_TYPES
 
 __all__ = ["KFAC", "MOMENTUM_TYPES"]

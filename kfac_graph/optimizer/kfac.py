@@ -68,16 +68,13 @@ A non-finite loss, gradient, factor, inverse or update leaves every
 variable (parameters, factors, inverses, velocities, damping, counter) as
 it was, adds one to ``skipped_steps`` and logs a warning.
 
-``jit_compile``: ``True`` compiles the whole step with XLA; ``"auto"`` does
-so on accelerators only: on the CPU, XLA's convolutions, Cholesky
-factorisations and matmuls trail TensorFlow's own (oneDNN) kernels, so
-even convolution-free models train faster without it there (measured in
-``benchmarks/step_overhead.py``; figures in the README). The
+``jit_compile``: ``True`` compiles the whole step with XLA; ``"auto"`` on
+accelerators only (on the CPU XLA's convolutions, Cholesky factorisations
+and matmuls trail oneDNN's, ``benchmarks/step_overhead.py``). The
 preconditioning is compiled with ``True`` and ``False``; ``"auto"`` on the
-CPU runs it with TensorFlow's kernels too (faster there, and its XLA
-compile was the largest part of a first step: 42 s of MobileNetV3Small's,
-``benchmarks/cold_start.py``). Summaries and the skip warning run outside
-XLA.
+CPU runs it with TensorFlow's kernels too (its XLA compile was most of a
+first step, ``benchmarks/cold_start.py``). Summaries and the skip warning
+run outside XLA.
 
 Under ``tf.distribute`` (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``,
 ``TPUStrategy``; the strategy in scope when the optimizer is made) the same
@@ -101,7 +98,6 @@ from kfac_graph.optimizer import graph_options, kfac_options, plan, summaries
 from kfac_graph.optimizer.schedule import StepSchedule
 from kfac_graph.optimizer.single_device import SingleDeviceCore
 
-MOMENTUM_TYPES = kfac_options.MOMENTUM_TYPES
 DEFAULT_COV_UPDATE_PERIOD = 1
 DEFAULT_INVERSE_UPDATE_PERIOD = 10
 _plain_python = tf.autograph.experimental.do_not_convert
@@ -124,7 +120,9 @@ class KFAC(tf.Module):
     Levenberg-Marquardt rule (how they compare with Adam: the README and
     ``benchmarks/convergence.py``).
     ``learning_rate``, ``momentum``: used by ``"regular"`` and ``"adam"``
-    (ignored by ``"qmodel"``, which chooses both each step). ``damping``:
+    (ignored by ``"qmodel"``, which chooses both each step); a schedule
+    (a callable of the step from 0, as ``keras.optimizers.schedules``') is
+    read every step, ``learning_rate`` then recording the value used. ``damping``:
     the initial ``lambda`` (adapted when ``adapt_damping``, never below
     ``min_damping``: by default ``RELATIVE_MIN_DAMPING`` (1e-4) times the
     initial value, see ``damping.py``). Estimator
@@ -197,6 +195,8 @@ class KFAC(tf.Module):
         self._replicated = distributed.for_current_strategy(self, sync_statistics)
         self._core = self._replicated if self._replicated is not None else SingleDeviceCore(self)
         self.momentum_type = momentum_type
+        self.learning_rate_schedule, learning_rate = kfac_options.learning_rate_schedule(
+            learning_rate, momentum_type)
         self.qmodel_curvature = qmodel_curvature
         self.qmodel_batch_fraction = float(qmodel_batch_fraction)
         self.l2_reg = float(l2_reg)
@@ -397,3 +397,4 @@ class KFAC(tf.Module):
     def built(self) -> bool:
         """Whether the state (factors, velocities, counters) exists yet."""
         return self._built
+

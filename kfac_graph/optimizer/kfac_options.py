@@ -11,7 +11,7 @@ MOMENTUM_TYPES = ("regular", "adam", "qmodel")
 
 _EST = FisherEstimator.OPTIONS
 OPTIONS = types.MappingProxyType({
-    "learning_rate": options.Real(0.0, low_open=True), "damping": options.Real(0.0),
+    "learning_rate": options.Real(0.0, low_open=True, dynamic=True), "damping": options.Real(0.0),
     "momentum": options.Real(0.0, 1.0, high_open=True),
     "momentum_type": options.OneOf(MOMENTUM_TYPES), "l2_reg": options.Real(0.0),
     "norm_constraint": options.Real(0.0, low_open=True, none=True),
@@ -32,3 +32,16 @@ OPTIONS = types.MappingProxyType({
     "sync_statistics": options.OneOf(distributed.SYNC_MODES),
     "graph_optimization": options.OneOf(graph_options.MODES)})
 del _EST
+
+
+def learning_rate_schedule(learning_rate, momentum_type) -> tuple:
+    """``(schedule, initial value)``: ``learning_rate`` and its value at step
+    0 if it is a schedule (a callable of the step), else ``(None,
+    learning_rate)``; a schedule with the quadratic model, which picks its
+    own step size, is a one-line ``ValueError``."""
+    if not callable(learning_rate):
+        return None, learning_rate
+    if momentum_type == "qmodel":
+        raise ValueError("kg.KFAC: a learning_rate schedule needs momentum_type 'regular' or "
+                         "'adam'; 'qmodel' picks its own step size")
+    return learning_rate, float(learning_rate(0))

@@ -254,7 +254,7 @@ class StepCore:
                 v.assign_add(tf.cast(d, v.dtype))
             for slot, new in zip(opt.velocities, velocity):
                 slot.assign(new)
-            if opt.momentum_type == "qmodel":
+            if opt.momentum_type == "qmodel" or opt.learning_rate_schedule is not None:
                 opt.learning_rate.assign(tf.cast(direction.learning_rate, opt.dtype))
                 opt.momentum.assign(tf.cast(direction.momentum, opt.dtype))
             if opt.adapt_damping:
@@ -281,7 +281,8 @@ class StepCore:
         the quadratic model's cap (``qmodel.cap``)."""
         opt = self.opt
         dtype = opt.dtype
-        lr = tf.cast(opt.learning_rate, dtype)
+        lr = tf.cast(opt.learning_rate if opt.learning_rate_schedule is None
+                     else opt.learning_rate_schedule(opt.iterations.read_value()), dtype)
         mu = tf.cast(opt.momentum, dtype)
         old = [v.read_value() for v in opt.velocities]
         precondition = lambda vectors: opt.precondition(vectors, damping)
