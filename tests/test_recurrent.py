@@ -76,13 +76,14 @@ CELLS = {
     "gru": (lambda: L.GRU(U), ["dense", "scale_and_shift", "dense"]),  # bias [2, 3u], split
     "gru_reset_before": (lambda: L.GRU(U, reset_after=False), ["dense", "dense"]),  # sliced kernel
     "simple_rnn": (lambda: L.SimpleRNN(U), ["dense"]),  # (x @ kernel + bias) + h @ recurrent
+    "lstm_no_bias": (lambda: L.LSTM(U, use_bias=False), ["dense"]),  # x @ kernel + h @ recurrent
     # every gate's slice of the kernels and biases
     "lstm_implementation_1": (lambda: L.LSTM(U, implementation=1),
                               ["dense", "scale_and_shift", "dense"]),
     "gru_implementation_1": (lambda: L.GRU(U, implementation=1),
                              ["dense", "dense", "scale_and_shift"]),
 }
-SLOW_CELLS = ("simple_rnn", "lstm_implementation_1", "gru_implementation_1")
+SLOW_CELLS = ("simple_rnn", "lstm_no_bias", "lstm_implementation_1", "gru_implementation_1")
 
 
 @pytest.mark.parametrize("cell", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CELLS
