@@ -66,7 +66,7 @@ def make_loss(model):
 
 
 def kfac_run(spec, data, held_out, first_batch):
-    label, options = kfac_spec.parse(spec)
+    label, options = kfac_spec.parse(spec, steps=FLAGS.kfac_steps)
     model = make_model(data.vocab_size)
     loss_fn = kg.auto_register(make_loss(model))
     approximations = options.get("approximations", {})
