@@ -111,7 +111,9 @@ def _dense_kernel_ok(g, m) -> bool:
     return len(var_shape(g, m["w"])) == 2
 
 
-def _bias_fits(g, m, channel_axis) -> bool:
+def bias_fits(g, m, channel_axis) -> bool:
+    """Whether the variable ``m['b']`` added by ``m['add']`` is a bias ``[C]``
+    along ``channel_axis`` of ``m['op']``'s output."""
     bias_shape = var_shape(g, m["b"])
     out_shape = g.nodes[m["op"]]["shapes"][0]
     if len(bias_shape) != 1 or out_shape is None:
@@ -139,7 +141,7 @@ def _bias_fits(g, m, channel_axis) -> bool:
 def _conv_bias_ok(g, m) -> bool:
     fmt = g.nodes[m["op"]]["attrs"].get("data_format", "NHWC")
     rank = len(g.nodes[m["op"]]["shapes"][0] or ())
-    return _bias_fits(g, m, channel_axis=1 if fmt.startswith("NC") else -1) if rank else False
+    return bias_fits(g, m, channel_axis=1 if fmt.startswith("NC") else -1) if rank else False
 
 
 def _merges_leading(g, m) -> bool:
@@ -163,7 +165,7 @@ DENSE_TENSORDOT_BIAS = Pattern(
     (("x", "flat", 0), ("flat", "op", 0), ("w", "op", 1), ("op", "unflat", 0),
      ("unflat", "add", None), ("b", "add", None)),
     anchor="op", output="add", params=("w", "b"), inputs=(("flat", "in", 0),),
-    check=lambda g, m: _merges_leading(g, m) and _bias_fits(
+    check=lambda g, m: _merges_leading(g, m) and bias_fits(
         g, {**m, "op": m["unflat"]}, -1))
 DENSE_TENSORDOT = Pattern(
     "dense_tensordot", "dense",
@@ -177,7 +179,7 @@ DENSE_BIAS = Pattern(
     {"x": ANY, "op": MATMUL, "w": VAR_PART, "b": VAR, "add": ADD},
     (("x", "op", 0), ("w", "op", 1), ("op", "add", None), ("b", "add", None)),
     anchor="op", output="add", params=("w", "b"), inputs=(("op", "in", 0),),
-    check=lambda g, m: _dense_kernel_ok(g, m) and _bias_fits(g, m, -1))
+    check=lambda g, m: _dense_kernel_ok(g, m) and bias_fits(g, m, -1))
 DENSE = Pattern(
     "dense", "dense",
     {"x": ANY, "op": MATMUL, "w": VAR_PART},
@@ -270,7 +272,7 @@ DENSE_TRANSPOSED_BIAS = Pattern(
     {"x": ANY, "op": MATMUL, "t": ops("Transpose"), "w": VAR, "b": VAR, "add": ADD},
     (("x", "op", 0), ("w", "t", 0), ("t", "op", 1), ("op", "add", None), ("b", "add", None)),
     anchor="op", output="add", params=("w", "b"), inputs=(("op", "in", 0),),
-    check=lambda g, m: _transposed_kernel(g, m) and _bias_fits(g, m, -1))
+    check=lambda g, m: _transposed_kernel(g, m) and bias_fits(g, m, -1))
 DENSE_TRANSPOSED = Pattern(
     "dense_transposed", "dense",
     {"x": ANY, "op": MATMUL, "t": ops("Transpose"), "w": VAR},
@@ -291,7 +293,7 @@ def _atrous(kind, types, name):
         f"{name}_bias", kind, {**nodes, "b": VAR, "add": ADD},
         edges + (("b2s", "add", None), ("b", "add", None)),
         anchor="op", output="add", params=("w", "b"), inputs=(("s2b", "in", 0),),
-        check=lambda g, m: _bias_fits(g, {**m, "op": m["b2s"]}, -1))
+        check=lambda g, m: bias_fits(g, {**m, "op": m["b2s"]}, -1))
     bare = Pattern(name, kind, nodes, edges, anchor="op", output="b2s", params=("w",),
                    inputs=(("s2b", "in", 0),))
     return with_bias, bare
@@ -313,7 +315,7 @@ DENSE_TENSORDOT_TRANSPOSED_BIAS = Pattern(
     _TENSORDOT_T_EDGES + (("unflat", "add", None), ("b", "add", None)),
     anchor="op", output="add", params=("w", "b"), inputs=(("flat", "in", 0),),
     check=lambda g, m: (_merges_leading(g, m) and _transposed_kernel(g, m)
-                        and _bias_fits(g, {**m, "op": m["unflat"]}, -1)))
+                        and bias_fits(g, {**m, "op": m["unflat"]}, -1)))
 DENSE_TENSORDOT_TRANSPOSED = Pattern(
     "dense_tensordot_transposed", "dense", _TENSORDOT_T_NODES, _TENSORDOT_T_EDGES,
     anchor="op", output="unflat", params=("w",), inputs=(("flat", "in", 0),),

@@ -21,8 +21,7 @@ output gradient).
 """
 from __future__ import annotations
 
-from passes import ir
-from passes.patterns import ADD, ANY, VAR, Pattern, ops, var_shape
+from passes.patterns import ADD, ANY, VAR, Pattern, bias_fits, ops, var_shape
 
 _ADD = ops("Add", "AddV2")
 
@@ -51,20 +50,6 @@ def _kernels_fit(g, m) -> bool:
     return _only_reader(g, m["op"], first) and _only_reader(g, m["op2"], m["sum"])
 
 
-def _bias_fits(g, m) -> bool:
-    """A bias ``[d_out]`` added along the last axis of an output as wide."""
-    bias, out = var_shape(g, m["b"]), g.nodes[m["add"]]["shapes"][0]
-    if len(bias) != 1 or not out or out[-1] not in (bias[0], None):
-        return False
-    if g.nodes[m["add"]]["op"] == "BiasAdd":
-        fmt = g.nodes[m["add"]]["attrs"].get("data_format", "NHWC")
-        return not str(fmt).strip("b'").startswith("NC")
-    raw = [t for t in g.nodes[m["add"]]["raw_inputs"]
-           if ir.resolve(g, t) == ir.tensor_name(m["b"])]
-    shape = ir.shape_of(g, raw[0]) if raw else None
-    return shape is not None and len(shape) == 1
-
-
 _PRODUCTS = {"x": ANY, "op": _MATMUL, "w": VAR, "x2": ANY, "op2": _MATMUL, "w2": VAR}
 _PRODUCT_EDGES = (("x", "op", 0), ("w", "op", 1), ("x2", "op2", 0), ("w2", "op2", 1))
 _INPUTS = (("op", "in", 0), ("op2", "in", 0))
@@ -77,7 +62,7 @@ STACKED_DENSE_BIAS = Pattern(
                       ("b", "add", None)),
     anchor="op", output="add", params=("w", "w2", "b"), inputs=_INPUTS,
     check=lambda g, m: (_kernels_fit(g, m) and _only_reader(g, m["sum"], m["add"])
-                        and _bias_fits(g, m)))
+                        and bias_fits(g, m, -1)))
 # z = (x @ W + b) + h @ R   (Keras's SimpleRNN cell)
 STACKED_DENSE_INNER_BIAS = Pattern(
     "stacked_dense_inner_bias", "dense",
@@ -86,7 +71,7 @@ STACKED_DENSE_INNER_BIAS = Pattern(
                       ("op2", "sum", 1)),
     anchor="op", output="sum", params=("w", "w2", "b"), inputs=_INPUTS,
     check=lambda g, m: (_kernels_fit(g, m) and _only_reader(g, m["inner"], m["sum"])
-                        and _bias_fits(g, {**m, "add": m["inner"]})))
+                        and bias_fits(g, {**m, "add": m["inner"]}, -1)))
 # z = x @ W + h @ R
 STACKED_DENSE = Pattern(
     "stacked_dense", "dense",

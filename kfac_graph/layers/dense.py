@@ -217,9 +217,8 @@ def spec(layer, use):
     shapes = variable_shapes(layer) if attrs.get("kernel_in_axes") else [(), ()]
     if attrs.get("kernel_in_axes"):
         shapes[0] = applied_kernel_shape(layer, use)
-    rows = tuple(attrs.get("stacked_rows", ()))
-    return DenseSpec(has_bias=len(layer.variables) == max(len(rows), 1) + 1,
-                     kernel_rows=rows,
+    return DenseSpec(has_bias=len(layer.variables) == kernel_variables(layer) + 1,
+                     kernel_rows=tuple(attrs.get("stacked_rows", ())),
                      transpose_kernel=bool(attrs.get("transpose_kernel")),
                      kernel_shape=shapes[0], bias_shape=shapes[-1] if len(shapes) > 1 else (),
                      kernel_perm=tuple(attrs.get("kernel_perm") or ()))
