@@ -90,6 +90,33 @@ def test_fisher_forms_of_the_step_forward_pass_equal_those_of_a_fresh_one():
                                rtol=1e-10)
 
 
+def _qmodel_run(share, monkeypatch, seed):
+    from kfac_graph.optimizer import single_device
+    monkeypatch.setattr(single_device, "forms_reuse_forward", lambda opt: share)
+    w, b, fn, batches = _dense_problem(seed=seed)
+    opt = kg.KFAC(fn, cov_update_period=3, inverse_update_period=2, jit_compile=False)
+    losses = [float(opt.step(x, y)) for x, y in batches[:7]]
+    assert int(opt.skipped_steps.numpy()) == 0
+    return (losses, _stacked(w, b),
+            [v.numpy() for v in opt.estimator_state], float(opt.damping.numpy()))
+
+
+def test_a_covariance_period_shares_the_forward_pass_with_the_same_steps(monkeypatch):
+    """With ``cov_update_period > 1`` the quadratic model's step takes its loss,
+    gradients and exact Fisher forms from one top-level pass of the registered
+    graph, and adds the statistics in a branch on covariance steps: the same
+    losses, parameters, factors and damping as the step without sharing
+    (its own pass for the forms)."""
+    shared = _qmodel_run(True, monkeypatch, seed=6)
+    fresh = _qmodel_run(False, monkeypatch, seed=6)
+    np.testing.assert_allclose(shared[0], fresh[0], rtol=1e-10)
+    np.testing.assert_allclose(shared[1], fresh[1], rtol=1e-10, atol=1e-13)
+    for a, b in zip(shared[2], fresh[2]):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
+    assert shared[3] == pytest.approx(fresh[3], rel=1e-10)
+    assert shared[0][-1] < shared[0][0]
+
+
 def _solve(m11, m12, m22, c1, c2, dtype=F64):
     alpha, mu = qmodel.solve(*(tf.constant(v, dtype) for v in (m11, m12, m22, c1, c2)))
     return alpha.numpy(), mu.numpy()

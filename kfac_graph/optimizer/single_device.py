@@ -5,8 +5,11 @@ the estimator's own pass (``FisherEstimator.accumulate_taps``), which also
 folds the batch's statistics into the factors. When every step updates the
 covariances that pass sits at the top level of the step's graph, where the
 quadratic model's exact Fisher forms differentiate it again (no second
-forward pass, ``exact_fisher.py``); otherwise a branch picks the pass with
-or without statistics, and the forms run their own forward pass.
+forward pass, ``exact_fisher.py``). With a longer covariance period the
+quadratic model's step still runs its loss and gradients on the registered
+graph at the top level, for the forms to differentiate, and a branch adds the
+statistics on covariance steps (``step_core.forward_backward``); other steps
+let a branch pick the pass with or without statistics.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from kfac_graph.optimizer import exact_fisher
 from kfac_graph.optimizer import vectors as vec
 from kfac_graph.optimizer.distributed import is_replica_local
 from kfac_graph.optimizer.step_core import (Gradients, StepCore, curvature_scale,
-                                             forward_backward)
+                                             forms_reuse_forward, forward_backward)
 
 
 class SingleDeviceCore(StepCore):
@@ -35,7 +38,8 @@ class SingleDeviceCore(StepCore):
         variables = list(registration.variables)
         first = tf.convert_to_tensor(tf.nest.flatten(args)[0])
         scale = curvature_scale(registration, tf.shape(first)[0], opt.dtype)
-        loss, grads, forward = forward_backward(opt, args, variables, scheduled.do_cov)
+        loss, grads, forward = forward_backward(opt, args, variables, scheduled.do_cov,
+                                                share_forward=forms_reuse_forward(opt))
         statistics_ok = tf.cond(scheduled.do_cov, self.statistics_finite,
                                 lambda: tf.constant(True))
         return Gradients(loss, grads, statistics_ok, scale, forward)

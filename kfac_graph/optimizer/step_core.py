@@ -61,6 +61,7 @@ import tensorflow as tf
 from kfac_graph.optimizer import damping as damping_lib
 from kfac_graph.optimizer import update_rules
 from kfac_graph.optimizer import vectors as vec
+from kfac_graph.taps import LayerTaps
 
 
 class Gradients(NamedTuple):
@@ -100,15 +101,43 @@ def dense(grads, variables):
     return out
 
 
-def forward_backward(opt, args, variables, do_cov):
+def forms_reuse_forward(opt) -> bool:
+    """Whether the quadratic model's exact Fisher forms differentiate the
+    step's own forward pass: they are taken on the whole batch, and the update
+    sits at the top level of the step's graph (no burn-in branch around it)."""
+    return (opt.momentum_type == "qmodel" and opt.qmodel_curvature == "exact"
+            and opt.qmodel_batch_fraction >= 1 and not opt.num_burnin_steps)
+
+
+def forward_backward(opt, args, variables, do_cov, share_forward=False):
     """``(loss, gradients, forward)`` of ``opt.fn`` on ``args`` (one device's or
-    replica's batch); on covariance steps the same forward pass also folds
-    the batch's statistics into ``opt.estimator``'s factors. ``forward``:
-    that pass (``LayerTaps``) when every step is a covariance step, so that
-    it is not inside a branch (else None)."""
+    replica's batch); on covariance steps the batch's statistics are also folded
+    into ``opt.estimator``'s factors. ``forward``: a pass at the top level of
+    the step's graph (``LayerTaps``) that the Fisher forms may differentiate
+    again, else None:
+
+    - every step a covariance step: the estimator's pass, shared by the loss,
+      the gradients and the statistics;
+    - otherwise, with ``share_forward``: the registered graph's pass gives the
+      loss and gradients at the top level, and on covariance steps a branch
+      runs the estimator's own pass for the statistics (gradients cannot
+      cross into a branch). A step without statistics runs one forward pass
+      instead of two (the forms' own); a covariance step as many as before;
+    - otherwise a branch picks the estimator's pass or the function's own."""
     if opt.schedule.every_step_updates_covariances:
         taps = opt.estimator.accumulate_taps(*args)
         return taps.loss, dense(tf.gradients(taps.loss, variables), variables), taps
+
+    if share_forward:
+        taps = LayerTaps.build(opt.estimator.build(*args), args)
+        grads = dense(tf.gradients(taps.loss, variables), variables)
+
+        def with_statistics():
+            opt.estimator.accumulate(*args)
+            return tf.constant(True)
+
+        tf.cond(do_cov, with_statistics, lambda: tf.constant(False))
+        return taps.loss, grads, taps
 
     def with_statistics():
         loss = opt.estimator.accumulate(*args)
