@@ -8,6 +8,7 @@ import kfac_graph as kg
 from kfac_graph.optimizer import damping as damping_lib
 from kfac_graph.optimizer import exact_fisher
 from kfac_graph.optimizer import qmodel
+from kfac_graph.optimizer import single_device
 from test_optimizer import (_dense_problem, _numpy_precondition, _numpy_quantities,
                             _stacked)
 
@@ -91,7 +92,6 @@ def test_fisher_forms_of_the_step_forward_pass_equal_those_of_a_fresh_one():
 
 
 def _qmodel_run(share, monkeypatch, seed):
-    from kfac_graph.optimizer import single_device
     monkeypatch.setattr(single_device, "forms_reuse_forward", lambda opt: share)
     w, b, fn, batches = _dense_problem(seed=seed)
     opt = kg.KFAC(fn, cov_update_period=3, inverse_update_period=2, jit_compile=False)

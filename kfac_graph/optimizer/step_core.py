@@ -5,8 +5,10 @@ into the caller's ``tf.function``; on the schedule of step ``t``
 (``schedule.py``):
 
 1. ``loss_and_gradients``: the loss and its gradients ``g`` on the batch,
-   one forward and backward pass; on covariance steps the same pass folds
-   the batch's statistics into the estimator's factors. ``g`` gains
+   one forward and backward pass; on covariance steps the batch's
+   statistics are folded into the estimator's factors, by the same pass or,
+   where the quadratic model's forms keep that pass at the top level, by a
+   pass of its own in a branch (``forward_backward``). ``g`` gains
    ``l2_reg * theta``;
 2. on inverse steps, and whenever the cached inverses were made for another
    damping (the blocks cache damped inverses; the Levenberg-Marquardt rule
