@@ -48,6 +48,7 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import digits  # noqa: E402
+from bert_small import batch as bert_batch, bert_small  # noqa: E402
 import kfac_graph as kg  # noqa: E402
 from kfac_graph.optimizer import costs, plan  # noqa: E402
 
@@ -69,33 +70,6 @@ VARIANTS = {
 }
 
 
-class PositionTable(keras.layers.Layer):
-    """Adds a learned ``[length, d]`` table to ``[B, length, d]`` inputs."""
-
-    def build(self, shape):
-        self.table = self.add_weight(shape=tuple(shape[1:]), initializer="random_normal",
-                                     name="table")
-
-    def call(self, x):
-        return x + self.table[None]
-
-
-def bert_small(vocab=1000, length=128, d=256, heads=4, layers=4, ffn=1024, classes=2):
-    """The encoder of the module docstring: logits ``[B, classes]`` of the first token."""
-    ids = keras.Input((length,), dtype="int32")
-    tokens = keras.layers.Embedding(vocab, d, name="tokens")(ids)
-    h = keras.layers.LayerNormalization(name="embedding_norm")(PositionTable(name="positions")(
-        tokens))
-    for i in range(layers):
-        attention = keras.layers.MultiHeadAttention(heads, d // heads, name=f"attention_{i}")
-        h = keras.layers.LayerNormalization(name=f"attention_norm_{i}")(h + attention(h, h))
-        up = keras.layers.Dense(ffn, activation="gelu", name=f"ffn_up_{i}")(h)
-        h = keras.layers.LayerNormalization(name=f"ffn_norm_{i}")(
-            h + keras.layers.Dense(d, name=f"ffn_down_{i}")(up))
-    logits = keras.layers.Dense(classes, name="classifier")(h[:, 0])
-    return keras.Model(ids, logits, name="bert_small")
-
-
 def make(name):
     """``(model, loss(x, y), batches)`` with fresh weights (seed 0)."""
     keras.utils.set_random_seed(0)
@@ -105,8 +79,7 @@ def make(name):
         return task.model, task.loss_fn.python_function, task.batches(FLAGS.block, 256)
     if name == "bert_small":
         model = bert_small()
-        batches = [(tf.constant(rng.integers(0, 1000, (16, 128)), tf.int32),
-                    tf.constant(rng.integers(0, 2, 16), tf.int32)) for _ in range(FLAGS.block)]
+        batches = [bert_batch(rng) for _ in range(FLAGS.block)]
     else:
         build = {"resnet50": keras.applications.ResNet50,
                  "efficientnetb0": keras.applications.EfficientNetB0}[name]
