@@ -102,6 +102,16 @@ def leading_order(devices, fraction):
     return np.array(first + [i for i in range(BATCH) if i not in first])
 
 
+def slice_order(devices, period):
+    """The examples of a batch reordered so that one device's ``j``-th
+    ``spread_covariances`` slice holds the replicas' own ``j``-th slices."""
+    share = BATCH // devices
+    n = -(-share // period)
+    assert devices * n == -(-BATCH // period) and period * n == share
+    return np.array([r * share + j * n + i for j in range(period) for r in range(devices)
+                     for i in range(n)])
+
+
 def logical_devices(n):
     import tensorflow as tf
 
@@ -150,6 +160,16 @@ def run_mirrored(devices, out):
     results["qmodel_fraction/lazy"] = np.concatenate([p.ravel() for p in params])
     whole, _, _ = train("qmodel", qmodel_batch_fraction=0.5)
     results["qmodel_fraction/unordered"] = np.concatenate([p.ravel() for p in whole])
+    # spread covariances: each replica's statistics are those of its own slice
+    spread = dict(cov_update_period=2, spread_covariances=True)
+    ref, _, _ = train("regular", order=slice_order(devices, 2), **spread)
+    results["spread/reference"] = np.concatenate([p.ravel() for p in ref])
+    for sync in ("lazy", "eager"):
+        strategy = tf.distribute.MirroredStrategy(names)
+        params, _, _ = train("regular", strategy, sync, **spread)
+        results[f"spread/{sync}"] = np.concatenate([p.ravel() for p in params])
+    whole, _, _ = train("regular", **spread)
+    results["spread/unordered"] = np.concatenate([p.ravel() for p in whole])
     np.savez(out, **results)
 
 

@@ -7,7 +7,8 @@ statistics; lazy syncing reduces fewer bytes (counted by
 on every replica, changing no copy of any variable but the skip counter;
 a checkpoint taken mid-run resumes to the uninterrupted result; with
 ``qmodel_batch_fraction`` each replica's quadratic model reads its own
-first examples.
+first examples, and with ``spread_covariances`` each replica's statistics
+come from a slice of its own share.
 
 Estimation modes: "exact" (regular momentum) and "empirical" (qmodel); the
 sampled mode draws other targets on each replica, so it is not compared.
@@ -54,6 +55,17 @@ def test_qmodel_batch_fraction_takes_each_replicas_first_examples(mirrored):
     got = mirrored["qmodel_fraction/lazy"]
     np.testing.assert_allclose(got, mirrored["qmodel_fraction/reference"], rtol=RTOL, atol=ATOL)
     assert np.max(np.abs(got - mirrored["qmodel_fraction/unordered"])) > 1e-6
+
+
+@pytest.mark.parametrize("sync", ["lazy", "eager"])
+def test_spread_covariances_take_each_replicas_own_slice(mirrored, sync):
+    """With ``spread_covariances`` each replica folds in a slice of its own
+    share: the run equals one device's on batches reordered so that its
+    slices hold the replicas' (and differs from one device's on the batches
+    as they are)."""
+    got = mirrored[f"spread/{sync}"]
+    np.testing.assert_allclose(got, mirrored["spread/reference"], rtol=RTOL, atol=ATOL)
+    assert np.max(np.abs(got - mirrored["spread/unordered"])) > 1e-6
 
 
 @pytest.mark.parametrize("config", list(distributed_support.CONFIGS))

@@ -245,19 +245,20 @@ class FisherEstimator(tf.Module):
             k += n
         return out
 
-    def accumulate(self, *args):
+    def accumulate(self, *args, decay=None):
         """Inside a ``tf.function``: add this batch's statistics to the
-        blocks and return the loss (the same forward pass), for callers that
-        build their own step (the optimizer)."""
-        return self.accumulate_taps(*args).loss
+        blocks (with ``decay``, default ``cov_ema_decay``) and return the loss
+        (the same forward pass), for callers that build their own step (the
+        optimizer)."""
+        return self.accumulate_taps(*args, decay=decay).loss
 
-    def accumulate_taps(self, *args):
+    def accumulate_taps(self, *args, decay=None):
         """``accumulate``, returning the forward pass's ``LayerTaps`` (the loss,
         the model output), from which a caller may take more derivatives."""
-        return self._update(self.build(*args), args)
+        return self._update(self.build(*args), args, decay)
 
     # -- the traced update -------------------------------------------------------------
-    def _update(self, reg, args):
+    def _update(self, reg, args, decay=None):
         taps = LayerTaps.build(reg, args, read_variables=reg.generic_variables)
         if taps.model_output is None:
             raise ValueError("the loss pass found no model output to take the Fisher at")
@@ -282,7 +283,7 @@ class FisherEstimator(tf.Module):
                 else:
                     data = uses
             try:
-                block.update(data)
+                block.update(data, decay)
             except invariants.FactorShapeError as e:
                 raise KfacGraphError(f"{invariants.where(layer)}: {e}; "
                                      f"{invariants.UNSUPPORTED}") from None

@@ -30,7 +30,8 @@ side_R)`` (a side is diagonal only if all its factors are), and a refresh
 diagonalisation).
 
 The step (``step_multiply_adds``): ``3 F`` + statistics / cov period +
-preconditioning + inverses / inverse period, plus the quadratic model's two
+preconditioning + inverses / inverse period (spread covariances: + ``F /
+cov period``, the slice's forward pass), plus the quadratic model's two
 exact Fisher-vector products (``2 * 4 F``: a double backward each; on a
 share ``f < 1`` of the batch ``f (2 * 4 + 1) F``, their forward pass
 included) or two K-FAC products (``2 *`` preconditioning), and the damping
@@ -70,13 +71,15 @@ class StepOptions:
     """What the step does besides the periods: ``sources`` of the statistics'
     backward pass, ``qmodel`` (``"exact"``, ``"kfac"`` or None), the share of
     the batch the exact forms run on (``qmodel_fraction``; below 1 with a
-    forward pass of their own) and the damping rule's interval (None: no
-    adaptation)."""
+    forward pass of their own), the damping rule's interval (None: no
+    adaptation) and whether the covariances are spread over the period
+    (``spread``: a slice's forward pass of its own each step)."""
 
     sources: int = 1
     qmodel: str | None = "exact"
     qmodel_fraction: float = 1.0
     damping_interval: int | None = 5
+    spread: bool = False
 
 
 def layer_costs(registration, blocks, batch: int, sources: int = 1) -> list:
@@ -178,6 +181,8 @@ def step_multiply_adds(costs, cov_period: int, inverse_period: int,
     f = sum(c.forward for c in costs)
     pre = sum(c.precondition for c in costs)
     total = 3 * f + sum(c.statistics for c in costs) / cov_period + pre
+    if options.spread and cov_period > 1:
+        total += f / cov_period  # the slice's forward pass
     total += sum(c.inverse for c in costs) / inverse_period
     if options.qmodel == "exact":
         share = options.qmodel_fraction

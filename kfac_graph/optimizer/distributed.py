@@ -232,7 +232,7 @@ class ReplicatedCore(StepCore):
         mirrored state."""
         opt, strategy = self.opt, self.strategy
         packed, local_snapshot = strategy.run(
-            self._replica_fn("gradients", self._gradients), args=(scheduled.do_cov,) + tuple(args)
+            self._replica_fn("gradients", self._gradients), args=(scheduled,) + tuple(args)
         )
         _, unpack = self._gradients_layout
         reduced = unpack(strategy.reduce(self._loss_op, packed, axis=None))
@@ -251,13 +251,13 @@ class ReplicatedCore(StepCore):
             self._replica_fn("restore", self._restore), args=(applied, gradients.extra)
         )
 
-    def _gradients(self, do_cov, *args):
+    def _gradients(self, scheduled, *args):
         """Per replica: ``(packed [loss, grads, non-finite flag, batch], snapshot)``."""
         opt = self.opt
         variables = list(opt.registration.variables)
         local = self._local_state()
         snapshot = [v.read_value() for v in local]
-        loss, grads, _ = forward_backward(opt, args, variables, do_cov)
+        loss, grads, _ = forward_backward(opt, args, variables, scheduled)
         flagged = 1 - tf.cast(vec.all_finite([v.read_value() for v in local]), opt.dtype)
         first = tf.convert_to_tensor(tf.nest.flatten(args)[0])
         batch = tf.cast(tf.shape(first)[0], opt.dtype)

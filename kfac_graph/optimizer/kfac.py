@@ -7,7 +7,8 @@ Each ``step(*args)`` runs one ``tf.function`` that, on the step counter
 1. runs the loss forward and backward once; on covariance steps (every
    step of the burn-in, then ``k % cov_update_period == 0``) the same
    re-run of the registered graph also folds the batch's statistics into
-   the estimator's factors (``cov_ema_decay``);
+   the estimator's factors (``cov_ema_decay``); with ``spread_covariances``
+   each step folds in a slice's instead (``covariance_slices.py``);
 2. on inverse steps (``k % inverse_update_period == 0``, never in the
    burn-in), and after the damping has changed (the blocks cache damped
    inverses), refreshes the estimator's cached inverses, after (1);
@@ -76,13 +77,9 @@ CPU runs it with TensorFlow's kernels too (its XLA compile was most of a
 first step, ``benchmarks/cold_start.py``). Summaries and the skip warning
 run outside XLA.
 
-Under ``tf.distribute`` (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``,
-``TPUStrategy``; the strategy in scope when the optimizer is made) the same
-``step`` takes distributed batches, or whole batches that it splits evenly
-over the replicas, and runs the step in phases (``distributed.py``): the
-replicas' statistics are averaged lazily, at inverse steps
-(``sync_statistics="lazy"``), or after every covariance update
-(``"eager"``); the result is the single-device step's on the whole batch.
+Under ``tf.distribute`` (the strategy in scope when the optimizer is made)
+the same ``step`` runs in phases, with the single-device step's result on
+the whole batch (``distributed.py``, ``sync_statistics`` there).
 """
 from __future__ import annotations
 
@@ -125,15 +122,16 @@ class KFAC(tf.Module):
     read every step, ``learning_rate`` then recording the value used. ``damping``:
     the initial ``lambda`` (adapted when ``adapt_damping``, never below
     ``min_damping``: by default ``RELATIVE_MIN_DAMPING`` (1e-4) times the
-    initial value, see ``damping.py``). Estimator
-    options (``estimation_mode``, ``num_samples``, ``cov_ema_decay``,
-    ``approximations``, ``seed``, ``max_factor_size``) go to
-    ``kg.FisherEstimator``; ``summary()`` and ``memory()`` are its.
+    initial value, see ``damping.py``). Estimator options (``estimation_mode``,
+    ``num_samples``, ``cov_ema_decay``, ``approximations``, ``seed``,
+    ``max_factor_size``) go to ``kg.FisherEstimator``; so do ``summary()``, ``memory()``.
     ``cov_update_period``, ``inverse_update_period``: default 1 and 10, or
     with ``overhead_budget = b`` those that keep the counted amortised step
     within ``b`` SGD steps (``plan.py``; a period given wins; see
     ``cost_summary()``). ``stagger_inverses``: each block refreshes in its
-    own slot of the inverse period (``schedule.py`` states the staleness).
+    own slot of the inverse period (``schedule.py`` states the staleness);
+    ``spread_covariances``: each step takes the statistics of ``1/P`` of its
+    batch (``P = cov_update_period``) instead of every ``P``-th step all of it.
     ``graph_optimization``: ``"off"`` (default) skips Grappler's rewrites
     of the step's graph, ``"default"`` keeps TensorFlow's (``graph_options.py``).
     ``summary_writer``: a ``tf.summary`` writer; loss, damping, learning
@@ -175,7 +173,8 @@ class KFAC(tf.Module):
                  momentum: float = 0.9, momentum_type: str = "qmodel", l2_reg: float = 0.0,
                  norm_constraint: float | None = 1e-3, cov_update_period: int | None = None,
                  inverse_update_period: int | None = None, stagger_inverses: bool = True,
-                 overhead_budget: float | None = None, cov_ema_decay: float = 0.95,
+                 spread_covariances: bool = False, overhead_budget: float | None = None,
+                 cov_ema_decay: float = 0.95,
                  num_burnin_steps: int = 0, estimation_mode: str = "sampled",
                  num_samples: int = 1, adapt_damping: bool = True,
                  damping_adaptation_interval: int = 5, damping_adaptation_decay: float = 0.95,
@@ -205,12 +204,13 @@ class KFAC(tf.Module):
         self.given_periods = (cov_update_period, inverse_update_period)
         self.overhead_budget = None if overhead_budget is None else float(overhead_budget)
         self.stagger_inverses = bool(stagger_inverses)
+        self.spread_covariances = bool(spread_covariances)
         self.cov_update_period = int(cov_update_period or DEFAULT_COV_UPDATE_PERIOD)
         self.inverse_update_period = int(inverse_update_period
                                          or DEFAULT_INVERSE_UPDATE_PERIOD)
         self.num_burnin_steps = int(num_burnin_steps)
         self.schedule = StepSchedule(self.num_burnin_steps, self.cov_update_period,
-                                     self.inverse_update_period)
+                                     self.inverse_update_period, None, self.spread_covariances)
         self.period_choice = None
         self.costs = None
         self.adapt_damping = bool(adapt_damping)

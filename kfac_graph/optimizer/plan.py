@@ -36,7 +36,7 @@ def cost_options(opt) -> costs_lib.StepOptions:
     return costs_lib.StepOptions(
         sources=statistics_sources(opt, opt.registration),
         qmodel=opt.qmodel_curvature if opt.momentum_type == "qmodel" else None,
-        qmodel_fraction=opt.qmodel_batch_fraction,
+        qmodel_fraction=opt.qmodel_batch_fraction, spread=opt.spread_covariances,
         damping_interval=opt.damping_adaptation_interval if opt.adapt_damping else None)
 
 
@@ -67,4 +67,5 @@ def plan_schedule(opt, registration, args):
     slots = None
     if opt.stagger_inverses:
         slots = costs_lib.balanced_slots([c.inverse for c in costs], inverse)
-    return costs, choice, StepSchedule(opt.num_burnin_steps, cov, inverse, slots)
+    return costs, choice, StepSchedule(opt.num_burnin_steps, cov, inverse, slots,
+                                       opt.spread_covariances)

@@ -15,6 +15,10 @@ slot's factorisations. A block's inverses are then at most ``P - 1`` steps
 older than without staggering, and a damping change reaches a block at its
 slot (without staggering every block refreshes at once when the damping
 changes); with ``P = 1`` the two schedules are the same.
+
+Spread covariances (``spread_covariances`` with ``cov_update_period > 1``):
+every step is a covariance step, each on a slice of its batch
+(``covariance_slices.py``).
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class StepSchedule:
     cov_update_period: int = 1
     inverse_update_period: int = 10
     inverse_slots: tuple | None = None
+    spread_covariances: bool = False
 
     @property
     def staggered(self) -> bool:
@@ -51,14 +56,21 @@ class StepSchedule:
 
     @property
     def every_step_updates_covariances(self) -> bool:
-        """Whether ``do_cov`` is True at every step (no branch is needed)."""
+        """Whether every step folds in its whole batch's statistics (no branch
+        is needed)."""
         return self.cov_update_period == 1
+
+    @property
+    def spread(self) -> bool:
+        """Whether every step folds in a slice's statistics (module docstring)."""
+        return self.spread_covariances and self.cov_update_period > 1
 
     def at(self, t) -> ScheduledStep:
         """The schedule of step ``t`` (an int64 scalar tensor)."""
         in_burnin = t < self.num_burnin_steps
         k = t - self.num_burnin_steps
-        do_cov = in_burnin | tf.equal(k % self.cov_update_period, 0)
+        do_cov = (tf.constant(True) if self.spread
+                  else in_burnin | tf.equal(k % self.cov_update_period, 0))
         do_inv = ~in_burnin & tf.equal(k % self.inverse_update_period, 0)
         return ScheduledStep(t, in_burnin, k, do_cov, do_inv)
 

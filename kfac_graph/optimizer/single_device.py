@@ -38,7 +38,7 @@ class SingleDeviceCore(StepCore):
         variables = list(registration.variables)
         first = tf.convert_to_tensor(tf.nest.flatten(args)[0])
         scale = curvature_scale(registration, tf.shape(first)[0], opt.dtype)
-        loss, grads, forward = forward_backward(opt, args, variables, scheduled.do_cov,
+        loss, grads, forward = forward_backward(opt, args, variables, scheduled,
                                                 share_forward=forms_reuse_forward(opt))
         statistics_ok = tf.cond(scheduled.do_cov, self.statistics_finite,
                                 lambda: tf.constant(True))

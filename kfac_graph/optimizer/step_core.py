@@ -60,6 +60,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
+from kfac_graph.optimizer import covariance_slices
 from kfac_graph.optimizer import damping as damping_lib
 from kfac_graph.optimizer import update_rules
 from kfac_graph.optimizer import vectors as vec
@@ -111,49 +112,69 @@ def forms_reuse_forward(opt) -> bool:
             and opt.qmodel_batch_fraction >= 1 and not opt.num_burnin_steps)
 
 
-def forward_backward(opt, args, variables, do_cov, share_forward=False):
+def forward_backward(opt, args, variables, scheduled, share_forward=False):
     """``(loss, gradients, forward)`` of ``opt.fn`` on ``args`` (one device's or
-    replica's batch); on covariance steps the batch's statistics are also folded
-    into ``opt.estimator``'s factors. ``forward``: a pass at the top level of
-    the step's graph (``LayerTaps``) that the Fisher forms may differentiate
-    again, else None:
+    replica's batch) at step ``scheduled``; on covariance steps the batch's
+    statistics are also folded into ``opt.estimator``'s factors. ``forward``: a
+    pass at the top level of the step's graph (``LayerTaps``) that the Fisher
+    forms may differentiate again, else None:
 
     - every step a covariance step: the estimator's pass, shared by the loss,
       the gradients and the statistics;
+    - spread covariances: the loss and gradients by the registered graph's pass
+      (with ``share_forward``) or the function's own, and the estimator's pass
+      on the step's slice of the batch (``covariance_slices.py``);
     - otherwise, with ``share_forward``: the registered graph's pass gives the
       loss and gradients at the top level, and on covariance steps a branch
       runs the estimator's own pass for the statistics (gradients cannot
       cross into a branch). A step without statistics runs one forward pass
       instead of two (the forms' own); a covariance step as many as before;
     - otherwise a branch picks the estimator's pass or the function's own."""
+    do_cov = scheduled.do_cov
     if opt.schedule.every_step_updates_covariances:
         taps = opt.estimator.accumulate_taps(*args)
         return taps.loss, dense(tf.gradients(taps.loss, variables), variables), taps
 
-    if share_forward:
-        taps = LayerTaps.build(opt.estimator.build(*args), args)
-        grads = dense(tf.gradients(taps.loss, variables), variables)
+    if opt.schedule.spread:
+        covariance_slices.accumulate_slice(opt.estimator, args, scheduled.k,
+                                           opt.schedule.cov_update_period)
+        if share_forward:
+            return registered_pass(opt, args, variables)
+        return (*plain_gradients(opt, args, variables), None)
 
+    if share_forward:
         def with_statistics():
             opt.estimator.accumulate(*args)
             return tf.constant(True)
 
         tf.cond(do_cov, with_statistics, lambda: tf.constant(False))
-        return taps.loss, grads, taps
+        return registered_pass(opt, args, variables)
 
     def with_statistics():
         loss = opt.estimator.accumulate(*args)
         return [loss] + dense(tf.gradients(loss, variables), variables)
 
     def without_statistics():
-        with tf.GradientTape() as tape:
-            loss = opt.fn.tf_function(*args)
-        grads = tape.gradient(loss, variables,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return [loss] + dense(grads, variables)
+        loss, grads = plain_gradients(opt, args, variables)
+        return [loss] + grads
 
     out = tf.cond(do_cov, with_statistics, without_statistics)
     return out[0], out[1:], None
+
+
+def registered_pass(opt, args, variables):
+    """``(loss, dense gradients, LayerTaps)`` of the registered graph's pass
+    (no statistics), at the top level of the caller's graph."""
+    taps = LayerTaps.build(opt.estimator.build(*args), args)
+    return taps.loss, dense(tf.gradients(taps.loss, variables), variables), taps
+
+
+def plain_gradients(opt, args, variables):
+    """``(loss, dense gradients)`` of the function's own pass (no statistics)."""
+    with tf.GradientTape() as tape:
+        loss = opt.fn.tf_function(*args)
+    grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return loss, dense(grads, variables)
 
 
 class StepCore:

@@ -1,0 +1,80 @@
+"""Covariance statistics spread over the steps of the covariance period.
+
+With ``cov_update_period = P > 1`` the plain schedule folds a whole batch's
+statistics into the factors every ``P``-th step: that step alone pays for
+the statistics pass (a forward and a sampled backward pass, the factors'
+outer products) and the step time spikes there. With
+``spread_covariances=True`` every step ``k`` folds in the statistics of a
+slice of ``n = ceil(B / P)`` of its ``B`` examples, the ``(k mod P)``-th
+(``[s, s + n)`` with ``s = min((k mod P) n, B - n)``), with the decay
+``d^(1/P)`` (``d = cov_ema_decay``). Over a period:
+
+- the factors see ``P n >= B`` examples, as many as one whole batch (more
+  by the rounding);
+- the average from before the period keeps the weight ``d`` it keeps under
+  the plain schedule (``(d^(1/P))^P = d``);
+- each step pays ``1/P`` of the statistics, plus the slice's own forward
+  pass (``n / B`` of a forward pass: the plain schedule's covariance step
+  shares the batch's forward pass with the gradients).
+
+Each slice's statistics are those of a batch of ``n`` examples, so the
+factors estimate the same per-example average. The burn-in's steps take
+slices too. The slice is a batch of its own shape: the loss is registered
+again for it (once, when the step is traced).
+"""
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+from passes.errors import KfacGraphError
+
+
+def slice_size(batch: int, period: int) -> int:
+    """``n = ceil(B / P)`` (at least 1)."""
+    return max(1, math.ceil(batch / period))
+
+
+def slice_decay(decay, period: int):
+    """``d^(1/P)``: ``P`` updates with it keep the weight one update with ``d`` keeps."""
+    if callable(decay) and not isinstance(decay, tf.Variable):
+        decay = decay()
+    if isinstance(decay, (int, float)):
+        return float(decay) ** (1.0 / period)
+    decay = tf.cast(decay, tf.float64)
+    return tf.pow(decay, tf.constant(1.0 / period, tf.float64))
+
+
+def rotating_slice(args, k, period: int):
+    """``args`` cut to the ``(k mod P)``-th slice of their examples (module
+    docstring): every tensor whose leading axis is the batch (the first
+    tensor argument's) is cut alike; other arguments are kept."""
+    flat = [tf.convert_to_tensor(a) if isinstance(a, (tf.Tensor, tf.Variable)) else a
+            for a in tf.nest.flatten(args)]
+    tensors = [a for a in flat if isinstance(a, tf.Tensor) and a.shape.rank]
+    if not tensors:
+        raise KfacGraphError("spread_covariances: the loss's arguments have no batch axis")
+    batch = tensors[0].shape[0]
+    if batch is None:
+        size = tf.shape(tensors[0], out_type=tf.int64)[0]
+        n = (size + period - 1) // period
+    else:
+        size, n = batch, slice_size(batch, period)
+    phase = tf.cast(k, tf.int64) % period
+    start = tf.minimum(phase * n, tf.cast(size, tf.int64) - n)
+    indices = start + tf.range(n, dtype=tf.int64)
+
+    def cut(a):
+        if isinstance(a, tf.Tensor) and a.shape.rank and a.shape[0] == batch:
+            return tf.gather(a, indices)
+        return a
+
+    return tf.nest.pack_sequence_as(args, [cut(a) for a in flat])
+
+
+def accumulate_slice(estimator, args, k, period: int):
+    """Folds the statistics of step ``k``'s slice of ``args`` into
+    ``estimator``'s factors with the decay ``d^(1/P)``; returns the slice's loss."""
+    return estimator.accumulate(*rotating_slice(args, k, period),
+                                decay=slice_decay(estimator.cov_ema_decay, period))
