@@ -15,8 +15,9 @@ Candidates per model: SGD with momentum 0.9 (the baseline), Adam (cold
 start only), and ``kg.KFAC`` as ``defaults`` (quadratic model, adapted
 damping), ``regular`` (regular momentum, lr 1e-3, fixed damping) and
 ``qmodel`` (the quadratic model at a fixed damping), each also with
-``overhead_budget=--budget`` (with ``--spread``, also that budget with
-``spread_covariances=True``: each step takes a slice's statistics). Every
+``overhead_budget=--budget``, which spreads the covariances (each step
+takes a slice's statistics; with ``--unspread`` also that budget with
+``spread_covariances=False``: every ``P``-th step all of a batch's). Every
 candidate is built and compiled first (``cold start``: construction and the
 first step, over Adam's first step);
 then ``--rounds`` rounds each run ``--block`` steps of every candidate in
@@ -34,7 +35,7 @@ step timed. Columns:
 - ``periods``: the covariance and inverse periods the step ran with.
 
     python benchmarks/scale.py [--models resnet50,efficientnetb0,bert_small,autoencoder]
-        [--variants defaults,regular,qmodel] [--budget 3] [--spread] [--rounds 3] [--block 10]
+        [--variants defaults,regular,qmodel] [--budget 3] [--unspread] [--rounds 3] [--block 10]
         [--markdown out.md]
 """
 from __future__ import annotations
@@ -61,7 +62,7 @@ flags.DEFINE_list("models", ["resnet50", "efficientnetb0", "bert_small", "autoen
                   "models")
 flags.DEFINE_list("variants", ["defaults", "regular", "qmodel"], "K-FAC variants")
 flags.DEFINE_float("budget", 3.0, "overhead_budget of the budgeted rows (0: no such rows)")
-flags.DEFINE_boolean("spread", False, "also the budgeted rows with spread_covariances=True")
+flags.DEFINE_boolean("unspread", False, "also the budgeted rows with spread_covariances=False")
 flags.DEFINE_integer("rounds", 3, "interleaved rounds")
 flags.DEFINE_integer("block", 10, "steps of each candidate per round")
 flags.DEFINE_string("markdown", None, "also write the table as markdown here")
@@ -131,8 +132,9 @@ def candidates(name):
         cold = timed(step, *batches[0])
         out.append((label, step, batches, {"cold": cold}))
         print(f"  {name} {label}: first step {cold:.1f} s", flush=True)
-    budgets = [(None, False)] + ([(FLAGS.budget, False)] if FLAGS.budget else [])
-    budgets += [(FLAGS.budget or None, True)] if FLAGS.spread else []
+    # (budget, spread_covariances): a budget spreads the covariances by default
+    budgets = [(None, None)] + ([(FLAGS.budget, None)] if FLAGS.budget else [])
+    budgets += [(FLAGS.budget, False)] if FLAGS.budget and FLAGS.unspread else []
     for variant in FLAGS.variants:
         for budget, spread in budgets:
             model, loss, batches = make(name)
@@ -147,7 +149,7 @@ def candidates(name):
                        / costs.sgd_multiply_adds(opt.costs))
             params = sum(int(np.prod(v.shape)) * v.dtype.size for v in opt.variables_to_train)
             label = variant if budget is None else f"{variant}, budget {budget:g}"
-            label += ", spread" if spread else ""
+            label += ", not spread" if spread is False else ""
             info = {"cold": cold, "counted": counted, "memory": estimator_bytes(opt) / params,
                     "periods": f"{opt.cov_update_period}/{opt.inverse_update_period}"}
             out.append((label, opt.step, batches, info))

@@ -72,7 +72,8 @@ def test_budget_picks_the_smallest_periods_within_it():
     assert choice.within and choice.ratio <= 3.0
     assert (opt.cov_update_period, opt.inverse_update_period) == (
         choice.cov_update_period, choice.inverse_update_period)
-    options = costs.StepOptions(qmodel=None, damping_interval=None)
+    # a budget spreads the covariances by default: the slice's forward pass counts
+    options = costs.StepOptions(qmodel=None, damping_interval=None, spread=True)
     ratio = lambda c, i: (costs.step_multiply_adds(opt.costs, c, i, options)
                           / costs.sgd_multiply_adds(opt.costs))
     assert ratio(opt.cov_update_period, opt.inverse_update_period) == pytest.approx(choice.ratio)

@@ -122,3 +122,12 @@ def test_the_counted_step_adds_the_slices_forward_pass():
         opt.costs, 1, 10)
     assert opt.schedule.spread
     assert not kg.KFAC(loss, cov_update_period=1, spread_covariances=True).schedule.spread
+
+
+def test_an_overhead_budget_spreads_the_covariances_unless_told_not_to():
+    _, loss, _ = _problem()
+    assert kg.KFAC(loss, overhead_budget=3.0).spread_covariances
+    assert not kg.KFAC(loss, overhead_budget=3.0, spread_covariances=False).spread_covariances
+    assert not kg.KFAC(loss).spread_covariances
+    with pytest.raises(ValueError, match="spread_covariances must be one of None, True, False"):
+        kg.KFAC(loss, spread_covariances=1)

@@ -131,7 +131,8 @@ class KFAC(tf.Module):
     ``cost_summary()``). ``stagger_inverses``: each block refreshes in its
     own slot of the inverse period (``schedule.py`` states the staleness);
     ``spread_covariances``: each step takes the statistics of ``1/P`` of its
-    batch (``P = cov_update_period``) instead of every ``P``-th step all of it.
+    batch (``P = cov_update_period``), not every ``P``-th step all of it (None:
+    with ``overhead_budget``).
     ``graph_optimization``: ``"off"`` (default) skips Grappler's rewrites
     of the step's graph, ``"default"`` keeps TensorFlow's (``graph_options.py``).
     ``summary_writer``: a ``tf.summary`` writer; loss, damping, learning
@@ -141,15 +142,13 @@ class KFAC(tf.Module):
     inverse updates and other reads) or ``"eager"`` (after every covariance
     update); the steps are the same either way.
 
-    What the step core (``step_core.py``) reads, all public: the options
-    (``momentum_type``, ``qmodel_curvature``, ``qmodel_batch_fraction``,
-    ``l2_reg``, ``norm_constraint``, ``adapt_damping``,
-    ``damping_adaptation_interval``, ``omega``, ``min_damping``,
-    ``schedule``, ``whole_step_jit``), ``fn``, ``estimator``,
-    ``registration``, ``estimator_state``, ``dtype``, the state variables
-    (``iterations``, ``skipped_steps``, ``damping``, ``learning_rate``,
-    ``momentum``, ``rho``, ``qmodel_change``, ``curvature_scale``,
-    ``velocities``) and ``blocks_damping``, ``precondition``,
+    What the step core (``step_core.py``) reads, all public: the options (``momentum_type``,
+    ``qmodel_curvature``, ``qmodel_batch_fraction``, ``l2_reg``, ``norm_constraint``,
+    ``adapt_damping``, ``damping_adaptation_interval``, ``omega``, ``min_damping``,
+    ``schedule``, ``whole_step_jit``), ``fn``, ``estimator``, ``registration``,
+    ``estimator_state``, ``dtype``, the state variables (``iterations``, ``skipped_steps``,
+    ``damping``, ``learning_rate``, ``momentum``, ``rho``, ``qmodel_change``,
+    ``curvature_scale``, ``velocities``) and ``blocks_damping``, ``precondition``,
     ``curvature_multiply``.
 
     Bad options are one-line ``ValueError``s naming the option (``OPTIONS``:
@@ -173,7 +172,7 @@ class KFAC(tf.Module):
                  momentum: float = 0.9, momentum_type: str = "qmodel", l2_reg: float = 0.0,
                  norm_constraint: float | None = 1e-3, cov_update_period: int | None = None,
                  inverse_update_period: int | None = None, stagger_inverses: bool = True,
-                 spread_covariances: bool = False, overhead_budget: float | None = None,
+                 spread_covariances: bool | None = None, overhead_budget: float | None = None,
                  cov_ema_decay: float = 0.95,
                  num_burnin_steps: int = 0, estimation_mode: str = "sampled",
                  num_samples: int = 1, adapt_damping: bool = True,
@@ -204,7 +203,8 @@ class KFAC(tf.Module):
         self.given_periods = (cov_update_period, inverse_update_period)
         self.overhead_budget = None if overhead_budget is None else float(overhead_budget)
         self.stagger_inverses = bool(stagger_inverses)
-        self.spread_covariances = bool(spread_covariances)
+        self.spread_covariances = (self.overhead_budget is not None if spread_covariances is None
+                                   else bool(spread_covariances))
         self.cov_update_period = int(cov_update_period or DEFAULT_COV_UPDATE_PERIOD)
         self.inverse_update_period = int(inverse_update_period
                                          or DEFAULT_INVERSE_UPDATE_PERIOD)

@@ -17,7 +17,7 @@ OPTIONS = types.MappingProxyType({
     "norm_constraint": options.Real(0.0, low_open=True, none=True),
     "cov_update_period": options.Integer(1, none=True),
     "inverse_update_period": options.Integer(1, none=True),
-    "stagger_inverses": options.Boolean(), "spread_covariances": options.Boolean(),
+    "stagger_inverses": options.Boolean(), "spread_covariances": options.OneOf((None, True, False)),
     "overhead_budget": options.Real(1.0, low_open=True, none=True),
     "cov_ema_decay": _EST["cov_ema_decay"], "num_burnin_steps": options.Integer(0),
     "max_factor_size": _EST["max_factor_size"],
