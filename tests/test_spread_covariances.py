@@ -45,6 +45,13 @@ def test_slices_rotate_over_the_batch_and_the_last_is_clamped():
     assert covariance_slices.slice_size(2, 5) == 1
 
 
+def test_a_period_longer_than_the_batch_cycles_through_its_examples():
+    y = tf.range(4)
+    got = [int(covariance_slices.rotating_slice((y,), tf.constant(k), 10)[0][0])
+           for k in range(12)]
+    assert got == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 0, 1]  # k mod 10, then mod 4 slices
+
+
 def test_slices_of_a_batch_of_unknown_size():
     @tf.function(input_signature=[tf.TensorSpec([None], tf.int32)])
     def cut(y):

@@ -5,9 +5,11 @@ statistics into the factors every ``P``-th step: that step alone pays for
 the statistics pass (a forward and a sampled backward pass, the factors'
 outer products) and the step time spikes there. With
 ``spread_covariances=True`` every step ``k`` folds in the statistics of a
-slice of ``n = ceil(B / P)`` of its ``B`` examples, the ``(k mod P)``-th
-(``[s, s + n)`` with ``s = min((k mod P) n, B - n)``), with the decay
-``d^(1/P)`` (``d = cov_ema_decay``). Over a period:
+slice of ``n = ceil(B / P)`` of its ``B`` examples: of the ``m = ceil(B / n)``
+slices ``[s, s + n)`` with ``s = min(j n, B - n)``, the ``j = (k mod P) mod m``-th
+(``m <= P``: where ``m < P`` a period revisits slices, e.g. ``P > B`` cycles
+through single examples), with the decay ``d^(1/P)`` (``d =
+cov_ema_decay``). Over a period:
 
 - the factors see ``P n >= B`` examples, as many as one whole batch (more
   by the rounding);
@@ -47,8 +49,7 @@ def slice_decay(decay, period: int):
 
 
 def rotating_slice(args, k, period: int):
-    """``args`` cut to the ``(k mod P)``-th slice of their examples (module
-    docstring): every tensor whose leading axis is the batch (the first
+    """``args`` cut to step ``k``'s slice of their examples (module docstring): every tensor whose leading axis is the batch (the first
     tensor argument's) is cut alike; other arguments are kept."""
     flat = [tf.convert_to_tensor(a) if isinstance(a, (tf.Tensor, tf.Variable)) else a
             for a in tf.nest.flatten(args)]
@@ -61,7 +62,8 @@ def rotating_slice(args, k, period: int):
         n = (size + period - 1) // period
     else:
         size, n = batch, slice_size(batch, period)
-    phase = tf.cast(k, tf.int64) % period
+    slices = (size + n - 1) // n
+    phase = tf.cast(k, tf.int64) % period % slices
     start = tf.minimum(phase * n, tf.cast(size, tf.int64) - n)
     indices = start + tf.range(n, dtype=tf.int64)
 
