@@ -44,6 +44,7 @@ from absl import app, flags  # noqa: E402
 
 import bert_small  # noqa: E402
 import kfac_graph as kg  # noqa: E402
+from lm_race import keras_step  # noqa: E402
 from kfac_graph.fisher import estimator as estimator_lib  # noqa: E402
 from kfac_graph.optimizer import exact_fisher, single_device, step_core, update_rules  # noqa: E402
 from kfac_graph import taps as taps_lib  # noqa: E402
@@ -138,14 +139,7 @@ def adam_times(model_name, optimizer=None):
     # built before the trace, as ``Model.fit`` does: creating the slots inside
     # the trace doubles Adam's first step on these models
     optimizer.build(variables)
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            value = loss(x, y)
-        optimizer.apply_gradients(zip(tape.gradient(value, variables), variables))
-        return value
-
-    step = tf.function(step)
+    step = keras_step(model, loss, optimizer, jit_compile=False)
     step(*args).numpy()
     first = time.perf_counter() - start
     return {"first step": first, "later step": clock(lambda: step(*args))}

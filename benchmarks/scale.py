@@ -53,6 +53,7 @@ from absl import app, flags  # noqa: E402
 import digits  # noqa: E402
 from bert_small import batch as bert_batch, bert_small  # noqa: E402
 import kfac_graph as kg  # noqa: E402
+from lm_race import keras_step  # noqa: E402
 from kfac_graph.optimizer import costs, plan  # noqa: E402
 
 tf.get_logger().setLevel("ERROR")
@@ -101,16 +102,8 @@ def make(name):
 
 def first_order(name, optimizer):
     model, loss, batches = make(name)
-    variables = model.trainable_variables
-    optimizer.build(variables)
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            value = loss(x, y)
-        optimizer.apply_gradients(zip(tape.gradient(value, variables), variables))
-        return value
-
-    return tf.function(step), batches
+    optimizer.build(model.trainable_variables)
+    return keras_step(model, loss, optimizer, jit_compile=False), batches
 
 
 def timed(step, x, y):

@@ -25,6 +25,7 @@ from absl import app, flags  # noqa: E402
 
 import bert_small  # noqa: E402
 import kfac_graph as kg  # noqa: E402
+from lm_race import keras_step  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("cov", 5, "cov_update_period")
@@ -46,18 +47,9 @@ def model_and_loss():
 
 def sgd_step():
     model, loss = model_and_loss()
-    variables = model.trainable_variables
     optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
-    optimizer.build(variables)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            value = loss(x, y)
-        optimizer.apply_gradients(zip(tape.gradient(value, variables), variables))
-        return value
-
-    return step
+    optimizer.build(model.trainable_variables)
+    return keras_step(model, loss, optimizer, jit_compile=False)
 
 
 def kfac_step(spread):

@@ -30,7 +30,7 @@ import math
 
 import tensorflow as tf
 
-from passes.errors import KfacGraphError
+from kfac_graph.optimizer.example_cuts import cut_examples
 
 
 def slice_size(batch: int, period: int) -> int:
@@ -49,30 +49,21 @@ def slice_decay(decay, period: int):
 
 
 def rotating_slice(args, k, period: int):
-    """``args`` cut to step ``k``'s slice of their examples (module docstring): every tensor whose leading axis is the batch (the first
-    tensor argument's) is cut alike; other arguments are kept."""
-    flat = [tf.convert_to_tensor(a) if isinstance(a, (tf.Tensor, tf.Variable)) else a
-            for a in tf.nest.flatten(args)]
-    tensors = [a for a in flat if isinstance(a, tf.Tensor) and a.shape.rank]
-    if not tensors:
-        raise KfacGraphError("spread_covariances: the loss's arguments have no batch axis")
-    batch = tensors[0].shape[0]
-    if batch is None:
-        size = tf.shape(tensors[0], out_type=tf.int64)[0]
-        n = (size + period - 1) // period
-    else:
-        size, n = batch, slice_size(batch, period)
-    slices = (size + n - 1) // n
-    phase = tf.cast(k, tf.int64) % period % slices
-    start = tf.minimum(phase * n, tf.cast(size, tf.int64) - n)
-    indices = start + tf.range(n, dtype=tf.int64)
+    """``args`` cut to step ``k``'s slice of their examples (module docstring;
+    ``example_cuts.cut_examples``: every tensor whose leading axis is the batch)."""
+    def step_slice(batch, first):
+        if batch is None:
+            size = tf.shape(first, out_type=tf.int64)[0]
+            n = (size + period - 1) // period
+        else:
+            size, n = batch, slice_size(batch, period)
+        slices = (size + n - 1) // n
+        phase = tf.cast(k, tf.int64) % period % slices
+        start = tf.minimum(phase * n, tf.cast(size, tf.int64) - n)
+        indices = start + tf.range(n, dtype=tf.int64)
+        return lambda a: tf.gather(a, indices)
 
-    def cut(a):
-        if isinstance(a, tf.Tensor) and a.shape.rank and a.shape[0] == batch:
-            return tf.gather(a, indices)
-        return a
-
-    return tf.nest.pack_sequence_as(args, [cut(a) for a in flat])
+    return cut_examples(args, "spread_covariances", step_slice)
 
 
 def accumulate_slice(estimator, args, k, period: int):

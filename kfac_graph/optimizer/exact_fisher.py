@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from kfac_graph import token_weights
 from kfac_graph.fisher import at_least_float32, make_distribution
+from kfac_graph.optimizer.example_cuts import cut_examples
 from kfac_graph.taps import LayerTaps
 from passes.errors import KfacGraphError
 
@@ -72,27 +73,17 @@ def quadratic_forms(registration, args, vectors, taps=None):
 
 
 def leading_examples(args, fraction):
-    """``args`` cut to their first ``ceil(fraction B)`` examples: every tensor
-    whose leading axis is the batch ``B`` (the first argument's; known when
-    tracing, or every argument's leading axis unknown alike) is sliced."""
-    flat = [tf.convert_to_tensor(a) if isinstance(a, (tf.Tensor, tf.Variable)) else a
-            for a in tf.nest.flatten(args)]
-    tensors = [a for a in flat if isinstance(a, tf.Tensor) and a.shape.rank]
-    if not tensors:
-        raise KfacGraphError("qmodel_batch_fraction < 1: the loss's arguments have no batch axis")
-    batch = tensors[0].shape[0]
-    if batch is None:
-        n = tf.cast(tf.math.ceil(fraction * tf.cast(tf.shape(tensors[0])[0], tf.float64)),
-                    tf.int32)
-    else:
-        n = max(1, math.ceil(fraction * batch))
+    """``args`` cut to their first ``ceil(fraction B)`` examples
+    (``example_cuts.cut_examples``: every tensor whose leading axis is the batch)."""
+    def first_examples(batch, first):
+        if batch is None:
+            n = tf.cast(tf.math.ceil(fraction * tf.cast(tf.shape(first)[0], tf.float64)),
+                        tf.int32)
+        else:
+            n = max(1, math.ceil(fraction * batch))
+        return lambda a: a[:n]
 
-    def cut(a):
-        if isinstance(a, tf.Tensor) and a.shape.rank and a.shape[0] == batch:
-            return a[:n]
-        return a
-
-    return tf.nest.pack_sequence_as(args, [cut(a) for a in flat])
+    return cut_examples(args, "qmodel_batch_fraction < 1", first_examples)
 
 
 def leading_forms(fn, registration, args, vectors, fraction):
