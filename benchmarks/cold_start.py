@@ -29,6 +29,9 @@ in the same process; the machine is shared, so the absolute seconds vary.
 
     python benchmarks/cold_start.py [--models mobilenet_v3_small,resnet50,efficientnetb0,bert_small]
         [--variants defaults,regular] [--markdown out.md]
+
+A second table counts the traced operations of each step (its graph and the
+functions it calls).
 """
 from __future__ import annotations
 
@@ -112,6 +115,15 @@ def timed_parts(totals: dict):
             setattr(owner, name, original)
 
 
+def traced_ops(concrete) -> int:
+    """Operations in a concrete function's graph and in the functions it
+    calls (``tf.cond`` branches, loop bodies): the trace's size, which its
+    trace and first-run times follow, and which the noisy clock does not
+    blur."""
+    graph_def = concrete.graph.as_graph_def()
+    return len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
+
+
 def clock(fn):
     start = time.perf_counter()
     out = fn()
@@ -142,7 +154,8 @@ def adam_times(model_name, optimizer=None):
     step = keras_step(model, loss, optimizer, jit_compile=False)
     step(*args).numpy()
     first = time.perf_counter() - start
-    return {"first step": first, "later step": clock(lambda: step(*args))}
+    return {"first step": first, "later step": clock(lambda: step(*args)),
+            "ops": traced_ops(step.get_concrete_function(*args))}
 
 
 def gradient_times(model_name):
@@ -175,16 +188,17 @@ def kfac_times(model_name, variant):
     parts = {}
     with timed_parts(parts):
         out["trace step"] = clock(lambda: opt._compiled.step.get_concrete_function(*args))
+    ops = traced_ops(opt._compiled.step.get_concrete_function(*args))
     out["first run (graph optimisation, XLA)"] = clock(lambda: opt.step(*args))
     out["first step, total"] = (out["construct + register + build"] + out["trace step"]
                                 + out["first run (graph optimisation, XLA)"])
     out["later step"] = clock(lambda: opt.step(*args))
-    return out, parts
+    return out, parts, ops
 
 
 def main(argv):
     del argv
-    rows = []
+    rows, op_rows = [], []
     for model_name in FLAGS.models:
         # a throwaway SGD step first pays the process's one-time start-up
         # (TensorFlow's runtime, Keras's first trace of the model's layers)
@@ -196,8 +210,10 @@ def main(argv):
         rows.append((model_name, "Adam first step", adam["first step"], 1.0))
         rows.append((model_name, "Adam later step", adam["later step"],
                      adam["later step"] / base))
+        op_rows.append((model_name, "Adam step", adam["ops"], 1.0))
         for variant in FLAGS.variants:
-            kfac, parts = kfac_times(model_name, variant)
+            kfac, parts, ops = kfac_times(model_name, variant)
+            op_rows.append((model_name, f"K-FAC {variant} step", ops, ops / adam["ops"]))
             for label, seconds in kfac.items():
                 rows.append((model_name, f"K-FAC {variant}: {label}", seconds, seconds / base))
             for label, seconds in parts.items():
@@ -211,6 +227,8 @@ def main(argv):
     lines += [f"| {m} | {p} | {s:.2f} | {r:.2f} |" for m, p, s, r in rows]
     print("ratio: K-FAC and Adam rows over Adam's first step; per-example rows over the "
           "first batch-gradient call")
+    lines += ["", "| model | traced step | operations | / Adam |", "|---|---|---:|---:|"]
+    lines += [f"| {m} | {p} | {n} | {r:.1f} |" for m, p, n, r in op_rows]
     print("\n".join(lines))
     if FLAGS.markdown:
         with open(FLAGS.markdown, "w") as f:

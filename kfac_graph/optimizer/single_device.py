@@ -50,7 +50,7 @@ class SingleDeviceCore(StepCore):
         core checks, so a step without a covariance update needs no check of
         the estimator's state (a committed step left it finite)."""
         written = [v for v in self.opt.estimator_state if is_replica_local(v)]
-        return vec.all_finite([v.read_value() for v in written])
+        return vec.all_finite([v.value() for v in written])
 
     def refresh_inverses(self, damping, mask=None):
         self.opt.estimator.refresh_inverses(damping=damping, mask=mask)

@@ -227,7 +227,7 @@ class StepCore:
         scheduled = opt.schedule.at(opt.iterations.read_value())
         state = list(self.rollback_state())
         # reads taken before the updates keep the old values (assignments copy on write)
-        snapshot = [v.read_value() for v in state]
+        snapshot = [v.value() for v in state]
         out = self.loss_and_gradients(args, registration, scheduled)
         opt.curvature_scale.assign(out.curvature_scale)
         grads = out.grads
@@ -264,7 +264,7 @@ class StepCore:
 
         refreshed = tf.cond(due & statistics_ok, refresh, lambda: tf.constant(False))
         inverses_ok = tf.cond(refreshed, lambda: vec.all_finite(
-            [v.read_value() for v in state]), lambda: tf.constant(True))
+            [v.value() for v in state]), lambda: tf.constant(True))
         statistics_ok = statistics_ok & inverses_ok
 
         def update(forward=None):
