@@ -118,12 +118,16 @@ class KroneckerBlock(blocks_base.FisherBlock):
     def _from_mat(self, mat):
         if len(self.var_shapes) == 1:
             return [tf.reshape(mat, self.var_shapes[0])]
-        return [tf.reshape(mat[:-1], self.var_shapes[0]), tf.reshape(mat[-1], self.var_shapes[1])]
+        rows = int(np.prod(self.var_shapes[0])) // self._out_width
+        weights, bias = tf.split(mat, [rows, 1])
+        return [tf.reshape(weights, self.var_shapes[0]), tf.reshape(bias, self.var_shapes[1])]
 
     # -- statistics -------------------------------------------------------------
     def _locations(self, use):
         """T: positions / output locations of one use (from its gradient)."""
         g = use[1][0] if isinstance(use[1], (list, tuple)) else use[1]
+        if g.shape[1:].is_fully_defined():
+            return tf.constant(g.shape[1:].num_elements() // self._out_width)
         shape = tf.shape(g)
         return tf.size(g) // (shape[0] * self._out_width)
 

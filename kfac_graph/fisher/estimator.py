@@ -216,6 +216,10 @@ class FisherEstimator(tf.Module):
             tf.cond(due, lambda members=members: _refreshed(members, damping),
                     lambda: tf.constant(False))
 
+    def inverse_variables(self) -> list:
+        """Every block's cached inverses (what ``refresh_inverses`` writes), each once."""
+        return list({v.ref(): v for b in self.blocks for v in b.inverse_variables()}.values())
+
     def inverses_stale(self, damping=None):
         """Whether any block's cached inverses were made for another damping
         than ``damping`` (then ``multiply_inverse`` inverts those blocks on

@@ -38,6 +38,9 @@ from kfac_graph.fisher import ema
 from kfac_graph.fisher import linalg
 
 def _rows(x):
+    """The row count of `x` as its dtype (a constant when static)."""
+    if x.shape[0] is not None:
+        return tf.constant(x.shape[0], x.dtype)
     return tf.cast(tf.shape(x)[0], x.dtype)
 
 
@@ -54,8 +57,12 @@ def _outer(x, y, diagonal, ones=False):
         out = tf.matmul(x, y, transpose_a=True)
     if not ones:
         return out
-    groups = tf.shape(out)[:-1] if diagonal else tf.shape(out)[:-2]  # [] or [G]
-    n = tf.fill(tf.concat([groups, [1]], 0), _rows(x))  # [(G,) 1]
+    groups = out.shape[:-1] if diagonal else out.shape[:-2]  # [] or [G]
+    if groups.is_fully_defined():
+        n = tf.fill(groups.as_list() + [1], _rows(x))  # [(G,) 1]
+    else:
+        dynamic = tf.shape(out)[:-1] if diagonal else tf.shape(out)[:-2]
+        n = tf.fill(tf.concat([dynamic, [1]], 0), _rows(x))
     if diagonal:
         return tf.concat([out, n], -1)
     sum_x = tf.reduce_sum(x, 0)  # [(G,) d]
@@ -65,8 +72,8 @@ def _outer(x, y, diagonal, ones=False):
     # row by row, which the padded sums avoid.
     d = out.shape[-1]
     return (tf.pad(out, _pad_last(out, 2, [0, 1], [0, 1]))
-            + tf.pad(sum_x[..., :, None], _pad_last(out, 2, [0, 1], [d, 0]))
-            + tf.pad(last_row[..., None, :], _pad_last(out, 2, [d, 0], [0, 0])))
+            + tf.pad(tf.expand_dims(sum_x, -1), _pad_last(out, 2, [0, 1], [d, 0]))
+            + tf.pad(tf.expand_dims(last_row, -2), _pad_last(out, 2, [d, 0], [0, 0])))
 
 
 def _few_rows(x):

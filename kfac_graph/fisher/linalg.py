@@ -45,7 +45,19 @@ def kron(a, b):
 
 def trace(factor, diagonal):
     """Trace of a factor (batched over leading axes)."""
-    return tf.reduce_sum(factor, -1) if diagonal else tf.linalg.trace(factor)
+    return tf.reduce_sum(factor if diagonal else diag_part(factor), -1)
+
+
+def diag_part(matrix):
+    """The main diagonal `[..., n]` of `[..., n, n]` (the one-input kernel:
+    `tf.linalg.diag_part` adds four constant inputs to every call's trace)."""
+    return tf.raw_ops.MatrixDiagPart(input=matrix)
+
+
+def column(x):
+    """`x[..., None]`: one trailing axis of length 1 (a reshape-like op with
+    one constant input, where indexing traces a slice with three)."""
+    return tf.expand_dims(x, -1)
 
 
 def pi_split_damping(damping, trace_a, dim_a, trace_g, dim_g):
@@ -71,26 +83,26 @@ def identity_like(matrix):
     function runtime folds it into an `n x n` constant that it keeps, in
     several copies, for as long as the function lives: a step with many
     factors held gigabytes of identities that way.)"""
-    return tf.linalg.diag(tf.ones_like(tf.linalg.diag_part(matrix)))
+    return tf.raw_ops.MatrixDiag(diagonal=tf.ones_like(diag_part(matrix)))
 
 
 def add_damping(factor, damping, diagonal):
     """`factor + damping I` (the damping added to the diagonal in place: no
     identity matrix is formed, see `identity_like`)."""
     if diagonal:
-        return factor + damping[..., None]
-    return tf.linalg.set_diag(factor, tf.linalg.diag_part(factor) + damping[..., None])
+        return factor + column(damping)
+    return tf.raw_ops.MatrixSetDiag(input=factor, diagonal=diag_part(factor) + column(damping))
 
 
 def mul_left(factor, x, diagonal):
     """`factor @ x` for x `[..., n, m]`."""
-    return factor[..., :, None] * x if diagonal else tf.matmul(factor, x)
+    return column(factor) * x if diagonal else tf.matmul(factor, x)
 
 
 def mul_right(x, factor, diagonal, transpose=False):
     """`x @ factor` (or `x @ factor^T`) for x `[..., m, n]`."""
     if diagonal:
-        return x * factor[..., None, :]
+        return x * tf.expand_dims(factor, -2)
     return tf.matmul(x, factor, transpose_b=transpose)
 
 
@@ -102,14 +114,14 @@ def cholesky(factor, diagonal):
 def solve_tril_left(chol, x, diagonal, transpose=False):
     """`L^{-1} x` (or `L^{-T} x`) for a lower-triangular `L`."""
     if diagonal:
-        return x / chol[..., :, None]
+        return x / column(chol)
     return tf.linalg.triangular_solve(chol, x, lower=True, adjoint=transpose)
 
 
 def solve_tril_right(x, chol, diagonal, transpose=False):
     """`x L^{-T}` (or `x L^{-1}` when transpose)."""
     if diagonal:
-        return x / chol[..., None, :]
+        return x / tf.expand_dims(chol, -2)
     xt = tf.linalg.matrix_transpose(x)
     out = tf.linalg.triangular_solve(chol, xt, lower=True, adjoint=transpose)
     return tf.linalg.matrix_transpose(out)
@@ -120,7 +132,7 @@ def damped_inverse(factor, damping, diagonal):
     where `factor + d I` is not positive definite: the optimizer then skips
     the step)."""
     if diagonal:
-        return 1.0 / (tf.maximum(factor, 0.0) + damping[..., None])
+        return 1.0 / (tf.maximum(factor, 0.0) + column(damping))
     sym = 0.5 * (factor + tf.linalg.matrix_transpose(factor))
     chol = tf.linalg.cholesky(add_damping(sym, damping, False))
     return tf.linalg.cholesky_solve(chol, identity_like(factor))
@@ -129,10 +141,10 @@ def damped_inverse(factor, damping, diagonal):
 def damped_power(factor, damping, diagonal, exp):
     """`(factor + d I)^exp` (negative eigenvalues of the factor clipped at 0)."""
     if diagonal:
-        return tf.pow(tf.maximum(factor, 0.0) + damping[..., None], exp)
+        return tf.pow(tf.maximum(factor, 0.0) + column(damping), exp)
     evals, evecs = psd_eig(factor)
-    powered = tf.pow(evals + damping[..., None], exp)
-    return tf.matmul(evecs * powered[..., None, :], evecs, transpose_b=True)
+    powered = tf.pow(evals + column(damping), exp)
+    return tf.matmul(evecs * tf.expand_dims(powered, -2), evecs, transpose_b=True)
 
 
 def psd_eig(matrix):
@@ -150,7 +162,7 @@ def psd_power(matrix, exp, floor=None):
     else:
         keep = evals > floor
         powered = tf.where(keep, tf.pow(tf.where(keep, evals, 1.0), exp), 0.0)
-    return tf.matmul(evecs * powered[..., None, :], evecs, transpose_b=True)
+    return tf.matmul(evecs * tf.expand_dims(powered, -2), evecs, transpose_b=True)
 
 
 class EigCache(tf.Module):
@@ -179,12 +191,12 @@ class EigCache(tf.Module):
         return [(self.evals, evals), (self.evecs, evecs)]
 
     def _scaled(self, damping, exp):
-        return tf.pow(self.evals + damping[..., None], exp)
+        return tf.pow(self.evals + column(damping), exp)
 
     def left(self, x, damping, exp):
         """`(F + d I)^exp @ x`."""
         w = self._scaled(damping, exp)
         if self.diagonal:
-            return w[..., :, None] * x
+            return column(w) * x
         q = self.evecs
-        return tf.matmul(q, w[..., :, None] * tf.matmul(q, x, transpose_a=True))
+        return tf.matmul(q, column(w) * tf.matmul(q, x, transpose_a=True))

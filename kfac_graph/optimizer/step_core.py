@@ -259,12 +259,12 @@ class StepCore:
             due = scheduled.do_inv | stale
 
         def refresh():
+            # the refreshed caches are read back after their writes (the
+            # branch's automatic control dependencies order them)
             self.refresh_inverses(damping, mask)
-            return tf.constant(True)
+            return vec.all_finite([v.value() for v in opt.estimator.inverse_variables()])
 
-        refreshed = tf.cond(due & statistics_ok, refresh, lambda: tf.constant(False))
-        inverses_ok = tf.cond(refreshed, lambda: vec.all_finite(
-            [v.value() for v in state]), lambda: tf.constant(True))
+        inverses_ok = tf.cond(due & statistics_ok, refresh, lambda: tf.constant(True))
         statistics_ok = statistics_ok & inverses_ok
 
         def update(forward=None):
