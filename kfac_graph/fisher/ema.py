@@ -55,8 +55,9 @@ class DebiasedEMA(tf.Module):
             decay = tf.constant(decay, self.dtype)
         decay = tf.cast(decay, self.dtype)
         estimate = tf.cast(estimate, self.dtype)
-        self.raw.assign(decay * self.raw + (1.0 - decay) * estimate)
-        self.weight.assign(decay * self.weight + (1.0 - decay))
+        keep = 1.0 - decay  # the new estimate's share, computed once for both
+        self.raw.assign(decay * self.raw + keep * estimate)
+        self.weight.assign(decay * self.weight + keep)
 
     def value(self):
         """The debiased average `m_t / w_t` (zeros before the first update)."""
