@@ -5,10 +5,28 @@ from __future__ import annotations
 import tensorflow as tf
 
 
+class _Totals:
+    """Sums of whole tensors whose axes constants are shared per rank (one
+    traced constant per rank instead of one per sum)."""
+
+    def __init__(self):
+        self._axes = {}
+
+    def __call__(self, t):
+        rank = t.shape.rank
+        if rank is None:
+            return tf.reduce_sum(t)
+        if rank == 0:
+            return t
+        if rank not in self._axes:
+            self._axes[rank] = tf.constant(list(range(rank)), tf.int32)
+        return tf.raw_ops.Sum(input=t, axis=self._axes[rank])
+
+
 def dot(xs, ys) -> tf.Tensor:
     """``sum_k <x_k, y_k>`` (in the first tensor's dtype)."""
-    dtype = xs[0].dtype
-    return tf.add_n([tf.reduce_sum(tf.cast(x, dtype) * tf.cast(y, dtype)) for x, y in zip(xs, ys)])
+    dtype, total = xs[0].dtype, _Totals()
+    return tf.add_n([total(tf.cast(x, dtype) * tf.cast(y, dtype)) for x, y in zip(xs, ys)])
 
 
 def scale(c, xs) -> list:
@@ -36,7 +54,7 @@ def all_finite(tensors) -> tf.Tensor:
     A tensor passed twice is checked once, and the sums share one axes
     constant per rank, so the check adds about one operation per tensor
     to a traced graph."""
-    seen, axes, by_dtype = set(), {}, {}
+    seen, total, by_dtype = set(), _Totals(), {}
     for t in tensors:
         t = tf.convert_to_tensor(t)
         if not t.dtype.is_floating or t.ref() in seen:
@@ -44,16 +62,7 @@ def all_finite(tensors) -> tf.Tensor:
         seen.add(t.ref())
         if t.dtype.size < 4:
             t = tf.cast(t, tf.float32)
-        rank = t.shape.rank
-        if rank is None:
-            total = tf.reduce_sum(t)
-        elif rank == 0:
-            total = t
-        else:
-            if rank not in axes:
-                axes[rank] = tf.constant(list(range(rank)), tf.int32)
-            total = tf.raw_ops.Sum(input=t, axis=axes[rank])
-        by_dtype.setdefault(total.dtype, []).append(total)
+        by_dtype.setdefault(t.dtype, []).append(total(t))
     if not by_dtype:
         return tf.constant(True)
     flags = [tf.reduce_all(tf.math.is_finite(tf.stack(group))) for group in by_dtype.values()]
