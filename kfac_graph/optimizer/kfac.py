@@ -87,11 +87,11 @@ import inspect
 
 import tensorflow as tf
 
-from kfac_graph import options
+from kfac_graph import graph_options, options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher.estimator import FisherEstimator
 from kfac_graph.optimizer import costs as costs_lib, damping as damping_lib, distributed
-from kfac_graph.optimizer import graph_options, kfac_options, plan, summaries
+from kfac_graph.optimizer import kfac_options, plan, summaries
 from kfac_graph.optimizer.schedule import StepSchedule
 from kfac_graph.optimizer.single_device import SingleDeviceCore
 
@@ -134,7 +134,7 @@ class KFAC(tf.Module):
     batch (``P = cov_update_period``), not every ``P``-th step all of it (None:
     with ``overhead_budget``).
     ``graph_optimization``: ``"off"`` (default) skips Grappler's rewrites
-    of the step's graph, ``"default"`` keeps TensorFlow's (``graph_options.py``).
+    of the step's graph, ``"default"`` keeps TensorFlow's (``kfac_graph/graph_options.py``).
     ``summary_writer``: a ``tf.summary`` writer; loss, damping, learning
     rate, momentum, rho and each factor's trace are written every
     ``summary_period`` steps. ``sync_statistics``: under ``tf.distribute``,

@@ -3,9 +3,9 @@
 ``FisherEstimator``'s own."""
 import types
 
-from kfac_graph import options
+from kfac_graph import graph_options, options
 from kfac_graph.fisher.estimator import FisherEstimator
-from kfac_graph.optimizer import distributed, graph_options
+from kfac_graph.optimizer import distributed
 
 MOMENTUM_TYPES = ("regular", "adam", "qmodel")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python.ops.parallel_for import gradients as pfor_gradients
 
-from kfac_graph import invariants, layers
+from kfac_graph import graph_options, invariants, layers
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.per_example.rules import RuleRegistry, default_registry
@@ -160,25 +160,45 @@ def per_layer_results(reg: Registration, taps: LayerTaps, rules: RuleRegistry,
 
 
 def model_norms(per_layer_squared_norms) -> tf.Tensor:
-    """``[B]``: each example's whole-gradient norm from the layers' squared norms."""
-    return tf.sqrt(tf.add_n(list(per_layer_squared_norms)))
+    """``[B]``: each example's whole-gradient norm from the layers' squared
+    norms, summed in the widest of their dtypes (at least float32: layers
+    of one model may compute in different floats)."""
+    squared = list(per_layer_squared_norms)
+    dtype = max((t.dtype for t in squared), key=lambda d: d.size)
+    dtype = dtype if dtype.size >= 4 else tf.float32
+    return tf.sqrt(tf.add_n([tf.cast(t, dtype) for t in squared]))
 
 
-def per_example_gradients(fn, *args, rules: RuleRegistry | None = None) -> list[tf.Tensor]:
+def per_example_gradients(fn, *args, rules: RuleRegistry | None = None,
+                          graph_optimization: str = "off") -> list[tf.Tensor]:
     """A list aligned with ``fn.registration(*args).variables``, entry ``k``
-    shaped ``[batch, *variable.shape]``."""
+    shaped ``[batch, *variable.shape]``. ``graph_optimization``: called
+    eagerly, ``"off"`` skips Grappler's rewrites of the function's graph
+    (its first call's largest one-time cost; later calls run as fast),
+    ``"default"`` keeps TensorFlow's (``kfac_graph/graph_options.py``);
+    inside a ``tf.function`` the caller's graph decides."""
     fn = _registered(fn)
     reg = fn.registration(*args)
-    return list(_compiled(fn, reg, "grads", rules)(*args))
+    return list(_call(_compiled(fn, reg, "grads", rules), args, graph_optimization))
 
 
-def per_example_gradient_norms(fn, *args, rules: RuleRegistry | None = None) -> tf.Tensor:
+def per_example_gradient_norms(fn, *args, rules: RuleRegistry | None = None,
+                               graph_optimization: str = "off") -> tf.Tensor:
     """``[batch]``: the L2 norm of each example's whole gradient, computed
     per layer without materialising per-example gradients where the rule's
-    cost model says that is cheaper."""
+    cost model says that is cheaper. ``graph_optimization`` as for
+    ``per_example_gradients``."""
     fn = _registered(fn)
     reg = fn.registration(*args)
-    return _compiled(fn, reg, "norms", rules)(*args)
+    return _call(_compiled(fn, reg, "norms", rules), args, graph_optimization)
+
+
+def _call(run, args, graph_optimization):
+    graph_options.check_mode(graph_optimization)
+    if not tf.executing_eagerly():
+        return run(*args)
+    with graph_options.call_options(graph_optimization):
+        return run(*args)
 
 
 def _compiled(fn: RegisteredFunction, reg: Registration, want: str, rules):

@@ -1,4 +1,5 @@
-"""How TensorFlow optimises the graph of a K-FAC step when it first runs it.
+"""How TensorFlow optimises the graph of a K-FAC step, or of a per-example
+gradient function, when it first runs it.
 
 A ``tf.function`` is optimised by Grappler the first time it is called
 (constant folding, arithmetic and layout rewrites, operator fusion, each
@@ -6,7 +7,9 @@ pass twice over the whole graph). A K-FAC step's graph holds the model's
 forward and backward passes several times over (statistics, the quadratic
 model's double backward passes) plus every block's algebra, and on large
 models that optimisation was the largest part of the first step
-(``benchmarks/cold_start.py``). ``call_options(mode)`` is a context manager
+(``benchmarks/cold_start.py``); a per-example gradient function's first
+call spent 1-5 s there on ``keras.applications`` models, and its later calls
+ran no faster for it. ``call_options(mode)`` is a context manager
 under which calls of ``tf.function``s run with:
 
 - ``"default"``: TensorFlow's configuration (``tf.config.optimizer``);
@@ -35,11 +38,16 @@ def _config(mode: str):
     return config
 
 
+def check_mode(mode: str) -> None:
+    """Raises ``ValueError`` unless ``mode`` is one of ``MODES``."""
+    if mode not in MODES:
+        raise ValueError(f"graph_optimization must be one of {MODES}, got {mode!r}")
+
+
 @contextlib.contextmanager
 def call_options(mode: str):
     """Calls of ``tf.function``s in this block are optimised by ``mode``."""
-    if mode not in MODES:
-        raise ValueError(f"graph_optimization must be one of {MODES}, got {mode!r}")
+    check_mode(mode)
     if mode == "default":
         yield
         return
