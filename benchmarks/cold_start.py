@@ -20,7 +20,9 @@ For each model, in one process:
   time spent in each part of the step (inclusive, measured by wrapping the
   parts while tracing);
 - ``per_example_gradients``: its first call against a first
-  ``tf.function`` batch-gradient call.
+  ``tf.function`` batch-gradient call, with Grappler off (the default)
+  and on (``graph_optimization="default"``), alternating over
+  ``--per_example_rounds`` rounds on fresh instances of the model (mean).
 
 Each model's first-order steps run after a throwaway SGD step on another
 instance of it, which pays the process's one-time start-up. Ratios
@@ -58,6 +60,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mobilenet_v3_small", "resnet50"], "models")
 flags.DEFINE_list("variants", ["defaults"], "K-FAC variants: defaults, regular")
 flags.DEFINE_string("markdown", None, "also write the table as markdown here")
+flags.DEFINE_integer("per_example_rounds", 2,
+                     "per-example first calls per Grappler setting (alternating; mean)")
 
 
 def image_model(build, size, batch):
@@ -171,11 +175,16 @@ def gradient_times(model_name):
     return {"first call": clock(lambda: grads(*args))}
 
 
-def per_example_times(model_name):
+def per_example_times(model_name, graph_optimization="off"):
     _, loss, args = make(model_name)
     fn = kg.auto_register(loss)
-    return {"first call": clock(lambda: kg.per_example_gradients(fn, *args)[0]),
-            "later call": clock(lambda: kg.per_example_gradients(fn, *args)[0])}
+    call = lambda: kg.per_example_gradients(fn, *args, graph_optimization=graph_optimization)[0]
+    return {"first call": clock(call), "later call": clock(call)}
+
+
+def mean_times(runs):
+    """The mean of each phase's seconds over ``runs`` (dicts of phases)."""
+    return {phase: float(np.mean([run[phase] for run in runs])) for phase in runs[0]}
 
 
 def kfac_times(model_name, variant):
@@ -205,7 +214,13 @@ def main(argv):
         adam_times(model_name, keras.optimizers.SGD(0.01))
         adam = adam_times(model_name)
         grad = gradient_times(model_name)
-        pxg = per_example_times(model_name)
+        # each call on a fresh model instance, Grappler off (the default) and on
+        # alternating, so that the process's own first-time costs fall on both
+        rounds = {"off": [], "default": []}
+        for _ in range(FLAGS.per_example_rounds):
+            for mode, times in rounds.items():
+                times.append(per_example_times(model_name, graph_optimization=mode))
+        pxg, pxg_on = (mean_times(rounds["off"]), mean_times(rounds["default"]))
         base = adam["first step"]
         rows.append((model_name, "Adam first step", adam["first step"], 1.0))
         rows.append((model_name, "Adam later step", adam["later step"],
@@ -223,6 +238,9 @@ def main(argv):
                      pxg["first call"] / grad["first call"]))
         rows.append((model_name, "per_example_gradients, later call", pxg["later call"],
                      pxg["later call"] / grad["first call"]))
+        for label, seconds in pxg_on.items():
+            rows.append((model_name, f"per_example_gradients, Grappler on: {label}", seconds,
+                         seconds / grad["first call"]))
     lines = ["| model | phase | seconds | ratio |", "|---|---|---:|---:|"]
     lines += [f"| {m} | {p} | {s:.2f} | {r:.2f} |" for m, p, s, r in rows]
     print("ratio: K-FAC and Adam rows over Adam's first step; per-example rows over the "
