@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 
+import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
 
@@ -60,3 +61,14 @@ def call_options(mode: str):
         yield
     finally:
         ctx.function_call_options = previous
+
+
+def eager_call(run, args, mode: str = "off"):
+    """``run(*args)`` optimised by ``mode`` when called eagerly; inside a
+    ``tf.function`` being traced the caller's graph decides (its own
+    optimisation covers the call)."""
+    check_mode(mode)
+    if not tf.executing_eagerly():
+        return run(*args)
+    with call_options(mode):
+        return run(*args)

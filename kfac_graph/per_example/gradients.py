@@ -179,7 +179,8 @@ def per_example_gradients(fn, *args, rules: RuleRegistry | None = None,
     inside a ``tf.function`` the caller's graph decides."""
     fn = _registered(fn)
     reg = fn.registration(*args)
-    return list(_call(_compiled(fn, reg, "grads", rules), args, graph_optimization))
+    return list(graph_options.eager_call(_compiled(fn, reg, "grads", rules), args,
+                                        graph_optimization))
 
 
 def per_example_gradient_norms(fn, *args, rules: RuleRegistry | None = None,
@@ -190,15 +191,10 @@ def per_example_gradient_norms(fn, *args, rules: RuleRegistry | None = None,
     ``per_example_gradients``."""
     fn = _registered(fn)
     reg = fn.registration(*args)
-    return _call(_compiled(fn, reg, "norms", rules), args, graph_optimization)
+    return graph_options.eager_call(_compiled(fn, reg, "norms", rules), args,
+                                    graph_optimization)
 
 
-def _call(run, args, graph_optimization):
-    graph_options.check_mode(graph_optimization)
-    if not tf.executing_eagerly():
-        return run(*args)
-    with graph_options.call_options(graph_optimization):
-        return run(*args)
 
 
 def _compiled(fn: RegisteredFunction, reg: Registration, want: str, rules):
