@@ -195,8 +195,6 @@ def per_example_gradient_norms(fn, *args, rules: RuleRegistry | None = None,
                                     graph_optimization)
 
 
-
-
 def _compiled(fn: RegisteredFunction, reg: Registration, want: str, rules):
     """One ``tf.function`` per registration, wanted result and rule set,
     cached on the registered function."""
