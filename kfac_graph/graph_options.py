@@ -9,8 +9,9 @@ model's double backward passes) plus every block's algebra, and on large
 models that optimisation was the largest part of the first step
 (``benchmarks/cold_start.py``); a per-example gradient function's first
 call spent 0.2-1.6 s there on ``keras.applications`` models and BERT-small
-(a fifth to a third of that call), and its later calls ran no faster for it. ``call_options(mode)`` is a context manager
-under which calls of ``tf.function``s run with:
+(a fifth to a third of that call), and its later calls ran no faster for
+it. ``call_options(mode)`` is a context manager under which calls of
+``tf.function``s run with:
 
 - ``"default"``: TensorFlow's configuration (``tf.config.optimizer``);
 - ``"off"``: Grappler's meta-optimizer disabled for these calls only.

@@ -44,7 +44,7 @@ def _sym(m):
 
 def _floor(c0):
     eps = 1e-7 if c0.dtype == tf.float32 else 1e-13
-    return eps * c0.shape[-1] * tf.reduce_max(tf.abs(tf.linalg.diag_part(c0)))
+    return eps * c0.shape[-1] * tf.reduce_max(tf.abs(linalg.diag_part(c0)))
 
 
 def option1_quantities(c0, c1, pinv=False):

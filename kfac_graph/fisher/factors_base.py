@@ -57,12 +57,11 @@ def _outer(x, y, diagonal, ones=False):
         out = tf.matmul(x, y, transpose_a=True)
     if not ones:
         return out
-    groups = out.shape[:-1] if diagonal else out.shape[:-2]  # [] or [G]
-    if groups.is_fully_defined():
-        n = tf.fill(groups.as_list() + [1], _rows(x))  # [(G,) 1]
-    else:
-        dynamic = tf.shape(out)[:-1] if diagonal else tf.shape(out)[:-2]
-        n = tf.fill(tf.concat([dynamic, [1]], 0), _rows(x))
+    matrix_axes = 1 if diagonal else 2
+    groups = out.shape[:-matrix_axes]  # [] or [G]
+    shape = (groups.as_list() + [1] if groups.is_fully_defined()
+             else tf.concat([tf.shape(out)[:-matrix_axes], [1]], 0))
+    n = tf.fill(shape, _rows(x))  # [(G,) 1]
     if diagonal:
         return tf.concat([out, n], -1)
     sum_x = tf.reduce_sum(x, 0)  # [(G,) d]
