@@ -32,7 +32,8 @@ step timed. Columns:
   amortised step over an SGD step's (``optimizer/costs.py``);
 - ``memory``: the estimator's state (factors and cached inverses) over the
   parameters, in bytes;
-- ``periods``: the covariance and inverse periods the step ran with.
+- ``periods``: the covariance and inverse periods the step ran with (and the
+  factor block size an overhead budget picked, if any).
 
     python benchmarks/scale.py [--models resnet50,efficientnetb0,bert_small,autoencoder]
         [--variants defaults,regular,qmodel] [--budget 3] [--unspread] [--rounds 3] [--block 10]
@@ -145,6 +146,8 @@ def candidates(name):
             label += ", not spread" if spread is False else ""
             info = {"cold": cold, "counted": counted, "memory": estimator_bytes(opt) / params,
                     "periods": f"{opt.cov_update_period}/{opt.inverse_update_period}"}
+            if opt.estimator.factor_block_size:  # the budget's choice
+                info["periods"] += f", blocks of {opt.estimator.factor_block_size}"
             out.append((label, opt.step, batches, info))
             print(f"  {name} K-FAC {label}: first step {cold:.1f} s", flush=True)
     return out

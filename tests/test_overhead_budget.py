@@ -117,3 +117,66 @@ def test_cost_summary_needs_a_build():
     with pytest.raises(ValueError, match="not built"):
         kg.KFAC(loss).cost_summary()
 
+
+
+def _wide_mlp(batch=256, width=600):
+    """One dense layer whose preconditioning (1.6 SGD steps with full 601 x
+    601 and 600 x 600 factors) keeps every period pair over budget 2."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(width)])
+    x = tf.random.normal([batch, width])
+    y = tf.random.uniform([batch], 0, width, tf.int32)
+
+    @kg.auto_register
+    def loss(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+    return loss, (x, y)
+
+
+def test_budget_puts_wide_factors_in_blocks_when_periods_are_not_enough():
+    from kfac_graph.fisher.factor_blocks import BlockLayout
+    from kfac_graph.optimizer import plan
+    loss, args = _wide_mlp()
+    whole = kg.KFAC(loss, momentum_type="regular", adapt_damping=False)
+    whole.build(*args)
+    full = kg.KFAC(loss, momentum_type="regular", adapt_damping=False, overhead_budget=2.0)
+    full.build(*args)
+    options = plan.cost_options(full)
+    sgd = costs.sgd_multiply_adds(whole.costs)
+    longest = costs.step_multiply_adds(whole.costs, costs.COV_PERIODS[-1],
+                                       costs.INVERSE_PERIODS[-1], options) / sgd
+    assert longest > 2.0  # periods alone cannot meet it
+    assert whole.costs[0].precondition == 601 ** 2 * 600 + 601 * 600 ** 2
+    assert full.costs[0].precondition == 601 * 301 * 600 + 601 * 600 * 300
+    choice = full.period_choice
+    # 2048 and 1024 change nothing (no factor is wider), 512 is the largest within
+    assert choice.within and choice.factor_block_size == 512
+    assert full.estimator.factor_block_size == 512
+    block = full.estimator.blocks[0]
+    assert (block.input_factor.blocks, block.output_factor.blocks) == (
+        BlockLayout(601, 2, 301), BlockLayout(600, 2, 300))
+    # the counts are the new blocks' own, and the state the optimizer tracks theirs
+    recount = costs.layer_costs(full.registration, full.estimator.blocks, 256)
+    assert recount == full.costs
+    assert {v.ref() for v in full.estimator_state} == {v.ref() for v in
+                                                      full.estimator.variables}
+    assert any(v.ref() in {w.ref() for w in full.estimator_state}
+               for v in block.input_factor.variables)
+    assert "factors in diagonal blocks of at most 512 chosen by the budget, within" in (
+        full.cost_summary())
+    assert "factor_block_size: 512" in full.summary()
+    first = float(full.step(*args))
+    for _ in range(5):
+        full.step(*args)
+    assert float(loss(*args)) < first and int(full.skipped_steps) == 0
+    # a block size given wins; a budget periods alone meet keeps the factors whole
+    given = kg.KFAC(loss, momentum_type="regular", adapt_damping=False, overhead_budget=2.0,
+                    factor_block_size=1024)
+    given.build(*args)
+    assert given.estimator.factor_block_size == 1024 and not given.period_choice.within
+    assert given.period_choice.factor_block_size is None
+    loose = kg.KFAC(loss, momentum_type="regular", adapt_damping=False, overhead_budget=4.0)
+    loose.build(*args)
+    assert loose.period_choice.within and loose.period_choice.factor_block_size is None
+    assert loose.estimator.blocks[0].input_factor.blocks is None

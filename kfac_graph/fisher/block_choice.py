@@ -30,7 +30,11 @@ several positions per example, ``"kron_reduce"`` (K-FAC-reduce:
 ``max_factor_size`` (the estimator's option, default
 ``DEFAULT_MAX_FACTOR_SIZE``) goes to every factory that takes it (each
 block class does): a Kronecker factor wider than it keeps only its
-diagonal; the estimator's ``summary()`` (``report.py``) says which did.
+diagonal; ``factor_block_size`` k (the estimator's option, default None)
+goes to them too: a full, ungrouped factor of the Kronecker blocks above
+(not the tied embedding's or the series blocks') wider than k keeps its
+diagonal blocks of at most k (``factor_blocks.py``); the estimator's
+``summary()`` (``report.py``) says which did what.
 
 Per-use information reaches a factory through ``attrs`` (``block_attrs``):
 the layer's own attributes, and for a tied embedding ``"tied_roles"``, every
@@ -126,13 +130,15 @@ def block_attrs(layer) -> dict:
 
 
 def make_layer_block(layer, approximations=None, max_factor_size=None,
-                     **options) -> blocks_base.FisherBlock:
+                     factor_block_size=None, **options) -> blocks_base.FisherBlock:
     """The block for ``layer``; ``options`` go to the factory (damping,
-    ema_decay, dtype, name), and ``max_factor_size`` too if it takes it."""
+    ema_decay, dtype, name), and ``max_factor_size`` and ``factor_block_size``
+    too if given and it takes them."""
     factory = resolve_factory(layer, approximations)
-    if max_factor_size is not None and _takes(factory or defaults.block_factory(layer.kind),
-                                              "max_factor_size"):
-        options["max_factor_size"] = max_factor_size
+    for option, value in (("max_factor_size", max_factor_size),
+                          ("factor_block_size", factor_block_size)):
+        if value is not None and _takes(factory or defaults.block_factory(layer.kind), option):
+            options[option] = value
     overrides = {layer.kind: factory} if factory is not None else None
     shapes = [tuple(int(d) for d in v.shape) for v in layer.variables]
     attrs = block_attrs(layer)

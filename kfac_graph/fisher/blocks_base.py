@@ -73,6 +73,7 @@ class FisherBlock(tf.Module):
         ema_decay=0.95,
         dtype=tf.float32,
         max_factor_size=None,
+        factor_block_size=None,
         name=None,
     ):
         """var_shapes: the layer's variables (or their shapes), in layer order;
@@ -81,6 +82,9 @@ class FisherBlock(tf.Module):
         series length T are read from the data at each update);
         max_factor_size: Kronecker blocks keep a factor wider than this as its
         diagonal (None: every factor full); other blocks ignore it;
+        factor_block_size: Kronecker blocks keep a full, ungrouped factor wider
+        than this (and within max_factor_size) as its diagonal blocks of at
+        most this size (``factor_blocks.py``; None: none); other blocks ignore it;
         name: any string (characters other than [A-Za-z0-9_] become "_")."""
         name = re.sub(r"\W", "_", name or type(self).__name__)
         if not name[0].isalpha():
@@ -94,6 +98,8 @@ class FisherBlock(tf.Module):
         self.dtype = tf.as_dtype(dtype)
         self._damping_source = damping
         self.max_factor_size = None if max_factor_size is None else int(max_factor_size)
+        self.factor_block_size = (None if factor_block_size is None
+                                  else int(factor_block_size))
 
     # -- helpers -------------------------------------------------------------
     def damping(self, value=None):

@@ -55,7 +55,9 @@ Wide factors: a factor wider than the block's `max_factor_size` keeps only
 its diagonal (`factor.wide`), e.g. the `50k x 50k` output factor of a
 language model's head; the block is then R (A (x) diag(G)) (or diag(A) (x) G),
 and all its products are those of a Kronecker product with one diagonal
-factor.
+factor. With a `factor_block_size` k, a full, ungrouped factor wider than k
+keeps its diagonal blocks of at most k (`factor.blocks`, `factor_blocks.py`):
+R (A_bd (x) G), every product taken block by block.
 """
 
 import numpy as np
@@ -63,6 +65,7 @@ import tensorflow as tf
 
 from kfac_graph.fisher import blocks_base
 from kfac_graph.fisher import ema
+from kfac_graph.fisher import factor_blocks
 from kfac_graph.fisher import factors_kron
 from kfac_graph.fisher import linalg
 from kfac_graph.fisher import positions as positions_lib
@@ -76,16 +79,20 @@ def _mul_left_t(factor, x, diagonal, transpose):
     return tf.matmul(factor, x, transpose_a=transpose)
 
 
+
 class KroneckerBlock(blocks_base.FisherBlock):
     """Base: subclasses set `input_factor`, `output_factor`, `_out_width` and
     call `_init_kron()`; `_to_mat`/`_from_mat` map variables <-> V.
     `positions`: "expand" (R = T U) or "reduce" (R = 1; the factors reduce)."""
 
     positions = positions_lib.EXPAND
+    takes_factor_blocks = True  # its factors take ``factor_block_size``
 
     def _factor_options(self, **kwargs):
-        """Options every factor of the block takes: dtype, the size budget."""
-        return dict(dtype=self.dtype, max_dim=self.max_factor_size, **kwargs)
+        """Options every factor of the block takes: dtype, the size budget
+        and the block size."""
+        return dict(dtype=self.dtype, max_dim=self.max_factor_size,
+                    block_dim=self.factor_block_size, **kwargs)
 
     def _init_kron(self):
         self.replicas = ema.replica_local(tf.ones([], self.dtype), name="replicas")
@@ -97,6 +104,9 @@ class KroneckerBlock(blocks_base.FisherBlock):
 
         def cache(factor, name):
             shape = list(factor.batch_shape) + [factor.dim]
+            if factor.blocks is not None:
+                return tf.Variable(factor.blocks.identity(self.dtype), trainable=False,
+                                   name=name)
             if factor.diagonal:
                 return tf.Variable(tf.ones(shape, self.dtype), trainable=False, name=name)
             eye = tf.eye(factor.dim, batch_shape=list(factor.batch_shape), dtype=self.dtype)
@@ -168,8 +178,7 @@ class KroneckerBlock(blocks_base.FisherBlock):
         a, g = self.input_factor, self.output_factor
         av, gv = a.value(), g.value()
         da, dg = linalg.pi_split_damping(self._normalised_damping(damping),
-                                         linalg.trace(av, a.diagonal), a.dim,
-                                         linalg.trace(gv, g.diagonal), g.dim)
+                                         a.trace(av), a.dim, g.trace(gv), g.dim)
         return (av, da), (gv, dg)
 
     def _damped_factors(self, damping):
@@ -185,9 +194,11 @@ class KroneckerBlock(blocks_base.FisherBlock):
                                                  self.output_inverse) / self.replicas)
 
     def _kron_product(self, mat, left, right):
-        """``left @ mat @ right`` (either factor may be a diagonal)."""
-        out = linalg.mul_left(left, mat, self.input_factor.diagonal)
-        return linalg.mul_right(out, right, self.output_factor.diagonal)
+        """``left @ mat @ right`` (either factor may be a diagonal or blocks)."""
+        a, g = self.input_factor, self.output_factor
+        out = factor_blocks.left(a, lambda f, x: linalg.mul_left(f, x, a.diagonal), left, mat)
+        return factor_blocks.right(g, lambda f, x: tf.matmul(f, x, transpose_a=True),
+                                   lambda x, f: linalg.mul_right(x, f, g.diagonal), right, out)
 
     def multiply_matpower(self, vs, exp, damping=None):
         mat = self._to_mat(vs)
@@ -214,23 +225,30 @@ class KroneckerBlock(blocks_base.FisherBlock):
     def multiply_cholesky(self, vs, transpose=False, damping=None):
         """L v with L = sqrt(R) L_A (x) L_G: V -> sqrt(R) L_A V L_G^T."""
         la, lg = self._cholesky_factors(damping)
-        diag_a, diag_g = self.input_factor.diagonal, self.output_factor.diagonal
-        out = _mul_left_t(la, self._to_mat(vs), diag_a, transpose)
-        out = linalg.mul_right(out, lg, diag_g, transpose=not transpose)
+        a, g = self.input_factor, self.output_factor
+        out = factor_blocks.left(a, lambda f, x: _mul_left_t(f, x, a.diagonal, transpose), la,
+                                 self._to_mat(vs))
+        # x op(L_G)^T, op(L) = L^T when transposed: from the left, op(L_G) x^T
+        out = factor_blocks.right(
+            g, lambda f, x: tf.matmul(f, x, transpose_a=transpose),
+            lambda x, f: linalg.mul_right(x, f, g.diagonal, transpose=not transpose), lg, out)
         return self._from_mat(tf.sqrt(self.replicas) * out)
 
     def multiply_cholesky_inverse(self, vs, transpose=False, damping=None):
         """L^{-1} v: V -> R^{-1/2} L_A^{-1} V L_G^{-T} (transposed: L^{-T})."""
         la, lg = self._cholesky_factors(damping)
-        diag_a, diag_g = self.input_factor.diagonal, self.output_factor.diagonal
-        out = linalg.solve_tril_left(la, self._to_mat(vs), diag_a, transpose)
-        out = linalg.solve_tril_right(out, lg, diag_g, transpose)
+        a, g = self.input_factor, self.output_factor
+        out = factor_blocks.left(
+            a, lambda f, x: linalg.solve_tril_left(f, x, a.diagonal, transpose), la,
+            self._to_mat(vs))
+        # x L_G^-T (transposed: x L_G^-1) is (L_G^-1 x^T)^T (transposed: L_G^-T)
+        out = factor_blocks.right(
+            g, lambda f, x: linalg.solve_tril_left(f, x, False, transpose),
+            lambda x, f: linalg.solve_tril_right(x, f, g.diagonal, transpose), lg, out)
         return self._from_mat(out / tf.sqrt(self.replicas))
 
     def _dense_factors(self):
-        a, g = self.input_factor, self.output_factor
-        av, gv = a.value(), g.value()
-        return (tf.linalg.diag(av) if a.diagonal else av, tf.linalg.diag(gv) if g.diagonal else gv)
+        return self.input_factor.dense(), self.output_factor.dense()
 
     def full_matrix(self):
         a, g = self._dense_factors()

@@ -30,13 +30,12 @@ masked mean) weighs each token's cotangent by ``sqrt(w_it)``
 (``kfac_graph.token_weights``): ``F = (1/B) sum_i sum_t w_it J_it^T F_it
 J_it``.
 
-``max_factor_size`` (default ``DEFAULT_MAX_FACTOR_SIZE``, 4096; None: no
-budget): a Kronecker factor wider than it keeps only its diagonal (a
-language model's head over a 50k vocabulary would otherwise keep a
-``50k x 50k`` output factor), the block's other factor stays full.
-``summary()`` says which layers got which, and ``memory()`` returns the
-bytes of parameters, statistics and cached inverses per layer
-(``report.py``).
+``max_factor_size`` (default 4096; None: no budget): a Kronecker factor
+wider keeps only its diagonal (a language model's head over a 50k
+vocabulary would otherwise keep a ``50k x 50k`` output factor);
+``factor_block_size`` k: a full one wider keeps its diagonal blocks of <= k.
+``summary()`` says which layers got which, ``memory()`` the bytes of
+parameters, statistics and cached inverses per layer (``report.py``).
 
 Generic layers get per-example gradients of the variable itself (a
 vectorised Jacobian of the per-example ``l_i``, or ``v_i . z_i`` in exact
@@ -57,8 +56,7 @@ import tensorflow as tf
 
 from kfac_graph import invariants, options, token_weights
 from kfac_graph.auto_register import RegisteredFunction, auto_register
-from kfac_graph.fisher import ema
-from kfac_graph.fisher import report
+from kfac_graph.fisher import ema, report
 from kfac_graph.fisher.block_choice import (DEFAULT_MAX_FACTOR_SIZE, PER_EXAMPLE, block_stats,
                                             make_layer_block)
 from kfac_graph.fisher.distributions import at_least_float32, make_distribution
@@ -88,12 +86,13 @@ class FisherEstimator(tf.Module):
     ``fn``: a ``kg.auto_register``ed loss function (a plain one is wrapped).
     ``approximations``: ``{kind or layer name: factory or alias}``, see
     ``kfac_graph.fisher.block_choice``. ``max_factor_size``: the widest
-    Kronecker factor kept as a full matrix (wider ones keep their diagonal;
-    None: no budget). ``damping``: the blocks' own damping
-    (a float, variable or zero-argument callable, read at every multiply)
-    for calls that pass none; every product, refresh and staleness check
-    also takes ``damping=`` as a value, which wins. Bad options are one-line
-    ``ValueError``s (``OPTIONS``: what each takes; ``kfac_graph/options.py``).
+    Kronecker factor kept as a full matrix (wider ones keep their diagonal,
+    None: no budget; ``factor_block_size``: see ``block_choice``).
+    ``damping``: the blocks' own damping (a float, variable or zero-argument
+    callable, read at every multiply) for calls that pass none; every product,
+    refresh and staleness check also takes ``damping=`` as a value, which
+    wins. Bad options are one-line ``ValueError``s (``OPTIONS``: what each
+    takes; ``kfac_graph/options.py``).
     """
 
     DEFAULT_MAX_FACTOR_SIZE = DEFAULT_MAX_FACTOR_SIZE
@@ -102,29 +101,27 @@ class FisherEstimator(tf.Module):
                "cov_ema_decay": options.Real(0.0, 1.0, high_open=True, dynamic=True),
                "seed": options.Integer(),
                "max_factor_size": options.Integer(1, none=True),
+               "factor_block_size": options.Integer(1, none=True),
                "position_columns": options.OneOf(POSITION_COLUMNS)}
 
     def __init__(self, fn, estimation_mode: str = "sampled", num_samples: int = 1,
                  damping=1e-3, cov_ema_decay: float = 0.95, approximations=None,
                  seed: int = 0, max_factor_size: int | None = DEFAULT_MAX_FACTOR_SIZE,
-                 name: str | None = None, position_columns: str = "shared"):
+                 name: str | None = None, position_columns: str = "shared",
+                 factor_block_size: int | None = None):
         given = options.check_all("kg.FisherEstimator", self.OPTIONS, dict(
             estimation_mode=estimation_mode, num_samples=num_samples, damping=damping,
             cov_ema_decay=cov_ema_decay, seed=seed, max_factor_size=max_factor_size,
-            position_columns=position_columns))
+            position_columns=position_columns, factor_block_size=factor_block_size))
         self.position_columns = position_columns
         super().__init__(name=name or "fisher_estimator")
         self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
-        self.estimation_mode = estimation_mode
-        self.num_samples = int(num_samples)
-        self._damping = damping
-        self.cov_ema_decay = cov_ema_decay
-        self.approximations = dict(approximations or {})
-        self.seed = int(seed)
+        self.estimation_mode, self.num_samples = estimation_mode, int(num_samples)
+        self._damping, self.cov_ema_decay = damping, cov_ema_decay
+        self.approximations, self.seed = dict(approximations or {}), int(seed)
         self.max_factor_size = given["max_factor_size"]
-        self._registration = None
-        self._blocks = None
-        self._counter = None
+        self.factor_block_size = given["factor_block_size"]
+        self._registration = self._blocks = self._counter = None
         self._cache = _Cache()
 
     # -- structure ------------------------------------------------------------------
@@ -157,18 +154,22 @@ class FisherEstimator(tf.Module):
         if self._registration is not None:
             _check_same_layers(self._registration, reg)
             return reg
-        with tf.init_scope():
-            blocks = [make_layer_block(layer, self.approximations,
-                                       max_factor_size=self.max_factor_size,
-                                       damping=self._damping,
-                                       ema_decay=self.cov_ema_decay,
-                                       dtype=tf.as_dtype(layer.variables[0].dtype),
-                                       name=f"block_{i}_{layer.name}")
-                      for i, layer in enumerate(reg.layers)]
-            self._counter = ema.replica_local(tf.zeros([], tf.int64), name="update_counter")
-        self._blocks = blocks
         self._registration = reg
+        with tf.init_scope():
+            self._counter = ema.replica_local(tf.zeros([], tf.int64), name="update_counter")
+        self.use_factor_block_size(self.factor_block_size)
         return reg
+
+    def use_factor_block_size(self, size):
+        """Makes the blocks anew with ``factor_block_size = size`` (after
+        ``build``, before the first update: the statistics start empty)."""
+        self.factor_block_size = size
+        with tf.init_scope():
+            self._blocks = [make_layer_block(
+                layer, self.approximations, max_factor_size=self.max_factor_size,
+                factor_block_size=size, damping=self._damping, ema_decay=self.cov_ema_decay,
+                dtype=tf.as_dtype(layer.variables[0].dtype), name=f"block_{i}_{layer.name}")
+                for i, layer in enumerate(self.registration.layers)]
 
     def memory(self) -> dict:
         """Per layer (aligned with ``layers``) and in total: the bytes of its
@@ -180,7 +181,8 @@ class FisherEstimator(tf.Module):
     def summary(self) -> str:
         """A table: per layer its block, factors (full, diagonal, or diagonal
         for the size budget) and memory, then the totals."""
-        return report.format_report(self.memory(), self.max_factor_size)
+        return report.format_report(self.memory(), self.max_factor_size,
+                                    self.factor_block_size)
 
     # -- updates ------------------------------------------------------------------
     @_plain_python
@@ -209,8 +211,7 @@ class FisherEstimator(tf.Module):
         tensor per block; only the blocks whose entry is True refresh, one
         branch per distinct mask tensor (the blocks of one slot share it)."""
         if mask is None:
-            for block in self.blocks:
-                block.update_inverses(damping)
+            _refreshed(self.blocks, damping)
             return
         for due, members in mask_groups(mask, self.blocks):
             tf.cond(due, lambda members=members: _refreshed(members, damping),
@@ -393,8 +394,7 @@ def _per_replica(seed):
 
 
 def _check_same_layers(old, new):
-    def key(reg):
-        return [(layer.kind, tuple(id(v) for v in layer.variables)) for layer in reg.layers]
+    key = lambda reg: [(la.kind, tuple(map(id, la.variables))) for la in reg.layers]  # noqa
     if key(old) != key(new):
         raise ValueError("these arguments register different layers than those the estimator "
                          "was built for; make a new FisherEstimator for them")

@@ -11,8 +11,11 @@ with `N_s = sum_u N_u` the number of rows (examples x positions x uses).
 Sources add up: the Fisher square root's columns do (exact mode), and a
 caller averaging S samples scales each by 1/sqrt(S).  A diagonal factor keeps
 only `diag(C)`; so does one wider than its size budget (`max_dim`,
-the estimator's `max_factor_size`).  With `lag_one=True` the factor also tracks the lag-one
-cross moment between consecutive uses (time steps) u and u+1:
+the estimator's `max_factor_size`).  An ungrouped factor wider than
+`block_dim` (and within `max_dim`; the estimator's `factor_block_size`)
+keeps its diagonal blocks of at most `block_dim` (`factor_blocks.py`).
+With `lag_one=True` the factor also tracks the lag-one cross moment
+between consecutive uses (time steps) u and u+1:
 
     C1 = sum_s (1 / N_s) sum_{u < U-1} sum_n x_{s,u+1,n} x_{s,u,n}^T
 
@@ -36,6 +39,7 @@ import tensorflow as tf
 from kfac_graph import invariants
 from kfac_graph.fisher import ema
 from kfac_graph.fisher import linalg
+from kfac_graph.fisher.factor_blocks import BlockLayout
 
 def _rows(x):
     """The row count of `x` as its dtype (a constant when static)."""
@@ -86,12 +90,17 @@ def _pad_last(x, count, *pads):
     return [[0, 0]] * (len(x.shape) - count) + [list(p) for p in pads]
 
 
-def second_moment(sources, diagonal=False, ones=False):
-    """The batch estimate C of the module docstring."""
+def second_moment(sources, diagonal=False, ones=False, blocks=None):
+    """The batch estimate C of the module docstring; with ``blocks`` (a
+    ``BlockLayout``) its diagonal blocks ``[count, size, size]``."""
     per_source = []
     for uses in sources:
         n = tf.add_n([_rows(x) for x in uses])
-        per_source.append(tf.add_n([_outer(x, x, diagonal, ones) for x in uses]) / n)
+        if blocks is not None:
+            rows = [blocks.rows(linalg.append_ones(x) if ones else x) for x in uses]
+            per_source.append(tf.add_n([_outer(x, x, False) for x in rows]) / n)
+        else:
+            per_source.append(tf.add_n([_outer(x, x, diagonal, ones) for x in uses]) / n)
     return tf.add_n(per_source)
 
 
@@ -108,21 +117,29 @@ def lag_one_moment(sources, ones=False):
 
 
 class CovarianceFactor(tf.Module):
-    """Moving average of a second moment `[(G,) d, d]` (or diagonal `[(G,) d]`)."""
+    """Moving average of a second moment `[(G,) d, d]` (or diagonal `[(G,) d]`,
+    or block-diagonal `[count, size, size]`)."""
 
     def __init__(
         self, dim, *, groups=None, diagonal=False, lag_one=False, max_dim=None,
-        dtype=tf.float32, name=None
+        block_dim=None, dtype=tf.float32, name=None
     ):
         """``max_dim``: a budget on the width; a factor wider (``dim > max_dim``)
-        keeps only its diagonal, and says so in ``wide`` (None: no budget)."""
+        keeps only its diagonal and says so in ``wide`` (None: no budget).
+        ``block_dim``: a full, ungrouped factor wider keeps its diagonal blocks
+        of at most ``block_dim`` (``blocks``, a ``BlockLayout``; else None)."""
         super().__init__(name=name)
         self.dim = int(dim)
         self.groups = groups
         self.wide = not diagonal and max_dim is not None and self.dim > int(max_dim)
         self.diagonal = bool(diagonal) or self.wide
+        self.lag_one = bool(lag_one)
+        self.blocks = self.blocks_for(block_dim)
         self.batch_shape = [] if groups is None else [int(groups)]
-        shape = self.batch_shape + ([self.dim] if self.diagonal else [self.dim] * 2)
+        if self.blocks is not None:
+            shape = self.blocks.shape
+        else:
+            shape = self.batch_shape + ([self.dim] if self.diagonal else [self.dim] * 2)
         self.cov = ema.DebiasedEMA(shape, dtype, name="cov")
         self.cov_lag_one = None
         if lag_one:
@@ -144,12 +161,35 @@ class CovarianceFactor(tf.Module):
         for uses in sources:
             for x in uses:
                 invariants.check_rows(x, self.dim - int(bool(ones)), self.groups, self.name)
-        self.cov.update(second_moment(sources, self.diagonal, ones), decay)
+        self.cov.update(second_moment(sources, self.diagonal, ones, self.blocks), decay)
         if self.cov_lag_one is not None:
             self.cov_lag_one.update(lag_one_moment(sources, ones), decay)
 
     def value(self):
         return self.cov.value()
+
+    def blocks_for(self, block_dim):
+        """The ``BlockLayout`` this factor takes for ``block_dim`` (None: none):
+        a full, ungrouped factor without a lag-one moment, wider than it."""
+        if (block_dim is None or self.diagonal or self.groups is not None or self.lag_one
+                or self.dim <= int(block_dim)):
+            return None
+        return BlockLayout.for_budget(self.dim, int(block_dim))
+
+    def trace(self, value=None):
+        """The trace of the factor (``value``: its current value by default),
+        batched over the groups."""
+        value = self.value() if value is None else value
+        if self.blocks is not None:
+            return self.blocks.trace(value)
+        return linalg.trace(value, self.diagonal)
+
+    def dense(self, value=None):
+        """The factor as a matrix ``[(G,) d, d]`` (a diagonal or blocks expanded)."""
+        value = self.value() if value is None else value
+        if self.blocks is not None:
+            return self.blocks.dense(value)
+        return tf.linalg.diag(value) if self.diagonal else value
 
     def lag_one_value(self):
         if self.cov_lag_one is None:

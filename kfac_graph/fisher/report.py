@@ -6,8 +6,10 @@ per layer:
 - the block's class and, for Kronecker blocks, how it treats positions
   ("expand" or "reduce", `positions.py`) and each factor's width, group
   count and layout: "full", "diagonal" (the block's own choice, e.g. an
-  embedding's id frequencies) or "diagonal (wide)" (wider than the
-  estimator's `max_factor_size`, so only its diagonal is kept);
+  embedding's id frequencies), "diagonal (wide)" (wider than the
+  estimator's `max_factor_size`, so only its diagonal is kept) or
+  "blocks c x k" (wider than the estimator's `factor_block_size`: its c
+  diagonal blocks of k, `factor_blocks.py`);
 - bytes of the layer's parameters (its variables), of the block's
   statistics (every variable of the block that is not a cached inverse:
   the factors' moving averages, their debiasing weights, counters) and of
@@ -57,6 +59,9 @@ def _positions(block):
 
 
 def _layout(factor):
+    blocks = getattr(factor, "blocks", None)
+    if blocks is not None:
+        return f"blocks {blocks.count} x {blocks.size}"
     if getattr(factor, "wide", False):
         return "diagonal (wide)"
     return "diagonal" if factor.diagonal else "full"
@@ -128,7 +133,7 @@ def human_bytes(n) -> str:
     return f"{n} B"
 
 
-def format_report(report, max_factor_size=None) -> str:
+def format_report(report, max_factor_size=None, factor_block_size=None) -> str:
     """The table of ``memory_report``: one row per layer, then the totals."""
     header = ("#", "layer", "kind", "block", "positions", "factors", "params", "factors mem",
               "inverses mem")
@@ -145,8 +150,16 @@ def format_report(report, max_factor_size=None) -> str:
     line = lambda row: "  ".join(s.ljust(w) for s, w in zip(row, widths)).rstrip()  # noqa: E731
     out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]
     budget = "none" if max_factor_size is None else f"{max_factor_size:,}"
-    wide = [r["name"] for r in report["layers"]
-            if any(f["layout"] == "diagonal (wide)" for f in r["factors"])]
+
+    def over_budget(layout):
+        return [r["name"] for r in report["layers"]
+                if any(layout(f["layout"]) for f in r["factors"])]
+
+    diagonal = over_budget(lambda layout: layout == "diagonal (wide)")
     out.append(f"max_factor_size: {budget}; factors kept diagonal for it: "
-               + (", ".join(wide) if wide else "none"))
+               + (", ".join(diagonal) if diagonal else "none"))
+    blocked = over_budget(lambda layout: layout.startswith("blocks"))
+    if factor_block_size is not None or blocked:
+        out.append(f"factor_block_size: {factor_block_size or 'none'}; factors kept in "
+                   "diagonal blocks for it: " + (", ".join(blocked) if blocked else "none"))
     return "\n".join(out)

@@ -9,15 +9,18 @@ and ``C`` the output's last axis (channels last):
   ``B |W|`` for generic ones. The backward pass counts twice the forward,
   so an SGD step is ``3 F`` with ``F`` the sum over layers;
 - ``statistics`` (a covariance update): per Kronecker factor of dimension
-  ``d`` (``g`` groups, ``g d`` if diagonal), ``rows * g d^2`` with ``rows =
+  ``d`` (``g`` groups; ``g d`` if diagonal, ``d k`` in diagonal blocks of
+  ``k``), ``rows * g d^2`` with ``rows =
   sum_u |s_u| / C`` (examples times locations), the output factor once per
   source ``S`` (samples, or the ``K`` Fisher columns in exact mode); a block
   fed per-example gradients ``B n^2`` (``B n`` diagonal), ``n`` its
   parameters; plus one more backward pass per source (``2 F S``);
 - ``precondition``: ``g (d_A^2 d_G + d_A d_G^2)`` per Kronecker block (a
-  diagonal factor's side ``d_A d_G``); ``n^2`` or ``n`` otherwise;
+  diagonal factor's side ``d_A d_G``, a block-diagonal one's ``d_A k d_G``);
+  ``n^2`` or ``n`` otherwise;
 - ``inverse`` (one refresh): ``g d^3`` per dense factor (Cholesky and
-  triangular inverse), ``d`` diagonal; ``4 n^3`` for a full block's
+  triangular inverse), ``d`` diagonal, ``c k^3`` in ``c`` blocks of ``k``;
+  ``4 n^3`` for a full block's
   eigendecomposition, ``n`` diagonal.
 
 A block that sums Kronecker terms over the same two sides and inverts the
@@ -82,12 +85,15 @@ class StepOptions:
     spread: bool = False
 
 
-def layer_costs(registration, blocks, batch: int, sources: int = 1) -> list:
-    """A ``LayerCost`` per registered layer (aligned with ``blocks``)."""
+def layer_costs(registration, blocks, batch: int, sources: int = 1,
+                factor_block_size: int | None = None) -> list:
+    """A ``LayerCost`` per registered layer (aligned with ``blocks``);
+    ``factor_block_size``: counted as if the blocks had been made with it
+    (their factors in the layouts ``factor.blocks_for`` gives), else as they are."""
     out = []
     for layer, block in zip(registration.layers, blocks):
         forward, rows = _forward(registration, layer, batch)
-        stats, pre, inv = _block_costs(block, rows, batch, sources)
+        stats, pre, inv = _block_costs(block, rows, batch, sources, factor_block_size)
         out.append(LayerCost(layer.name, forward, stats + 2.0 * forward * sources, pre, inv))
     return out
 
@@ -128,14 +134,14 @@ def _factors(block):
     return (a, g) if a is not None and g is not None else None
 
 
-def _block_costs(block, rows, batch, sources):
+def _block_costs(block, rows, batch, sources, block_size=None):
     """``(statistics, precondition, inverse)`` of one block (module docstring)."""
     inner = getattr(block, "block", None)
     if inner is not None:
-        return _block_costs(inner, rows, batch, sources)
+        return _block_costs(inner, rows, batch, sources, block_size)
     parts = getattr(block, "parts", None)
     if parts is not None:
-        totals = [_block_costs(p, rows, batch, sources) for p in parts]
+        totals = [_block_costs(p, rows, batch, sources, block_size) for p in parts]
         return tuple(float(sum(t[i] for t in totals)) for i in range(3))
     terms = getattr(block, "kronecker_terms", None)
     if terms is not None:
@@ -143,12 +149,14 @@ def _block_costs(block, rows, batch, sources):
     kron = _factors(block)
     if kron is not None:
         a, g = kron
+        if block_size is not None and getattr(block, "takes_factor_blocks", False):
+            la, lg = a.blocks_for(block_size), g.blocks_for(block_size)
+        else:
+            la, lg = a.blocks, g.blocks
         groups = float(np.prod(a.batch_shape)) if a.batch_shape else 1.0
-        side = lambda f: f.dim if f.diagonal else f.dim ** 2
-        stats = rows * groups * (side(a) + sources * side(g))
-        pre = groups * (side(a) * g.dim + a.dim * side(g))
-        cube = lambda f: f.dim if f.diagonal else f.dim ** 3
-        inv = groups * (cube(a) + cube(g))
+        stats = rows * groups * (_side(a, la) + sources * _side(g, lg))
+        pre = groups * (_side(a, la) * g.dim + a.dim * _side(g, lg))
+        inv = groups * (_cube(a, la) + _cube(g, lg))
         return float(stats), float(pre), float(inv)
     n = float(block.num_params)
     factor = getattr(block, "factor", None)
@@ -157,11 +165,25 @@ def _block_costs(block, rows, batch, sources):
     return batch * n * n * sources, n * n, EIGEN_FACTOR * n ** 3
 
 
+def _side(factor, blocks=None):
+    """Entries of one factor kept (and multiply-adds of its product with a
+    vector): ``d`` diagonal, ``d k`` in ``blocks`` of ``k``, ``d^2`` full."""
+    if blocks is not None:
+        return factor.dim * blocks.size
+    return factor.dim if factor.diagonal else factor.dim ** 2
+
+
+def _cube(factor, blocks=None):
+    """A refresh's multiply-adds: ``d`` diagonal, ``c k^3`` in ``c`` blocks of ``k``, ``d^3``."""
+    if blocks is not None:
+        return blocks.count * blocks.size ** 3
+    return factor.dim if factor.diagonal else factor.dim ** 3
+
+
 def _kron_sum_costs(terms, rows, sources):
     """``(statistics, precondition, inverse)`` of a jointly inverted sum of
     Kronecker terms (module docstring)."""
-    side = lambda f: f.dim if f.diagonal else f.dim ** 2  # noqa: E731
-    stats = rows * sources * sum(side(f) for pair in terms for f in pair)
+    stats = rows * sources * sum(_side(f) for pair in terms for f in pair)
     dims, sides, cubes = [], [], []
     for k in range(2):
         factors = [pair[k] for pair in terms]
@@ -202,13 +224,15 @@ def sgd_multiply_adds(costs) -> float:
 @dataclasses.dataclass(frozen=True)
 class PeriodChoice:
     """The periods ``choose_periods`` picked and the counted ratio they give
-    (``within``: whether it is at most the budget)."""
+    (``within``: whether it is at most the budget); ``factor_block_size``:
+    the block size the budget picked for the factors (None: none)."""
 
     cov_update_period: int
     inverse_update_period: int
     ratio: float
     budget: float
     within: bool
+    factor_block_size: int | None = None
 
 
 def choose_periods(costs, budget: float, options: StepOptions = StepOptions()) -> PeriodChoice:
@@ -254,6 +278,8 @@ def summary(costs, choice: PeriodChoice | None, cov_period: int, inverse_period:
                  f"counted step / SGD step = {ratio:.2f}")
     if choice is not None:
         verdict = "within" if choice.within else "NOT within (the largest periods tried)"
-        lines.append(f"overhead_budget={choice.budget:g}: periods chosen by the budget, "
-                     f"{verdict}")
+        blocks = (f", factors in diagonal blocks of at most {choice.factor_block_size}"
+                  if choice.factor_block_size else "")
+        lines.append(f"overhead_budget={choice.budget:g}: periods{blocks} chosen by the "
+                     f"budget, {verdict}")
     return "\n".join(lines)

@@ -124,11 +124,12 @@ class KFAC(tf.Module):
     ``min_damping``: by default ``RELATIVE_MIN_DAMPING`` (1e-4) times the
     initial value, see ``damping.py``). Estimator options (``estimation_mode``,
     ``num_samples``, ``cov_ema_decay``, ``approximations``, ``seed``,
-    ``max_factor_size``) go to ``kg.FisherEstimator``; so do ``summary()``, ``memory()``.
+    ``max_factor_size``, ``factor_block_size``) go to ``kg.FisherEstimator``; so do
+    ``summary()``, ``memory()``.
     ``cov_update_period``, ``inverse_update_period``: default 1 and 10, or
     with ``overhead_budget = b`` those that keep the counted amortised step
     within ``b`` SGD steps (``plan.py``; a period given wins; see
-    ``cost_summary()``). ``stagger_inverses``: each block refreshes in its
+    ``cost_summary()``), with a ``factor_block_size`` if periods alone do not. ``stagger_inverses``: each block refreshes in its
     own slot of the inverse period (``schedule.py`` states the staleness);
     ``spread_covariances``: each step takes the statistics of ``1/P`` of its
     batch (``P = cov_update_period``), not every ``P``-th step all of it (None:
@@ -181,7 +182,8 @@ class KFAC(tf.Module):
                  qmodel_batch_fraction: float = 1.0,
                  approximations=None, seed: int = 0,
                  max_factor_size: int | None = FisherEstimator.DEFAULT_MAX_FACTOR_SIZE,
-                 jit_compile="auto", summary_writer=None, summary_period: int = 1,
+                 factor_block_size: int | None = None, jit_compile="auto", summary_writer=None,
+                 summary_period: int = 1,
                  sync_statistics: str = "lazy", graph_optimization: str = "off",
                  name: str | None = None):
         KFAC.check_options(**{k: v for k, v in locals().items() if k in KFAC.OPTIONS})
@@ -206,13 +208,11 @@ class KFAC(tf.Module):
         self.spread_covariances = (self.overhead_budget is not None if spread_covariances is None
                                    else bool(spread_covariances))
         self.cov_update_period = int(cov_update_period or DEFAULT_COV_UPDATE_PERIOD)
-        self.inverse_update_period = int(inverse_update_period
-                                         or DEFAULT_INVERSE_UPDATE_PERIOD)
+        self.inverse_update_period = int(inverse_update_period or DEFAULT_INVERSE_UPDATE_PERIOD)
         self.num_burnin_steps = int(num_burnin_steps)
         self.schedule = StepSchedule(self.num_burnin_steps, self.cov_update_period,
                                      self.inverse_update_period, None, self.spread_covariances)
-        self.period_choice = None
-        self.costs = None
+        self.period_choice = self.costs = None
         self.adapt_damping = bool(adapt_damping)
         self.damping_adaptation_interval = int(damping_adaptation_interval)
         self.omega = float(damping_adaptation_decay) ** self.damping_adaptation_interval
@@ -225,11 +225,10 @@ class KFAC(tf.Module):
         self._initial = dict(learning_rate=float(learning_rate), damping=float(damping),
                              momentum=float(momentum))
         # the blocks' own damping is never read: the step passes blocks_damping()
-        self.estimator = FisherEstimator(self.fn, estimation_mode=estimation_mode,
-                                         num_samples=num_samples, damping=float(damping),
-                                         cov_ema_decay=cov_ema_decay,
-                                         approximations=approximations, seed=seed,
-                                         max_factor_size=max_factor_size)
+        self.estimator = FisherEstimator(
+            self.fn, estimation_mode=estimation_mode, num_samples=num_samples,
+            damping=float(damping), cov_ema_decay=cov_ema_decay, approximations=approximations,
+            seed=seed, max_factor_size=max_factor_size, factor_block_size=factor_block_size)
         self.iterations = tf.Variable(tf.zeros([], tf.int64), trainable=False, name="iterations")
         self.skipped_steps = tf.Variable(tf.zeros([], tf.int64), trainable=False,
                                          name="skipped_steps")
@@ -327,17 +326,18 @@ class KFAC(tf.Module):
             self.momentum = scalar("momentum", "momentum")
             nan = lambda name: tf.Variable(tf.constant(float("nan"), dtype), trainable=False,
                                            name=name)
-            self.rho = nan("rho")
-            self.qmodel_change = nan("qmodel_change")
+            self.rho, self.qmodel_change = nan("rho"), nan("qmodel_change")
             self.curvature_scale = tf.Variable(tf.ones([], dtype), trainable=False,
                                                name="curvature_scale")
             self.velocities = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
                                            name=f"velocity_{i}")
                                for i, v in enumerate(variables)]
+        # periods, slots, block size (by overhead_budget where none was given)
+        self.costs, self.period_choice, self.schedule = plan.plan_schedule(self, reg, args)
+        if self.period_choice is not None and self.period_choice.factor_block_size:
+            self.estimator.use_factor_block_size(self.period_choice.factor_block_size)
         # tracked under this name: it fixes the checkpoint keys and variable order
         self._estimator_state = tuple(self.estimator.variables)
-        # the periods (by overhead_budget where none was given) and inverse slots
-        self.costs, self.period_choice, self.schedule = plan.plan_schedule(self, reg, args)
         self.cov_update_period = self.schedule.cov_update_period
         self.inverse_update_period = self.schedule.inverse_update_period
         jit = self.jit_compile

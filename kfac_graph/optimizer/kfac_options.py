@@ -20,7 +20,7 @@ OPTIONS = types.MappingProxyType({
     "stagger_inverses": options.Boolean(), "spread_covariances": options.OneOf((None, True, False)),
     "overhead_budget": options.Real(1.0, low_open=True, none=True),
     "cov_ema_decay": _EST["cov_ema_decay"], "num_burnin_steps": options.Integer(0),
-    "max_factor_size": _EST["max_factor_size"],
+    "max_factor_size": _EST["max_factor_size"], "factor_block_size": _EST["factor_block_size"],
     "estimation_mode": _EST["estimation_mode"], "num_samples": _EST["num_samples"],
     "adapt_damping": options.Boolean(), "damping_adaptation_interval": options.Integer(1),
     "damping_adaptation_decay": options.Real(0.0, 1.0, low_open=True),

@@ -6,17 +6,29 @@ At ``build`` (the registration and blocks exist), from the multiply-adds
 - with ``overhead_budget = b``: the covariance and inverse periods that
   ``costs.choose_periods`` picks so that the counted amortised step is at
   most ``b`` SGD steps (the smallest covariance period, then the smallest
-  inverse period); a period given explicitly wins over the budget's;
+  inverse period); a period given explicitly wins over the budget's. Where
+  no periods are within the budget (the preconditioning of wide factors
+  alone exceeds it: ResNet50's ``4609 x 512`` and ``1025 x 2048`` blocks) and
+  no ``factor_block_size`` was given, the largest of ``FACTOR_BLOCK_SIZES``
+  whose periods are within it (if any: else the factors stay as they are)
+  becomes the estimator's ``factor_block_size``: its full factors wider than that keep their
+  diagonal blocks (``factor_blocks.py``), which costs ``d k n`` per product
+  and ``d k^2`` per refresh against ``d^2 n`` and ``d^3``;
 - with ``stagger_inverses``: each block's slot in the inverse period
   (``costs.balanced_slots`` over the blocks' counted factorisations), so
   the steps of a period share the refresh work evenly (``schedule.py``).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import tensorflow as tf
 
 from kfac_graph.optimizer import costs as costs_lib
 from kfac_graph.optimizer.schedule import StepSchedule
+
+# the factor block sizes an overhead budget tries, in the order it prefers them
+FACTOR_BLOCK_SIZES = (2048, 1024, 512, 256, 128)
 
 
 def statistics_sources(opt, registration) -> int:
@@ -53,13 +65,26 @@ def batch_of(args) -> int:
 def plan_schedule(opt, registration, args):
     """``(costs, choice, schedule)`` for ``opt`` (a ``kg.KFAC`` being built):
     the per-layer counts, the budget's ``PeriodChoice`` (None without a
-    budget) and the ``StepSchedule`` the step runs."""
-    costs = costs_lib.layer_costs(registration, opt.estimator.blocks, batch_of(args),
-                                  statistics_sources(opt, registration))
+    budget; its ``factor_block_size``, if any, is the estimator's to take:
+    the counts are those of blocks made with it) and the ``StepSchedule``
+    the step runs."""
+    count = lambda size=None: costs_lib.layer_costs(  # noqa: E731
+        registration, opt.estimator.blocks, batch_of(args),
+        statistics_sources(opt, registration), size)
+    costs = count()
     cov, inverse = opt.given_periods
     choice = None
     if opt.overhead_budget is not None:
-        choice = costs_lib.choose_periods(costs, opt.overhead_budget, cost_options(opt))
+        choose = lambda c: costs_lib.choose_periods(  # noqa: E731
+            c, opt.overhead_budget, cost_options(opt))
+        choice = choose(costs)
+        if not choice.within and opt.estimator.factor_block_size is None:
+            for size in FACTOR_BLOCK_SIZES:
+                blocked = count(size)
+                fits = choose(blocked)
+                if fits.within:
+                    costs, choice = blocked, dataclasses.replace(fits, factor_block_size=size)
+                    break
         cov = cov or choice.cov_update_period
         inverse = inverse or choice.inverse_update_period
     cov = int(cov or opt.cov_update_period)
