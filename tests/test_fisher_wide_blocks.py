@@ -197,3 +197,17 @@ def test_bad_factor_block_size_is_one_line(bad):
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="^kg.KFAC: factor_block_size"):
         kg.KFAC(lambda x: x, factor_block_size=bad)
+
+
+def test_padded_rows_keep_the_blocks_invertible_at_zero_damping():
+    rng = np.random.default_rng(5)
+    a, g = rng.normal(size=(40, 6)), rng.normal(size=(40, 2))  # A: 7 wide, blocks of 4
+    block = fisher.FullyConnectedKroneckerBlock([(6, 2), (2,)], factor_block_size=4,
+                                                dtype=F64, ema_decay=0.0, damping=0.0)
+    block.update((tf.constant(a), tf.constant(g)))
+    value = block.input_factor.value().numpy()
+    assert value[1, 3, 3] == 1.0 and value[1, 3, :3].tolist() == [0.0] * 3
+    want_a, want_g = _blocks(cov(homog(a)), 4), cov(g)
+    assert float(block.input_factor.trace()) == pytest.approx(np.trace(want_a), rel=1e-12)
+    np.testing.assert_allclose(operator_matrix(block.multiply_inverse, block.var_shapes),
+                               np.linalg.inv(np.kron(want_a, want_g)), rtol=1e-7)

@@ -246,6 +246,7 @@ FLAG_CASES = [
      "--min_damping must be at most --damping (0.001), got 0.01"),
     (["--seed", "x"], "--seed must be an integer, got 'x'"),
     (["--max_factor_size", "-2"], "--max_factor_size must be an integer >= 1, or None, got -2"),
+    (["--factor_block_size", "0"], "--factor_block_size must be an integer >= 1, or None, got 0"),
 ]
 
 
@@ -264,6 +265,21 @@ def test_good_flags_reach_the_optimizer(models, tmp_path):
                    "--max_factor_size", "0") == 0
     trained = tf.saved_model.load(str(tmp_path / "out"))
     assert float(trained.kfac.damping.numpy()) == 0.0
+
+
+def test_factor_blocks_reach_the_exported_step(models, tmp_path):
+    assert rewrite("--input", models / "clean", "--function", "loss", "--output",
+                   tmp_path / "out", "--momentum_type", "regular", "--factor_block_size", "2") == 0
+    trained = tf.saved_model.load(str(tmp_path / "out"))
+    # the weight's 8 x 3 factors in blocks of at most 2 (A: 4 of 2, G: 2 of 2, one
+    # padded), each a moving average and a cached inverse; the exported step runs with them
+    saved = tf.train.list_variables(str(tmp_path / "out" / "variables" / "variables"))
+    assert sorted(shape for _, shape in saved if len(shape) == 3) == [[2, 2, 2]] * 2 + [
+        [4, 2, 2]] * 2
+    x = tf.random.stateless_normal([5, 8], seed=[3, 4])
+    y = tf.constant([0, 1, 2, 0, 1])
+    losses = [float(trained.kfac_step(x, y)) for _ in range(3)]
+    assert np.all(np.isfinite(losses)) and int(trained.kfac.skipped_steps.numpy()) == 0
 
 
 # -- a full disk: nothing left behind ----------------------------------------------------------

@@ -59,6 +59,8 @@ KFAC_FLAGS = (
     ("seed", "integer", "Seed of the sampled targets."),
     ("max_factor_size", "integer",
      "Kronecker factors wider than this keep their diagonal (default 4096); 0 turns it off."),
+    ("factor_block_size", "integer", "Full Kronecker factors wider than this keep their "
+     "diagonal blocks of at most this size (default: none)."),
     ("jit_compile", ("true", "false", "auto"),
      "XLA-compile the whole step (the preconditioning is compiled in every case)."),
 )

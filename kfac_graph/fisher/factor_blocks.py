@@ -9,9 +9,10 @@ damped factor ``C_bd + d I`` is then block-diagonal too, so its inverse,
 powers and Cholesky factor are those of the blocks, and a product
 ``C_bd X`` (``X`` ``[d, n]``) is ``c`` batched products of ``[k, k]`` by
 ``[k, n]``: ``c k^2 n`` multiply-adds against ``d^2 n``, and a refresh
-``c k^3`` against ``d^3``. A padded row of the damped factor is ``d`` on
-the diagonal and zero elsewhere: it never mixes with a real one, and the
-rows it adds to a product are cut off again.
+``c k^3`` against ``d^3``. A padded row of the factor's value is 1 on the
+diagonal and zero elsewhere (``with_padding``; the trace leaves it out): it
+never mixes with a real one, keeps the blocks as invertible as the factor
+(at any damping), and the rows it adds to a product are cut off again.
 
 The Kronecker block ``C_bd (x) G`` drops the cross-covariances between
 the blocks (between input features, or patch positions and channels, in
@@ -67,9 +68,17 @@ class BlockLayout:
         mat = tf.reshape(blocks, [self.count * self.size, -1])
         return mat[:self.dim] if self.padding else mat
 
+    def with_padding(self, value):
+        """``value`` ``[count, size, size]`` with 1 on the padded diagonal."""
+        if not self.padding:
+            return value
+        ones = [0.0] * (self.count * self.size - self.padding) + [1.0] * self.padding
+        return value + tf.linalg.diag(tf.reshape(tf.constant(ones, value.dtype),
+                                                 [self.count, self.size]))
+
     def trace(self, value):
-        """The trace of the block-diagonal matrix ``value`` ``[count, size, size]``."""
-        return tf.reduce_sum(linalg.diag_part(value))
+        """The trace of the factor that ``with_padding(value)`` stores."""
+        return tf.reduce_sum(linalg.diag_part(value)) - self.padding
 
     def dense(self, value):
         """The block-diagonal matrix ``[dim, dim]`` that ``value`` stores."""

@@ -166,6 +166,9 @@ class CovarianceFactor(tf.Module):
             self.cov_lag_one.update(lag_one_moment(sources, ones), decay)
 
     def value(self):
+        """The moving average (in blocks: with 1 on the padded diagonal)."""
+        if self.blocks is not None:
+            return self.blocks.with_padding(self.cov.value())
         return self.cov.value()
 
     def blocks_for(self, block_dim):

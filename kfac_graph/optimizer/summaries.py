@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from kfac_graph.fisher import linalg
 from kfac_graph.fisher.report import factors_of
 
 
@@ -22,7 +21,7 @@ def write(opt, loss, t):
         tf.summary.scalar("kfac/skipped_steps", opt.skipped_steps)
         for layer, block in zip(opt.registration.layers, opt.estimator.blocks):
             for label, factor in factors_of(block):
-                trace = linalg.trace(factor.value(), factor.diagonal)
+                trace = factor.trace()
                 tf.summary.scalar(f"factors/{layer.name}/{label}_trace",
                                   tf.reduce_sum(trace))
 
