@@ -3,6 +3,7 @@ devices and ``TF_CONFIG`` must be set before TensorFlow starts), and the
 single-device reference on the same problem; writes the results to an npz.
 
     python tests/distributed_support.py mirrored --devices 2 --out r.npz
+    python tests/distributed_support.py mirrored_apart --devices 2 --out r.npz
     python tests/distributed_support.py keras --devices 2 --out r.npz
     python tests/distributed_support.py worker --out r.npz   # TF_CONFIG set
     python tests/distributed_support.py xla --devices 2 --out r.npz
@@ -22,7 +23,8 @@ import numpy as np  # noqa: E402
 
 STEPS, BATCH = 20, 16
 # regular momentum exercises the damping rule's curvature product, l2 and
-# burn-in; qmodel the exact Fisher forms; both refresh inverses every 3 steps
+# burn-in; qmodel the exact Fisher forms; all refresh inverses every 3 steps;
+# regular_blocks keeps its factors in diagonal blocks (factor_blocks.py)
 CONFIGS = {
     "regular": dict(
         momentum_type="regular",
@@ -35,6 +37,11 @@ CONFIGS = {
     ),
     "qmodel": dict(
         momentum_type="qmodel", estimation_mode="empirical", inverse_update_period=3, damping=1e-2
+    ),
+    # factors in diagonal blocks: A 6 -> 2 of 3, G 8 -> 2 of 4, A 9 -> 3 of 3
+    "regular_blocks": dict(
+        momentum_type="regular", estimation_mode="exact", inverse_update_period=3,
+        damping=1e-2, factor_block_size=4,
     ),
 }
 
@@ -120,37 +127,64 @@ def logical_devices(n):
     return [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
-def run_mirrored(devices, out):
+# Mirrored runs in one process must pack their statistics alike: every new
+# MirroredStrategy on the same devices reuses the collectives' group and
+# instance keys, and TensorFlow's collective runtime keeps the shapes an
+# earlier run gave them ("Shape mismatch in the collective instance"). The
+# configs APART run in a process of their own (mode "mirrored_apart").
+APART = ("regular_blocks",)
+
+
+def run_mirrored(devices, out, configs=None):
+    """Every config but those ``APART``, then the quadratic model's leading
+    examples and spread covariances; with ``configs``, those configs only."""
+    names = logical_devices(devices)
+    results = {}
+    for config in configs or [c for c in CONFIGS if c not in APART]:
+        mirrored_config(config, names, out, results)
+    if not configs:
+        mirrored_options(devices, names, results)
+    np.savez(out, **results)
+
+
+def mirrored_config(config, names, out, results):
+    """``config``'s single-device reference and its lazy and eager mirrored
+    runs (losses, reduced bytes, replica spread, skips, a NaN batch, a
+    checkpoint round trip) into ``results``."""
     import tensorflow as tf
 
     from kfac_graph.optimizer.reduction_counter import ReductionCounter
 
-    names = logical_devices(devices)
-    results = {}
-    for config in CONFIGS:
-        ref, _, ref_losses = train(config)
-        results[f"{config}/reference"] = np.concatenate([p.ravel() for p in ref])
-        results[f"{config}/reference_losses"] = np.array(ref_losses)
-        for sync in ("lazy", "eager"):
-            strategy = tf.distribute.MirroredStrategy(names)
-            counter = ReductionCounter(strategy)
-            params, opt, losses = train(config, strategy, sync)
-            key = f"{config}/{sync}"
-            results[key] = np.concatenate([p.ravel() for p in params])
-            results[key + "_losses"] = np.array(losses)
-            results[key + "_bytes"] = np.array(int(counter.bytes.numpy()))
-            # every replica holds the same parameters
-            spread = max(
-                float(np.max(np.abs(c.numpy() - v.values[0].numpy())))
-                for v in opt.registration.variables
-                for c in v.values
-            )
-            results[key + "_replica_spread"] = np.array(spread)
-            results[key + "_skipped"] = np.array(int(opt.skipped_steps.numpy()))
-            results[key + "_nan_batch"] = nan_batch_changes_nothing(opt)
-            results[key + "_checkpoint"] = checkpoint_round_trip(
-                config, names, sync, os.path.dirname(os.path.abspath(out))
-            )
+    ref, _, ref_losses = train(config)
+    results[f"{config}/reference"] = np.concatenate([p.ravel() for p in ref])
+    results[f"{config}/reference_losses"] = np.array(ref_losses)
+    for sync in ("lazy", "eager"):
+        strategy = tf.distribute.MirroredStrategy(names)
+        counter = ReductionCounter(strategy)
+        params, opt, losses = train(config, strategy, sync)
+        key = f"{config}/{sync}"
+        results[key] = np.concatenate([p.ravel() for p in params])
+        results[key + "_losses"] = np.array(losses)
+        results[key + "_bytes"] = np.array(int(counter.bytes.numpy()))
+        # every replica holds the same parameters
+        spread = max(
+            float(np.max(np.abs(c.numpy() - v.values[0].numpy())))
+            for v in opt.registration.variables
+            for c in v.values
+        )
+        results[key + "_replica_spread"] = np.array(spread)
+        results[key + "_skipped"] = np.array(int(opt.skipped_steps.numpy()))
+        results[key + "_nan_batch"] = nan_batch_changes_nothing(opt)
+        results[key + "_checkpoint"] = checkpoint_round_trip(
+            config, names, sync, os.path.dirname(os.path.abspath(out))
+        )
+
+
+def mirrored_options(devices, names, results):
+    """``qmodel_batch_fraction`` and ``spread_covariances`` on the replicas
+    against one device's run on reordered batches, into ``results``."""
+    import tensorflow as tf
+
     # the quadratic model's forms on each replica's first half: those of one
     # device's first half, the batch reordered to put the replicas' first
     ref, _, _ = train("qmodel", order=leading_order(devices, 0.5), qmodel_batch_fraction=0.5)
@@ -170,7 +204,6 @@ def run_mirrored(devices, out):
         results[f"spread/{sync}"] = np.concatenate([p.ravel() for p in params])
     whole, _, _ = train("regular", **spread)
     results["spread/unordered"] = np.concatenate([p.ravel() for p in whole])
-    np.savez(out, **results)
 
 
 def checkpoint_round_trip(config, names, sync, directory):
@@ -345,12 +378,15 @@ def run_worker(out):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["mirrored", "keras", "worker", "xla"])
+    parser.add_argument("mode", choices=["mirrored", "mirrored_apart", "keras", "worker",
+                                         "xla"])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.mode == "mirrored":
         run_mirrored(args.devices, args.out)
+    elif args.mode == "mirrored_apart":
+        run_mirrored(args.devices, args.out, APART)
     elif args.mode == "keras":
         run_keras(args.devices, args.out)
     elif args.mode == "xla":

@@ -10,8 +10,9 @@ a checkpoint taken mid-run resumes to the uninterrupted result; with
 first examples, and with ``spread_covariances`` each replica's statistics
 come from a slice of its own share.
 
-Estimation modes: "exact" (regular momentum) and "empirical" (qmodel); the
-sampled mode draws other targets on each replica, so it is not compared.
+Estimation modes: "exact" (regular momentum, also with its factors in
+diagonal blocks) and "empirical" (qmodel); the sampled mode draws other
+targets on each replica, so it is not compared.
 """
 
 import distributed_runner
@@ -29,8 +30,11 @@ RTOL, ATOL = 1e-6, 1e-10
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)],
                 ids=["2_devices", "4_devices"])
 def mirrored(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp("mirrored") / f"r{request.param}.npz"
-    return distributed_runner.run("mirrored", out, devices=request.param)
+    out, n = tmp_path_factory.mktemp("mirrored"), request.param
+    results = dict(distributed_runner.run("mirrored", out / f"r{n}.npz", devices=n))
+    # the configs that run in a process of their own (distributed_support.APART)
+    results.update(distributed_runner.run("mirrored_apart", out / f"apart{n}.npz", devices=n))
+    return results
 
 
 @pytest.mark.parametrize("config", list(distributed_support.CONFIGS))
