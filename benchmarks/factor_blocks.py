@@ -18,8 +18,6 @@ SGD's.
 """
 from __future__ import annotations
 
-import time
-
 import bench_env  # noqa: F401  (first: quiet logs, the repository importable)
 
 import keras  # noqa: E402
@@ -30,6 +28,7 @@ from absl import app, flags  # noqa: E402
 import kfac_graph as kg  # noqa: E402
 from kfac_graph.optimizer import costs, plan  # noqa: E402
 from lm_race import keras_step  # noqa: E402
+from per_example_rules import time_all  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["1024", "512", "256"], "factor_block_size values")
@@ -52,16 +51,8 @@ def model_and_loss():
 
 def median_ratios(fns, reps, base):
     """Each callable's median time over ``base``'s, called in turn ``reps`` times."""
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            start = time.perf_counter()
-            out = fn()
-            tf.nest.map_structure(lambda t: tf.convert_to_tensor(t).numpy(), out)
-            times[k].append(time.perf_counter() - start)
-    return {k: float(np.median(v) / np.median(times[base])) for k, v in times.items()}
+    times = time_all(fns, reps)
+    return {k: t / times[base] for k, t in times.items()}
 
 
 def main(argv):

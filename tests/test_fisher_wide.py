@@ -151,14 +151,15 @@ def test_kfac_takes_the_budget_and_trains():
     assert "diagonal (wide)" in opt.summary()
 
 
+@pytest.mark.parametrize("option", ["max_factor_size", "factor_block_size"])
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "big", True])
-def test_bad_budget_is_one_line(bad):
-    with pytest.raises(ValueError, match=r"^kg.FisherEstimator: max_factor_size must be an "
+def test_bad_budget_is_one_line(option, bad):
+    with pytest.raises(ValueError, match=rf"^kg.FisherEstimator: {option} must be an "
                                          r"integer >= 1, or None, got") as e:
-        kg.FisherEstimator(lambda x: x, max_factor_size=bad)
+        kg.FisherEstimator(lambda x: x, **{option: bad})
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="kg.KFAC: max_factor_size"):
-        kg.KFAC(lambda x: x, max_factor_size=bad)
+    with pytest.raises(ValueError, match=f"^kg.KFAC: {option}"):
+        kg.KFAC(lambda x: x, **{option: bad})
 
 
 def test_default_budget():

@@ -2,7 +2,6 @@
 (``optimizer/costs.py``) against hand counts, the periods the budget picks,
 explicit periods winning, and the summary."""
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -10,12 +9,14 @@ import kfac_graph as kg
 from kfac_graph.optimizer import costs
 
 
-def _mlp(batch=32):
+def _mlp(batch=32, widths=(20, 50, 10)):
+    """Dense layers of ``widths`` (tanh between them) under a softmax loss."""
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(50, activation="tanh"),
-                              keras.layers.Dense(10)])
-    x = tf.random.normal([batch, 20])
-    y = tf.random.uniform([batch], 0, 10, tf.int32)
+    hidden = [keras.layers.Dense(w, activation="tanh") for w in widths[1:-1]]
+    model = keras.Sequential([keras.Input((widths[0],)), *hidden,
+                              keras.layers.Dense(widths[-1])])
+    x = tf.random.normal([batch, widths[0]])
+    y = tf.random.uniform([batch], 0, widths[-1], tf.int32)
 
     @kg.auto_register
     def loss(x, y):
@@ -119,19 +120,10 @@ def test_cost_summary_needs_a_build():
 
 
 
-def _wide_mlp(batch=256, width=600):
+def _wide_mlp():
     """One dense layer whose preconditioning (1.6 SGD steps with full 601 x
     601 and 600 x 600 factors) keeps every period pair over budget 2."""
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(width)])
-    x = tf.random.normal([batch, width])
-    y = tf.random.uniform([batch], 0, width, tf.int32)
-
-    @kg.auto_register
-    def loss(x, y):
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
-
-    return loss, (x, y)
+    return _mlp(batch=256, widths=(600, 600))
 
 
 def test_budget_puts_wide_factors_in_blocks_when_periods_are_not_enough():

@@ -79,7 +79,6 @@ def _mul_left_t(factor, x, diagonal, transpose):
     return tf.matmul(factor, x, transpose_a=transpose)
 
 
-
 class KroneckerBlock(blocks_base.FisherBlock):
     """Base: subclasses set `input_factor`, `output_factor`, `_out_width` and
     call `_init_kron()`; `_to_mat`/`_from_mat` map variables <-> V.

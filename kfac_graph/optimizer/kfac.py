@@ -125,12 +125,12 @@ class KFAC(tf.Module):
     initial value, see ``damping.py``). Estimator options (``estimation_mode``,
     ``num_samples``, ``cov_ema_decay``, ``approximations``, ``seed``,
     ``max_factor_size``, ``factor_block_size``) go to ``kg.FisherEstimator``; so
-    do ``summary()``, ``memory()``. ``cov_update_period``, ``inverse_update_period``: default 1 and 10, or
-    with ``overhead_budget = b`` those that keep the counted amortised step
-    within ``b`` SGD steps (``plan.py``; a period given wins; see
-    ``cost_summary()``), and a ``factor_block_size`` where periods alone do
-    not. ``stagger_inverses``: each block refreshes in its own slot of the
-    inverse period (``schedule.py`` states the staleness);
+    do ``summary()``, ``memory()``. ``cov_update_period``, ``inverse_update_period``:
+    default 1 and 10, or with ``overhead_budget = b`` those that keep the counted
+    amortised step within ``b`` SGD steps (``plan.py``; a period given wins; see
+    ``cost_summary()``), and a ``factor_block_size`` where periods alone do not.
+    ``stagger_inverses``: each block refreshes in its own slot of the inverse
+    period (``schedule.py`` states the staleness);
     ``spread_covariances``: each step takes the statistics of ``1/P`` of its
     batch (``P = cov_update_period``), not every ``P``-th step all of it (None:
     with ``overhead_budget``).

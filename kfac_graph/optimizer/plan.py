@@ -8,12 +8,13 @@ At ``build`` (the registration and blocks exist), from the multiply-adds
   most ``b`` SGD steps (the smallest covariance period, then the smallest
   inverse period); a period given explicitly wins over the budget's. Where
   no periods are within the budget (the preconditioning of wide factors
-  alone exceeds it: ResNet50's ``4609 x 512`` and ``1025 x 2048`` blocks) and
-  no ``factor_block_size`` was given, the largest of ``FACTOR_BLOCK_SIZES``
-  whose periods are within it (if any: else the factors stay as they are)
-  becomes the estimator's ``factor_block_size``: its full factors wider than that keep their
-  diagonal blocks (``factor_blocks.py``), which costs ``d k n`` per product
-  and ``d k^2`` per refresh against ``d^2 n`` and ``d^3``;
+  alone exceeds it: ResNet50's ``1025 x 2048`` and ``2049 x 512`` blocks)
+  and no ``factor_block_size`` was given, the largest of
+  ``FACTOR_BLOCK_SIZES`` whose periods are within it (if any: else the
+  factors stay as they are) becomes the estimator's ``factor_block_size``:
+  its full factors wider than that keep their diagonal blocks
+  (``factor_blocks.py``), which costs ``d k n`` per product and ``d k^2``
+  per refresh against ``d^2 n`` and ``d^3``;
 - with ``stagger_inverses``: each block's slot in the inverse period
   (``costs.balanced_slots`` over the blocks' counted factorisations), so
   the steps of a period share the refresh work evenly (``schedule.py``).
