@@ -7,8 +7,9 @@ a key that is a ``kg.KFAC`` option sets it (``momentum_type=regular
 cov_update_period=5``); any other key is a layer kind or layer name given an
 approximation (``dense=kron_reduce``), passed as ``approximations``.
 ``cosine_lr=R`` makes the learning rate a schedule as AdamW's in the
-benchmarks (``momentum_type=regular`` or ``adam``): linear warm-up from 0 to
-``R`` over ``warmup`` steps, then cosine decay to 0 at ``steps``. Values
+benchmarks: linear warm-up from 0 to ``R`` over ``warmup`` steps, then cosine
+decay to 0 at ``steps`` (with the quadratic model, ``momentum_type=qmodel``,
+it scales the model's step: ``cosine_lr=1`` anneals it). Values
 are read as Python literals where they are one (``5``, ``1e-3``, ``False``)
 and kept as strings otherwise. ``""`` is the defaults.
 """

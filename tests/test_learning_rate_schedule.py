@@ -1,13 +1,16 @@
 """kg.KFAC with a learning-rate schedule: each step reads the schedule at its
 own step number (from 0), the same as assigning that rate by hand before the
-step, eagerly and under XLA; a Keras schedule works; the quadratic model,
-which picks its own step size, refuses one with a one-line error."""
+step, eagerly and under XLA; a Keras schedule works. With the quadratic model,
+which picks its own step, the schedule's value scales that step: a constant 1
+changes nothing, any value ``r`` gives ``r`` times the model's update with the
+model change taken at the scaled step (against numpy on an explicit model)."""
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
+from kfac_graph.optimizer import update_rules
 
 F64 = tf.float64
 STEPS = 4
@@ -64,8 +67,66 @@ def test_keras_cosine_decay_trains():
     assert float(opt.learning_rate) == pytest.approx(float(schedule(STEPS - 1)), rel=1e-6)
 
 
-def test_quadratic_model_refuses_a_schedule():
-    _, loss_fn, _ = _problem()
-    with pytest.raises(ValueError, match="learning_rate schedule needs momentum_type") as e:
-        kg.KFAC(loss_fn, learning_rate=_halving)
-    assert "\n" not in str(e.value)
+def test_quadratic_model_schedule_of_one_changes_nothing():
+    runs = []
+    for learning_rate in (0.1, lambda step: tf.ones([], F64)):
+        (w, b), loss_fn, batches = _problem()
+        opt = kg.KFAC(loss_fn, learning_rate=learning_rate, estimation_mode="exact",
+                      damping_adaptation_interval=1)
+        for x, y in batches:
+            opt.step(x, y)
+        runs.append([w.numpy(), b.numpy(), float(opt.damping), float(opt.learning_rate)])
+    for got, want in zip(*runs):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_quadratic_model_schedule_scales_the_first_update():
+    (w0, b0), loss_fn, batches = _problem()
+    start = [w0.numpy(), b0.numpy()]
+    moves = []
+    for learning_rate in (0.1, _halving):
+        (w, b), loss_fn, batches = _problem()
+        opt = kg.KFAC(loss_fn, learning_rate=learning_rate, estimation_mode="exact")
+        opt.step(*batches[0])
+        moves.append((w.numpy() - start[0], b.numpy() - start[1], float(opt.learning_rate)))
+    (dw, db, lr), (dw_s, db_s, lr_s) = moves
+    np.testing.assert_allclose(dw_s, 0.4 * dw, rtol=1e-10)
+    np.testing.assert_allclose(db_s, 0.4 * db, rtol=1e-10)
+    assert lr_s == pytest.approx(0.4 * lr, rel=1e-10) and lr > 0  # records -alpha
+
+
+def _numpy_model(g, p, d0, curvature):
+    """The 2-D quadratic model solved by hand: the minimiser and its ``mu``."""
+    basis = np.stack([p, d0], axis=1)
+    alpha, mu = np.linalg.solve(basis.T @ curvature @ basis, -basis.T @ g)
+    return alpha * p + mu * d0, mu
+
+
+@pytest.mark.parametrize("annealing", [1.0, 0.3])
+def test_quadratic_model_rule_anneals_the_minimiser(annealing):
+    rng = np.random.default_rng(1)
+    n, lam = 5, 0.2
+    root = rng.normal(size=(n, n))
+    curvature = root @ root.T + lam * np.eye(n)  # damped C
+    g = rng.normal(size=n)
+    precondition_matrix = np.linalg.inv(curvature + 0.5 * np.eye(n))
+    p = precondition_matrix @ g
+    # a previous step overshooting the Newton step: its 2-D minimiser has mu near 1/3
+    d0 = -3.0 * np.linalg.solve(curvature, g) + 0.1 * rng.normal(size=n)
+
+    def quadratics(vectors):
+        us = [u[0].numpy() for u in vectors]
+        return [[tf.constant(a @ curvature @ b, F64) for b in us] for a in us]
+
+    def precondition(vectors):
+        return [tf.linalg.matvec(tf.constant(precondition_matrix), vectors[0])]
+
+    out = update_rules.quadratic_model(
+        [tf.constant(g)], precondition, [tf.constant(d0)], quadratics, tf.constant(lam, F64), F64,
+        annealing=None if annealing == 1.0 else tf.constant(annealing, F64))
+    best, mu = _numpy_model(g, p, d0, curvature)
+    assert 0 < mu < 1  # the 2-D solve, not its 1-D fallback
+    delta = annealing * best
+    np.testing.assert_allclose(out.delta[0].numpy(), delta, rtol=1e-10)
+    undamped = g @ delta + 0.5 * delta @ (curvature - lam * np.eye(n)) @ delta
+    assert float(out.model_change) == pytest.approx(undamped, rel=1e-10)

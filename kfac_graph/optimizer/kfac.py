@@ -33,8 +33,8 @@ Each ``step(*args)`` runs one ``tf.function`` that, on the step counter
      of the batch's (unbiased over a shuffled batch) at about ``f`` of the
      cost, through their own forward pass; where the model without ``lambda I`` promises a fall
      below zero, the update is shortened to where it promises the whole
-     objective (``qmodel.cap``); ``learning_rate`` and ``momentum`` then
-     record ``-alpha`` and ``mu`` of the update taken.
+     objective (``qmodel.cap``), and a ``learning_rate`` schedule scales it;
+     ``learning_rate`` and ``momentum`` record ``-alpha`` and ``mu`` taken.
 
    ``F~`` is damped by ``lambda + l2_reg`` in the blocks' convention
    (``pi``-split Tikhonov damping of each Kronecker factor). With
@@ -117,9 +117,9 @@ class KFAC(tf.Module):
     Levenberg-Marquardt rule (how they compare with Adam: the README and
     ``benchmarks/convergence.py``).
     ``learning_rate``, ``momentum``: used by ``"regular"`` and ``"adam"``
-    (ignored by ``"qmodel"``, which chooses both each step); a schedule
-    (a callable of the step from 0, as ``keras.optimizers.schedules``') is
-    read every step, ``learning_rate`` then recording the value used. ``damping``:
+    (``"qmodel"`` chooses both); a schedule (a callable of the step from 0, as
+    ``keras.optimizers.schedules``') is read every step and recorded, and with
+    ``"qmodel"`` scales the step the model picks (an annealing). ``damping``:
     the initial ``lambda`` (adapted when ``adapt_damping``, never below
     ``min_damping``: by default ``RELATIVE_MIN_DAMPING`` (1e-4) times the
     initial value, see ``damping.py``). Estimator options (``estimation_mode``,
@@ -196,7 +196,7 @@ class KFAC(tf.Module):
         self._core = self._replicated if self._replicated is not None else SingleDeviceCore(self)
         self.momentum_type = momentum_type
         self.learning_rate_schedule, learning_rate = kfac_options.learning_rate_schedule(
-            learning_rate, momentum_type)
+            learning_rate)
         self.qmodel_curvature = qmodel_curvature
         self.qmodel_batch_fraction = float(qmodel_batch_fraction)
         self.l2_reg = float(l2_reg)

@@ -34,14 +34,11 @@ OPTIONS = types.MappingProxyType({
 del _EST
 
 
-def learning_rate_schedule(learning_rate, momentum_type) -> tuple:
+def learning_rate_schedule(learning_rate) -> tuple:
     """``(schedule, initial value)``: ``learning_rate`` and its value at step
     0 if it is a schedule (a callable of the step), else ``(None,
-    learning_rate)``; a schedule with the quadratic model, which picks its
-    own step size, is a one-line ``ValueError``."""
+    learning_rate)``. With ``"qmodel"`` a schedule's value scales the step the
+    quadratic model picks (an annealing of that step; ``update_rules.py``)."""
     if not callable(learning_rate):
         return None, learning_rate
-    if momentum_type == "qmodel":
-        raise ValueError("kg.KFAC: a learning_rate schedule needs momentum_type 'regular' or "
-                         "'adam'; 'qmodel' picks its own step size")
     return learning_rate, float(learning_rate(0))

@@ -353,8 +353,9 @@ class StepCore:
             return update_rules.exact_quadratics(vectors, fisher, opt.curvature_scale, total,
                                                  dtype)
 
+        annealing = None if opt.learning_rate_schedule is None else lr
         return update_rules.quadratic_model(grads, precondition, old, quadratics, lam, dtype,
-                                            objective)
+                                            objective, annealing)
 
     def adapt_damping(self, args, loss, grads, delta, theta_dot_delta, model_change, lam):
         """The Levenberg-Marquardt rule (module docstring, step 4)."""

@@ -12,7 +12,9 @@
   forms ``[[u_a . C u_b]]``; ``lr`` and ``mu`` then record ``-alpha`` and
   ``mu``, and the model change excludes the adapted damping:
   ``M(delta) - lambda/2 |delta|^2``; where that undamped model promises
-  more than the whole objective, the update is shortened (``qmodel.cap``).
+  more than the whole objective, the update is shortened (``qmodel.cap``);
+  a learning-rate schedule's value ``r`` scales it (``r = 1``: the model's
+  own step; a decay to 0 anneals it, as a first-order method's schedule).
 
 The quadratic forms of ``C``: ``c F + (lambda + l2_reg) I`` with ``F`` the
 exact Fisher of the batch (``exact_quadratics``) or the damped K-FAC
@@ -72,12 +74,14 @@ def adam(grads, precondition, velocities, lr, mu, norm_constraint=None) -> Direc
 
 
 def quadratic_model(grads, precondition, previous, quadratics, damping, dtype,
-                    objective=None) -> Direction:
+                    objective=None, annealing=None) -> Direction:
     """``delta = s (alpha P g + mu previous)``, ``(alpha, mu)`` minimising the
     quadratic model whose curvature's forms ``quadratics([u_1, u_2])``
     returns; ``damping``: the adapted ``lambda`` in ``C``, left out of the
     recorded model change; ``s = qmodel.cap(...)`` for ``objective`` (the
-    objective's value now), 1 without it."""
+    objective's value now), 1 without it, times ``annealing`` (a scalar, the
+    value of a learning-rate schedule) if given. The recorded change is the
+    model's at the step taken, ``s^2 quadratic + s linear``."""
     p = precondition(grads)
     (m11, m12), (_, m22) = quadratics([p, previous])
     c1, c2 = tf.cast(vec.dot(grads, p), dtype), tf.cast(vec.dot(grads, previous), dtype)
@@ -89,6 +93,8 @@ def quadratic_model(grads, precondition, previous, quadratics, damping, dtype,
                        - damping * dd)
     s = tf.ones([], dtype) if objective is None else qmodel.cap(
         quadratic, linear, tf.cast(objective, dtype))
+    if annealing is not None:
+        s = s * tf.cast(annealing, dtype)
     delta = vec.scale(s, direction)
     change = s * s * quadratic + s * linear
     alpha, mu = s * alpha, s * mu
