@@ -8,10 +8,11 @@ cov_update_period=5``); any other key is a layer kind or layer name given an
 approximation (``dense=kron_reduce``), passed as ``approximations``.
 ``cosine_lr=R`` makes the learning rate a schedule as AdamW's in the
 benchmarks: linear warm-up from 0 to ``R`` over ``warmup`` steps, then cosine
-decay to 0 at ``steps`` (with the quadratic model, ``momentum_type=qmodel``,
-it scales the model's step: ``cosine_lr=1`` anneals it). Values
-are read as Python literals where they are one (``5``, ``1e-3``, ``False``)
-and kept as strings otherwise. ``""`` is the defaults.
+decay to 0 at ``steps`` (``cosine_warmup=N`` and ``cosine_steps=N`` override
+the two). With the quadratic model (``momentum_type=qmodel``) it scales the
+model's step: ``cosine_lr=1 cosine_warmup=0`` anneals it. Values are read as
+Python literals where they are one (``5``, ``1e-3``, ``False``) and kept as
+strings otherwise. ``""`` is the defaults.
 """
 import ast
 
@@ -25,12 +26,19 @@ def parse(spec: str, default_label: str = "defaults", steps: int | None = None,
     """``spec`` -> ``(label, options for kg.KFAC)``; ``steps`` and ``warmup``:
     the run's length and warm-up, for ``cosine_lr``."""
     label, options, approximations = default_label, {}, {}
-    for item in spec.split():
+    items = spec.split()
+    for item in items:  # the decay's warm-up and horizon first: cosine_lr reads them
+        key, _, value = item.partition("=")
+        if key == "cosine_steps":
+            steps = int(value)
+        elif key == "cosine_warmup":
+            warmup = int(value)
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"K-FAC spec {spec!r}: {item!r} is not key=value")
-        if key == "label":
-            label = value
+        if key in ("label", "cosine_steps", "cosine_warmup"):
+            label = value if key == "label" else label
             continue
         try:
             value = ast.literal_eval(value)
