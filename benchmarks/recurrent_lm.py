@@ -6,9 +6,11 @@ its loop) -> Dense to the vocabulary; per-token mean cross-entropy over
 (``char_text.py``), last 10% held out; batch 32, float32.
 
 Rows: ``kg.KFAC`` for each ``--kfac`` spec (``kfac_spec.py``), by default
-with its defaults, and with the recurrent layers' kernels under series
-blocks (``recurrent=series``: ``approximations={name: "series"}``, Martens,
-Ba & Johnson 2018, option 2); Adam and AdamW (weight decay 0.01) at each
+with its defaults; annealed (the quadratic model's step scaled by a cosine
+decay from 1 to 0 over 600 steps, its exact Fisher forms on half the batch,
+covariances every 5 steps); and with the recurrent layers' kernels under
+series blocks (``recurrent=series``: ``approximations={name: "series"}``,
+Martens, Ba & Johnson 2018, option 2); Adam and AdamW (weight decay 0.01) at each
 learning rate of a grid. The target is the best Adam run's held-out loss
 after ``--adam_steps`` (``lm_race.py``). The per-example gradient norms'
 cost over the batch gradient's is measured apart, side by side.
@@ -33,6 +35,8 @@ from char_text import CharText  # noqa: E402
 tf.get_logger().setLevel("ERROR")
 
 FLAGS = flags.FLAGS
+ANNEALED = ("label=annealed cosine_lr=1.0 cosine_steps=600 qmodel_batch_fraction=0.5 "
+            "cov_update_period=5")
 flags.DEFINE_integer("adam_steps", 2000, "steps of every Adam/AdamW run")
 flags.DEFINE_integer("kfac_steps", 1000, "steps of every K-FAC run")
 flags.DEFINE_integer("seq_len", 64, "characters per window")
@@ -40,7 +44,7 @@ flags.DEFINE_integer("batch", 32, "windows per batch")
 flags.DEFINE_integer("embed", 64, "embedding width")
 flags.DEFINE_integer("units", 256, "LSTM units")
 flags.DEFINE_list("lrs", ["1e-3", "3e-3", "1e-2"], "Adam/AdamW learning rates")
-flags.DEFINE_multi_string("kfac", ["label=defaults", "label=series recurrent=series"],
+flags.DEFINE_multi_string("kfac", ["label=defaults", ANNEALED, "label=series recurrent=series"],
                           "a K-FAC row, repeatable: space-separated key=value pairs "
                           "(kfac_spec.py); recurrent=A gives the LSTM's kernels approximation A")
 flags.DEFINE_integer("eval_every", 50, "steps between held-out evaluations")
@@ -73,8 +77,8 @@ def kfac_run(spec, data, held_out, first_batch):
     if "recurrent" in approximations:  # the layers used at every time step: the LSTM's kernels
         chosen = approximations.pop("recurrent")
         reg = loss_fn.registration(*first_batch)
-        approximations.update({l.name: chosen for l in reg.layers
-                               if l.kind == "dense" and l.uses > 1})
+        approximations.update({layer.name: chosen for layer in reg.layers
+                               if layer.kind == "dense" and layer.uses > 1})
     opt = kg.KFAC(loss_fn, **options)
     return lm_race.Run(f"K-FAC {label}", "kfac", opt.step,
                        lm_race.evaluator(model, held_out),

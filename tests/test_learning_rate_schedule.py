@@ -130,3 +130,22 @@ def test_quadratic_model_rule_anneals_the_minimiser(annealing):
     np.testing.assert_allclose(out.delta[0].numpy(), delta, rtol=1e-10)
     undamped = g @ delta + 0.5 * delta @ (curvature - lam * np.eye(n)) @ delta
     assert float(out.model_change) == pytest.approx(undamped, rel=1e-10)
+
+
+def test_quadratic_model_annealed_to_zero_stops():
+    (w, b), loss_fn, batches = _problem()
+    schedule = keras.optimizers.schedules.CosineDecay(1.0, decay_steps=2)
+    opt = kg.KFAC(loss_fn, learning_rate=schedule, estimation_mode="exact",
+                  damping_adaptation_interval=1)  # a zero step's rho is 0/0
+    opt.step(*batches[0])
+    moved = w.numpy().copy()
+    assert not np.allclose(moved, _problem()[0][0].numpy())  # the first step trains
+    opt.step(*batches[1])
+    after = [w.numpy().copy(), b.numpy().copy()]
+    damping = float(opt.damping)
+    for x, y in batches[2:]:  # the schedule is 0 from step 2 on
+        opt.step(x, y)
+    np.testing.assert_array_equal(w.numpy(), after[0])
+    np.testing.assert_array_equal(b.numpy(), after[1])
+    assert int(opt.skipped_steps) == 0 and float(opt.learning_rate) == 0.0
+    assert float(opt.damping) == damping  # no verdict on a step not taken

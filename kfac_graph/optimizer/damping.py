@@ -13,7 +13,8 @@ change (``C`` the curvature without the adapted damping ``lambda``; the
 with ``omega = decay ** interval`` (M&G: ``(19/20) ** T1``) and
 ``lambda >= min_damping``. As in tensorflow/kfac, a loss that fell where
 the model predicted a rise (``M > 0``) also counts as trustworthy, and a
-non-finite new loss as untrustworthy.
+non-finite new loss as untrustworthy; a step of zero (a learning-rate
+schedule at 0: ``rho = 0/0``) leaves ``lambda`` as it is.
 
 The floor matters: on a problem the model fits ever better (the digits CNN
 memorising its data) ``rho > 3/4`` at every adaptation, so ``lambda`` falls
