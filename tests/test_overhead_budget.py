@@ -172,3 +172,38 @@ def test_budget_puts_wide_factors_in_blocks_when_periods_are_not_enough():
     loose.build(*args)
     assert loose.period_choice.within and loose.period_choice.factor_block_size is None
     assert loose.estimator.blocks[0].input_factor.blocks is None
+
+
+def test_budget_takes_the_quadratic_models_forms_on_part_of_the_batch():
+    import dataclasses
+    from kfac_graph.optimizer import plan
+    loss, args = _mlp()
+    whole = kg.KFAC(loss)
+    whole.build(*args)
+    sgd = costs.sgd_multiply_adds(whole.costs)
+
+    def longest(fraction):  # the counted step at the longest periods tried
+        options = dataclasses.replace(plan.cost_options(whole), qmodel_fraction=fraction)
+        return costs.step_multiply_adds(whole.costs, costs.COV_PERIODS[-1],
+                                        costs.INVERSE_PERIODS[-1], options) / sgd
+
+    budget = 3.0
+    assert longest(1.0) > longest(0.5) > budget > longest(0.25)  # the forms alone are over
+    opt = kg.KFAC(loss, overhead_budget=budget)
+    losses = [float(opt.step(*args)) for _ in range(12)]
+    choice = opt.period_choice
+    assert choice.within and choice.qmodel_batch_fraction == 0.25
+    assert opt.qmodel_batch_fraction == 0.25 and choice.factor_block_size is None
+    counted = costs.step_multiply_adds(opt.costs, opt.cov_update_period,
+                                       opt.inverse_update_period, plan.cost_options(opt)) / sgd
+    assert counted == pytest.approx(choice.ratio) and counted <= budget
+    assert "exact forms on 0.25 of the batch chosen by the budget, within" in opt.cost_summary()
+    assert losses[-1] < 0.8 * losses[0] and int(opt.skipped_steps) == 0, losses
+
+    given = kg.KFAC(loss, overhead_budget=budget, qmodel_batch_fraction=1.0)
+    given.build(*args)  # a fraction given wins: nothing fits, and it says so
+    assert given.qmodel_batch_fraction == 1.0 and not given.period_choice.within
+    assert given.period_choice.qmodel_batch_fraction is None
+    regular = kg.KFAC(loss, momentum_type="regular", overhead_budget=budget)
+    regular.build(*args)  # no forms to cut
+    assert regular.period_choice.qmodel_batch_fraction is None

@@ -225,7 +225,9 @@ def sgd_multiply_adds(costs) -> float:
 class PeriodChoice:
     """The periods ``choose_periods`` picked and the counted ratio they give
     (``within``: whether it is at most the budget); ``factor_block_size``:
-    the block size the budget picked for the factors (None: none)."""
+    the block size the budget picked for the factors (None: none);
+    ``qmodel_batch_fraction``: the share of the batch it picked for the
+    quadratic model's exact forms (None: none picked)."""
 
     cov_update_period: int
     inverse_update_period: int
@@ -233,6 +235,7 @@ class PeriodChoice:
     budget: float
     within: bool
     factor_block_size: int | None = None
+    qmodel_batch_fraction: float | None = None
 
 
 def choose_periods(costs, budget: float, options: StepOptions = StepOptions()) -> PeriodChoice:
@@ -280,6 +283,8 @@ def summary(costs, choice: PeriodChoice | None, cov_period: int, inverse_period:
         verdict = "within" if choice.within else "NOT within (the largest periods tried)"
         blocks = (f", factors in diagonal blocks of at most {choice.factor_block_size}"
                   if choice.factor_block_size else "")
+        if choice.qmodel_batch_fraction:
+            blocks += f", exact forms on {choice.qmodel_batch_fraction:g} of the batch"
         lines.append(f"overhead_budget={choice.budget:g}: periods{blocks} chosen by the "
                      f"budget, {verdict}")
     return "\n".join(lines)

@@ -128,7 +128,8 @@ class KFAC(tf.Module):
     do ``summary()``, ``memory()``. ``cov_update_period``, ``inverse_update_period``:
     default 1 and 10, or with ``overhead_budget = b`` those that keep the counted
     amortised step within ``b`` SGD steps (``plan.py``; a period given wins; see
-    ``cost_summary()``), and a ``factor_block_size`` where periods alone do not.
+    ``cost_summary()``), and where periods alone do not, a ``factor_block_size``
+    and (``"qmodel"``, no ``qmodel_batch_fraction`` given: None is 1) a fraction.
     ``stagger_inverses``: each block refreshes in its own slot of the inverse
     period (``schedule.py`` states the staleness);
     ``spread_covariances``: each step takes the statistics of ``1/P`` of its
@@ -179,7 +180,7 @@ class KFAC(tf.Module):
                  num_samples: int = 1, adapt_damping: bool = True,
                  damping_adaptation_interval: int = 5, damping_adaptation_decay: float = 0.95,
                  min_damping: float | None = None, qmodel_curvature: str = "exact",
-                 qmodel_batch_fraction: float = 1.0,
+                 qmodel_batch_fraction: float | None = None,
                  approximations=None, seed: int = 0,
                  max_factor_size: int | None = FisherEstimator.DEFAULT_MAX_FACTOR_SIZE,
                  factor_block_size: int | None = None, jit_compile="auto", summary_writer=None,
@@ -198,7 +199,8 @@ class KFAC(tf.Module):
         self.learning_rate_schedule, learning_rate = kfac_options.learning_rate_schedule(
             learning_rate)
         self.qmodel_curvature = qmodel_curvature
-        self.qmodel_batch_fraction = float(qmodel_batch_fraction)
+        self.given_qmodel_fraction, self.qmodel_batch_fraction = (  # plan.py may choose it
+            qmodel_batch_fraction, float(qmodel_batch_fraction or 1.0))
         self.l2_reg = float(l2_reg)
         self.norm_constraint = None if norm_constraint is None else float(norm_constraint)
         # explicit periods win over the budget's; the budget's are set by build()
@@ -324,18 +326,16 @@ class KFAC(tf.Module):
             self.damping = scalar("damping", "damping")
             self.learning_rate = scalar("learning_rate", "learning_rate")
             self.momentum = scalar("momentum", "momentum")
-            nan = lambda name: tf.Variable(tf.constant(float("nan"), dtype), trainable=False,
-                                           name=name)
+            nan = lambda name: tf.Variable(float("nan"), dtype=dtype, trainable=False, name=name)
             self.rho, self.qmodel_change = nan("rho"), nan("qmodel_change")
             self.curvature_scale = tf.Variable(tf.ones([], dtype), trainable=False,
                                                name="curvature_scale")
             self.velocities = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
                                            name=f"velocity_{i}")
                                for i, v in enumerate(variables)]
-        # periods, slots, block size (by overhead_budget where none was given)
+        # periods, slots, block size, forms' fraction (by overhead_budget where not given)
         self.costs, self.period_choice, self.schedule = plan.plan_schedule(self, reg, args)
-        if self.period_choice is not None and self.period_choice.factor_block_size:
-            self.estimator.use_factor_block_size(self.period_choice.factor_block_size)
+        plan.take_choice(self)
         # tracked under this name: it fixes the checkpoint keys and variable order
         self._estimator_state = tuple(self.estimator.variables)
         self.cov_update_period = self.schedule.cov_update_period

@@ -14,7 +14,12 @@ At ``build`` (the registration and blocks exist), from the multiply-adds
   factors stay as they are) becomes the estimator's ``factor_block_size``:
   its full factors wider than that keep their diagonal blocks
   (``factor_blocks.py``), which costs ``d k n`` per product and ``d k^2``
-  per refresh against ``d^2 n`` and ``d^3``;
+  per refresh against ``d^2 n`` and ``d^3``. With the quadratic model's exact
+  forms and no ``qmodel_batch_fraction`` given, each block size (none first)
+  tries the fractions of ``QMODEL_FRACTIONS`` in turn: the forms on ``f`` of
+  the batch count ``f`` of their cost (two Fisher-vector products, about
+  2.7 SGD steps on the whole batch). The first that fits is taken;
+  ``take_choice`` hands the block size and fraction to the optimizer;
 - with ``stagger_inverses``: each block's slot in the inverse period
   (``costs.balanced_slots`` over the blocks' counted factorisations), so
   the steps of a period share the refresh work evenly (``schedule.py``).
@@ -30,6 +35,8 @@ from kfac_graph.optimizer.schedule import StepSchedule
 
 # the factor block sizes an overhead budget tries, in the order it prefers them
 FACTOR_BLOCK_SIZES = (2048, 1024, 512, 256, 128)
+# the shares of the batch for the quadratic model's exact forms, in that order
+QMODEL_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 
 
 def statistics_sources(opt, registration) -> int:
@@ -44,12 +51,14 @@ def statistics_sources(opt, registration) -> int:
     return 1
 
 
-def cost_options(opt) -> costs_lib.StepOptions:
-    """What ``opt``'s step does besides the periods, as ``costs.py`` counts it."""
+def cost_options(opt, qmodel_fraction=None) -> costs_lib.StepOptions:
+    """What ``opt``'s step does besides the periods, as ``costs.py`` counts it
+    (the exact forms on ``qmodel_fraction`` of the batch where given)."""
     return costs_lib.StepOptions(
         sources=statistics_sources(opt, opt.registration),
         qmodel=opt.qmodel_curvature if opt.momentum_type == "qmodel" else None,
-        qmodel_fraction=opt.qmodel_batch_fraction, spread=opt.spread_covariances,
+        qmodel_fraction=qmodel_fraction or opt.qmodel_batch_fraction,
+        spread=opt.spread_covariances,
         damping_interval=opt.damping_adaptation_interval if opt.adapt_damping else None)
 
 
@@ -76,16 +85,23 @@ def plan_schedule(opt, registration, args):
     cov, inverse = opt.given_periods
     choice = None
     if opt.overhead_budget is not None:
-        choose = lambda c: costs_lib.choose_periods(  # noqa: E731
-            c, opt.overhead_budget, cost_options(opt))
-        choice = choose(costs)
-        if not choice.within and opt.estimator.factor_block_size is None:
-            for size in FACTOR_BLOCK_SIZES:
-                blocked = count(size)
-                fits = choose(blocked)
-                if fits.within:
-                    costs, choice = blocked, dataclasses.replace(fits, factor_block_size=size)
-                    break
+        choose = lambda c, fraction=None: costs_lib.choose_periods(  # noqa: E731
+            c, opt.overhead_budget, cost_options(opt, fraction))
+        choice = choose(costs)  # what stays where nothing fits
+        sizes = (None,) + (FACTOR_BLOCK_SIZES if opt.estimator.factor_block_size is None
+                           else ())
+        chooses_fraction = (opt.momentum_type == "qmodel" and opt.qmodel_curvature == "exact"
+                            and opt.given_qmodel_fraction is None)
+        candidates = [(size, fraction) for size in sizes
+                      for fraction in (QMODEL_FRACTIONS if chooses_fraction else (None,))]
+        for size, fraction in candidates:
+            counted = costs if size is None else count(size)
+            fits = choose(counted, fraction)
+            if fits.within:
+                costs, choice = counted, dataclasses.replace(
+                    fits, factor_block_size=size,
+                    qmodel_batch_fraction=fraction if fraction != 1.0 else None)
+                break
         cov = cov or choice.cov_update_period
         inverse = inverse or choice.inverse_update_period
     cov = int(cov or opt.cov_update_period)
@@ -95,3 +111,13 @@ def plan_schedule(opt, registration, args):
         slots = costs_lib.balanced_slots([c.inverse for c in costs], inverse)
     return costs, choice, StepSchedule(opt.num_burnin_steps, cov, inverse, slots,
                                        opt.spread_covariances)
+
+
+def take_choice(opt):
+    """Hands ``opt.period_choice``'s factor block size (to the estimator) and
+    forms' fraction (to ``opt``) over, where the budget picked them."""
+    choice = opt.period_choice
+    if choice is not None and choice.factor_block_size:
+        opt.estimator.use_factor_block_size(choice.factor_block_size)
+    if choice is not None and choice.qmodel_batch_fraction:
+        opt.qmodel_batch_fraction = choice.qmodel_batch_fraction
