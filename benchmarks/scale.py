@@ -33,7 +33,8 @@ step timed. Columns:
 - ``memory``: the estimator's state (factors and cached inverses) over the
   parameters, in bytes;
 - ``periods``: the covariance and inverse periods the step ran with (and the
-  factor block size an overhead budget picked, if any).
+  factor block size and the quadratic model's forms fraction an overhead
+  budget picked, if any).
 
     python benchmarks/scale.py [--models resnet50,efficientnetb0,bert_small,autoencoder]
         [--variants defaults,regular,qmodel] [--budget 3] [--unspread] [--rounds 3] [--block 10]
@@ -148,6 +149,8 @@ def candidates(name):
                     "periods": f"{opt.cov_update_period}/{opt.inverse_update_period}"}
             if opt.estimator.factor_block_size:  # the budget's choice
                 info["periods"] += f", blocks of {opt.estimator.factor_block_size}"
+            if opt.momentum_type == "qmodel" and opt.qmodel_batch_fraction < 1:
+                info["periods"] += f", forms on {opt.qmodel_batch_fraction:g} of the batch"
             out.append((label, opt.step, batches, info))
             print(f"  {name} K-FAC {label}: first step {cold:.1f} s", flush=True)
     return out
