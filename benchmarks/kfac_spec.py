@@ -37,8 +37,10 @@ def parse(spec: str, default_label: str = "defaults", steps: int | None = None,
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"K-FAC spec {spec!r}: {item!r} is not key=value")
-        if key in ("label", "cosine_steps", "cosine_warmup"):
-            label = value if key == "label" else label
+        if key == "label":
+            label = value
+            continue
+        if key in ("cosine_steps", "cosine_warmup"):  # read above
             continue
         try:
             value = ast.literal_eval(value)

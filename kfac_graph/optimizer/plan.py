@@ -92,12 +92,12 @@ def plan_schedule(opt, registration, args):
                            else ())
         chooses_fraction = (opt.momentum_type == "qmodel" and opt.qmodel_curvature == "exact"
                             and opt.given_qmodel_fraction is None)
-        candidates = [(size, fraction) for size in sizes
-                      for fraction in (QMODEL_FRACTIONS if chooses_fraction else (None,))]
-        for size, fraction in candidates:
-            counted = costs if size is None else count(size)
-            fits = choose(counted, fraction)
-            if fits.within:
+        fractions = QMODEL_FRACTIONS if chooses_fraction else (None,)
+        for size in sizes:
+            counted = costs if size is None else count(size)  # counted once per size
+            fitting = _first_within(counted, fractions, choose)
+            if fitting is not None:
+                fraction, fits = fitting
                 costs, choice = counted, dataclasses.replace(
                     fits, factor_block_size=size,
                     qmodel_batch_fraction=fraction if fraction != 1.0 else None)
@@ -113,11 +113,23 @@ def plan_schedule(opt, registration, args):
                                        opt.spread_covariances)
 
 
+def _first_within(counted, fractions, choose):
+    """``(fraction, choice)`` for the first of ``fractions`` whose periods are
+    within the budget (``choose(counted, fraction)``), or None."""
+    for fraction in fractions:
+        choice = choose(counted, fraction)
+        if choice.within:
+            return fraction, choice
+    return None
+
+
 def take_choice(opt):
     """Hands ``opt.period_choice``'s factor block size (to the estimator) and
     forms' fraction (to ``opt``) over, where the budget picked them."""
     choice = opt.period_choice
-    if choice is not None and choice.factor_block_size:
+    if choice is None:
+        return
+    if choice.factor_block_size:
         opt.estimator.use_factor_block_size(choice.factor_block_size)
-    if choice is not None and choice.qmodel_batch_fraction:
+    if choice.qmodel_batch_fraction:
         opt.qmodel_batch_fraction = choice.qmodel_batch_fraction
