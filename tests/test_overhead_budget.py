@@ -78,16 +78,12 @@ def test_budget_picks_the_smallest_periods_within_it():
     ratio = lambda c, i: (costs.step_multiply_adds(opt.costs, c, i, options)
                           / costs.sgd_multiply_adds(opt.costs))
     assert ratio(opt.cov_update_period, opt.inverse_update_period) == pytest.approx(choice.ratio)
-    # every pair tried before the chosen one is over the budget
-    for c in costs.COV_PERIODS:
-        for i in costs.INVERSE_PERIODS:
-            if (c, i) == (opt.cov_update_period, opt.inverse_update_period):
-                break
-            if i % c == 0:
-                assert ratio(c, i) > 3.0, (c, i)
-        else:
-            continue
-        break
+    # every pair tried before the chosen one (the inverse period first) is over the budget
+    chosen = (opt.cov_update_period, opt.inverse_update_period)
+    tried = [(c, i) for i in costs.INVERSE_PERIODS for c in costs.COV_PERIODS]
+    assert chosen in tried
+    for c, i in tried[:tried.index(chosen)]:
+        assert ratio(c, i) > 3.0, (c, i)
     assert opt.schedule.inverse_update_period == opt.inverse_update_period
     assert "overhead_budget=3: periods chosen by the budget, within" in opt.cost_summary()
 
@@ -100,6 +96,33 @@ def test_explicit_periods_win_and_tight_budgets_say_so():
     assert opt.cov_update_period == costs.COV_PERIODS[-1]
     assert "NOT within" in opt.cost_summary()
     assert max(opt.schedule.inverse_slots) < 7
+
+
+def test_budget_picks_the_other_period_around_a_given_one():
+    loss, args = _cnn()
+    free = kg.KFAC(loss, momentum_type="regular", adapt_damping=False, overhead_budget=3.0)
+    free.build(*args)
+    given = kg.KFAC(loss, momentum_type="regular", adapt_damping=False, overhead_budget=3.0,
+                    cov_update_period=10)
+    given.build(*args)
+    choice = given.period_choice
+    assert given.cov_update_period == choice.cov_update_period == 10
+    options = costs.StepOptions(qmodel=None, damping_interval=None, spread=True)
+    ratio = lambda i: (costs.step_multiply_adds(given.costs, 10, i, options)
+                       / costs.sgd_multiply_adds(given.costs))
+    assert ratio(given.inverse_update_period) == pytest.approx(choice.ratio)
+    smaller = [i for i in costs.INVERSE_PERIODS if i < given.inverse_update_period]
+    assert choice.within and all(ratio(i) > 3.0 for i in smaller)
+    # the free choice found an inverse period at least as small around a longer cov period
+    assert free.inverse_update_period <= given.inverse_update_period
+
+
+def test_without_spreading_the_inverse_period_is_a_multiple_of_the_cov_period():
+    loss, args = _cnn()
+    opt = kg.KFAC(loss, momentum_type="regular", adapt_damping=False, overhead_budget=2.0,
+                  spread_covariances=False)
+    opt.build(*args)
+    assert opt.inverse_update_period % opt.cov_update_period == 0
 
 
 def test_budgeted_optimizer_trains():

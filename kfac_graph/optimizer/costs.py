@@ -52,7 +52,7 @@ import numpy as np
 import passes.ir
 from kfac_graph.layers import dense
 
-# the periods ``choose_periods`` considers, in the order it prefers them
+# the periods ``choose_periods`` considers (the inverse period first), smallest first
 COV_PERIODS = (1, 2, 5, 10, 20, 50, 100)
 INVERSE_PERIODS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 EIGEN_FACTOR = 4  # an eigendecomposition against a Cholesky inverse, per n^3
@@ -238,19 +238,33 @@ class PeriodChoice:
     qmodel_batch_fraction: float | None = None
 
 
-def choose_periods(costs, budget: float, options: StepOptions = StepOptions()) -> PeriodChoice:
-    """The smallest covariance period, then the smallest inverse period (a
-    multiple of it), from ``COV_PERIODS`` x ``INVERSE_PERIODS`` whose
-    amortised step is at most ``budget`` SGD steps; if none is, the largest
-    pair (``within`` False)."""
+def choose_periods(costs, budget: float, options: StepOptions = StepOptions(),
+                   given: tuple = (None, None)) -> PeriodChoice:
+    """The smallest inverse period, then the smallest covariance period, from
+    ``INVERSE_PERIODS`` x ``COV_PERIODS`` whose amortised step is at most
+    ``budget`` SGD steps; if none is, the cheapest pair (``within`` False).
+    ``given``: ``(cov, inverse)`` periods fixed by the caller (None: free).
+    Without spread covariances the inverse period is a multiple of the
+    covariance period (a refresh between two updates would see the same
+    factors); spread, every step updates them and any pair may be taken.
+
+    The inverse period comes first because fresh inverses bought more
+    progress per step than fresh statistics (README, "Cold start and scale":
+    on the digits models of ``benchmarks/convergence.py``, covariances every
+    50 steps with inverses every 5 reached Adam's loss in fewer steps than
+    covariances every 5 with inverses every 50); with the adapted damping a
+    refresh is also when a block takes up a new damping."""
     sgd = sgd_multiply_adds(costs)
     ratio = lambda c, i: step_multiply_adds(costs, c, i, options) / sgd if sgd else math.inf
-    pairs = [(c, i) for c in COV_PERIODS for i in INVERSE_PERIODS if i % c == 0]
+    covs = COV_PERIODS if given[0] is None else (given[0],)
+    inverses = INVERSE_PERIODS if given[1] is None else (given[1],)
+    every = [(c, i) for i in inverses for c in covs]
+    pairs = [(c, i) for c, i in every if options.spread or i % c == 0] or every
     for c, i in pairs:
         r = ratio(c, i)
         if r <= budget:
             return PeriodChoice(c, i, r, budget, True)
-    c, i = pairs[-1]
+    c, i = min(pairs, key=lambda pair: (ratio(*pair), pair[1]))
     return PeriodChoice(c, i, ratio(c, i), budget, False)
 
 

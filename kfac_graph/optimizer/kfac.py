@@ -127,7 +127,7 @@ class KFAC(tf.Module):
     ``max_factor_size``, ``factor_block_size``) go to ``kg.FisherEstimator``; so
     do ``summary()``, ``memory()``. ``cov_update_period``, ``inverse_update_period``:
     default 1 and 10, or with ``overhead_budget = b`` those that keep the counted
-    amortised step within ``b`` SGD steps (``plan.py``; a period given wins; see
+    amortised step within ``b`` SGD steps (``plan.py``; a period given is kept; see
     ``cost_summary()``), and where periods alone do not, a ``factor_block_size``
     and (``"qmodel"``, no ``qmodel_batch_fraction`` given: None is 1) a fraction.
     ``stagger_inverses``: each block refreshes in its own slot of the inverse

@@ -5,8 +5,9 @@ At ``build`` (the registration and blocks exist), from the multiply-adds
 
 - with ``overhead_budget = b``: the covariance and inverse periods that
   ``costs.choose_periods`` picks so that the counted amortised step is at
-  most ``b`` SGD steps (the smallest covariance period, then the smallest
-  inverse period); a period given explicitly wins over the budget's. Where
+  most ``b`` SGD steps (the smallest inverse period, then the smallest
+  covariance period); a period given explicitly is kept, and the budget
+  picks the other around it. Where
   no periods are within the budget (the preconditioning of wide factors
   alone exceeds it: ResNet50's ``1025 x 2048`` and ``2049 x 512`` blocks)
   and no ``factor_block_size`` was given, the largest of
@@ -86,7 +87,7 @@ def plan_schedule(opt, registration, args):
     choice = None
     if opt.overhead_budget is not None:
         choose = lambda c, fraction=None: costs_lib.choose_periods(  # noqa: E731
-            c, opt.overhead_budget, cost_options(opt, fraction))
+            c, opt.overhead_budget, cost_options(opt, fraction), given=(cov, inverse))
         choice = choose(costs)  # what stays where nothing fits
         sizes = (None,) + (FACTOR_BLOCK_SIZES if opt.estimator.factor_block_size is None
                            else ())
