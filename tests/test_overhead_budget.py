@@ -1,6 +1,8 @@
 """``kg.KFAC(overhead_budget=...)``: the multiply-adds counted per layer
 (``optimizer/costs.py``) against hand counts, the periods the budget picks,
 explicit periods winning, and the summary."""
+import logging
+
 import keras
 import pytest
 import tensorflow as tf
@@ -88,10 +90,14 @@ def test_budget_picks_the_smallest_periods_within_it():
     assert "overhead_budget=3: periods chosen by the budget, within" in opt.cost_summary()
 
 
-def test_explicit_periods_win_and_tight_budgets_say_so():
+def test_explicit_periods_win_and_tight_budgets_say_so(caplog):
     loss, args = _cnn()
     opt = kg.KFAC(loss, overhead_budget=1.01, inverse_update_period=7)
-    opt.build(*args)
+    with caplog.at_level(logging.WARNING):
+        opt.build(*args)
+    warnings = [r.getMessage() for r in caplog.records if "overhead_budget=1.01" in r.getMessage()]
+    assert len(warnings) == 1 and "no periods tried are within it" in warnings[0]
+    assert f"periods {opt.cov_update_period}/7" in warnings[0]
     assert opt.inverse_update_period == 7 and not opt.period_choice.within
     assert opt.cov_update_period == costs.COV_PERIODS[-1]
     assert "NOT within" in opt.cost_summary()

@@ -7,7 +7,8 @@ At ``build`` (the registration and blocks exist), from the multiply-adds
   ``costs.choose_periods`` picks so that the counted amortised step is at
   most ``b`` SGD steps (the smallest inverse period, then the smallest
   covariance period); a period given explicitly is kept, and the budget
-  picks the other around it. Where
+  picks the other around it (where none fits, the cheapest pair, and a
+  warning is logged). Where
   no periods are within the budget (the preconditioning of wide factors
   alone exceeds it: ResNet50's ``1025 x 2048`` and ``2049 x 512`` blocks)
   and no ``factor_block_size`` was given, the largest of
@@ -30,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 import tensorflow as tf
+from absl import logging
 
 from kfac_graph.optimizer import costs as costs_lib
 from kfac_graph.optimizer.schedule import StepSchedule
@@ -105,6 +107,10 @@ def plan_schedule(opt, registration, args):
                 break
         cov = cov or choice.cov_update_period
         inverse = inverse or choice.inverse_update_period
+        if not choice.within:
+            logging.warning("kg.KFAC overhead_budget=%g: no periods tried are within it; "
+                            "taking periods %d/%d (counted step %.2f SGD steps)",
+                            opt.overhead_budget, cov, inverse, choice.ratio)
     cov = int(cov or opt.cov_update_period)
     inverse = int(inverse or opt.inverse_update_period)
     slots = None
