@@ -116,7 +116,8 @@ def test_quadratic_model_rule_anneals_the_minimiser(annealing):
 
     def quadratics(vectors):
         us = [u[0].numpy() for u in vectors]
-        return [[tf.constant(a @ curvature @ b, F64) for b in us] for a in us]
+        return update_rules.Forms([[tf.constant(a @ curvature @ b, F64) for b in us]
+                                   for a in us])
 
     def precondition(vectors):
         return [tf.linalg.matvec(tf.constant(precondition_matrix), vectors[0])]

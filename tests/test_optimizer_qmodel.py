@@ -40,7 +40,9 @@ def test_qmodel_alpha_and_mu_are_the_numpy_2x2_solve(fraction):
         d = _numpy_precondition(grad, a, g, lam)
         form = lambda u, v: _exact_fisher_form(u, v, abar[:n], p[:n]) + lam * np.sum(u * v)
         m = np.array([[form(d, d), form(d, prev)], [form(prev, d), form(prev, prev)]])
-        c = np.array([np.sum(grad * d), np.sum(grad * prev)])
+        # the first n examples' own model: their gradient and loss with their forms
+        grad_n = _numpy_quantities(theta, x[:n], y[:n])[0]
+        c = np.array([np.sum(grad_n * d), np.sum(grad_n * prev)])
         alpha, mu = -c[0] / m[0, 0], 0.0
         if prev.any():
             alpha2, mu2 = -np.linalg.solve(m, c)
@@ -48,9 +50,9 @@ def test_qmodel_alpha_and_mu_are_the_numpy_2x2_solve(fraction):
                 alpha, mu = alpha2, mu2
                 used_2x2 += 1
         step = alpha * d + mu * prev  # shortened where the undamped model falls below -L
-        linear = np.sum(grad * step)
+        linear = np.sum(grad_n * step)
         quadratic = 0.5 * _exact_fisher_form(step, step, abar[:n], p[:n])
-        loss = float(fn(x, y))
+        loss = float(fn(x[:n], y[:n]))
         if linear + quadratic < -loss:
             s = (-linear - np.sqrt(linear ** 2 - 4 * quadratic * loss)) / (2 * quadratic)
             alpha, mu = s * alpha, s * mu
@@ -245,7 +247,8 @@ def test_lm_damping_falls_where_the_quadratic_model_is_exact():
     w = tf.Variable(rng.normal(size=(3, 2)), dtype=F64)
     x, y = tf.constant(rng.normal(size=(16, 3))), tf.constant(rng.normal(size=(16, 2)))
     fn = kg.auto_register(lambda x, y: tf.reduce_mean(tf.reduce_sum(tf.square(y - x @ w), -1)))
-    opt = kg.KFAC(fn, momentum_type="regular", damping=1.0, learning_rate=0.5, momentum=0.0, norm_constraint=None,
+    opt = kg.KFAC(fn, momentum_type="regular", damping=1.0, learning_rate=0.5, momentum=0.0,
+                  norm_constraint=None,
                   estimation_mode="exact", adapt_damping=True, damping_adaptation_interval=2,
                   jit_compile=False)
     omega = 0.95 ** 2
@@ -261,7 +264,8 @@ def test_lm_damping_rises_after_a_far_too_long_step():
     y = tf.constant(rng.integers(0, 4, size=64), tf.int32)
     fn = kg.auto_register(lambda x, y: tf.reduce_mean(
         tf.nn.sparse_softmax_cross_entropy_with_logits(y, x @ w)))
-    opt = kg.KFAC(fn, momentum_type="regular", damping=1e-3, learning_rate=100.0, momentum=0.0, norm_constraint=None,
+    opt = kg.KFAC(fn, momentum_type="regular", damping=1e-3, learning_rate=100.0, momentum=0.0,
+                  norm_constraint=None,
                   estimation_mode="exact", adapt_damping=True, damping_adaptation_interval=1,
                   jit_compile=False)
     opt.step(x, y)

@@ -54,7 +54,7 @@ def test_leading_forms_are_the_forms_of_the_first_examples_alone():
                for _ in range(2)]
     part = loss_fn.registration(x[:4], y[:4])
     forms = tf.function(lambda f: tf.stack([tf.stack(row) for row in f()]), autograph=False)
-    got = forms(lambda: exact_fisher.leading_forms(loss_fn, reg, (x, y), vectors, 0.4)).numpy()
+    got = forms(lambda: exact_fisher.leading_forms(loss_fn, reg, (x, y), vectors, 0.4)[0]).numpy()
     want = forms(lambda: exact_fisher.quadratic_forms(part, (x[:4], y[:4]), vectors)).numpy()
     whole = forms(lambda: exact_fisher.quadratic_forms(reg, (x, y), vectors)).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -96,3 +96,37 @@ def test_qmodel_batch_fraction_is_validated(bad):
     fn = kg.auto_register(lambda x: tf.reduce_mean(tf.square(x)))
     with pytest.raises(ValueError, match="qmodel_batch_fraction"):
         kg.KFAC(fn, qmodel_batch_fraction=bad)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_leading_forms_come_with_the_first_examples_gradient_and_loss(reduction):
+    """``Part``: the first examples' loss and ``g' . u`` against a tape on
+    ``x[:n]`` (a penalty term reaches the kernel without passing the model
+    output), times ``B / n`` for a summed loss."""
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"),
+                              keras.layers.Dense(3)])
+    kernel = model.layers[0].kernel
+    reduce = tf.reduce_mean if reduction == "mean" else tf.reduce_sum
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x))
+        return reduce(ce) + 0.01 * tf.reduce_sum(tf.square(kernel))
+
+    x = tf.random.stateless_normal([10, 4], seed=[3, 4])
+    y = tf.constant([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+    reg = loss_fn.registration(x, y)
+    rng = np.random.default_rng(1)
+    vectors = [[tf.constant(rng.normal(size=v.shape), v.dtype) for v in reg.variables]
+               for _ in range(2)]
+    part = tf.function(lambda: exact_fisher.leading_forms(loss_fn, reg, (x, y), vectors, 0.4)[1],
+                       autograph=False)()
+    with tf.GradientTape() as tape:
+        loss = loss_fn(x[:4], y[:4])
+    grads = tape.gradient(loss, list(reg.variables))
+    ratio = 1.0 if reduction == "mean" else 10 / 4
+    np.testing.assert_allclose(part.loss.numpy(), ratio * loss.numpy(), rtol=1e-6)
+    for u, got in zip(vectors, part.linear):
+        want = ratio * sum(float(tf.reduce_sum(g * c)) for g, c in zip(grads, u))
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)

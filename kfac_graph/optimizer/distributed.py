@@ -358,19 +358,27 @@ class ReplicatedCore(StepCore):
         return self.strategy.reduce(self._loss_op, self.strategy.run(fn, args=args), axis=None)
 
     def fisher_forms(self, args, vectors, forward=None):
-        """``[[u_a . F u_b]]``, ``F`` the exact Fisher of the whole batch (the
-        replicas' per-example means, averaged; with ``qmodel_batch_fraction``
-        < 1, of each replica's first examples); ``forward`` is not used (each
-        replica runs its own forward pass)."""
+        """``(forms, part)``: ``[[u_a . F u_b]]``, ``F`` the exact Fisher of the
+        whole batch (the replicas' per-example means, averaged), and None; with
+        ``qmodel_batch_fraction`` < 1, of each replica's first examples, and
+        their ``exact_fisher.Part`` averaged over the replicas; ``forward`` is
+        not used (each replica runs its own forward pass)."""
         n = len(vectors)
+        partial = self.opt.qmodel_batch_fraction < 1
 
         def local(vectors, *a):
             opt = self.opt
-            forms = exact_fisher.batch_forms(opt.fn, opt.registration, a, vectors,
-                                             opt.qmodel_batch_fraction)
-            return tf.stack([tf.stack(row) for row in forms])
+            forms, part = exact_fisher.batch_forms(opt.fn, opt.registration, a, vectors,
+                                                   opt.qmodel_batch_fraction)
+            forms = tf.cast(tf.stack([tf.stack(row) for row in forms]), tf.float64)
+            if not partial:
+                return forms, tf.zeros([n + 1], tf.float64)
+            return forms, tf.stack([part.loss] + list(part.linear))
 
         fn = self._replica_fn(f"fisher_forms_{n}", local)
         per_replica = self.strategy.run(fn, args=(list(vectors),) + tuple(args))
-        forms = self.strategy.reduce(MEAN, per_replica, axis=None)
-        return [[forms[a, b] for b in range(n)] for a in range(n)]
+        forms, own = (self.strategy.reduce(MEAN, t, axis=None) for t in per_replica)
+        matrix = [[forms[a, b] for b in range(n)] for a in range(n)]
+        if not partial:
+            return matrix, None
+        return matrix, exact_fisher.Part(own[0], [own[1 + a] for a in range(n)])

@@ -12,10 +12,22 @@ F_i (J_i u_b)`` with ``F_i`` applied by the distribution's
 examples, ``(1/n) sum_{i<n} ...``: over a shuffled batch, an unbiased
 estimate of the batch's forms at about ``f`` of their cost (a forward pass
 of the ``n`` examples of their own, traced and registered for their shape).
+With them comes those examples' own estimate of the rest of the batch's
+quadratic model (``Part``): their loss ``h'`` and the products ``g' . u_a``
+of their gradient, times ``B / n`` for a summed loss. ``g'`` is nearly
+free: ``r(w)`` above is evaluated at ``w = dh'/dz`` (where the forms need
+``w`` only as the point to differentiate at), plus the loss's own paths to
+the variables that bypass ``z``. The quadratic model built from one set of
+examples for all its terms picks steps whose size is the ratio of two
+estimates from the same examples; with the forms from ``n`` examples and
+the gradient from all ``B``, the step size swung by two orders of magnitude
+between steps near the digits autoencoder's loss floor (README, "Cold
+start and scale").
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -26,50 +38,91 @@ from kfac_graph.taps import LayerTaps
 from passes.errors import KfacGraphError
 
 
-def jacobian_vector_products(registration, args, vectors, taps=None):
-    """``[J u for u in vectors]`` (each shaped like the model output) and ``z``.
-    ``taps``: a forward pass of ``args`` already in this graph (``LayerTaps``)
-    to differentiate, instead of importing the graph again."""
-    reg = registration
-    variables = list(reg.variables)
-    if taps is None:
-        inner = tf.nest.map_structure(
-            lambda a: tf.identity(a) if isinstance(a, tf.Tensor) else a, args)
-        taps = LayerTaps.build(reg, inner)
-    z = taps.model_output
-    if z is None:
-        raise ValueError("the loss pass found no model output to take the Fisher at")
-    w = tf.zeros_like(z)
+class Part(NamedTuple):
+    """A part of the batch's estimate of the batch's quadratic model (module
+    docstring): ``loss``, its objective, and ``linear``, ``[g' . u_a]``."""
+
+    loss: tf.Tensor
+    linear: list
+
+
+def _forward(registration, args, taps):
+    if taps is not None:
+        return taps
+    inner = tf.nest.map_structure(lambda a: tf.identity(a) if isinstance(a, tf.Tensor) else a,
+                                  args)
+    return LayerTaps.build(registration, inner)
+
+
+def _differentiated(variables, z, vectors, w):
+    """``([J u for u in vectors], r)`` with ``r = J^T w`` (dense, aligned with
+    ``variables``; None where a variable does not reach ``z``)."""
     r = tf.gradients(z, variables, grad_ys=w)
     # dense: an embedding's IndexedSlices cannot be differentiated again
-    pairs = [(k, tf.convert_to_tensor(g)) for k, g in enumerate(r) if g is not None]
+    r = [None if g is None else tf.convert_to_tensor(g) for g in r]
+    pairs = [(k, g) for k, g in enumerate(r) if g is not None]
     out = []
     for u in vectors:
         jv = tf.gradients([g for _, g in pairs], w,
                           grad_ys=[tf.cast(u[k], g.dtype) for k, g in pairs])[0]
         out.append(tf.zeros_like(z) if jv is None else jv)
-    return out, z
+    return out, r
 
 
-def quadratic_forms(registration, args, vectors, taps=None):
+def _model_output(taps):
+    z = taps.model_output
+    if z is None:
+        raise ValueError("the loss pass found no model output to take the Fisher at")
+    return z
+
+
+def jacobian_vector_products(registration, args, vectors, taps=None):
+    """``[J u for u in vectors]`` (each shaped like the model output) and ``z``.
+    ``taps``: a forward pass of ``args`` already in this graph (``LayerTaps``)
+    to differentiate, instead of importing the graph again."""
+    z = _model_output(_forward(registration, args, taps))
+    jvs, _ = _differentiated(list(registration.variables), z, vectors, tf.zeros_like(z))
+    return jvs, z
+
+
+def _part(variables, taps, z, r, vectors):
+    """``Part`` of these examples: ``r`` (``J^T dh'/dz``) and the loss's paths
+    that bypass ``z``, dotted with each vector."""
+    direct = tf.gradients(taps.loss, variables, stop_gradients=[z])
+    grads = [d if g is None else (g if d is None else g + tf.convert_to_tensor(d))
+             for g, d in zip(r, direct)]
+    linear = []
+    for u in vectors:
+        terms = [tf.reduce_sum(tf.cast(g, tf.float64) * tf.cast(x, tf.float64))
+                 for g, x in zip(grads, u) if g is not None]
+        linear.append(tf.add_n(terms) if terms else tf.zeros([], tf.float64))
+    return Part(tf.cast(taps.loss, tf.float64), linear)
+
+
+def quadratic_forms(registration, args, vectors, taps=None, with_part=False):
     """``[[u_a . F u_b]]`` over ``vectors`` (each a list aligned with the
     registration's variables); ``taps`` as for ``jacobian_vector_products``.
     A weighted per-token loss weighs each token's ``F_it`` by its ``w_it``
-    (``kfac_graph.token_weights``)."""
-    if taps is None:
-        inner = tf.nest.map_structure(
-            lambda a: tf.identity(a) if isinstance(a, tf.Tensor) else a, args)
-        taps = LayerTaps.build(registration, inner)
-    jvs, z = jacobian_vector_products(registration, args, vectors, taps)
-    jvs, z = [at_least_float32(jv) for jv in jvs], at_least_float32(z)
+    (``kfac_graph.token_weights``). ``with_part``: ``(forms, Part)`` of these
+    examples (module docstring; not scaled)."""
+    taps = _forward(registration, args, taps)
+    variables = list(registration.variables)
+    z = _model_output(taps)
+    w = (tf.identity(tf.stop_gradient(tf.gradients(taps.loss, z)[0])) if with_part
+         else tf.zeros_like(z))
+    jvs, r = _differentiated(variables, z, vectors, w)
+    jvs, z32 = [at_least_float32(jv) for jv in jvs], at_least_float32(z)
     kind = registration.loss.kind
-    dist = make_distribution(kind, tf.stop_gradient(z))
-    batch = tf.cast(tf.shape(z)[0], z.dtype)
+    dist = make_distribution(kind, tf.stop_gradient(z32))
+    batch = tf.cast(tf.shape(z32)[0], z32.dtype)
     fjvs = [dist.multiply_fisher(jv) for jv in jvs]
     if taps.token_weights is not None:
         fjvs = [token_weights.per_output(taps.token_weights, kind, f) * f for f in fjvs]
     n = len(vectors)
-    return [[tf.reduce_sum(jvs[a] * fjvs[b]) / batch for b in range(n)] for a in range(n)]
+    forms = [[tf.reduce_sum(jvs[a] * fjvs[b]) / batch for b in range(n)] for a in range(n)]
+    if not with_part:
+        return forms
+    return forms, _part(variables, taps, z, r, vectors)
 
 
 def leading_examples(args, fraction):
@@ -87,10 +140,10 @@ def leading_examples(args, fraction):
 
 
 def leading_forms(fn, registration, args, vectors, fraction):
-    """``quadratic_forms`` on the first ``ceil(fraction B)`` examples of
-    ``args`` (module docstring); ``fn``: the ``kg.auto_register``ed loss,
-    registered again for their shape; ``vectors`` aligned with
-    ``registration``'s variables."""
+    """``(forms, Part)``: ``quadratic_forms`` on the first ``ceil(fraction B)``
+    examples of ``args`` and their estimate of the batch's model (module
+    docstring); ``fn``: the ``kg.auto_register``ed loss, registered again for
+    their shape; ``vectors`` aligned with ``registration``'s variables."""
     part = leading_examples(args, fraction)
     sub = fn.registration(*part)
     index = {v.ref(): k for k, v in enumerate(registration.variables)}
@@ -99,13 +152,26 @@ def leading_forms(fn, registration, args, vectors, fraction):
         raise KfacGraphError(f"qmodel_batch_fraction: the registration of the first examples "
                              f"differs from the batch's (variable {missing[:1] or '?'})")
     order = [index[v.ref()] for v in sub.variables]
-    return quadratic_forms(sub, part, [[u[k] for k in order] for u in vectors])
+    forms, own = quadratic_forms(sub, part, [[u[k] for k in order] for u in vectors],
+                                 with_part=True)
+    if registration.loss.reduction == "sum":  # n examples' sum estimates B's: times B / n
+        ratio = (tf.cast(_batch_size(args), tf.float64)
+                 / tf.cast(_batch_size(part), tf.float64))
+        own = Part(ratio * own.loss, [ratio * c for c in own.linear])
+    return forms, own
+
+
+def _batch_size(args):
+    """The leading axis of the first tensor argument with one (as ``example_cuts``)."""
+    first = next(a for a in tf.nest.flatten(args) if isinstance(a, tf.Tensor) and a.shape.rank)
+    return tf.shape(first)[0]
 
 
 def batch_forms(fn, registration, args, vectors, fraction=1.0, taps=None):
-    """The forms the quadratic model uses: ``quadratic_forms`` of the whole
-    batch (differentiating ``taps`` when given), or with ``fraction < 1``
-    ``leading_forms`` of its first examples (``taps`` unused)."""
+    """``(forms, part)`` the quadratic model uses: ``quadratic_forms`` of the
+    whole batch (differentiating ``taps`` when given) and None, or with
+    ``fraction < 1`` ``leading_forms`` of its first examples (``taps``
+    unused) and their ``Part``."""
     if fraction < 1:
         return leading_forms(fn, registration, args, vectors, fraction)
-    return quadratic_forms(registration, args, vectors, taps)
+    return quadratic_forms(registration, args, vectors, taps), None

@@ -59,9 +59,10 @@ class SingleDeviceCore(StepCore):
         return self.opt.fn.tf_function(*args)
 
     def fisher_forms(self, args, vectors, forward=None):
-        """``[[u_a . F u_b]]`` with the exact Fisher ``F`` of the batch,
-        differentiating ``forward`` when given; of its first examples with
-        ``qmodel_batch_fraction < 1`` (``exact_fisher.batch_forms``)."""
+        """``(forms, part)``: ``[[u_a . F u_b]]`` with the exact Fisher ``F`` of
+        the batch, differentiating ``forward`` when given, and None; of its
+        first examples with ``qmodel_batch_fraction < 1``, and their ``Part``
+        (``exact_fisher.batch_forms``)."""
         opt = self.opt
         return exact_fisher.batch_forms(opt.fn, opt.registration, args, vectors,
                                         opt.qmodel_batch_fraction, forward)

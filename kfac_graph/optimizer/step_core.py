@@ -49,8 +49,10 @@ Seams (what an implementation provides; see ``SingleDeviceCore`` and
 - ``refresh_inverses(damping, mask)``: every block's cached inverses (or
   those ``mask`` selects), for the blocks' damping ``damping``;
 - ``batch_loss(args)``: the loss at the current parameters;
-- ``fisher_forms(args, vectors, forward)``: ``[[u_a . F u_b]]`` with ``F``
-  the exact Fisher of the batch;
+- ``fisher_forms(args, vectors, forward)``: ``(forms, part)``: ``[[u_a . F
+  u_b]]`` with ``F`` the exact Fisher of the batch, and None; or, with
+  ``qmodel_batch_fraction < 1``, of its first examples, and their
+  ``exact_fisher.Part`` (their estimate of the model's other terms);
 - ``finish(applied, gradients)``: anything left once the step is decided
   (the replicated core restores the replicas' own statistics).
 """
@@ -211,8 +213,8 @@ class StepCore:
         raise NotImplementedError
 
     def fisher_forms(self, args, vectors, forward=None):
-        """``[[u_a . F u_b]]`` over ``vectors``, ``F`` the exact Fisher of the
-        whole batch; ``forward``: the step's ``Gradients.forward``, if any."""
+        """``(forms, part)`` over ``vectors`` (the module docstring's seam);
+        ``forward``: the step's ``Gradients.forward``, if any."""
         raise NotImplementedError
 
     def finish(self, applied, gradients: Gradients):
@@ -344,14 +346,25 @@ class StepCore:
             return update_rules.adam(grads, precondition, old, lr, mu, opt.norm_constraint)
 
         def quadratics(vectors):
-            """The forms of ``c F + (lambda + l2_reg) I`` (module docstring)."""
+            """The forms of ``c F + (lambda + l2_reg) I`` (module docstring), with
+            the linear terms and objective of the examples they were taken on
+            where those are a part of the batch (``update_rules.Forms``)."""
             if opt.qmodel_curvature == "kfac":
                 return update_rules.kfac_quadratics(
                     vectors, lambda u: opt.curvature_multiply(u, damping), dtype)
-            fisher = self.fisher_forms(args, vectors, forward)
+            fisher, part = self.fisher_forms(args, vectors, forward)
             total = lam + tf.constant(opt.l2_reg, dtype)
-            return update_rules.exact_quadratics(vectors, fisher, opt.curvature_scale, total,
-                                                 dtype)
+            matrix = update_rules.exact_quadratics(vectors, fisher, opt.curvature_scale, total,
+                                                   dtype)
+            if part is None:
+                return update_rules.Forms(matrix)
+            theta = list(opt.registration.variables)
+            linear = [tf.cast(c, dtype) for c in part.linear]
+            if opt.l2_reg:  # the penalty's gradient l2_reg theta
+                l2 = tf.constant(opt.l2_reg, dtype)
+                linear = [c + l2 * tf.cast(vec.dot(theta, u), dtype)
+                          for c, u in zip(linear, vectors)]
+            return update_rules.Forms(matrix, linear, self.objective(part.loss, theta))
 
         annealing = None if opt.learning_rate_schedule is None else lr
         return update_rules.quadratic_model(grads, precondition, old, quadratics, lam, dtype,

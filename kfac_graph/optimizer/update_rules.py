@@ -18,7 +18,11 @@
 
 The quadratic forms of ``C``: ``c F + (lambda + l2_reg) I`` with ``F`` the
 exact Fisher of the batch (``exact_quadratics``) or the damped K-FAC
-matrix ``c F~`` (``kfac_quadratics``, from its products).
+matrix ``c F~`` (``kfac_quadratics``, from its products). Where the exact
+forms are taken on a part of the batch (``qmodel_batch_fraction < 1``), the
+model is that part's own: its gradient in the linear terms and its
+objective in the cap (``Forms``), so that all of the model's terms are
+estimated from the same examples.
 
 The norm constraint ``C_n`` ("regular", "adam"): the preconditioned vector
 ``p = P u`` (``u``: the vector it preconditions, ``g`` or ``v``) is scaled by
@@ -45,6 +49,18 @@ class Direction(NamedTuple):
     learning_rate: tf.Tensor
     momentum: tf.Tensor
     model_change: tf.Tensor | None
+
+
+class Forms(NamedTuple):
+    """What the quadratic model's curvature gives for the vectors ``u_a``:
+    ``matrix``, ``[[u_a . C u_b]]``; where those forms were taken on a part of
+    the batch, that part's own ``linear`` terms ``[g' . u_a]`` (``g'`` the
+    gradient of its objective) and ``objective`` (its value now), else None
+    (the batch's gradient and objective are used)."""
+
+    matrix: list
+    linear: list | None = None
+    objective: tf.Tensor | None = None
 
 
 def clip(vectors, preconditioned, lr, norm_constraint):
@@ -76,15 +92,21 @@ def adam(grads, precondition, velocities, lr, mu, norm_constraint=None) -> Direc
 def quadratic_model(grads, precondition, previous, quadratics, damping, dtype,
                     objective=None, annealing=None) -> Direction:
     """``delta = s (alpha P g + mu previous)``, ``(alpha, mu)`` minimising the
-    quadratic model whose curvature's forms ``quadratics([u_1, u_2])``
-    returns; ``damping``: the adapted ``lambda`` in ``C``, left out of the
+    quadratic model whose curvature ``quadratics([u_1, u_2])`` gives (a
+    ``Forms``: with its own linear terms and objective where it has them);
+    ``damping``: the adapted ``lambda`` in ``C``, left out of the
     recorded model change; ``s = qmodel.cap(...)`` for ``objective`` (the
     objective's value now), 1 without it, times ``annealing`` (a scalar, the
     value of a learning-rate schedule) if given. The recorded change is the
     model's at the step taken, ``s^2 quadratic + s linear``."""
     p = precondition(grads)
-    (m11, m12), (_, m22) = quadratics([p, previous])
-    c1, c2 = tf.cast(vec.dot(grads, p), dtype), tf.cast(vec.dot(grads, previous), dtype)
+    forms = quadratics([p, previous])
+    (m11, m12), (_, m22) = forms.matrix
+    if forms.linear is None:
+        c1, c2 = tf.cast(vec.dot(grads, p), dtype), tf.cast(vec.dot(grads, previous), dtype)
+    else:
+        c1, c2 = (tf.cast(c, dtype) for c in forms.linear)
+        objective = None if objective is None else forms.objective
     alpha, mu = qmodel.solve(m11, m12, m22, c1, c2)
     direction = vec.combine(alpha, p, mu, previous)
     dd = tf.cast(vec.dot(direction, direction), dtype)
@@ -102,11 +124,11 @@ def quadratic_model(grads, precondition, previous, quadratics, damping, dtype,
 
 
 def kfac_quadratics(vectors, curvature_multiply, dtype):
-    """``[[u_a . C u_b]]`` with ``C u = curvature_multiply(u)``."""
+    """``Forms`` of ``[[u_a . C u_b]]`` with ``C u = curvature_multiply(u)``."""
     n = len(vectors)
     products = [curvature_multiply(u) for u in vectors]
-    return [[tf.cast(vec.dot(vectors[a], products[b]), dtype) for b in range(n)]
-            for a in range(n)]
+    return Forms([[tf.cast(vec.dot(vectors[a], products[b]), dtype) for b in range(n)]
+                  for a in range(n)])
 
 
 def exact_quadratics(vectors, fisher, scale, damping, dtype):
