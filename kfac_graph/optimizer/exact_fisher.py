@@ -14,10 +14,10 @@ estimate of the batch's forms at about ``f`` of their cost (a forward pass
 of the ``n`` examples of their own, traced and registered for their shape).
 With them comes those examples' own estimate of the rest of the batch's
 quadratic model (``Part``): their loss ``h'`` and the products ``g' . u_a``
-of their gradient, times ``B / n`` for a summed loss. ``g'`` is nearly
-free: ``r(w)`` above is evaluated at ``w = dh'/dz`` (where the forms need
-``w`` only as the point to differentiate at), plus the loss's own paths to
-the variables that bypass ``z``. The quadratic model built from one set of
+of their gradient, times ``B / n`` for a summed loss. They cost no pass
+of their own: ``g' . u = w . (J u)`` with ``w = dh'/dz``, from the ``J u``
+the forms compute, plus the loss's own paths to the variables that bypass
+``z``. The quadratic model built from one set of
 examples for all its terms picks steps whose size is the ratio of two
 estimates from the same examples; with the forms from ``n`` examples and
 the gradient from all ``B``, the step size swung by two orders of magnitude
@@ -54,19 +54,17 @@ def _forward(registration, args, taps):
     return LayerTaps.build(registration, inner)
 
 
-def _differentiated(variables, z, vectors, w):
-    """``([J u for u in vectors], r)`` with ``r = J^T w`` (dense, aligned with
-    ``variables``; None where a variable does not reach ``z``)."""
+def _jacobian_products(variables, z, vectors, w):
+    """``[J u for u in vectors]`` by differentiating ``r(w) = J^T w`` at ``w``."""
     r = tf.gradients(z, variables, grad_ys=w)
     # dense: an embedding's IndexedSlices cannot be differentiated again
-    r = [None if g is None else tf.convert_to_tensor(g) for g in r]
-    pairs = [(k, g) for k, g in enumerate(r) if g is not None]
+    pairs = [(k, tf.convert_to_tensor(g)) for k, g in enumerate(r) if g is not None]
     out = []
     for u in vectors:
         jv = tf.gradients([g for _, g in pairs], w,
                           grad_ys=[tf.cast(u[k], g.dtype) for k, g in pairs])[0]
         out.append(tf.zeros_like(z) if jv is None else jv)
-    return out, r
+    return out
 
 
 def _model_output(taps):
@@ -81,21 +79,22 @@ def jacobian_vector_products(registration, args, vectors, taps=None):
     ``taps``: a forward pass of ``args`` already in this graph (``LayerTaps``)
     to differentiate, instead of importing the graph again."""
     z = _model_output(_forward(registration, args, taps))
-    jvs, _ = _differentiated(list(registration.variables), z, vectors, tf.zeros_like(z))
-    return jvs, z
+    return _jacobian_products(list(registration.variables), z, vectors, tf.zeros_like(z)), z
 
 
-def _part(variables, taps, z, r, vectors):
-    """``Part`` of these examples: ``r`` (``J^T dh'/dz``) and the loss's paths
-    that bypass ``z``, dotted with each vector."""
+def _part(variables, taps, z, jvs, vectors):
+    """``Part`` of these examples: ``g' . u = w . (J u)`` with ``w = dh'/dz``
+    (no pass beyond the forms'), plus the loss's paths to the variables that
+    bypass ``z``."""
+    w64 = tf.cast(tf.gradients(taps.loss, z)[0], tf.float64)
     direct = tf.gradients(taps.loss, variables, stop_gradients=[z])
-    grads = [d if g is None else (g if d is None else g + tf.convert_to_tensor(d))
-             for g, d in zip(r, direct)]
     linear = []
-    for u in vectors:
-        terms = [tf.reduce_sum(tf.cast(g, tf.float64) * tf.cast(x, tf.float64))
-                 for g, x in zip(grads, u) if g is not None]
-        linear.append(tf.add_n(terms) if terms else tf.zeros([], tf.float64))
+    for u, jv in zip(vectors, jvs):
+        terms = [tf.reduce_sum(w64 * tf.cast(jv, tf.float64))]
+        terms += [tf.reduce_sum(tf.cast(tf.convert_to_tensor(d), tf.float64)
+                                * tf.cast(x, tf.float64))
+                  for d, x in zip(direct, u) if d is not None]
+        linear.append(tf.add_n(terms))
     return Part(tf.cast(taps.loss, tf.float64), linear)
 
 
@@ -108,9 +107,8 @@ def quadratic_forms(registration, args, vectors, taps=None, with_part=False):
     taps = _forward(registration, args, taps)
     variables = list(registration.variables)
     z = _model_output(taps)
-    w = (tf.identity(tf.stop_gradient(tf.gradients(taps.loss, z)[0])) if with_part
-         else tf.zeros_like(z))
-    jvs, r = _differentiated(variables, z, vectors, w)
+    jvs = _jacobian_products(variables, z, vectors, tf.zeros_like(z))
+    part = _part(variables, taps, z, jvs, vectors) if with_part else None
     jvs, z32 = [at_least_float32(jv) for jv in jvs], at_least_float32(z)
     kind = registration.loss.kind
     dist = make_distribution(kind, tf.stop_gradient(z32))
@@ -120,9 +118,7 @@ def quadratic_forms(registration, args, vectors, taps=None, with_part=False):
         fjvs = [token_weights.per_output(taps.token_weights, kind, f) * f for f in fjvs]
     n = len(vectors)
     forms = [[tf.reduce_sum(jvs[a] * fjvs[b]) / batch for b in range(n)] for a in range(n)]
-    if not with_part:
-        return forms
-    return forms, _part(variables, taps, z, r, vectors)
+    return (forms, part) if with_part else forms
 
 
 def leading_examples(args, fraction):
