@@ -29,9 +29,9 @@ Each ``step(*args)`` runs one ``tf.function`` that, on the step counter
      there is no burn-in, else through a second one) plus
      ``(lambda + l2_reg) I``, or the estimator's damped K-FAC matrix ``F~``
      (``"kfac"``); with ``qmodel_batch_fraction = f < 1`` the exact forms
-     are those of the batch's first ``ceil(f B)`` examples, an estimate
-     of the batch's (unbiased over a shuffled batch) at about ``f`` of the
-     cost, through their own forward pass; where the model without ``lambda I`` promises a fall
+     are the batch's first ``ceil(f B)`` examples' (unbiased over a shuffled
+     batch; about ``f`` of the cost), and so are the model's linear terms and
+     objective (``exact_fisher.Part``); where the model without ``lambda I`` promises a fall
      below zero, the update is shortened to where it promises the whole
      objective (``qmodel.cap``), and a ``learning_rate`` schedule scales it;
      ``learning_rate`` and ``momentum`` record ``-alpha`` and ``mu`` taken.
