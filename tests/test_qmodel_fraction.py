@@ -35,23 +35,33 @@ def test_leading_examples_without_a_batch_axis_is_one_line_error():
         exact_fisher.leading_examples((tf.constant(1.0),), 0.5)
 
 
-def test_leading_forms_are_the_forms_of_the_first_examples_alone():
-    """Against the forms of a separate registration of ``x[:n]``, with the
-    vectors given in the batch registration's variable order."""
-    keras.utils.set_random_seed(0)
+def _softmax_problem(seed, reduce=tf.reduce_mean, penalty=0.0):
+    """``(loss_fn, x, y, registration, two random vectors)``: a tanh MLP's
+    softmax loss on 10 examples, reduced by ``reduce``, plus ``penalty`` times
+    the first kernel's squared norm (a term that bypasses the model output)."""
+    keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"),
                               keras.layers.Dense(3)])
+    kernel = model.layers[0].kernel
 
     @kg.auto_register
     def loss_fn(x, y):
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x))
+        return reduce(ce) + penalty * tf.reduce_sum(tf.square(kernel))
 
-    x = tf.random.stateless_normal([10, 4], seed=[1, 2])
+    x = tf.random.stateless_normal([10, 4], seed=[1 + 2 * seed, 2 + 2 * seed])
     y = tf.constant([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
     reg = loss_fn.registration(x, y)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     vectors = [[tf.constant(rng.normal(size=v.shape), v.dtype) for v in reg.variables]
                for _ in range(2)]
+    return loss_fn, x, y, reg, vectors
+
+
+def test_leading_forms_are_the_forms_of_the_first_examples_alone():
+    """Against the forms of a separate registration of ``x[:n]``, with the
+    vectors given in the batch registration's variable order."""
+    loss_fn, x, y, reg, vectors = _softmax_problem(0)
     part = loss_fn.registration(x[:4], y[:4])
     forms = tf.function(lambda f: tf.stack([tf.stack(row) for row in f()]), autograph=False)
     got = forms(lambda: exact_fisher.leading_forms(loss_fn, reg, (x, y), vectors, 0.4)[0]).numpy()
@@ -103,23 +113,8 @@ def test_leading_forms_come_with_the_first_examples_gradient_and_loss(reduction)
     """``Part``: the first examples' loss and ``g' . u`` against a tape on
     ``x[:n]`` (a penalty term reaches the kernel without passing the model
     output), times ``B / n`` for a summed loss."""
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"),
-                              keras.layers.Dense(3)])
-    kernel = model.layers[0].kernel
     reduce = tf.reduce_mean if reduction == "mean" else tf.reduce_sum
-
-    @kg.auto_register
-    def loss_fn(x, y):
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x))
-        return reduce(ce) + 0.01 * tf.reduce_sum(tf.square(kernel))
-
-    x = tf.random.stateless_normal([10, 4], seed=[3, 4])
-    y = tf.constant([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
-    reg = loss_fn.registration(x, y)
-    rng = np.random.default_rng(1)
-    vectors = [[tf.constant(rng.normal(size=v.shape), v.dtype) for v in reg.variables]
-               for _ in range(2)]
+    loss_fn, x, y, reg, vectors = _softmax_problem(1, reduce, penalty=0.01)
     part = tf.function(lambda: exact_fisher.leading_forms(loss_fn, reg, (x, y), vectors, 0.4)[1],
                        autograph=False)()
     with tf.GradientTape() as tape:

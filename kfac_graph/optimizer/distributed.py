@@ -371,14 +371,12 @@ class ReplicatedCore(StepCore):
             forms, part = exact_fisher.batch_forms(opt.fn, opt.registration, a, vectors,
                                                    opt.qmodel_batch_fraction)
             forms = tf.cast(tf.stack([tf.stack(row) for row in forms]), tf.float64)
-            if not partial:
-                return forms, tf.zeros([n + 1], tf.float64)
-            return forms, tf.stack([part.loss] + list(part.linear))
+            return (forms, tf.stack([part.loss] + list(part.linear))) if partial else (forms,)
 
         fn = self._replica_fn(f"fisher_forms_{n}", local)
         per_replica = self.strategy.run(fn, args=(list(vectors),) + tuple(args))
-        forms, own = (self.strategy.reduce(MEAN, t, axis=None) for t in per_replica)
+        forms, *own = (self.strategy.reduce(MEAN, t, axis=None) for t in per_replica)
         matrix = [[forms[a, b] for b in range(n)] for a in range(n)]
-        if not partial:
+        if not own:
             return matrix, None
-        return matrix, exact_fisher.Part(own[0], [own[1 + a] for a in range(n)])
+        return matrix, exact_fisher.Part(own[0][0], [own[0][1 + a] for a in range(n)])

@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from kfac_graph import token_weights
 from kfac_graph.fisher import at_least_float32, make_distribution
-from kfac_graph.optimizer.example_cuts import cut_examples
+from kfac_graph.optimizer.example_cuts import batch_tensor, cut_examples
 from kfac_graph.taps import LayerTaps
 from passes.errors import KfacGraphError
 
@@ -151,16 +151,11 @@ def leading_forms(fn, registration, args, vectors, fraction):
     forms, own = quadratic_forms(sub, part, [[u[k] for k in order] for u in vectors],
                                  with_part=True)
     if registration.loss.reduction == "sum":  # n examples' sum estimates B's: times B / n
-        ratio = (tf.cast(_batch_size(args), tf.float64)
-                 / tf.cast(_batch_size(part), tf.float64))
+        size = lambda a: tf.cast(tf.shape(batch_tensor(a, "qmodel_batch_fraction"))[0],
+                                 tf.float64)
+        ratio = size(args) / size(part)
         own = Part(ratio * own.loss, [ratio * c for c in own.linear])
     return forms, own
-
-
-def _batch_size(args):
-    """The leading axis of the first tensor argument with one (as ``example_cuts``)."""
-    first = next(a for a in tf.nest.flatten(args) if isinstance(a, tf.Tensor) and a.shape.rank)
-    return tf.shape(first)[0]
 
 
 def batch_forms(fn, registration, args, vectors, fraction=1.0, taps=None):
