@@ -134,8 +134,8 @@ def test_memory_report_counts_bytes():
 def test_memory_of_full_and_diagonal_blocks():
     full = fisher.NaiveFullBlock([(3, 2)], dtype=F64)
     diag = fisher.ScaleAndShiftDiagonalBlock([(4,), (4,)], dtype=F64)
-    # full: factor 6x6 + weight; inverse cache: eigenvalues [6], eigenvectors 6x6
-    assert report.block_memory(full) == ((36 + 1) * 8, (6 + 36) * 8)
+    # full: factor 6x6 + weight; inverse cache: the damped inverse 6x6 + its damping
+    assert report.block_memory(full) == ((36 + 1) * 8, (36 + 1) * 8)
     assert report.block_memory(diag) == ((8 + 1) * 8, 8 * 8)
 
 

@@ -36,7 +36,7 @@ zero-argument callable, read on every call).
   update_inverses(damping)     refreshes the cached decompositions
   inverse_updates(damping)     ... as [(variable, value)], without storing them.
   inverses_stale(damping)      whether the caches were made for another damping
-                               (Kronecker blocks cache damped inverses).
+                               (Kronecker and full blocks cache damped inverses).
   inverse_variables()          the variables those caches live in (the rest of
                                the block's variables hold its statistics).
 Unsupported methods raise NotImplementedError naming block and method.
@@ -176,18 +176,38 @@ class FisherBlock(tf.Module):
 
 
 class FullBlock(FisherBlock):
-    """A block held as one dense `[n, n]` factor (`self.factor`), damped `+ l I`."""
+    """A block held as one dense `[n, n]` factor (`self.factor`), damped `+ l I`.
+
+    Its cache is the damped inverse `(F + l I)^{-1}` of the last
+    `update_inverses` and the `l` it was made for, as the Kronecker blocks
+    keep theirs: a refresh costs a Cholesky factorisation and a solve
+    (about `n^3` multiply-adds; `linalg.psd_damped_inverse`), and where the
+    damping has changed since, `multiply_inverse` inverts the current factor
+    instead (`inverses_stale`)."""
 
     factor = None  # set by subclasses: a CovarianceFactor of dim n
 
     def _init_cache(self):
-        self.cache = linalg.EigCache([], self.num_params, False, self.dtype, name="inverse_cache")
+        n = self.num_params
+        self.inverse = tf.Variable(tf.zeros([n, n], self.dtype), trainable=False, name="inverse")
+        self.inverse_damping = tf.Variable(tf.constant(-1.0, self.dtype), trainable=False,
+                                           name="inverse_damping")
+
+    def _current_inverse(self, damping):
+        return linalg.psd_damped_inverse(self.factor.value(), self.damping(damping))
 
     def inverse_updates(self, damping=None):
-        return self.cache.updates(self.factor.value())
+        lam = linalg.cast(self.damping(damping), self.dtype)
+        return [(self.inverse, self._current_inverse(lam)), (self.inverse_damping, lam)]
 
     def inverse_variables(self):
-        return tuple(self.cache.variables)
+        return (self.inverse, self.inverse_damping)
+
+    def inverses_stale(self, damping=None):
+        """Whether ``l`` differs from the cached inverse's (or none is cached)."""
+        lam = linalg.cast(self.damping(damping), self.dtype)
+        cached = self.inverse_damping.read_value()
+        return tf.abs(lam - cached) > 1e-6 * tf.abs(cached)
 
     def full_matrix(self):
         return self.factor.value()
@@ -195,12 +215,25 @@ class FullBlock(FisherBlock):
     def _damped(self, damping):
         return linalg.add_damping(self.factor.value(), self.damping(damping), False)
 
+    def multiply_inverse(self, vs, refreshed=False, damping=None):
+        v = self._flat(vs)[:, None]
+        cached = lambda: tf.matmul(self.inverse, v)
+        if refreshed:
+            out = cached()
+        else:
+            out = tf.cond(self.inverses_stale(damping),
+                          lambda: tf.matmul(self._current_inverse(damping), v), cached)
+        return self._unflat(out[:, 0])
+
     def multiply_matpower(self, vs, exp, damping=None):
+        if exp == -1:
+            return self.multiply_inverse(vs, damping=damping)
         v = self._flat(vs)[:, None]
         if exp == 1:
             out = tf.matmul(self._damped(damping), v)
         else:
-            out = self.cache.left(v, self.damping(damping), exp)
+            power = linalg.damped_power(self.factor.value(), self.damping(damping), False, exp)
+            out = tf.matmul(power, v)
         return self._unflat(out[:, 0])
 
     def multiply_cholesky(self, vs, transpose=False, damping=None):

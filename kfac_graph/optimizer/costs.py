@@ -20,8 +20,7 @@ and ``C`` the output's last axis (channels last):
   ``n^2`` or ``n`` otherwise;
 - ``inverse`` (one refresh): ``g d^3`` per dense factor (Cholesky and
   triangular inverse), ``d`` diagonal, ``c k^3`` in ``c`` blocks of ``k``;
-  ``4 n^3`` for a full block's
-  eigendecomposition, ``n`` diagonal.
+  ``n^3`` for a full block (the same inverse), ``n`` diagonal.
 
 A block that sums Kronecker terms over the same two sides and inverts the
 sum jointly (``kronecker_terms()``: ``[(left, right)]`` factor pairs, a tied
@@ -162,7 +161,7 @@ def _block_costs(block, rows, batch, sources, block_size=None):
     factor = getattr(block, "factor", None)
     if factor is not None and getattr(factor, "diagonal", False):
         return batch * n * sources, n, n
-    return batch * n * n * sources, n * n, EIGEN_FACTOR * n ** 3
+    return batch * n * n * sources, n * n, n ** 3
 
 
 def _side(factor, blocks=None):
