@@ -6,7 +6,8 @@ preconditioning (``optimizer/costs.py``) over an SGD step's ``3 F``, the
 counted refresh of every inverse over ``3 F``, the estimator's state over
 the parameters (bytes), and the measured time of the preconditioning alone
 (``KFAC.precondition`` on fresh caches, TensorFlow's kernels as on the CPU
-by default) over the batch gradient's (a ``tf.function`` of the loss's
+by default) and of a refresh of every block's inverses (``KFAC.refresh_inverses``)
+over the batch gradient's (a ``tf.function`` of the loss's
 ``GradientTape`` gradient), both medians of ``--reps`` calls interleaved in
 one process. Then, with ``--steps`` > 0, whole regular-momentum K-FAC steps
 at fixed periods ``--periods`` (not spread) beside an SGD-with-momentum
@@ -85,6 +86,8 @@ def main(argv):
         vectors = [tf.random.normal(v.shape) for v in opt.variables_to_train]
         precondition = tf.function(lambda vs, opt=opt: opt.precondition(vs))
         calls[label] = lambda p=precondition, vs=vectors: p(vs)
+        refresh = tf.function(lambda opt=opt: [opt.refresh_inverses(), tf.constant(0.0)][1])
+        calls[f"{label}: refresh"] = lambda r=refresh: r()
         if FLAGS.steps:
             steps[label] = lambda opt=opt: opt.step(x, y)
         forward = 3 * sum(c.forward for c in opt.costs)
@@ -101,13 +104,15 @@ def main(argv):
     print(f"\nResNet50 64x64, batch 32; preconditioning over the gradient: medians of "
           f"{FLAGS.reps} interleaved calls; steps at periods {cov}/{inverse}, not spread\n")
     print("| factors | counted precondition / SGD | counted refresh / SGD | memory | "
-          "measured precondition / gradient | step / SGD | counted step / SGD |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "measured precondition / gradient | measured refresh / gradient | step / SGD | "
+          "counted step / SGD |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for label in labels:
         r = rows[label]
         step = f"{stepped[label]:.2f}" if label in stepped else "-"
         print(f"| {label} | {r['precondition']:.2f} | {r['refresh']:.2f} | {r['memory']:.2f} | "
-              f"{measured[label]:.2f} | {step} | {r['step counted']:.2f} |")
+              f"{measured[label]:.2f} | {measured[label + ': refresh']:.2f} | {step} | "
+              f"{r['step counted']:.2f} |")
 
 
 if __name__ == "__main__":
