@@ -19,8 +19,11 @@ damping), ``regular`` (regular momentum, lr 1e-3, fixed damping) and
 takes a slice's statistics; with ``--unspread`` also that budget with
 ``spread_covariances=False``: every ``P``-th step all of a batch's). Every
 candidate is built and compiled first (``cold start``: construction and the
-first step, over Adam's first step);
-then ``--rounds`` rounds each run ``--block`` steps of every candidate in
+first step, over Adam's first step). One untimed step of each follows,
+once all are built: a candidate's first step after other models were
+built and run took seconds more (SGD's 5 s against its 0.6 s step on
+ResNet50), once, and that had been the largest "step" of some rows. Then
+``--rounds`` rounds each run ``--block`` steps of every candidate in
 turn (interleaved, so the shared machine's load falls on all alike), every
 step timed. Columns:
 
@@ -162,6 +165,9 @@ def measure(name):
     gc.collect()
     gc.freeze()
     times = {label: [] for label, *_ in runs}
+    for label, step, batches, _ in runs:  # the untimed round (module docstring)
+        if label != "Adam":
+            timed(step, *batches[0])
     for _ in range(FLAGS.rounds):
         for label, step, batches, _ in runs:
             if label == "Adam":
