@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
+from kfac_graph.optimizer import costs
 from fisher_reference import brute_fisher
 from per_example_reference import one_example_loop
 
@@ -162,4 +163,4 @@ def test_costs_count_both_kernels():
     opt.build(*_data())
     cell = opt.costs[0]
     assert cell.forward == T * B * (D + U) * U
-    assert cell.inverse == (D + U + 1) ** 3 + U ** 3
+    assert cell.inverse == ((D + U + 1) ** 3 + U ** 3) / costs.FACTORISATION_RATE

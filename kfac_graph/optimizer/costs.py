@@ -20,7 +20,9 @@ and ``C`` the output's last axis (channels last):
   ``n^2`` or ``n`` otherwise;
 - ``inverse`` (one refresh): ``g d^3`` per dense factor (Cholesky and
   triangular inverse), ``d`` diagonal, ``c k^3`` in ``c`` blocks of ``k``;
-  ``n^3`` for a full block (the same inverse), ``n`` diagonal.
+  ``n^3`` for a full block (the same inverse), ``n`` diagonal; each dense
+  factorisation's count divided by ``FACTORISATION_RATE`` (they run at a
+  fraction of a matrix product's rate).
 
 A block that sums Kronecker terms over the same two sides and inverts the
 sum jointly (``kronecker_terms()``: ``[(left, right)]`` factor pairs, a tied
@@ -29,7 +31,7 @@ sum(side(f))`` over all its factors (each counted on all the layer's rows:
 a bound), preconditioning two products per side, ``2 (side_L d_R + d_L
 side_R)`` (a side is diagonal only if all its factors are), and a refresh
 ``4 (cube_L + 2 cube_R)`` (the eigendecompositions of the simultaneous
-diagonalisation).
+diagonalisation; a dense side's cube over ``FACTORISATION_RATE``).
 
 The step (``step_multiply_adds``): ``3 F`` + statistics / cov period +
 preconditioning + inverses / inverse period (spread covariances: + ``F /
@@ -39,7 +41,8 @@ share ``f < 1`` of the batch ``f (2 * 4 + 1) F``, their forward pass
 included) or two K-FAC products (``2 *`` preconditioning), and the damping
 rule's forward pass every ``damping_adaptation_interval`` steps. Operations between the
 layers (activations, normalisers, the loss) and memory traffic are not
-counted: the ratio is the arithmetic's, a floor on the time's.
+counted: the ratio is the arithmetic's (factorisations weighted by their
+rate), a floor on the time's.
 """
 from __future__ import annotations
 
@@ -55,6 +58,11 @@ from kfac_graph.layers import dense
 COV_PERIODS = (1, 2, 5, 10, 20, 50, 100)
 INVERSE_PERIODS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 EIGEN_FACTOR = 4  # an eigendecomposition against a Cholesky inverse, per n^3
+# A dense factorisation (Cholesky and its triangular solves, or an
+# eigendecomposition) ran at a half to a quarter of a matrix product's rate per
+# multiply-add on the CPUs measured (README, "Cold start and scale"): its count
+# is divided by this rate, so that the budget weighs a refresh by its time.
+FACTORISATION_RATE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +169,7 @@ def _block_costs(block, rows, batch, sources, block_size=None):
     factor = getattr(block, "factor", None)
     if factor is not None and getattr(factor, "diagonal", False):
         return batch * n * sources, n, n
-    return batch * n * n * sources, n * n, n ** 3
+    return batch * n * n * sources, n * n, n ** 3 / FACTORISATION_RATE
 
 
 def _side(factor, blocks=None):
@@ -175,8 +183,8 @@ def _side(factor, blocks=None):
 def _cube(factor, blocks=None):
     """A refresh's multiply-adds: ``d`` diagonal, ``c k^3`` in ``c`` blocks of ``k``, ``d^3``."""
     if blocks is not None:
-        return blocks.count * blocks.size ** 3
-    return factor.dim if factor.diagonal else factor.dim ** 3
+        return blocks.count * blocks.size ** 3 / FACTORISATION_RATE
+    return factor.dim if factor.diagonal else factor.dim ** 3 / FACTORISATION_RATE
 
 
 def _kron_sum_costs(terms, rows, sources):
@@ -190,7 +198,7 @@ def _kron_sum_costs(terms, rows, sources):
         dim = factors[0].dim
         dims.append(dim)
         sides.append(dim if diagonal else dim ** 2)
-        cubes.append(dim if diagonal else dim ** 3)
+        cubes.append(dim if diagonal else dim ** 3 / FACTORISATION_RATE)
     pre = 2 * (sides[0] * dims[1] + dims[0] * sides[1])
     inv = EIGEN_FACTOR * (cubes[0] + 2 * cubes[1])
     return float(stats), float(pre), float(inv)
