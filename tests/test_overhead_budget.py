@@ -52,8 +52,8 @@ def test_dense_counts_match_hand_counts():
     # A: 21x21, G: 50x50 over B rows (one sample), plus the sample's backward pass
     assert first.statistics == b * (21 ** 2 + 50 ** 2) + 2 * b * 20 * 50
     assert first.precondition == 21 ** 2 * 50 + 21 * 50 ** 2
-    assert first.inverse == 21 ** 3 + 50 ** 3
-    assert second.inverse == 51 ** 3 + 10 ** 3
+    assert first.inverse == (21 ** 3 + 50 ** 3) / costs.FACTORISATION_RATE
+    assert second.inverse == (51 ** 3 + 10 ** 3) / costs.FACTORISATION_RATE
 
 
 def test_conv_counts_per_location():
@@ -64,7 +64,7 @@ def test_conv_counts_per_location():
     rows = 4 * 4 * 4  # batch x 4x4 output locations
     assert conv.forward == rows * 6 * (3 * 3 * 3)
     assert conv.statistics == rows * (28 ** 2 + 6 ** 2) + 2 * conv.forward
-    assert conv.inverse == 28 ** 3 + 6 ** 3
+    assert conv.inverse == (28 ** 3 + 6 ** 3) / costs.FACTORISATION_RATE
 
 
 def test_budget_picks_the_smallest_periods_within_it():
@@ -201,6 +201,32 @@ def test_budget_puts_wide_factors_in_blocks_when_periods_are_not_enough():
     loose.build(*args)
     assert loose.period_choice.within and loose.period_choice.factor_block_size is None
     assert loose.estimator.blocks[0].input_factor.blocks is None
+
+
+def test_a_budget_nothing_meets_takes_the_cheapest_cuts_too(caplog):
+    from kfac_graph.optimizer import plan
+    loss, args = _wide_mlp()
+    opt = kg.KFAC(loss, overhead_budget=1.01)
+    with caplog.at_level(logging.WARNING):
+        opt.build(*args)
+    choice = opt.period_choice
+    assert not choice.within
+    # the smallest blocks and forms tried count least: those, not the uncut step
+    assert choice.factor_block_size == plan.FACTOR_BLOCK_SIZES[-1]
+    assert choice.qmodel_batch_fraction == plan.QMODEL_FRACTIONS[-1]
+    assert opt.estimator.factor_block_size == plan.FACTOR_BLOCK_SIZES[-1]
+    assert opt.qmodel_batch_fraction == plan.QMODEL_FRACTIONS[-1]
+    sgd = costs.sgd_multiply_adds(opt.costs)
+    counted = costs.step_multiply_adds(opt.costs, opt.cov_update_period,
+                                       opt.inverse_update_period, plan.cost_options(opt)) / sgd
+    assert counted == pytest.approx(choice.ratio)
+    whole_forms = kg.KFAC(loss, overhead_budget=1.01, qmodel_batch_fraction=1.0)
+    whole_forms.build(*args)  # a fraction given is kept: the blocks alone are cut
+    assert whole_forms.period_choice.factor_block_size == plan.FACTOR_BLOCK_SIZES[-1]
+    assert whole_forms.period_choice.ratio > choice.ratio
+    warnings = [r.getMessage() for r in caplog.records if "overhead_budget=1.01" in r.getMessage()]
+    assert f"blocks of {plan.FACTOR_BLOCK_SIZES[-1]}" in warnings[0]
+    assert "forms on 0.125 of the batch" in warnings[0]
 
 
 def test_budget_takes_the_quadratic_models_forms_on_part_of_the_batch():

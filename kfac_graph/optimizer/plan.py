@@ -90,27 +90,23 @@ def plan_schedule(opt, registration, args):
     if opt.overhead_budget is not None:
         choose = lambda c, fraction=None: costs_lib.choose_periods(  # noqa: E731
             c, opt.overhead_budget, cost_options(opt, fraction), given=(cov, inverse))
-        choice = choose(costs)  # what stays where nothing fits
         sizes = (None,) + (FACTOR_BLOCK_SIZES if opt.estimator.factor_block_size is None
                            else ())
         chooses_fraction = (opt.momentum_type == "qmodel" and opt.qmodel_curvature == "exact"
                             and opt.given_qmodel_fraction is None)
         fractions = QMODEL_FRACTIONS if chooses_fraction else (None,)
-        for size in sizes:
-            counted = costs if size is None else count(size)  # counted once per size
-            fitting = _first_within(counted, fractions, choose)
-            if fitting is not None:
-                fraction, fits = fitting
-                costs, choice = counted, dataclasses.replace(
-                    fits, factor_block_size=size,
-                    qmodel_batch_fraction=fraction if fraction != 1.0 else None)
-                break
+        costs, choice = _budget_choice(costs, count, sizes, fractions, choose)
         cov = cov or choice.cov_update_period
         inverse = inverse or choice.inverse_update_period
         if not choice.within:
+            cuts = "".join([
+                f", factors in blocks of {choice.factor_block_size}"
+                if choice.factor_block_size else "",
+                f", forms on {choice.qmodel_batch_fraction:g} of the batch"
+                if choice.qmodel_batch_fraction else ""])
             logging.warning("kg.KFAC overhead_budget=%g: no periods tried are within it; "
-                            "taking periods %d/%d (counted step %.2f SGD steps)",
-                            opt.overhead_budget, cov, inverse, choice.ratio)
+                            "taking the cheapest: periods %d/%d%s (counted step %.2f SGD steps)",
+                            opt.overhead_budget, cov, inverse, cuts, choice.ratio)
     cov = int(cov or opt.cov_update_period)
     inverse = int(inverse or opt.inverse_update_period)
     slots = None
@@ -120,14 +116,24 @@ def plan_schedule(opt, registration, args):
                                        opt.spread_covariances)
 
 
-def _first_within(counted, fractions, choose):
-    """``(fraction, choice)`` for the first of ``fractions`` whose periods are
-    within the budget (``choose(counted, fraction)``), or None."""
-    for fraction in fractions:
-        choice = choose(counted, fraction)
-        if choice.within:
-            return fraction, choice
-    return None
+def _budget_choice(costs, count, sizes, fractions, choose):
+    """``(costs, choice)``: the counts and ``PeriodChoice`` of the first block
+    size of ``sizes`` (None: the blocks as made; ``count(size)`` recounts),
+    then forms' fraction of ``fractions``, whose periods are within the
+    budget (``choose(counted, fraction)``); where none is, of the cheapest of
+    them all (every cut the budget may make counted, not the uncut step's)."""
+    cheapest = None
+    for size in sizes:
+        counted = costs if size is None else count(size)  # counted once per size
+        for fraction in fractions:
+            choice = dataclasses.replace(
+                choose(counted, fraction), factor_block_size=size,
+                qmodel_batch_fraction=fraction if fraction not in (None, 1.0) else None)
+            if choice.within:
+                return counted, choice
+            if cheapest is None or choice.ratio < cheapest[1].ratio:
+                cheapest = (counted, choice)
+    return cheapest
 
 
 def take_choice(opt):
