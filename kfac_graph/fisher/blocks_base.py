@@ -206,8 +206,7 @@ class FullBlock(FisherBlock):
     def inverses_stale(self, damping=None):
         """Whether ``l`` differs from the cached inverse's (or none is cached)."""
         lam = linalg.cast(self.damping(damping), self.dtype)
-        cached = self.inverse_damping.read_value()
-        return tf.abs(lam - cached) > 1e-6 * tf.abs(cached)
+        return linalg.damping_changed(lam, self.inverse_damping.read_value())
 
     def full_matrix(self):
         return self.factor.value()
@@ -253,7 +252,7 @@ class DiagonalBlock(FisherBlock):
     factor = None
 
     def _init_cache(self):
-        self.cache = linalg.EigCache([], self.num_params, True, self.dtype, name="inverse_cache")
+        self.cache = linalg.DiagonalCache(self.num_params, self.dtype, name="inverse_cache")
 
     def inverse_updates(self, damping=None):
         return self.cache.updates(self.factor.value())

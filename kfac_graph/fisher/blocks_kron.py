@@ -165,8 +165,8 @@ class KroneckerBlock(blocks_base.FisherBlock):
 
     def inverses_stale(self, damping=None):
         """Whether the damping ``l'`` differs from the cached inverses' (or none are cached)."""
-        lam, cached = self._normalised_damping(damping), self.inverse_damping.read_value()
-        return tf.abs(lam - cached) > 1e-6 * tf.abs(cached)
+        return linalg.damping_changed(self._normalised_damping(damping),
+                                      self.inverse_damping.read_value())
 
     # -- damping ------------------------------------------------------------------
     def _normalised_damping(self, damping):

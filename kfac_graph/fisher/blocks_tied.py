@@ -197,8 +197,8 @@ class TiedEmbeddingKroneckerBlock(blocks_base.FisherBlock):
 
     def inverses_stale(self, damping=None):
         """Whether ``l' = l / R_L`` differs from the cached basis's (or none is cached)."""
-        lam, cached = self._normalised_damping(damping), self.inverse_damping.read_value()
-        return tf.abs(lam - cached) > 1e-6 * tf.abs(cached)
+        return linalg.damping_changed(self._normalised_damping(damping),
+                                      self.inverse_damping.read_value())
 
     # -- products -----------------------------------------------------------------------
     def _to_mat(self, vs):

@@ -138,6 +138,12 @@ def damped_inverse(factor, damping, diagonal):
     return tf.linalg.cholesky_solve(chol, identity_like(factor))
 
 
+def damping_changed(damping, cached):
+    """Whether a cache made for the damping ``cached`` (negative: none made)
+    is stale for ``damping`` (a relative difference above 1e-6)."""
+    return tf.abs(damping - cached) > 1e-6 * tf.abs(cached)
+
+
 def psd_damped_inverse(matrix, damping):
     """`(matrix + d I)^{-1}` for one dense PSD `matrix`: by Cholesky
     (`damped_inverse`, about `n^3` multiply-adds), or, where rounding left the
@@ -176,38 +182,19 @@ def psd_power(matrix, exp, floor=None):
     return tf.matmul(evecs * tf.expand_dims(powered, -2), evecs, transpose_b=True)
 
 
-class EigCache(tf.Module):
-    """A factor snapshot kept as eigenpairs (or as a diagonal) in variables.
+class DiagonalCache(tf.Module):
+    """A diagonal factor's snapshot (negative entries clipped at 0) in a
+    variable; `left` then applies `(F + d I)^p` for any power `p`, so the
+    damping may change between refreshes."""
 
-    `refresh(F)` stores `F = Q diag(e) Q^T`; `left`/`right` then apply
-    `(F + d I)^p` for any power `p` without refactorising, so the damping
-    may change between refreshes.
-    """
-
-    def __init__(self, batch_shape, dim, diagonal, dtype, name=None):
+    def __init__(self, dim, dtype, name=None):
         super().__init__(name=name)
-        self.diagonal = diagonal
-        shape = list(batch_shape) + [dim]
-        self.evals = tf.Variable(tf.zeros(shape, dtype), trainable=False, name="evals")
-        self.evecs = None
-        if not diagonal:
-            eye = tf.eye(dim, batch_shape=list(batch_shape), dtype=dtype)
-            self.evecs = tf.Variable(eye, trainable=False, name="evecs")
+        self.evals = tf.Variable(tf.zeros([dim], dtype), trainable=False, name="evals")
 
     def updates(self, factor):
         """``[(variable, new value)]`` that store ``factor`` (nothing assigned)."""
-        if self.diagonal:
-            return [(self.evals, tf.maximum(factor, 0.0))]
-        evals, evecs = psd_eig(factor)
-        return [(self.evals, evals), (self.evecs, evecs)]
-
-    def _scaled(self, damping, exp):
-        return tf.pow(self.evals + column(damping), exp)
+        return [(self.evals, tf.maximum(factor, 0.0))]
 
     def left(self, x, damping, exp):
-        """`(F + d I)^exp @ x`."""
-        w = self._scaled(damping, exp)
-        if self.diagonal:
-            return column(w) * x
-        q = self.evecs
-        return tf.matmul(q, column(w) * tf.matmul(q, x, transpose_a=True))
+        """`(F + d I)^exp @ x` for `x` `[dim, m]`."""
+        return column(tf.pow(self.evals + column(damping), exp)) * x

@@ -169,7 +169,7 @@ def _block_costs(block, rows, batch, sources, block_size=None):
     factor = getattr(block, "factor", None)
     if factor is not None and getattr(factor, "diagonal", False):
         return batch * n * sources, n, n
-    return batch * n * n * sources, n * n, n ** 3 / FACTORISATION_RATE
+    return batch * n * n * sources, n * n, _factorisation(n)
 
 
 def _side(factor, blocks=None):
@@ -183,8 +183,13 @@ def _side(factor, blocks=None):
 def _cube(factor, blocks=None):
     """A refresh's multiply-adds: ``d`` diagonal, ``c k^3`` in ``c`` blocks of ``k``, ``d^3``."""
     if blocks is not None:
-        return blocks.count * blocks.size ** 3 / FACTORISATION_RATE
-    return factor.dim if factor.diagonal else factor.dim ** 3 / FACTORISATION_RATE
+        return blocks.count * _factorisation(blocks.size)
+    return factor.dim if factor.diagonal else _factorisation(factor.dim)
+
+
+def _factorisation(d):
+    """A dense ``d x d`` factorisation's count: ``d^3`` at ``FACTORISATION_RATE``."""
+    return d ** 3 / FACTORISATION_RATE
 
 
 def _kron_sum_costs(terms, rows, sources):
@@ -198,7 +203,7 @@ def _kron_sum_costs(terms, rows, sources):
         dim = factors[0].dim
         dims.append(dim)
         sides.append(dim if diagonal else dim ** 2)
-        cubes.append(dim if diagonal else dim ** 3 / FACTORISATION_RATE)
+        cubes.append(dim if diagonal else _factorisation(dim))
     pre = 2 * (sides[0] * dims[1] + dims[0] * sides[1])
     inv = EIGEN_FACTOR * (cubes[0] + 2 * cubes[1])
     return float(stats), float(pre), float(inv)
