@@ -13,7 +13,9 @@ For each model, in one process:
   construction and ``build`` (its slots) and the step's first call (trace,
   graph optimisation, run), then a later call;
 - ``kg.KFAC`` (its defaults; ``--variants`` adds ``regular``: regular
-  momentum at a fixed damping): construction and registration
+  momentum at a fixed damping; a variant's name ending ``:in_place`` traces
+  every block's algebra in place instead of one shared kernel per
+  structure, ``fisher/shared_kernels.py``): construction and registration
   (``build``: the loss's trace, the pass, the blocks' variables), the
   step's trace, its first run (TensorFlow's graph optimisation and the XLA
   compile of the preconditioning) and a later call; inside the trace, the
@@ -50,7 +52,7 @@ from absl import app, flags  # noqa: E402
 import bert_small  # noqa: E402
 import kfac_graph as kg  # noqa: E402
 from lm_race import keras_step  # noqa: E402
-from kfac_graph.fisher import estimator as estimator_lib  # noqa: E402
+from kfac_graph.fisher import estimator as estimator_lib, shared_kernels  # noqa: E402
 from kfac_graph.optimizer import exact_fisher, single_device, step_core, update_rules  # noqa: E402
 from kfac_graph import taps as taps_lib  # noqa: E402
 
@@ -58,7 +60,8 @@ tf.get_logger().setLevel("ERROR")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mobilenet_v3_small", "resnet50"], "models")
-flags.DEFINE_list("variants", ["defaults"], "K-FAC variants: defaults, regular")
+flags.DEFINE_list("variants", ["defaults"],
+                  "K-FAC variants: defaults, regular (each may end :in_place)")
 flags.DEFINE_string("markdown", None, "also write the table as markdown here")
 flags.DEFINE_integer("per_example_rounds", 2,
                      "per-example first calls per Grappler setting (alternating; mean)")
@@ -191,8 +194,11 @@ def kfac_times(model_name, variant):
     _, loss, args = make(model_name)
     out = {}
     start = time.perf_counter()
-    opt = kg.KFAC(kg.auto_register(loss), **VARIANTS[variant])
+    name, _, where = variant.partition(":")
+    opt = kg.KFAC(kg.auto_register(loss), **VARIANTS[name])
     opt.build(*args)
+    if where == "in_place":
+        shared_kernels.share(opt.estimator.blocks, shared_kernels.IN_PLACE)
     out["construct + register + build"] = time.perf_counter() - start
     parts = {}
     with timed_parts(parts):

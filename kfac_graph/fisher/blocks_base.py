@@ -50,6 +50,7 @@ import numpy as np
 import tensorflow as tf
 
 from kfac_graph.fisher import linalg
+from kfac_graph.fisher import shared_kernels
 
 
 def shape_of(v):
@@ -62,6 +63,8 @@ class FisherBlock(tf.Module):
     """Base class: the contract of the module docstring."""
 
     stats = "activations"
+    # the estimator's, shared by its blocks (``shared_kernels.py``); in place by default
+    kernels = shared_kernels.IN_PLACE
 
     def __init__(
         self,
@@ -194,7 +197,8 @@ class FullBlock(FisherBlock):
                                            name="inverse_damping")
 
     def _current_inverse(self, damping):
-        return linalg.psd_damped_inverse(self.factor.value(), self.damping(damping))
+        return self.kernels(("psd_damped_inverse",), linalg.psd_damped_inverse,
+                            self.factor.value(), self.damping(damping))
 
     def inverse_updates(self, damping=None):
         lam = linalg.cast(self.damping(damping), self.dtype)
@@ -215,13 +219,15 @@ class FullBlock(FisherBlock):
         return linalg.add_damping(self.factor.value(), self.damping(damping), False)
 
     def multiply_inverse(self, vs, refreshed=False, damping=None):
-        v = self._flat(vs)[:, None]
-        cached = lambda: tf.matmul(self.inverse, v)
         if refreshed:
-            out = cached()
-        else:
-            out = tf.cond(self.inverses_stale(damping),
-                          lambda: tf.matmul(self._current_inverse(damping), v), cached)
+            apply = lambda inverse, *vs: self._unflat(  # noqa: E731
+                tf.matmul(inverse, self._flat(vs)[:, None])[:, 0])
+            return self.kernels(("full_multiply_inverse", self.var_shapes, self.dtype), apply,
+                                self.inverse, *vs)
+        v = self._flat(vs)[:, None]
+        out = tf.cond(self.inverses_stale(damping),
+                      lambda: tf.matmul(self._current_inverse(damping), v),
+                      lambda: tf.matmul(self.inverse, v))
         return self._unflat(out[:, 0])
 
     def multiply_matpower(self, vs, exp, damping=None):
@@ -267,10 +273,12 @@ class DiagonalBlock(FisherBlock):
         return self.factor.value() + self.damping(damping)
 
     def multiply_matpower(self, vs, exp, damping=None):
-        v = self._flat(vs)
         if exp == 1:
-            return self._unflat(self._damped(damping) * v)
-        return self._unflat(self.cache.left(v[:, None], self.damping(damping), exp)[:, 0])
+            return self._unflat(self._damped(damping) * self._flat(vs))
+        apply = lambda evals, d, *vs: self._unflat(  # noqa: E731
+            linalg.DiagonalCache.power_left(evals, self._flat(vs)[:, None], d, exp)[:, 0])
+        return self.kernels(("diagonal_matpower", self.var_shapes, self.dtype, exp), apply,
+                            self.cache.evals, self.damping(damping), *vs)
 
     def multiply_cholesky(self, vs, transpose=False, damping=None):
         return self._unflat(tf.sqrt(self._damped(damping)) * self._flat(vs))

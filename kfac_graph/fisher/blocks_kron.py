@@ -159,9 +159,11 @@ class KroneckerBlock(blocks_base.FisherBlock):
     def _current_inverses(self, damping):
         """``(X_A, X_G, l')`` from the current factors and damping."""
         a, g = self.input_factor, self.output_factor
-        (av, da), (gv, dg) = self._split_factors(damping)
-        return (linalg.damped_inverse(av, da, a.diagonal),
-                linalg.damped_inverse(gv, dg, g.diagonal), self._normalised_damping(damping))
+        lam = self._normalised_damping(damping)
+        key = ("kron_inverses", a.layout, g.layout)
+        inverses = lambda av, gv, lam: linalg.kron_damped_inverses(  # noqa: E731
+            av, gv, lam, a.layout, g.layout)
+        return (*self.kernels(key, inverses, a.value(), g.value(), lam), lam)
 
     def inverses_stale(self, damping=None):
         """Whether the damping ``l'`` differs from the cached inverses' (or none are cached)."""
@@ -189,8 +191,12 @@ class KroneckerBlock(blocks_base.FisherBlock):
     def multiply_inverse(self, vs, refreshed=False, damping=None):
         if not refreshed:
             return self.multiply_matpower(vs, -1, damping)
-        return self._from_mat(self._kron_product(self._to_mat(vs), self.input_inverse,
-                                                 self.output_inverse) / self.replicas)
+        a, g = self.input_factor, self.output_factor  # the key: all _to_mat, _kron_product read
+        key = ("kron_multiply_inverse", type(self), self.var_shapes, self._out_width, self.dtype,
+               a.layout, a.groups, g.layout)
+        apply = lambda xa, xg, r, *vs: self._from_mat(  # noqa: E731
+            self._kron_product(self._to_mat(vs), xa, xg) / r)
+        return self.kernels(key, apply, self.input_inverse, self.output_inverse, self.replicas, *vs)
 
     def _kron_product(self, mat, left, right):
         """``left @ mat @ right`` (either factor may be a diagonal or blocks)."""

@@ -56,7 +56,7 @@ import tensorflow as tf
 
 from kfac_graph import invariants, options, token_weights
 from kfac_graph.auto_register import RegisteredFunction, auto_register
-from kfac_graph.fisher import ema, report
+from kfac_graph.fisher import ema, report, shared_kernels
 from kfac_graph.fisher.block_choice import (DEFAULT_MAX_FACTOR_SIZE, PER_EXAMPLE, block_stats,
                                             make_layer_block)
 from kfac_graph.fisher.distributions import at_least_float32, make_distribution
@@ -76,8 +76,7 @@ class _Cache:
     """Plain holder for traced functions (kept out of tf.Module tracking)."""
 
     def __init__(self):
-        self.update = {}
-        self.inverses = None
+        self.update, self.inverses, self.kernels = {}, None, shared_kernels.SharedKernels()
 
 
 class FisherEstimator(tf.Module):
@@ -119,8 +118,8 @@ class FisherEstimator(tf.Module):
         self.estimation_mode, self.num_samples = estimation_mode, int(num_samples)
         self._damping, self.cov_ema_decay = damping, cov_ema_decay
         self.approximations, self.seed = dict(approximations or {}), int(seed)
-        self.max_factor_size = given["max_factor_size"]
-        self.factor_block_size = given["factor_block_size"]
+        self.max_factor_size, self.factor_block_size = (given["max_factor_size"],
+                                                        given["factor_block_size"])
         self._registration = self._blocks = self._counter = None
         self._cache = _Cache()
 
@@ -170,6 +169,7 @@ class FisherEstimator(tf.Module):
                 factor_block_size=size, damping=self._damping, ema_decay=self.cov_ema_decay,
                 dtype=tf.as_dtype(layer.variables[0].dtype), name=f"block_{i}_{layer.name}")
                 for i, layer in enumerate(self.registration.layers)]
+        shared_kernels.share(self._blocks, self._cache.kernels)
 
     def memory(self) -> dict:
         """Per layer (aligned with ``layers``) and in total: the bytes of its

@@ -34,11 +34,14 @@ rows (a dense layer's batch) are copied with the 1 appended, which costs
 less than the border's passes over the `(d + 1)^2` result.
 """
 
+import dataclasses
+
 import tensorflow as tf
 
 from kfac_graph import invariants
 from kfac_graph.fisher import ema
 from kfac_graph.fisher import linalg
+from kfac_graph.fisher import shared_kernels
 from kfac_graph.fisher.factor_blocks import BlockLayout
 
 def _rows(x):
@@ -116,9 +119,29 @@ def lag_one_moment(sources, ones=False):
     return tf.add_n(per_source)
 
 
+@dataclasses.dataclass(frozen=True)
+class FactorLayout:
+    """How a factor of width ``dim`` is stored: its diagonal alone, in
+    ``blocks`` (a ``BlockLayout``) or whole; what its trace and the
+    algebra on its value read besides the value (``shared_kernels.py``)."""
+
+    dim: int
+    diagonal: bool
+    blocks: BlockLayout | None
+
+    def trace(self, value):
+        """The trace of the factor stored as ``value`` (batched over groups)."""
+        if self.blocks is not None:
+            return self.blocks.trace(value)
+        return linalg.trace(value, self.diagonal)
+
+
 class CovarianceFactor(tf.Module):
     """Moving average of a second moment `[(G,) d, d]` (or diagonal `[(G,) d]`,
     or block-diagonal `[count, size, size]`)."""
+
+    # the estimator's, shared by its blocks (``shared_kernels.py``); in place by default
+    kernels = shared_kernels.IN_PLACE
 
     def __init__(
         self, dim, *, groups=None, diagonal=False, lag_one=False, max_dim=None,
@@ -152,18 +175,63 @@ class CovarianceFactor(tf.Module):
     def dtype(self):
         return self.cov.dtype
 
-    def update_rows(self, sources, decay, ones=False):
-        """Folds in the batch estimate from `sources` (see module docstring);
-        `ones`: the rows get the homogeneous coordinate 1 appended. Rows of
-        another width (or group count) than the factor's raise
+    def update(self, data, decay):
+        """Folds the batch estimates of ``data`` (``batch_estimates``) into the
+        averages with ``decay``. Factors whose ``estimate_key`` is not None
+        compute them in a kernel traced once per key and data signature
+        (``shared_kernels.py``; ``kernels``, their block's)."""
+        flat = tf.nest.flatten(data)
+        key = self.estimate_key()
+        if key is None or not all(isinstance(t, tf.Tensor) for t in flat):
+            estimates = self.batch_estimates(data)
+        else:
+            structure = repr(tf.nest.map_structure(lambda _: 0, data))
+            estimates = self.kernels(
+                ("factor_estimates", key, structure),
+                lambda *flat: self.batch_estimates(tf.nest.pack_sequence_as(data, flat)), *flat)
+        self.fold(estimates, decay)
+
+    def batch_estimates(self, data) -> list:
+        """One batch's estimates of the averages (``averages()``) from ``data``
+        (the layer kind's operands, as ``update`` takes them)."""
+        raise NotImplementedError(f"{type(self).__name__}.batch_estimates")
+
+    def estimate_key(self):
+        """Everything ``batch_estimates`` reads besides ``data``, hashable; None
+        (the default, for factors not audited for it): computed in place."""
+        return None
+
+    def _structure(self, *own) -> tuple:
+        """``estimate_key`` of a factor whose estimates read its class, layout,
+        groups, lag-one moment and dtype, and ``own``."""
+        return (type(self), self.layout, self.groups, self.lag_one, self.dtype, *own)
+
+    def averages(self) -> list:
+        """The moving averages: the second moment, then the lag-one moment if tracked."""
+        return [self.cov] + ([] if self.cov_lag_one is None else [self.cov_lag_one])
+
+    def fold(self, estimates, decay):
+        """Folds ``estimates`` (aligned with ``averages()``) in with ``decay``."""
+        for average, estimate in zip(self.averages(), estimates, strict=True):
+            average.update(estimate, decay)
+
+    def row_estimates(self, sources, ones=False) -> list:
+        """The batch estimates from `sources` (see module docstring); `ones`:
+        the rows get the homogeneous coordinate 1 appended. Rows of another
+        width (or group count) than the factor's raise
         `invariants.FactorShapeError` while tracing."""
         sources = [[tf.cast(x, self.dtype) for x in uses] for uses in sources]
         for uses in sources:
             for x in uses:
                 invariants.check_rows(x, self.dim - int(bool(ones)), self.groups, self.name)
-        self.cov.update(second_moment(sources, self.diagonal, ones, self.blocks), decay)
+        out = [second_moment(sources, self.diagonal, ones, self.blocks)]
         if self.cov_lag_one is not None:
-            self.cov_lag_one.update(lag_one_moment(sources, ones), decay)
+            out.append(lag_one_moment(sources, ones))
+        return out
+
+    def update_rows(self, sources, decay, ones=False):
+        """Folds in the batch estimates from `sources` (``row_estimates``)."""
+        self.fold(self.row_estimates(sources, ones), decay)
 
     def value(self):
         """The moving average (in blocks: with 1 on the padded diagonal)."""
@@ -182,10 +250,11 @@ class CovarianceFactor(tf.Module):
     def trace(self, value=None):
         """The trace of the factor (``value``: its current value by default),
         batched over the groups."""
-        value = self.value() if value is None else value
-        if self.blocks is not None:
-            return self.blocks.trace(value)
-        return linalg.trace(value, self.diagonal)
+        return self.layout.trace(self.value() if value is None else value)
+
+    @property
+    def layout(self) -> FactorLayout:
+        return FactorLayout(self.dim, self.diagonal, self.blocks)
 
     def dense(self, value=None):
         """The factor as a matrix ``[(G,) d, d]`` (a diagonal or blocks expanded)."""

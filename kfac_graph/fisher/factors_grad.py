@@ -41,11 +41,14 @@ class ExampleGradientFactor(factors_base.CovarianceFactor):
 class NaiveFactor(ExampleGradientFactor):
     """F from per-example gradients of arbitrary variables."""
 
-    def update(self, grads, decay):
+    def batch_estimates(self, grads):
         grads = list(grads)
         sources = grads if isinstance(grads[0], (list, tuple)) else [grads]
         flat = [flat_example_grads([tf.cast(t, self.dtype) for t in s]) for s in sources]
-        self.update_grads(flat, decay)
+        return self.row_estimates([[s] for s in flat])
+
+    def estimate_key(self):
+        return self._structure()
 
 
 class LayerGradientFactor(ExampleGradientFactor):
@@ -57,13 +60,16 @@ class LayerGradientFactor(ExampleGradientFactor):
         super().__init__(num_params, diagonal, **kwargs)
         self.rule, self.spec = rule, spec
 
-    def update(self, uses, decay):
+    def batch_estimates(self, uses):
         inputs = [tf.cast(a, self.dtype) for a, _ in uses]
         sources = factors_kron.sources_by_use([g for _, g in uses])
         grads = [flat_example_grads(self.rule.per_example_grads(
                      [(a, tf.cast(g, self.dtype)) for a, g in zip(inputs, per_use)], self.spec))
                  for per_use in sources]
-        self.update_grads(grads, decay)
+        return self.row_estimates([[g] for g in grads])
+
+    def estimate_key(self):
+        return self._structure(self.rule, self.spec)
 
 
 class DenseGradientFactor(LayerGradientFactor):
@@ -71,10 +77,10 @@ class DenseGradientFactor(LayerGradientFactor):
     product per source, `diag = mean_i (abar_i^2)(g_i^2)^T` (no per-example
     gradients formed)."""
 
-    def update(self, uses, decay):
+    def batch_estimates(self, uses):
         single = len(uses) == 1 and len(uses[0][0].shape) == 2
         if not (self.diagonal and single and not self.spec.transpose_kernel):
-            return super().update(uses, decay)
+            return super().batch_estimates(uses)
         a = tf.cast(uses[0][0], self.dtype)
         if self.spec.has_bias:
             a = linalg.append_ones(a)
@@ -83,4 +89,4 @@ class DenseGradientFactor(LayerGradientFactor):
         est = [tf.reshape(tf.matmul(a2, tf.square(tf.cast(s[0], self.dtype)), transpose_a=True),
                           [-1]) / b
                for s in factors_kron.sources_by_use([uses[0][1]])]
-        self.cov.update(tf.add_n(est), decay)
+        return [tf.add_n(est)]

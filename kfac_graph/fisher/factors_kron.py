@@ -43,6 +43,14 @@ def sources_by_use(grads):
     return [list(s) for s in zip(*per_use)]
 
 
+def function_key(function):
+    """A hashable key equal for equal functions: a ``functools.partial``'s
+    function and arguments (a new partial per factor is not the same object)."""
+    if isinstance(function, functools.partial):
+        return (function.func, function.args, tuple(sorted(function.keywords.items())))
+    return function
+
+
 def _input_rows(inputs, rows, positions):
     """The rows of every use, ``[rows(a_u), ...]``, or with "reduce" one
     row per example: their mean over all positions of all uses."""
@@ -62,10 +70,13 @@ class DenseInputFactor(factors_base.CovarianceFactor):
         self.d_in, self.has_bias = int(d_in), bool(has_bias)
         self.positions = positions_lib.check_mode(positions, type(self).__name__)
 
-    def update(self, inputs, decay):
+    def batch_estimates(self, inputs):
         rows = _input_rows([tf.cast(a, self.dtype) for a in inputs], dense.input_rows,
                            self.positions)
-        self.update_rows([rows], decay, ones=self.has_bias)
+        return self.row_estimates([rows], ones=self.has_bias)
+
+    def estimate_key(self):
+        return self._structure(self.d_in, self.has_bias, self.positions)
 
 
 class OutputFactor(factors_base.CovarianceFactor):
@@ -82,14 +93,17 @@ class OutputFactor(factors_base.CovarianceFactor):
         self.positions = positions_lib.check_mode(positions, type(self).__name__)
         self.average = bool(average)
 
-    def update(self, grads, decay):
+    def batch_estimates(self, grads):
         sources = [[self.rows(tf.cast(g, self.dtype)) for g in uses]
                    for uses in sources_by_use(grads)]
         if self.positions == positions_lib.REDUCE:
             batches = [positions_lib.batch_size(g) for g in sources_by_use(grads)[0]]
             sources = [[positions_lib.reduce_uses(uses, batches, mean=self.average)]
                        for uses in sources]
-        self.update_rows(sources, decay)
+        return self.row_estimates(sources)
+
+    def estimate_key(self):
+        return self._structure(function_key(self.rows), self.positions, self.average)
 
 
 class PatchInputFactor(factors_base.CovarianceFactor):
@@ -102,10 +116,13 @@ class PatchInputFactor(factors_base.CovarianceFactor):
         self.spec, self.rows = spec, rows
         self.positions = positions_lib.check_mode(positions, type(self).__name__)
 
-    def update(self, inputs, decay):
+    def batch_estimates(self, inputs):
         rows = _input_rows([tf.cast(a, self.dtype) for a in inputs],
                            lambda a: self.rows(a, self.spec), self.positions)
-        self.update_rows([rows], decay, ones=self.spec.has_bias)
+        return self.row_estimates([rows], ones=self.spec.has_bias)
+
+    def estimate_key(self):
+        return self._structure(self.spec, function_key(self.rows), self.positions)
 
 
 def _groups(spec):
@@ -169,5 +186,8 @@ class EmbeddingInputFactor(factors_base.CovarianceFactor):
         kwargs["diagonal"] = True
         super().__init__(vocab_size, **kwargs)
 
-    def update(self, inputs, decay):
-        self.cov.update(embedding.id_frequencies(inputs, self.dim, self.dtype), decay)
+    def batch_estimates(self, inputs):
+        return [embedding.id_frequencies(inputs, self.dim, self.dtype)]
+
+    def estimate_key(self):
+        return self._structure()

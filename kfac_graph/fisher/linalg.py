@@ -138,6 +138,15 @@ def damped_inverse(factor, damping, diagonal):
     return tf.linalg.cholesky_solve(chol, identity_like(factor))
 
 
+def kron_damped_inverses(av, gv, damping, a_layout, g_layout):
+    """`(X_A, X_G)`: the inverses of two Kronecker factors' values `av`, `gv`
+    (stored as their layouts say: `dim`, `diagonal`, `trace(value)`; a
+    `factors_base.FactorLayout`) damped by the pi-split of `damping`."""
+    da, dg = pi_split_damping(damping, a_layout.trace(av), a_layout.dim, g_layout.trace(gv),
+                              g_layout.dim)
+    return damped_inverse(av, da, a_layout.diagonal), damped_inverse(gv, dg, g_layout.diagonal)
+
+
 def damping_changed(damping, cached):
     """Whether a cache made for the damping ``cached`` (negative: none made)
     is stale for ``damping`` (a relative difference above 1e-6)."""
@@ -184,7 +193,7 @@ def psd_power(matrix, exp, floor=None):
 
 class DiagonalCache(tf.Module):
     """A diagonal factor's snapshot (negative entries clipped at 0) in a
-    variable; `left` then applies `(F + d I)^p` for any power `p`, so the
+    variable; `power_left` then applies `(F + d I)^p` for any power `p`, so the
     damping may change between refreshes."""
 
     def __init__(self, dim, dtype, name=None):
@@ -195,6 +204,7 @@ class DiagonalCache(tf.Module):
         """``[(variable, new value)]`` that store ``factor`` (nothing assigned)."""
         return [(self.evals, tf.maximum(factor, 0.0))]
 
-    def left(self, x, damping, exp):
-        """`(F + d I)^exp @ x` for `x` `[dim, m]`."""
-        return column(tf.pow(self.evals + column(damping), exp)) * x
+    @staticmethod
+    def power_left(evals, x, damping, exp):
+        """`(F + d I)^exp @ x` for `x` `[dim, m]`, `evals` the stored entries of `F`."""
+        return column(tf.pow(evals + column(damping), exp)) * x
