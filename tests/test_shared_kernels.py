@@ -64,7 +64,7 @@ def test_shared_kernels_train_exactly_as_in_place_with_a_smaller_graph(options):
     for shared, in_place in zip(runs[True][0], runs[False][0]):
         np.testing.assert_allclose(shared, in_place, rtol=1e-10, atol=1e-12)
     assert runs[True][1] < runs[False][1]
-    traced = collections.Counter(runs[True][2].estimator._cache.kernels.traced())
+    traced = collections.Counter(runs[True][2].estimator.blocks[0].kernels.traced())
     assert traced["kron_inverses"] == 5
     assert shared_kernels.IN_PLACE.traced() == []
 
@@ -101,3 +101,17 @@ def test_kernels_share_one_trace_per_structure_and_run_in_place_eagerly():
     assert [o.numpy().tolist() for o in out] == [2.0, 4.0, [6.0, 8.0]]
     assert kernels.traced() == ["double", "double"]  # one per shape
     assert len(calls) == 1 + 2
+
+
+def test_blocks_made_anew_get_kernels_of_their_own():
+    """A traced kernel holds the first block of its structure: blocks made
+    anew (another factor block size) must not keep the old ones alive
+    through it, nor share with them."""
+    opt = _optimizer(_model(), share=True)
+    old = opt.estimator.blocks[0].kernels
+    assert all(b.kernels is old for b in opt.estimator.blocks)
+    opt.estimator.use_factor_block_size(4)
+    new = opt.estimator.blocks[0].kernels
+    assert new is not old and all(b.kernels is new for b in opt.estimator.blocks)
+    assert all(f.kernels is new for b in opt.estimator.blocks for f in b.submodules
+               if hasattr(f, "kernels"))

@@ -76,7 +76,7 @@ class _Cache:
     """Plain holder for traced functions (kept out of tf.Module tracking)."""
 
     def __init__(self):
-        self.update, self.inverses, self.kernels = {}, None, shared_kernels.SharedKernels()
+        self.update, self.inverses = {}, None
 
 
 class FisherEstimator(tf.Module):
@@ -169,7 +169,7 @@ class FisherEstimator(tf.Module):
                 factor_block_size=size, damping=self._damping, ema_decay=self.cov_ema_decay,
                 dtype=tf.as_dtype(layer.variables[0].dtype), name=f"block_{i}_{layer.name}")
                 for i, layer in enumerate(self.registration.layers)]
-        shared_kernels.share(self._blocks, self._cache.kernels)
+        shared_kernels.share(self._blocks, shared_kernels.SharedKernels())  # new blocks' own
 
     def memory(self) -> dict:
         """Per layer (aligned with ``layers``) and in total: the bytes of its
