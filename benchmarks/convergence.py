@@ -48,7 +48,7 @@ tf.get_logger().setLevel("ERROR")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 1000, "training steps per run")
-flags.DEFINE_list("models", list(digits.MODELS), "models: autoencoder, cnn")
+flags.DEFINE_list("models", list(digits.MODELS), "models: autoencoder, cnn (or resnet50)")
 flags.DEFINE_integer("batch_size", 256, "batch size")
 flags.DEFINE_integer("eval_every", 10, "steps between whole-training-set losses")
 flags.DEFINE_list("adam_lrs", ["1e-3", "3e-3", "1e-2"], "Adam learning rates")

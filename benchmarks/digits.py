@@ -9,6 +9,10 @@ no download), pixels scaled to [0, 1] by /16.
   the loss of a perfect reconstruction ``sigmoid(z) = x``.
 - ``cnn``: conv 16 3x3 same, conv 32 3x3 stride 2 same (relu each), dense 64
   relu, dense 10; loss: mean sparse softmax cross-entropy.
+- ``resnet50`` (on request, not in ``MODELS``): ``keras.applications.ResNet50``
+  (random weights, 10 logits) on the digits upsampled to 32x32 (each pixel a
+  4x4 square, three equal channels), batch normalisation in training mode;
+  the CNN's loss.
 
 Each model comes as a ``Task``: a Keras model, a ``kg.auto_register``ed loss
 ``loss_fn(x, t)``, the full training set, and a fixed sequence of
@@ -118,7 +122,19 @@ def make_task(name: str, seed: int = 0) -> Task:
         return Task(name, model, kg.auto_register(loss),
                     tf.constant(pixels.reshape(-1, 8, 8, 1)), tf.constant(labels), None,
                     has_conv=True)
-    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+    if name == "resnet50":
+        model = keras.applications.ResNet50(input_shape=(32, 32, 3), weights=None, classes=10,
+                                            classifier_activation=None)
+        images = np.repeat(np.kron(pixels.reshape(-1, 8, 8), np.ones((4, 4), "float32"))
+                           [..., None], 3, axis=-1)
+
+        def loss(x, t):
+            logits = model(x, training=True)
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(t, logits))
+
+        return Task(name, model, kg.auto_register(loss), tf.constant(images),
+                    tf.constant(labels), None, has_conv=True)
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS + ('resnet50',)}")
 
 
 def keras_step(task: Task, optimizer, jit_compile: bool):
