@@ -81,8 +81,8 @@ class Run:
         try:
             self.step(x, t).numpy()
         except tf.errors.OpError as e:
-            lines = [l for l in e.message.strip().splitlines()
-                     if l.strip() and not l.startswith((" ", "\t", "["))]
+            lines = [line for line in e.message.strip().splitlines()
+                     if line.strip() and not line.startswith((" ", "\t", "["))]
             self.failed = (step, (lines[-1] if lines else type(e).__name__)[:160])
             print(f"  {self.label} failed at step {step}: {self.failed[1]}", flush=True)
             return
