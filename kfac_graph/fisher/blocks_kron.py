@@ -178,8 +178,8 @@ class KroneckerBlock(blocks_base.FisherBlock):
         """``((A, d_A), (G, d_G))``: the current factors and their pi-split damping."""
         a, g = self.input_factor, self.output_factor
         av, gv = a.value(), g.value()
-        da, dg = linalg.pi_split_damping(self._normalised_damping(damping),
-                                         a.trace(av), a.dim, g.trace(gv), g.dim)
+        da, dg = linalg.kron_split_damping(av, gv, self._normalised_damping(damping), a.layout,
+                                           g.layout)
         return (av, da), (gv, dg)
 
     def _damped_factors(self, damping):

@@ -138,12 +138,18 @@ def damped_inverse(factor, damping, diagonal):
     return tf.linalg.cholesky_solve(chol, identity_like(factor))
 
 
+def kron_split_damping(av, gv, damping, a_layout, g_layout):
+    """`pi_split_damping` of two Kronecker factors' values `av`, `gv`, stored
+    as their layouts say (`dim`, `diagonal`, `trace(value)`: a
+    `factors_base.FactorLayout`)."""
+    return pi_split_damping(damping, a_layout.trace(av), a_layout.dim, g_layout.trace(gv),
+                            g_layout.dim)
+
+
 def kron_damped_inverses(av, gv, damping, a_layout, g_layout):
-    """`(X_A, X_G)`: the inverses of two Kronecker factors' values `av`, `gv`
-    (stored as their layouts say: `dim`, `diagonal`, `trace(value)`; a
-    `factors_base.FactorLayout`) damped by the pi-split of `damping`."""
-    da, dg = pi_split_damping(damping, a_layout.trace(av), a_layout.dim, g_layout.trace(gv),
-                              g_layout.dim)
+    """`(X_A, X_G)`: the inverses of the factors `av`, `gv` damped by the
+    pi-split of `damping` (`kron_split_damping`)."""
+    da, dg = kron_split_damping(av, gv, damping, a_layout, g_layout)
     return damped_inverse(av, da, a_layout.diagonal), damped_inverse(gv, dg, g_layout.diagonal)
 
 
