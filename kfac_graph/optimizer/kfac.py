@@ -65,9 +65,9 @@ inverts, refreshes or checks the staleness of the blocks.
 add the penalty to the loss yourself): ``l2_reg theta`` joins the
 gradient and ``l2_reg`` the damping; the loss returned is ``L`` alone.
 
-A non-finite loss, gradient, factor, inverse or update leaves every
-variable (parameters, factors, inverses, velocities, damping, counter) as
-it was, adds one to ``skipped_steps`` and logs a warning.
+A non-finite loss, gradient, factor, inverse or update leaves every variable (parameters,
+factors, inverses, velocities, damping, counter) as it was, adds one to ``skipped_steps``
+and logs a warning; ``"qmodel"`` steps the cap mostly shortened log one (``cap_watch.py``).
 
 ``jit_compile``: ``True`` compiles the whole step with XLA; ``"auto"`` on
 accelerators only (on the CPU XLA's convolutions, Cholesky factorisations
@@ -91,7 +91,7 @@ from kfac_graph import graph_options, options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher.estimator import FisherEstimator
 from kfac_graph.optimizer import costs as costs_lib, damping as damping_lib, distributed
-from kfac_graph.optimizer import kfac_options, plan, summaries
+from kfac_graph.optimizer import cap_watch, kfac_options, plan, summaries
 from kfac_graph.optimizer.schedule import StepSchedule
 from kfac_graph.optimizer.single_device import SingleDeviceCore
 
@@ -104,9 +104,7 @@ class _Compiled:
     """Plain holder for the traced functions (kept out of checkpoints)."""
 
     def __init__(self):
-        self.step = None
-        self.core = None
-        self.precondition = None
+        self.step = self.core = self.precondition = None  # set by build()
 
 
 class KFAC(tf.Module):
@@ -150,7 +148,7 @@ class KFAC(tf.Module):
     ``schedule``, ``whole_step_jit``), ``fn``, ``estimator``, ``registration``,
     ``estimator_state``, ``dtype``, the state variables (``iterations``, ``skipped_steps``,
     ``damping``, ``learning_rate``, ``momentum``, ``rho``, ``qmodel_change``,
-    ``curvature_scale``, ``velocities``) and ``blocks_damping``, ``precondition``,
+    ``curvature_scale``, ``velocities``, ``cap_watch``) and ``blocks_damping``, ``precondition``,
     ``curvature_multiply``.
 
     Bad options are one-line ``ValueError``s naming the option (``OPTIONS``:
@@ -231,11 +229,10 @@ class KFAC(tf.Module):
             self.fn, estimation_mode=estimation_mode, num_samples=num_samples,
             damping=float(damping), cov_ema_decay=cov_ema_decay, approximations=approximations,
             seed=seed, max_factor_size=max_factor_size, factor_block_size=factor_block_size)
-        self.iterations = tf.Variable(tf.zeros([], tf.int64), trainable=False, name="iterations")
-        self.skipped_steps = tf.Variable(tf.zeros([], tf.int64), trainable=False,
-                                         name="skipped_steps")
-        self._built = False
-        self._compiled = _Compiled()
+        self.iterations, self.skipped_steps = (
+            tf.Variable(tf.zeros([], tf.int64), trainable=False, name=n)
+            for n in ("iterations", "skipped_steps"))
+        self._built, self._compiled = False, _Compiled()
 
     # -- state -------------------------------------------------------------------------
     @property
@@ -333,6 +330,7 @@ class KFAC(tf.Module):
             self.velocities = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
                                            name=f"velocity_{i}")
                                for i, v in enumerate(variables)]
+            self.cap_watch = cap_watch.CapWatch()  # the quadratic model's capped steps
         # periods, slots, block size, forms' fraction (by overhead_budget where not given)
         self.costs, self.period_choice, self.schedule = plan.plan_schedule(self, reg, args)
         plan.take_choice(self)
@@ -389,6 +387,8 @@ class KFAC(tf.Module):
             return tf.constant(True)
 
         tf.cond(applied, lambda: tf.constant(True), warn)
+        if self.momentum_type == "qmodel":
+            self.cap_watch.check(self.iterations)
         if self.summary_writer is not None:
             summaries.write(self, loss, t)
         return loss

@@ -1,5 +1,6 @@
 """``kg.KFAC``'s ``tf.summary`` records: loss, damping, learning rate,
-momentum, rho, skipped steps and each factor's trace, every
+momentum, rho, skipped steps (and for the quadratic model the steps its cap
+shortened, ``cap_watch.py``) and each factor's trace, every
 ``summary_period`` steps."""
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def write(opt, loss, t):
         if opt.adapt_damping:
             tf.summary.scalar("kfac/rho", opt.rho)
         tf.summary.scalar("kfac/skipped_steps", opt.skipped_steps)
+        if opt.momentum_type == "qmodel":
+            tf.summary.scalar("kfac/capped_steps", opt.cap_watch.capped_steps)
         for layer, block in zip(opt.registration.layers, opt.estimator.blocks):
             for label, factor in factors_of(block):
                 trace = factor.trace()

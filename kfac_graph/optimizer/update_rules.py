@@ -41,14 +41,16 @@ from kfac_graph.optimizer import vectors as vec
 
 class Direction(NamedTuple):
     """An update: ``delta``, the new velocities, the learning rate and momentum
-    it used (to record), and the quadratic model's change ``M(delta)``
-    without the adapted damping (None for the rules without a model)."""
+    it used (to record), the quadratic model's change ``M(delta)`` without
+    the adapted damping and whether its cap shortened the update (None for
+    the rules without a model)."""
 
     delta: list
     velocity: list
     learning_rate: tf.Tensor
     momentum: tf.Tensor
     model_change: tf.Tensor | None
+    capped: tf.Tensor | None = None
 
 
 class Forms(NamedTuple):
@@ -98,7 +100,8 @@ def quadratic_model(grads, precondition, previous, quadratics, damping, dtype,
     recorded model change; ``s = qmodel.cap(...)`` for ``objective`` (the
     objective's value now), 1 without it, times ``annealing`` (a scalar, the
     value of a learning-rate schedule) if given. The recorded change is the
-    model's at the step taken, ``s^2 quadratic + s linear``."""
+    model's at the step taken, ``s^2 quadratic + s linear``; ``capped``:
+    whether the cap shortened it."""
     p = precondition(grads)
     forms = quadratics([p, previous])
     (m11, m12), (_, m22) = forms.matrix
@@ -115,12 +118,13 @@ def quadratic_model(grads, precondition, previous, quadratics, damping, dtype,
                        - damping * dd)
     s = tf.ones([], dtype) if objective is None else qmodel.cap(
         quadratic, linear, tf.cast(objective, dtype))
+    capped = s < 1
     if annealing is not None:
         s = s * tf.cast(annealing, dtype)
     delta = vec.scale(s, direction)
     change = s * s * quadratic + s * linear
     alpha, mu = s * alpha, s * mu
-    return Direction(delta, delta, -alpha, mu, change)
+    return Direction(delta, delta, -alpha, mu, change, capped)
 
 
 def kfac_quadratics(vectors, curvature_multiply, dtype):

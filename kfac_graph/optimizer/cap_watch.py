@@ -1,0 +1,71 @@
+"""Watching the quadratic model's cap (``qmodel.cap``) for a model it
+cannot steer.
+
+Where the undamped quadratic model of the batch promises a fall below zero
+(more than the whole objective ``h``), the update is shortened to where it
+promises ``h``. Once in a while that is a model running off a flat
+direction. On every step it is a regime: the batch's exact-Fisher model can
+fit the batch's own examples in one step, so each step fits its own batch
+and the next batch gains nothing from it. ``keras.applications.ResNet50``
+on the digits at batch 32 is capped on every step: the gradients of two
+batches agree to ``g_1.P g_2 / g.P g`` about 0.003 there (README, "Cold
+start and scale"), the model picks a momentum of 0, and the loss on the
+whole set stays where it started, while regular momentum trains it.
+
+``CapWatch`` counts the applied steps the cap shortened (``capped_steps``)
+and, at the end of every window of ``WINDOW`` applied steps, logs one
+warning the first time at least ``SHARE`` of that window's steps were
+capped, naming the option that trains such models.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+WINDOW = 20
+SHARE = 0.75
+
+
+class CapWatch(tf.Module):
+    """``capped_steps``: applied steps the cap shortened (a checkpointed
+    counter); ``count`` adds a step's verdict, ``check`` warns (module
+    docstring)."""
+
+    def __init__(self, window: int = WINDOW, share: float = SHARE):
+        super().__init__(name="cap_watch")
+        self.window, self.share = int(window), float(share)
+        with tf.init_scope():
+            counter = lambda name: tf.Variable(tf.zeros([], tf.int64), trainable=False,
+                                               name=name)
+            self.capped_steps = counter("capped_steps")
+            self.capped_before_window = counter("capped_before_window")
+            self.warned = tf.Variable(False, trainable=False, name="warned")
+
+    def count(self, capped):
+        """Adds one to ``capped_steps`` where ``capped`` (a scalar bool)."""
+        self.capped_steps.assign_add(tf.cast(capped, tf.int64))
+
+    def check(self, applied_steps):
+        """At the end of a window (``applied_steps`` a positive multiple of
+        the window), warns once if the window's capped share reached
+        ``share``; then starts the next window."""
+        steps = tf.cast(applied_steps, tf.int64)
+        at_end = (steps > 0) & tf.equal(steps % self.window, 0)
+
+        def end_window():
+            recent = self.capped_steps - self.capped_before_window
+            due = (tf.cast(recent, tf.float64) >= self.share * self.window) & ~self.warned
+
+            def warn():
+                tf.print("kfac_graph.KFAC: the quadratic model promised to remove the whole "
+                         "loss on", recent, "of the last", self.window, "steps: it fits each "
+                         "batch on its own and the loss may not fall (a batch small against "
+                         "the model); momentum_type='regular' with a learning_rate trains "
+                         "such models", output_stream=tf.compat.v1.logging.warning)
+                self.warned.assign(True)
+                return tf.constant(True)
+
+            tf.cond(due, warn, lambda: tf.constant(True))
+            self.capped_before_window.assign(self.capped_steps)
+            return tf.constant(True)
+
+        tf.cond(at_end, end_window, lambda: tf.constant(True))

@@ -1,0 +1,121 @@
+"""The quadratic model's cap watch (``kfac_graph/optimizer/cap_watch.py``):
+steps the cap shortened are counted, and a window mostly capped warns once."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+import kfac_graph as kg
+from kfac_graph.optimizer import cap_watch, qmodel
+
+
+def _run_watch(verdicts, window=4, share=0.75):
+    """Feeds ``verdicts`` (one per applied step) through a compiled
+    count-then-check, as the step does; returns the watch and, per step,
+    whether it had warned by then."""
+    watch = cap_watch.CapWatch(window, share)
+    steps = tf.Variable(tf.zeros([], tf.int64))
+
+    @tf.function
+    def step(capped):
+        watch.count(capped)
+        steps.assign_add(1)
+        watch.check(steps)
+
+    warned = []
+    for capped in verdicts:
+        step(tf.constant(capped))
+        warned.append(bool(watch.warned))
+    return watch, warned
+
+
+def test_a_window_mostly_capped_warns_once_at_its_end():
+    # windows of 4: 2 capped (under 3/4), 3 capped (warns at step 8), 4 capped (already warned)
+    verdicts = [True, False, True, False] + [True, True, False, True] + [True] * 4
+    watch, warned = _run_watch(verdicts)
+    assert warned == [False] * 7 + [True] * 5
+    assert int(watch.capped_steps) == 9
+    assert int(watch.capped_before_window) == 9
+
+
+def test_capped_steps_spread_over_two_windows_do_not_warn():
+    # 2 capped in each full window of 4 (under 3/4), 2 more in the third, still open
+    verdicts = [False, True, False, True] + [True, False, True, False] + [True, True]
+    watch, warned = _run_watch(verdicts)
+    assert not any(warned)
+    assert int(watch.capped_steps) == 6
+    assert int(watch.capped_before_window) == 4  # the third window is still open
+
+
+def _digits_mlp(batch, steps, **options):
+    data = load_digits()
+    x, y = (data.data / 16).astype("float32"), data.target.astype("int32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="tanh"),
+                              keras.layers.Dense(10)])
+
+    @kg.auto_register
+    def loss(xb, yb):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(yb, model(xb)))
+
+    opt = kg.KFAC(loss, jit_compile=False, **options)
+    rng = np.random.default_rng(0)
+    first = None
+    for _ in range(steps):
+        index = rng.choice(len(x), batch, replace=False)
+        value = float(opt.step(tf.constant(x[index]), tf.constant(y[index])))
+        first = value if first is None else first
+    return opt, first, float(loss(tf.constant(x), tf.constant(y)))
+
+
+def test_a_model_that_steers_its_steps_is_not_warned():
+    """The digits at batch 64: the quadratic model trains, and its cap shortens
+    few steps (no window reaches 3/4)."""
+    opt, first, last = _digits_mlp(64, 40)
+    assert last < 0.5 * first
+    assert int(opt.cap_watch.capped_steps) <= 10
+    assert not bool(opt.cap_watch.warned)
+    assert int(opt.iterations) == 40
+
+
+def test_every_step_the_cap_shortens_is_counted_and_warned(monkeypatch):
+    """The wiring through ``kg.KFAC``: with the cap made to shorten every
+    update (to half), all 25 steps count and the first window of 20 warns."""
+    monkeypatch.setattr(qmodel, "cap", lambda quadratic, linear, objective:
+                        0.5 * tf.ones_like(linear))
+    opt, _, _ = _digits_mlp(64, 25)
+    assert int(opt.cap_watch.capped_steps) == 25
+    assert bool(opt.cap_watch.warned)
+    assert int(opt.cap_watch.capped_before_window) == 20
+
+
+def test_other_momentum_types_have_no_cap_to_count():
+    opt, _, _ = _digits_mlp(64, 5, momentum_type="regular")
+    assert int(opt.cap_watch.capped_steps) == 0 and not bool(opt.cap_watch.warned)
+
+
+@pytest.mark.slow
+def test_resnet50_at_batch_32_is_capped_on_every_step_and_warned():
+    """``keras.applications.ResNet50`` on the digits (32x32) at batch 32, the
+    defaults: the regime the watch is for (README, "Cold start and scale")."""
+    data = load_digits()
+    images = np.repeat(np.kron((data.data / 16).astype("float32").reshape(-1, 8, 8),
+                               np.ones((4, 4), "float32"))[..., None], 3, axis=-1)
+    labels = data.target.astype("int32")
+    keras.utils.set_random_seed(0)
+    model = keras.applications.ResNet50(input_shape=(32, 32, 3), weights=None, classes=10,
+                                        classifier_activation=None)
+
+    @kg.auto_register
+    def loss(xb, yb):
+        logits = model(xb, training=True)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(yb, logits))
+
+    opt = kg.KFAC(loss, cov_update_period=5, inverse_update_period=20)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        index = rng.choice(len(labels), 32, replace=False)
+        opt.step(tf.constant(images[index]), tf.constant(labels[index]))
+    assert int(opt.cap_watch.capped_steps) >= 15
+    assert bool(opt.cap_watch.warned)
