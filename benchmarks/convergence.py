@@ -18,8 +18,9 @@ The target is Adam's best full-training-set loss at the last step; the table
 gives the steps and seconds each candidate needs to reach it (seconds: the
 step times summed, the first, compiling, step counted at the median step
 time; its own time is the ``compile s`` column; ``ms / step``: the mean
-over the other steps, so the inverse refreshes are amortised). Plots of loss against steps
-and seconds go to ``--out``.
+over the other steps, so the inverse refreshes are amortised; ``capped steps``: for the
+quadratic model, the steps whose update its cap shortened, ``cap_watch.py``). Plots of loss
+against steps and seconds go to ``--out``.
 
     python benchmarks/convergence.py [--steps 1000] [--models autoencoder,cnn]
         [--out benchmarks/out] [--kfac "" --kfac "momentum_type=adam"]
@@ -73,6 +74,7 @@ class Run:
         self.times = []
         self.eval_steps, self.eval_losses = [], []
         self.failed = None  # (step, message) once a step raised
+        self.capped = None  # the quadratic model's capped-step count (cap_watch.py), if any
 
     def train_step(self, step, x, t):
         if self.failed:
@@ -118,6 +120,8 @@ def make_runs(model: str, first_batch):
         seen.add(key)
         xla = "XLA" if opt.whole_step_jit else "no XLA"
         runs.append(Run(f"K-FAC {label} ({xla})", "kfac", task, opt.step))
+        if opt.momentum_type == "qmodel":
+            runs[-1].capped = lambda watch=opt.cap_watch: int(watch.capped_steps)
         print(f"  {runs[-1].label}: kg.KFAC({shown})")
     for lr in FLAGS.adam_lrs:
         task = digits.make_task(model, FLAGS.seed)
@@ -167,6 +171,7 @@ def report(model, runs):
             "seconds_to_target": None if not reached else float(seconds[reached - 1]),
             "ms_per_step": 1e3 * float(np.mean(run.times[1:])) if len(run.times) > 1 else None,
             "compile_s": run.times[0] if run.times else None,
+            "capped_steps": run.capped() if run.capped else None,
             "eval_steps": run.eval_steps, "eval_losses": run.eval_losses,
             "eval_seconds": [0.0] + [float(seconds[s - 1]) for s in run.eval_steps[1:]],
         })
@@ -175,15 +180,17 @@ def report(model, runs):
           + (f", loss floor (data entropy) {floor:.4f}" if floor is not None else ""))
     if reference:
         print(f"target: {reference.label} at step {FLAGS.steps}, loss {target:.4f}\n")
-    print("| optimizer | final loss | steps to target | s to target | ms / step | compile s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| optimizer | final loss | steps to target | s to target | ms / step | compile s "
+          "| capped steps |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         steps = r["steps_to_target"] or "not reached"
         secs = f"{r['seconds_to_target']:.1f}" if r["seconds_to_target"] is not None else "-"
         final = (f"{r['final_loss']:.4g}" if not r["failed"]
                  else f"failed at step {r['failed'][0]}")
+        capped = "-" if r["capped_steps"] is None else r["capped_steps"]
         print(f"| {r['optimizer']} | {final} | {steps} | {secs} | "
-              f"{r['ms_per_step']:.1f} | {r['compile_s']:.1f} |")
+              f"{r['ms_per_step']:.1f} | {r['compile_s']:.1f} | {capped} |")
     return {"model": model, "steps": FLAGS.steps, "batch_size": FLAGS.batch_size,
             "floor": floor, "target": target,
             "reference": reference.label if reference else None, "runs": rows}

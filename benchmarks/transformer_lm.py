@@ -75,9 +75,12 @@ def kfac_run(spec, vocab, held_out):
     label, options = kfac_spec.parse(spec, steps=FLAGS.kfac_steps, warmup=FLAGS.warmup)
     model = make_model(vocab)
     opt = kg.KFAC(kg.auto_register(make_loss(model)), **options)
-    return lm_race.Run(f"K-FAC {label}", "kfac", opt.step,
-                       lm_race.evaluator(model, held_out),
-                       FLAGS.kfac_steps)
+    run = lm_race.Run(f"K-FAC {label}", "kfac", opt.step,
+                      lm_race.evaluator(model, held_out),
+                      FLAGS.kfac_steps)
+    if opt.momentum_type == "qmodel":  # steps the model's cap shortened (cap_watch.py)
+        run.capped = lambda: int(opt.cap_watch.capped_steps)
+    return run
 
 
 def adamw_run(lr, vocab, held_out):
@@ -112,6 +115,10 @@ def main(argv):
           f"{len(data.test):,} held-out characters\n")
     print(rows)
     print(f"\nper-example gradient norms / batch gradient: {ratio:.2f}")
+    for run in runs:
+        if getattr(run, "capped", None):
+            print(f"{run.label}: the quadratic model's cap shortened {run.capped()} of "
+                  f"{FLAGS.kfac_steps} steps")
     print(f"total wall time {time.perf_counter() - start:.0f} s")
     if FLAGS.plot:
         lm_race.plot(runs, FLAGS.plot, "Transformer character LM on pydoc_data.topics")
