@@ -81,13 +81,46 @@ def test_a_model_that_steers_its_steps_is_not_warned():
 
 def test_every_step_the_cap_shortens_is_counted_and_warned(monkeypatch):
     """The wiring through ``kg.KFAC``: with the cap made to shorten every
-    update (to half), all 25 steps count and the first window of 20 warns."""
+    update (to half) and ``qmodel_fallback=False``, all 25 steps count, the
+    first window of 20 warns, and the quadratic model stays."""
     monkeypatch.setattr(qmodel, "cap", lambda quadratic, linear, objective:
                         0.5 * tf.ones_like(linear))
-    opt, _, _ = _digits_mlp(64, 25)
+    opt, _, _ = _digits_mlp(64, 25, qmodel_fallback=False)
     assert int(opt.cap_watch.capped_steps) == 25
     assert bool(opt.cap_watch.warned)
     assert int(opt.cap_watch.capped_before_window) == 20
+    assert opt.momentum_type == "qmodel"
+
+
+def test_a_warned_quadratic_model_hands_over_to_regular_momentum(monkeypatch):
+    """With the default ``qmodel_fallback``, the 20th call hands over: the next
+    update is regular momentum's first, ``-lr clip(P g)`` from zero velocity
+    with the initial learning rate (0.1) and norm constraint (1e-3), and the
+    damping is held."""
+    monkeypatch.setattr(qmodel, "cap", lambda quadratic, linear, objective:
+                        0.5 * tf.ones_like(linear))
+    # periods past the run: the preconditioner is the one read here
+    opt, _, _ = _digits_mlp(64, 20, cov_update_period=1000, inverse_update_period=1000)
+    assert opt.momentum_type == "regular" and int(opt.cap_watch.capped_steps) == 20
+    assert not opt.adapt_damping
+    assert float(opt.learning_rate) == pytest.approx(0.1)
+    assert all(not np.any(v.numpy()) for v in opt.velocities)
+    data = load_digits()
+    x = tf.constant((data.data[:64] / 16).astype("float32"))
+    y = tf.constant(data.target[:64].astype("int32"))
+    variables = list(opt.registration.variables)
+    before = [v.numpy().astype(np.float64) for v in variables]
+    with tf.GradientTape() as tape:
+        loss = opt.fn.python_function(x, y)
+    grads = tape.gradient(loss, variables)
+    p = opt.precondition(grads)
+    pg = sum(float(tf.reduce_sum(a * b)) for a, b in zip(p, grads))
+    coeff = min(1.0, np.sqrt(1e-3 / (0.1 ** 2 * pg)))
+    opt.step(x, y)
+    for v, old, pv in zip(variables, before, p):
+        np.testing.assert_allclose(v.numpy() - old, -0.1 * coeff * pv.numpy(),
+                                   rtol=1e-3, atol=1e-7)
+    assert int(opt.cap_watch.capped_steps) == 20  # regular momentum has no cap
 
 
 def test_other_momentum_types_have_no_cap_to_count():
@@ -96,9 +129,10 @@ def test_other_momentum_types_have_no_cap_to_count():
 
 
 @pytest.mark.slow
-def test_resnet50_at_batch_32_is_capped_on_every_step_and_warned():
+def test_resnet50_at_batch_32_is_capped_and_handed_over_to_regular_momentum():
     """``keras.applications.ResNet50`` on the digits (32x32) at batch 32, the
-    defaults: the regime the watch is for (README, "Cold start and scale")."""
+    defaults: the regime the watch is for (README, "Cold start and scale");
+    the 20th call hands over, and regular momentum's steps follow."""
     data = load_digits()
     images = np.repeat(np.kron((data.data / 16).astype("float32").reshape(-1, 8, 8),
                                np.ones((4, 4), "float32"))[..., None], 3, axis=-1)
@@ -114,8 +148,10 @@ def test_resnet50_at_batch_32_is_capped_on_every_step_and_warned():
 
     opt = kg.KFAC(loss, cov_update_period=5, inverse_update_period=20)
     rng = np.random.default_rng(0)
-    for _ in range(20):
+    for _ in range(25):
         index = rng.choice(len(labels), 32, replace=False)
         opt.step(tf.constant(images[index]), tf.constant(labels[index]))
     assert int(opt.cap_watch.capped_steps) >= 15
     assert bool(opt.cap_watch.warned)
+    assert opt.momentum_type == "regular"
+    assert int(opt.iterations) == 25 and int(opt.skipped_steps) == 0

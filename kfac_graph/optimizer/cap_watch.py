@@ -15,7 +15,9 @@ whole set stays where it started, while regular momentum trains it.
 ``CapWatch`` counts the applied steps the cap shortened (``capped_steps``)
 and, at the end of every window of ``WINDOW`` applied steps, logs one
 warning the first time at least ``SHARE`` of that window's steps were
-capped, naming the option that trains such models.
+capped (``warned``), naming the option that trains such models; with
+``qmodel_fallback`` the optimizer then hands its step over to that option
+(``qmodel_fallback.py``).
 """
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ class CapWatch(tf.Module):
     counter); ``count`` adds a step's verdict, ``check`` warns (module
     docstring)."""
 
-    def __init__(self, window: int = WINDOW, share: float = SHARE):
+    def __init__(self, window: int = WINDOW, share: float = SHARE, remedy: str = ""):
         super().__init__(name="cap_watch")
-        self.window, self.share = int(window), float(share)
+        self.window, self.share, self.remedy = int(window), float(share), remedy
+        self.calls = 0  # poll()'s count of calls (Python; not checkpointed)
         with tf.init_scope():
             counter = lambda name: tf.Variable(tf.zeros([], tf.int64), trainable=False,
                                                name=name)
@@ -60,7 +63,8 @@ class CapWatch(tf.Module):
                          "loss on", recent, "of the last", self.window, "steps: it fits each "
                          "batch on its own and the loss may not fall (a batch small against "
                          "the model); momentum_type='regular' with a learning_rate trains "
-                         "such models", output_stream=tf.compat.v1.logging.warning)
+                         "such models" + self.remedy,
+                         output_stream=tf.compat.v1.logging.warning)
                 self.warned.assign(True)
                 return tf.constant(True)
 
@@ -69,3 +73,9 @@ class CapWatch(tf.Module):
             return tf.constant(True)
 
         tf.cond(at_end, end_window, lambda: tf.constant(True))
+
+    def poll(self) -> bool:
+        """Whether the watch has warned, read (one variable, one sync) on
+        every ``window``-th call only; False on the others."""
+        self.calls += 1
+        return self.calls % self.window == 0 and bool(self.warned)

@@ -91,7 +91,7 @@ from kfac_graph import graph_options, options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher.estimator import FisherEstimator
 from kfac_graph.optimizer import costs as costs_lib, damping as damping_lib, distributed
-from kfac_graph.optimizer import cap_watch, kfac_options, plan, summaries
+from kfac_graph.optimizer import cap_watch, kfac_options, plan, qmodel_fallback, summaries
 from kfac_graph.optimizer.schedule import StepSchedule
 from kfac_graph.optimizer.single_device import SingleDeviceCore
 
@@ -113,7 +113,9 @@ class KFAC(tf.Module):
     Defaults follow Martens & Grosse 2015: the quadratic model picks the
     step size and momentum, and the damping (from 0.1) adapts by the
     Levenberg-Marquardt rule (how they compare with Adam: the README and
-    ``benchmarks/convergence.py``).
+    ``benchmarks/convergence.py``). ``qmodel_fallback``: where the model's cap
+    shortens most steps (a batch too small against the model, ``cap_watch.py``), hand
+    the step over to ``"regular"`` momentum (``qmodel_fallback.py``; False: warn only).
     ``learning_rate``, ``momentum``: used by ``"regular"`` and ``"adam"``
     (``"qmodel"`` chooses both); a schedule (a callable of the step from 0, as
     ``keras.optimizers.schedules``') is read every step and recorded, and with
@@ -178,7 +180,7 @@ class KFAC(tf.Module):
                  num_samples: int = 1, adapt_damping: bool = True,
                  damping_adaptation_interval: int = 5, damping_adaptation_decay: float = 0.95,
                  min_damping: float | None = None, qmodel_curvature: str = "exact",
-                 qmodel_batch_fraction: float | None = None,
+                 qmodel_batch_fraction: float | None = None, qmodel_fallback: bool = True,
                  approximations=None, seed: int = 0,
                  max_factor_size: int | None = FisherEstimator.DEFAULT_MAX_FACTOR_SIZE,
                  factor_block_size: int | None = None, jit_compile="auto", summary_writer=None,
@@ -187,8 +189,6 @@ class KFAC(tf.Module):
                  name: str | None = None):
         KFAC.check_options(**{k: v for k, v in locals().items() if k in KFAC.OPTIONS})
         super().__init__(name=name or "kfac")
-        if momentum_type == "qmodel" and norm_constraint is not None:
-            norm_constraint = None  # the quadratic model sets the step size itself
         self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
         # None outside tf.distribute (the default strategy): the plain step
         self._replicated = distributed.for_current_strategy(self, sync_statistics)
@@ -200,7 +200,9 @@ class KFAC(tf.Module):
         self.given_qmodel_fraction, self.qmodel_batch_fraction = (  # plan.py may choose it
             qmodel_batch_fraction, float(qmodel_batch_fraction or 1.0))
         self.l2_reg = float(l2_reg)
+        # read by "regular" and "adam" only (the quadratic model sets its own step size)
         self.norm_constraint = None if norm_constraint is None else float(norm_constraint)
+        self.qmodel_fallback = bool(qmodel_fallback)
         # explicit periods win over the budget's; the budget's are set by build()
         self.given_periods = (cov_update_period, inverse_update_period)
         self.overhead_budget = None if overhead_budget is None else float(overhead_budget)
@@ -222,7 +224,7 @@ class KFAC(tf.Module):
         self.graph_optimization = graph_optimization
         self.summary_writer = summary_writer
         self.summary_period = int(summary_period)
-        self._initial = dict(learning_rate=float(learning_rate), damping=float(damping),
+        self.initial = dict(learning_rate=float(learning_rate), damping=float(damping),
                              momentum=float(momentum))
         # the blocks' own damping is never read: the step passes blocks_damping()
         self.estimator = FisherEstimator(
@@ -318,7 +320,7 @@ class KFAC(tf.Module):
             dtype = tf.float32
         self.dtype = dtype
         with tf.init_scope():
-            scalar = lambda key, name: tf.Variable(tf.constant(self._initial[key], dtype),
+            scalar = lambda key, name: tf.Variable(tf.constant(self.initial[key], dtype),
                                                    trainable=False, name=name)
             self.damping = scalar("damping", "damping")
             self.learning_rate = scalar("learning_rate", "learning_rate")
@@ -330,7 +332,8 @@ class KFAC(tf.Module):
             self.velocities = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
                                            name=f"velocity_{i}")
                                for i, v in enumerate(variables)]
-            self.cap_watch = cap_watch.CapWatch()  # the quadratic model's capped steps
+            self.cap_watch = cap_watch.CapWatch(  # the quadratic model's capped steps
+                remedy=qmodel_fallback.REMEDY if qmodel_fallback.applies(self) else "")
         # periods, slots, block size, forms' fraction (by overhead_budget where not given)
         self.costs, self.period_choice, self.schedule = plan.plan_schedule(self, reg, args)
         plan.take_choice(self)
@@ -349,6 +352,12 @@ class KFAC(tf.Module):
             lambda vectors, damping: self.estimator.multiply_inverse(
                 vectors, refreshed=True, damping=damping),
             jit_compile=self.precondition_jit, autograph=False)
+        self.compile_step()
+        self._built = True
+        return reg
+
+    def compile_step(self):
+        """(Re)makes the compiled step from the options as they are now."""
         # without XLA the core is traced inline into the step (no nested call);
         # the replicated core compiles its per-replica functions itself
         core = self._core.step
@@ -356,8 +365,6 @@ class KFAC(tf.Module):
             core = tf.function(core, jit_compile=True, autograph=False)
         self._compiled.core = core
         self._compiled.step = tf.function(self._step, autograph=False)
-        self._built = True
-        return reg
 
     def cost_summary(self) -> str:
         """The counted multiply-adds per layer, the periods and the counted
@@ -375,22 +382,13 @@ class KFAC(tf.Module):
         if not self._built:
             self.build(*args)
         with graph_options.call_options(self.graph_optimization):
-            return self._compiled.step(*args)
+            loss = self._compiled.step(*args)
+        qmodel_fallback.after_step(self)
+        return loss
 
     def _step(self, *args):
         loss, applied, t = self._compiled.core(*args)
-
-        def warn():
-            tf.print("kfac_graph.KFAC: non-finite loss or statistics at step", t,
-                     "; update skipped (", self.skipped_steps, "skipped so far)",
-                     output_stream=tf.compat.v1.logging.warning)
-            return tf.constant(True)
-
-        tf.cond(applied, lambda: tf.constant(True), warn)
-        if self.momentum_type == "qmodel":
-            self.cap_watch.check(self.iterations)
-        if self.summary_writer is not None:
-            summaries.write(self, loss, t)
+        summaries.report(self, loss, applied, t)
         return loss
 
     @property

@@ -27,6 +27,7 @@ OPTIONS = types.MappingProxyType({
     "min_damping": options.Real(0.0, none=True),
     "qmodel_curvature": options.OneOf(("exact", "kfac")),
     "qmodel_batch_fraction": options.Real(0.0, 1.0, low_open=True, none=True), "seed": _EST["seed"],
+    "qmodel_fallback": options.Boolean(),
     "jit_compile": options.OneOf((True, False, "auto")),
     "summary_period": options.Integer(1),
     "sync_statistics": options.OneOf(distributed.SYNC_MODES),

@@ -1,4 +1,5 @@
-"""``kg.KFAC``'s ``tf.summary`` records: loss, damping, learning rate,
+"""What a ``kg.KFAC`` step reports: its warnings (``report``) and its
+``tf.summary`` records (``write``): loss, damping, learning rate,
 momentum, rho, skipped steps (and for the quadratic model the steps its cap
 shortened, ``cap_watch.py``) and each factor's trace, every
 ``summary_period`` steps."""
@@ -7,6 +8,23 @@ from __future__ import annotations
 import tensorflow as tf
 
 from kfac_graph.fisher.report import factors_of
+
+
+def report(opt, loss, applied, t):
+    """What step ``t`` reports once the core has run: a warning where it was
+    skipped (``applied`` false), the cap watch's (``cap_watch.py``) for the
+    quadratic model, and the summaries where ``opt`` has a writer."""
+    def warn():
+        tf.print("kfac_graph.KFAC: non-finite loss or statistics at step", t,
+                 "; update skipped (", opt.skipped_steps, "skipped so far)",
+                 output_stream=tf.compat.v1.logging.warning)
+        return tf.constant(True)
+
+    tf.cond(applied, lambda: tf.constant(True), warn)
+    if opt.momentum_type == "qmodel":
+        opt.cap_watch.check(opt.iterations)
+    if opt.summary_writer is not None:
+        write(opt, loss, t)
 
 
 def write(opt, loss, t):
