@@ -27,8 +27,9 @@ Semantics:
   ``iterations``, the ``learning_rate`` that callbacks read and set (copied
   into K-FAC's learning rate before every step; with
   ``momentum_type="qmodel"``, which chooses its own, the other way round,
-  so the logs show the chosen step size), and the ``kg.KFAC`` instance
-  (``model.kfac``).
+  so the logs show the chosen step size, until the step hands over to
+  regular momentum, ``qmodel_fallback.py``, which ``fit`` checks after each
+  batch), and the ``kg.KFAC`` instance (``model.kfac``).
 - ``sample_weight`` and ``class_weight`` are not supported in training
   (a weighted loss has no per-example Fisher the pass can read);
   ``evaluate`` accepts them.
@@ -62,6 +63,7 @@ from kfac_graph import keras_train_loop
 from kfac_graph.auto_register import auto_register
 from kfac_graph.keras_loss import as_loss as _as_loss
 from kfac_graph.keras_optimizer import KFACKerasOptimizer
+from kfac_graph.optimizer import qmodel_fallback
 from kfac_graph.optimizer.kfac import KFAC
 
 __all__ = ["KFACModel", "KFACKerasOptimizer"]
@@ -217,7 +219,15 @@ class KFACModel(keras.Model):
         if self._step_function is None:
             step = self._kfac_step
             self._step_function = step if self.run_eagerly else tf.function(step)
-        return self._step_function(x, y)
+        qmodel = self.kfac.momentum_type == "qmodel"
+        logs = self._step_function(x, y)
+        qmodel_fallback.after_step(self.kfac)  # a traced step cannot hand over itself
+        if qmodel and self.kfac.momentum_type != "qmodel":  # handed over, here or eagerly
+            # the logs showed the model's step sizes; regular momentum takes the one given
+            self._shim.learning_rate.assign(tf.cast(self.kfac.learning_rate,
+                                                    self._shim.learning_rate.dtype))
+            self._step_function = None  # traced anew
+        return logs
 
     def _kfac_step(self, x, y):
         kfac = self.kfac

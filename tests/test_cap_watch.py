@@ -123,6 +123,30 @@ def test_a_warned_quadratic_model_hands_over_to_regular_momentum(monkeypatch):
     assert int(opt.cap_watch.capped_steps) == 20  # regular momentum has no cap
 
 
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_kfac_model_fit_hands_over_with_the_learning_rate_it_was_given(monkeypatch,
+                                                                       run_eagerly):
+    """``kg.KFACModel.fit`` (its step traced, or eager): the hand-over happens
+    after the 20th batch, and the learning rate regular momentum then takes
+    is the one given (0.05), not the quadratic model's last step size that
+    the logs showed until then."""
+    monkeypatch.setattr(qmodel, "cap", lambda quadratic, linear, objective:
+                        0.5 * tf.ones_like(linear))
+    data = load_digits()
+    x, y = (data.data / 16).astype("float32"), data.target.astype("int32")
+    keras.utils.set_random_seed(0)
+    inner = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+    model = kg.KFACModel(inner, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), learning_rate=0.05, jit_compile=False)
+    model.compile(run_eagerly=run_eagerly)
+    model.fit(x[:64 * 25], y[:64 * 25], batch_size=64, epochs=1, shuffle=False, verbose=0)
+    kfac = model.kfac
+    assert kfac.momentum_type == "regular"
+    assert int(kfac.cap_watch.capped_steps) == 20 and int(kfac.iterations) == 25
+    assert float(kfac.learning_rate) == pytest.approx(0.05)
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.05)
+
+
 def test_other_momentum_types_have_no_cap_to_count():
     opt, _, _ = _digits_mlp(64, 5, momentum_type="regular")
     assert int(opt.cap_watch.capped_steps) == 0 and not bool(opt.cap_watch.warned)

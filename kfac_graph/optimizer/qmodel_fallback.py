@@ -25,10 +25,11 @@ on. A warning line says so.
 
 It hands over where ``step`` is called eagerly on one device with a
 number for ``learning_rate``: the watch is polled every 20 calls there (one
-variable read). Inside a caller's ``tf.function`` (``kg.KFACModel.fit``'s
-train function), under ``tf.distribute``, or with a learning-rate schedule
-(with ``"qmodel"`` an annealing of the model's own step, not a learning
-rate), the warning is all. The hand-over is Python state: a restored
+variable read); ``kg.KFACModel.fit`` polls it after each batch, as its own
+step function traces ``step``. Inside a caller's own ``tf.function``, under
+``tf.distribute``, or with a learning-rate schedule (with ``"qmodel"`` an
+annealing of the model's own step, not a learning rate), the warning is
+all. The hand-over is Python state: a restored
 checkpoint carries ``cap_watch.warned``, so a new optimizer hands over at
 its first poll.
 """
@@ -47,10 +48,13 @@ def applies(opt) -> bool:
             and opt.learning_rate_schedule is None)
 
 
-def after_step(opt):
-    """Called by ``kg.KFAC.step`` after each step: hands over when due."""
+def after_step(opt) -> bool:
+    """Called after each step (by ``kg.KFAC.step``, and by ``kg.KFACModel``,
+    whose step is traced): hands over when due; True if it did."""
     if applies(opt) and tf.executing_eagerly() and opt.cap_watch.poll():
         hand_over(opt)
+        return True
+    return False
 
 
 def hand_over(opt):
