@@ -52,8 +52,9 @@ flags.DEFINE_string("markdown", None, "also write the table as markdown here")
 
 # the plain step: regular momentum at a fixed damping; the qmodel step: kg.KFAC's
 # defaults (quadratic model, Levenberg-Marquardt damping adapted every 5 steps)
+# the qmodel row times the quadratic model's own step (no hand-over, qmodel_fallback.py)
 KFAC_VARIANTS = {"K-FAC": {"momentum_type": "regular", "adapt_damping": False},
-                 "K-FAC qmodel": {}}
+                 "K-FAC qmodel": {"qmodel_fallback": False}}
 
 
 def candidates(model):
