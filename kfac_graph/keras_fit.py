@@ -63,8 +63,8 @@ from kfac_graph import keras_train_loop
 from kfac_graph.auto_register import auto_register
 from kfac_graph.keras_loss import as_loss as _as_loss
 from kfac_graph.keras_optimizer import KFACKerasOptimizer
-from kfac_graph.optimizer import qmodel_fallback
 from kfac_graph.optimizer.kfac import KFAC
+from kfac_graph.optimizer.qmodel_fallback import after_step as hand_over_when_due
 
 __all__ = ["KFACModel", "KFACKerasOptimizer"]
 
@@ -221,7 +221,7 @@ class KFACModel(keras.Model):
             self._step_function = step if self.run_eagerly else tf.function(step)
         qmodel = self.kfac.momentum_type == "qmodel"
         logs = self._step_function(x, y)
-        qmodel_fallback.after_step(self.kfac)  # a traced step cannot hand over itself
+        hand_over_when_due(self.kfac)  # a traced step cannot (qmodel_fallback.py)
         if qmodel and self.kfac.momentum_type != "qmodel":  # handed over, here or eagerly
             # the logs showed the model's step sizes; regular momentum takes the one given
             self._shim.learning_rate.assign(tf.cast(self.kfac.learning_rate,
