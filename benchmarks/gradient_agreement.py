@@ -26,6 +26,7 @@ from absl import app, flags  # noqa: E402
 
 import digits  # noqa: E402
 import kfac_graph as kg  # noqa: E402
+from kfac_graph.optimizer import vectors as vec  # noqa: E402
 import kfac_spec  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -38,8 +39,8 @@ flags.DEFINE_integer("seed", 0, "seed of the weights and the batches")
 
 
 def _dot(xs, ys):
-    return sum(float(tf.reduce_sum(tf.cast(x, tf.float64) * tf.cast(y, tf.float64)))
-               for x, y in zip(xs, ys))
+    """``sum_k <x_k, y_k>`` in float64 (the agreements are small ratios)."""
+    return float(vec.dot([tf.cast(x, tf.float64) for x in xs], ys))
 
 
 def agreement(ga, gb, pa, pb):

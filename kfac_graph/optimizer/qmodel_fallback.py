@@ -48,13 +48,11 @@ def applies(opt) -> bool:
             and opt.learning_rate_schedule is None)
 
 
-def after_step(opt) -> bool:
+def after_step(opt):
     """Called after each step (by ``kg.KFAC.step``, and by ``kg.KFACModel``,
-    whose step is traced): hands over when due; True if it did."""
+    whose step is traced): hands over when due."""
     if applies(opt) and tf.executing_eagerly() and opt.cap_watch.poll():
         hand_over(opt)
-        return True
-    return False
 
 
 def hand_over(opt):
