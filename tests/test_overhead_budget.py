@@ -1,6 +1,7 @@
 """``kg.KFAC(overhead_budget=...)``: the multiply-adds counted per layer
 (``optimizer/costs.py``) against hand counts, the periods the budget picks,
 explicit periods winning, and the summary."""
+import dataclasses
 import logging
 
 import keras
@@ -8,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
-from kfac_graph.optimizer import costs
+from kfac_graph.optimizer import costs, plan
 
 
 def _mlp(batch=32, widths=(20, 50, 10)):
@@ -68,15 +69,16 @@ def test_conv_counts_per_location():
 
 
 def test_budget_picks_the_smallest_periods_within_it():
-    loss, args = _cnn()
+    loss, args = _cnn(batch=32)
     opt = kg.KFAC(loss, momentum_type="regular", adapt_damping=False, overhead_budget=3.0)
     opt.build(*args)
     choice = opt.period_choice
     assert choice.within and choice.ratio <= 3.0
     assert (opt.cov_update_period, opt.inverse_update_period) == (
         choice.cov_update_period, choice.inverse_update_period)
-    # a budget spreads the covariances by default: the slice's forward pass counts
-    options = costs.StepOptions(qmodel=None, damping_interval=None, spread=True)
+    # a budget spreads the covariances by default: slices of the 32 examples count
+    options = costs.StepOptions(qmodel=None, damping_interval=None, spread=True, batch=32)
+    assert plan.cost_options(opt) == options
     ratio = lambda c, i: (costs.step_multiply_adds(opt.costs, c, i, options)
                           / costs.sgd_multiply_adds(opt.costs))
     assert ratio(opt.cov_update_period, opt.inverse_update_period) == pytest.approx(choice.ratio)
@@ -99,13 +101,15 @@ def test_explicit_periods_win_and_tight_budgets_say_so(caplog):
     assert len(warnings) == 1 and "no periods tried are within it" in warnings[0]
     assert f"periods {opt.cov_update_period}/7" in warnings[0]
     assert opt.inverse_update_period == 7 and not opt.period_choice.within
-    assert opt.cov_update_period == costs.COV_PERIODS[-1]
+    # spread over 4 examples, periods from 4 on all take one a step: the
+    # cheapest count's freshest period
+    assert opt.cov_update_period == 5
     assert "NOT within" in opt.cost_summary()
     assert max(opt.schedule.inverse_slots) < 7
 
 
 def test_budget_picks_the_other_period_around_a_given_one():
-    loss, args = _cnn()
+    loss, args = _cnn(batch=32)
     free = kg.KFAC(loss, momentum_type="regular", adapt_damping=False, overhead_budget=3.0)
     free.build(*args)
     given = kg.KFAC(loss, momentum_type="regular", adapt_damping=False, overhead_budget=3.0,
@@ -113,7 +117,7 @@ def test_budget_picks_the_other_period_around_a_given_one():
     given.build(*args)
     choice = given.period_choice
     assert given.cov_update_period == choice.cov_update_period == 10
-    options = costs.StepOptions(qmodel=None, damping_interval=None, spread=True)
+    options = plan.cost_options(given)
     ratio = lambda i: (costs.step_multiply_adds(given.costs, 10, i, options)
                        / costs.sgd_multiply_adds(given.costs))
     assert ratio(given.inverse_update_period) == pytest.approx(choice.ratio)
@@ -121,6 +125,30 @@ def test_budget_picks_the_other_period_around_a_given_one():
     assert choice.within and all(ratio(i) > 3.0 for i in smaller)
     # the free choice found an inverse period at least as small around a longer cov period
     assert free.inverse_update_period <= given.inverse_update_period
+
+
+def test_spread_slices_count_their_examples_not_one_period_share():
+    # a slice is ceil(B / P) examples: a period longer than the batch still
+    # takes one example a step
+    spread = lambda batch: costs.StepOptions(spread=True, batch=batch)  # noqa: E731
+    assert costs.covariance_share(10, spread(4)) == 0.25
+    assert costs.covariance_share(4, spread(4)) == 0.25
+    assert costs.covariance_share(2, spread(5)) == 0.6
+    assert costs.covariance_share(10, spread(None)) == 0.1  # batch unknown
+    assert costs.covariance_share(10, costs.StepOptions(batch=4)) == 0.1  # not spread
+    assert costs.covariance_share(1, spread(4)) == 1.0
+    loss, args = _cnn()
+    opt = kg.KFAC(loss, momentum_type="regular", adapt_damping=False)
+    opt.build(*args)
+    f = sum(c.forward for c in opt.costs)
+    stats = sum(c.statistics for c in opt.costs)
+    fixed = 3 * f + sum(c.precondition for c in opt.costs) + sum(c.inverse for c in opt.costs)
+    options = dataclasses.replace(plan.cost_options(opt), spread=True, qmodel=None,
+                                  damping_interval=None)
+    assert options.batch == 4
+    for period in (5, 10, 100):  # one example of four a step: a quarter of a batch pass
+        assert costs.step_multiply_adds(opt.costs, period, 1, options) == pytest.approx(
+            fixed + (stats + f) / 4)
 
 
 def test_without_spreading_the_inverse_period_is_a_multiple_of_the_cov_period():

@@ -34,12 +34,16 @@ side_R)`` (a side is diagonal only if all its factors are), and a refresh
 diagonalisation; a dense side's cube over ``FACTORISATION_RATE``).
 
 The step (``step_multiply_adds``): ``3 F`` + statistics / cov period +
-preconditioning + inverses / inverse period (spread covariances: + ``F /
-cov period``, the slice's forward pass), plus the quadratic model's two
+preconditioning + inverses / inverse period, plus the quadratic model's two
 exact Fisher-vector products (``2 * 4 F``: a double backward each; on a
 share ``f < 1`` of the batch ``f (2 * 4 + 1) F``, their forward pass
 included) or two K-FAC products (``2 *`` preconditioning), and the damping
-rule's forward pass every ``damping_adaptation_interval`` steps. Operations between the
+rule's forward pass every ``damping_adaptation_interval`` steps. Spread
+covariances (``covariance_slices.py``) take a slice of ``n = ceil(B / P)``
+of the ``B`` examples every step: the statistics and the slice's own forward
+pass count ``n / B`` of a batch's each step, not ``1 / P`` (a period longer
+than the batch still takes one example a step; ``B`` unknown: ``1 / P``).
+Operations between the
 layers (activations, normalisers, the loss) and memory traffic are not
 counted: the ratio is the arithmetic's (factorisations weighted by their
 rate), a floor on the time's.
@@ -53,6 +57,7 @@ import numpy as np
 
 import passes.ir
 from kfac_graph.layers import dense
+from kfac_graph.optimizer import covariance_slices
 
 # the periods ``choose_periods`` considers (the inverse period first), smallest first
 COV_PERIODS = (1, 2, 5, 10, 20, 50, 100)
@@ -83,13 +88,15 @@ class StepOptions:
     the batch the exact forms run on (``qmodel_fraction``; below 1 with a
     forward pass of their own), the damping rule's interval (None: no
     adaptation) and whether the covariances are spread over the period
-    (``spread``: a slice's forward pass of its own each step)."""
+    (``spread``: a slice's forward pass of its own each step, ``batch``
+    examples cut into slices; None: unknown)."""
 
     sources: int = 1
     qmodel: str | None = "exact"
     qmodel_fraction: float = 1.0
     damping_interval: int | None = 5
     spread: bool = False
+    batch: int | None = None
 
 
 def layer_costs(registration, blocks, batch: int, sources: int = 1,
@@ -214,18 +221,27 @@ def step_multiply_adds(costs, cov_period: int, inverse_period: int,
     """The amortised multiply-adds of one K-FAC step (module docstring)."""
     f = sum(c.forward for c in costs)
     pre = sum(c.precondition for c in costs)
-    total = 3 * f + sum(c.statistics for c in costs) / cov_period + pre
+    share = covariance_share(cov_period, options)
+    total = 3 * f + sum(c.statistics for c in costs) * share + pre
     if options.spread and cov_period > 1:
-        total += f / cov_period  # the slice's forward pass
+        total += f * share  # the slice's forward pass
     total += sum(c.inverse for c in costs) / inverse_period
     if options.qmodel == "exact":
-        share = options.qmodel_fraction
-        total += 2 * 4 * f * share + (f * share if share < 1 else 0.0)
+        part = options.qmodel_fraction
+        total += 2 * 4 * f * part + (f * part if part < 1 else 0.0)
     elif options.qmodel == "kfac":
         total += 2 * pre
     if options.damping_interval:
         total += f / options.damping_interval
     return total
+
+
+def covariance_share(cov_period: int, options: StepOptions = StepOptions()) -> float:
+    """The share of a batch's statistics one step pays on average: ``1 / P``,
+    or spread over a known batch ``B > 1``, ``ceil(B / P) / B`` (module docstring)."""
+    if options.spread and cov_period > 1 and options.batch and options.batch > 1:
+        return covariance_slices.slice_size(options.batch, cov_period) / options.batch
+    return 1.0 / cov_period
 
 
 def sgd_multiply_adds(costs) -> float:

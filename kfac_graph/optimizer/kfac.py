@@ -214,7 +214,7 @@ class KFAC(tf.Module):
         self.num_burnin_steps = int(num_burnin_steps)
         self.schedule = StepSchedule(self.num_burnin_steps, self.cov_update_period,
                                      self.inverse_update_period, None, self.spread_covariances)
-        self.period_choice = self.costs = None
+        self.period_choice = self.costs = self.cost_batch = None
         self.adapt_damping = bool(adapt_damping)
         self.damping_adaptation_interval = int(damping_adaptation_interval)
         self.omega = float(damping_adaptation_decay) ** self.damping_adaptation_interval
@@ -335,7 +335,8 @@ class KFAC(tf.Module):
             self.cap_watch = cap_watch.CapWatch(  # the quadratic model's capped steps
                 remedy=qmodel_fallback.REMEDY if qmodel_fallback.applies(self) else "")
         # periods, slots, block size, forms' fraction (by overhead_budget where not given)
-        self.costs, self.period_choice, self.schedule = plan.plan_schedule(self, reg, args)
+        self.cost_batch = plan.batch_of(args)
+        self.costs, self.period_choice, self.schedule = plan.plan_schedule(self, reg)
         plan.take_choice(self)
         # tracked under this name: it fixes the checkpoint keys and variable order
         self._estimator_state = tuple(self.estimator.variables)

@@ -56,8 +56,10 @@ def statistics_sources(opt, registration) -> int:
 
 def cost_options(opt, qmodel_fraction=None) -> costs_lib.StepOptions:
     """What ``opt``'s step does besides the periods, as ``costs.py`` counts it
-    (the exact forms on ``qmodel_fraction`` of the batch where given)."""
+    (the exact forms on ``qmodel_fraction`` of the batch where given; the
+    batch ``opt`` was built for, ``opt.cost_batch``, cut into slices if spread)."""
     return costs_lib.StepOptions(
+        batch=opt.cost_batch,
         sources=statistics_sources(opt, opt.registration),
         qmodel=opt.qmodel_curvature if opt.momentum_type == "qmodel" else None,
         qmodel_fraction=qmodel_fraction or opt.qmodel_batch_fraction,
@@ -75,14 +77,15 @@ def batch_of(args) -> int:
     return int(shape[0])
 
 
-def plan_schedule(opt, registration, args):
-    """``(costs, choice, schedule)`` for ``opt`` (a ``kg.KFAC`` being built):
+def plan_schedule(opt, registration):
+    """``(costs, choice, schedule)`` for ``opt`` (a ``kg.KFAC`` being built
+    for batches of ``opt.cost_batch`` examples):
     the per-layer counts, the budget's ``PeriodChoice`` (None without a
     budget; its ``factor_block_size``, if any, is the estimator's to take:
     the counts are those of blocks made with it) and the ``StepSchedule``
     the step runs."""
     count = lambda size=None: costs_lib.layer_costs(  # noqa: E731
-        registration, opt.estimator.blocks, batch_of(args),
+        registration, opt.estimator.blocks, opt.cost_batch,
         statistics_sources(opt, registration), size)
     costs = count()
     cov, inverse = opt.given_periods
