@@ -153,6 +153,8 @@ def candidates(name):
             label += ", not spread" if spread is False else ""
             info = {"cold": cold, "counted": counted, "memory": estimator_bytes(opt) / params,
                     "periods": f"{opt.cov_update_period}/{opt.inverse_update_period}"}
+            if opt.schedule.spread and opt.schedule.slice_stride > 1:
+                info["periods"] += f", a slice every {opt.schedule.slice_stride} steps"
             if opt.estimator.factor_block_size:  # the budget's choice
                 info["periods"] += f", blocks of {opt.estimator.factor_block_size}"
             if opt.momentum_type == "qmodel" and opt.qmodel_batch_fraction < 1:

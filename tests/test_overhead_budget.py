@@ -78,9 +78,13 @@ def test_budget_picks_the_smallest_periods_within_it():
         choice.cov_update_period, choice.inverse_update_period)
     # a budget spreads the covariances by default: slices of the 32 examples count
     options = costs.StepOptions(qmodel=None, damping_interval=None, spread=True, batch=32)
-    assert plan.cost_options(opt) == options
-    ratio = lambda c, i: (costs.step_multiply_adds(opt.costs, c, i, options)
-                          / costs.sgd_multiply_adds(opt.costs))
+    stride = lambda c, i: costs.choose_stride(opt.costs, c, i, options)  # noqa: E731
+    assert opt.schedule.slice_stride == choice.slice_stride == stride(
+        opt.cov_update_period, opt.inverse_update_period)
+    assert plan.cost_options(opt) == dataclasses.replace(options, slice_stride=choice.slice_stride)
+    ratio = lambda c, i: (costs.step_multiply_adds(  # noqa: E731
+        opt.costs, c, i, dataclasses.replace(options, slice_stride=stride(c, i)))
+        / costs.sgd_multiply_adds(opt.costs))
     assert ratio(opt.cov_update_period, opt.inverse_update_period) == pytest.approx(choice.ratio)
     # every pair tried before the chosen one (the inverse period first) is over the budget
     chosen = (opt.cov_update_period, opt.inverse_update_period)
@@ -101,9 +105,8 @@ def test_explicit_periods_win_and_tight_budgets_say_so(caplog):
     assert len(warnings) == 1 and "no periods tried are within it" in warnings[0]
     assert f"periods {opt.cov_update_period}/7" in warnings[0]
     assert opt.inverse_update_period == 7 and not opt.period_choice.within
-    # spread over 4 examples, periods from 4 on all take one a step: the
-    # cheapest count's freshest period
-    assert opt.cov_update_period == 5
+    # spread over 4 examples: the longest period, two examples every 50 steps
+    assert opt.cov_update_period == costs.COV_PERIODS[-1] and opt.schedule.slice_stride == 50
     assert "NOT within" in opt.cost_summary()
     assert max(opt.schedule.inverse_slots) < 7
 
@@ -149,6 +152,29 @@ def test_spread_slices_count_their_examples_not_one_period_share():
     for period in (5, 10, 100):  # one example of four a step: a quarter of a batch pass
         assert costs.step_multiply_adds(opt.costs, period, 1, options) == pytest.approx(
             fixed + (stats + f) / 4)
+
+
+def test_spread_slices_take_the_largest_stride_whose_slice_steps_stay_within_half_a_step():
+    loss, args = _cnn(batch=32)
+    opt = kg.KFAC(loss, momentum_type="regular", adapt_damping=False)
+    opt.build(*args)
+    options = costs.StepOptions(qmodel=None, damping_interval=None, spread=True, batch=32)
+    per_example = sum(c.statistics + c.forward for c in opt.costs) / 32
+
+    def within(period, stride):  # a slice step's extra work against the amortised step
+        at = dataclasses.replace(options, slice_stride=stride)
+        extra = per_example * costs.slice_examples(period, at)
+        return extra <= 0.5 * costs.step_multiply_adds(opt.costs, period, 10, at)
+
+    strides = {}
+    for period in (2, 10, 20, 50, 100):
+        stride = strides[period] = costs.choose_stride(opt.costs, period, 10, options)
+        assert period % stride == 0 and stride < period
+        assert within(period, stride) or stride == 1
+        assert not any(within(period, s) for s in costs.slice_strides(period) if s > stride)
+    assert strides[2] == 1 and strides[100] > 1, strides
+    assert costs.slice_strides(20) == [10, 5, 4, 2, 1]
+    assert costs.choose_stride(opt.costs, 20, 10, dataclasses.replace(options, spread=False)) == 1
 
 
 def test_without_spreading_the_inverse_period_is_a_multiple_of_the_cov_period():

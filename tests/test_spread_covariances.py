@@ -3,6 +3,8 @@ a rotating slice of ``ceil(B / P)`` examples with decay ``d^(1/P)``
 (``optimizer/covariance_slices.py``), against an estimator fed those slices
 by hand; the slices, the decay, the counted cost, XLA."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -101,6 +103,31 @@ def test_each_step_folds_in_its_slice_as_an_estimator_fed_by_hand(momentum_type)
         plain.step(x, y)
     moved = max(float(tf.reduce_max(tf.abs(a - b))) for a, b in zip(variables, plain_variables))
     assert moved > 1e-6
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_slice_every_other_step_is_a_period_of_half_as_many_slices(jit_compile):
+    """Period 6 with a slice every 2 steps (the stride an overhead budget
+    picks, set here by hand): the even steps fold in slices of ``ceil(10 /
+    3) = 4`` examples, the ``k // 2``-th of 3, with decay ``d^(1/3)``; the odd
+    steps leave the factors alone."""
+    _, loss, batches = _problem(seed=1)
+    opt = kg.KFAC(loss, momentum_type="regular", estimation_mode="exact", cov_update_period=6,
+                  inverse_update_period=2, spread_covariances=True, cov_ema_decay=DECAY,
+                  damping=1e-2, jit_compile=jit_compile)
+    opt.build(*batches[0])
+    opt.schedule = dataclasses.replace(opt.schedule, slice_stride=2)  # traced at the first step
+    assert opt.schedule.slice_steps == 3
+    reference = kg.FisherEstimator(loss, estimation_mode="exact", cov_ema_decay=DECAY ** (1 / 3))
+    for k, (x, y) in enumerate(batches):
+        if k % 2 == 0:
+            start = [0, 4, 6][k // 2 % 3]
+            reference.update(x[start:start + 4], y[start:start + 4])
+        opt.step(x, y)
+        for got, want in zip(opt.estimator.blocks, reference.blocks):
+            np.testing.assert_allclose(got.full_matrix(), want.full_matrix(), rtol=1e-10,
+                                       atol=1e-14)
+    assert int(opt.skipped_steps) == 0 and int(opt.iterations) == len(batches)
 
 
 def test_xla_step_equals_the_plain_tensorflow_step():

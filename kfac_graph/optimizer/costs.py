@@ -43,6 +43,10 @@ covariances (``covariance_slices.py``) take a slice of ``n = ceil(B / P)``
 of the ``B`` examples every step: the statistics and the slice's own forward
 pass count ``n / B`` of a batch's each step, not ``1 / P`` (a period longer
 than the batch still takes one example a step; ``B`` unknown: ``1 / P``).
+With a slice every ``s`` steps (``s`` divides ``P``), ``n = ceil(B s / P)``
+and they count ``n / (s B)``; the budget takes the largest stride whose
+slice steps stay within ``SLICE_STEP_SHARE`` of a step (``choose_stride``):
+fewer, larger slices use the machine better than many small ones.
 Operations between the
 layers (activations, normalisers, the loss) and memory traffic are not
 counted: the ratio is the arithmetic's (factorisations weighted by their
@@ -59,6 +63,10 @@ import passes.ir
 from kfac_graph.layers import dense
 from kfac_graph.optimizer import covariance_slices
 
+# spread covariances take a slice every ``s`` steps, the largest ``s`` whose
+# slice steps count at most this share of a step more than the others (the
+# 99th-percentile step at most 1.5x the median one)
+SLICE_STEP_SHARE = 0.5
 # the periods ``choose_periods`` considers (the inverse period first), smallest first
 COV_PERIODS = (1, 2, 5, 10, 20, 50, 100)
 INVERSE_PERIODS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
@@ -88,8 +96,8 @@ class StepOptions:
     the batch the exact forms run on (``qmodel_fraction``; below 1 with a
     forward pass of their own), the damping rule's interval (None: no
     adaptation) and whether the covariances are spread over the period
-    (``spread``: a slice's forward pass of its own each step, ``batch``
-    examples cut into slices; None: unknown)."""
+    (``spread``: a slice's forward pass of its own every ``slice_stride``
+    steps, ``batch`` examples cut into slices; None: unknown)."""
 
     sources: int = 1
     qmodel: str | None = "exact"
@@ -97,6 +105,7 @@ class StepOptions:
     damping_interval: int | None = 5
     spread: bool = False
     batch: int | None = None
+    slice_stride: int = 1
 
 
 def layer_costs(registration, blocks, batch: int, sources: int = 1,
@@ -238,10 +247,39 @@ def step_multiply_adds(costs, cov_period: int, inverse_period: int,
 
 def covariance_share(cov_period: int, options: StepOptions = StepOptions()) -> float:
     """The share of a batch's statistics one step pays on average: ``1 / P``,
-    or spread over a known batch ``B > 1``, ``ceil(B / P) / B`` (module docstring)."""
+    or spread over a known batch ``B > 1`` with stride ``s``, ``n / (s B)``
+    with ``n = ceil(B s / P)`` (module docstring)."""
     if options.spread and cov_period > 1 and options.batch and options.batch > 1:
-        return covariance_slices.slice_size(options.batch, cov_period) / options.batch
+        return slice_examples(cov_period, options) / (options.slice_stride * options.batch)
     return 1.0 / cov_period
+
+
+def slice_examples(cov_period: int, options: StepOptions) -> int:
+    """``n``: the examples of one spread slice (``covariance_slices.py``: the
+    ``P / s`` slice steps of a period share the batch)."""
+    return covariance_slices.slice_size(options.batch, cov_period // options.slice_stride)
+
+
+def slice_strides(cov_period: int) -> list:
+    """The strides a spread period may take: its divisors below it, largest first."""
+    return [s for s in range(cov_period - 1, 0, -1) if cov_period % s == 0]
+
+
+def choose_stride(costs, cov_period: int, inverse_period: int, options: StepOptions) -> int:
+    """The largest of ``slice_strides(P)`` whose slice steps count at most
+    ``SLICE_STEP_SHARE`` of the amortised step more than the steps between
+    them (a slice's statistics and forward pass, ``(S + F) n / B``), so that
+    no step is more than 1.5x the others; 1 if none is (or not spread)."""
+    if not (options.spread and cov_period > 1 and options.batch and options.batch > 1):
+        return 1
+    f = sum(c.forward for c in costs)
+    stats = sum(c.statistics for c in costs)
+    for stride in slice_strides(cov_period):
+        at = dataclasses.replace(options, slice_stride=stride)
+        spike = (stats + f) * slice_examples(cov_period, at) / options.batch
+        if spike <= SLICE_STEP_SHARE * step_multiply_adds(costs, cov_period, inverse_period, at):
+            return stride
+    return 1
 
 
 def sgd_multiply_adds(costs) -> float:
@@ -255,7 +293,8 @@ class PeriodChoice:
     (``within``: whether it is at most the budget); ``factor_block_size``:
     the block size the budget picked for the factors (None: none);
     ``qmodel_batch_fraction``: the share of the batch it picked for the
-    quadratic model's exact forms (None: none picked)."""
+    quadratic model's exact forms (None: none picked); ``slice_stride``: the
+    steps between spread slices (``choose_stride``)."""
 
     cov_update_period: int
     inverse_update_period: int
@@ -264,6 +303,7 @@ class PeriodChoice:
     within: bool
     factor_block_size: int | None = None
     qmodel_batch_fraction: float | None = None
+    slice_stride: int = 1
 
 
 def choose_periods(costs, budget: float, options: StepOptions = StepOptions(),
@@ -283,17 +323,18 @@ def choose_periods(costs, budget: float, options: StepOptions = StepOptions(),
     covariances every 5 with inverses every 50); with the adapted damping a
     refresh is also when a block takes up a new damping."""
     sgd = sgd_multiply_adds(costs)
-    ratio = lambda c, i: step_multiply_adds(costs, c, i, options) / sgd if sgd else math.inf
+    stride = lambda c, i: choose_stride(costs, c, i, options)  # noqa: E731
+    ratio = lambda c, i: step_multiply_adds(  # noqa: E731
+        costs, c, i, dataclasses.replace(options, slice_stride=stride(c, i))) / sgd \
+        if sgd else math.inf
     covs = COV_PERIODS if given[0] is None else (given[0],)
     inverses = INVERSE_PERIODS if given[1] is None else (given[1],)
     every = [(c, i) for i in inverses for c in covs]
     pairs = [(c, i) for c, i in every if options.spread or i % c == 0] or every
-    for c, i in pairs:
-        r = ratio(c, i)
-        if r <= budget:
-            return PeriodChoice(c, i, r, budget, True)
-    c, i = min(pairs, key=lambda pair: (ratio(*pair), pair[1]))
-    return PeriodChoice(c, i, ratio(c, i), budget, False)
+    first = next(((c, i) for c, i in pairs if ratio(c, i) <= budget), None)
+    c, i = first or min(pairs, key=lambda pair: (ratio(*pair), pair[1]))
+    return PeriodChoice(c, i, ratio(c, i), budget, first is not None,
+                        slice_stride=stride(c, i))
 
 
 def balanced_slots(weights, period: int) -> tuple:
@@ -319,8 +360,10 @@ def summary(costs, choice: PeriodChoice | None, cov_period: int, inverse_period:
                      f"{c.precondition:>13.3g} {c.inverse:>10.3g}")
     ratio = step_multiply_adds(costs, cov_period, inverse_period, options) / max(
         sgd_multiply_adds(costs), 1.0)
-    lines.append(f"cov_update_period={cov_period}, inverse_update_period={inverse_period}: "
-                 f"counted step / SGD step = {ratio:.2f}")
+    spread = (f" (spread: a slice every {options.slice_stride} steps)"
+              if options.spread and cov_period > 1 else "")
+    lines.append(f"cov_update_period={cov_period}{spread}, inverse_update_period="
+                 f"{inverse_period}: counted step / SGD step = {ratio:.2f}")
     if choice is not None:
         verdict = "within" if choice.within else "NOT within (the largest periods tried)"
         blocks = (f", factors in diagonal blocks of at most {choice.factor_block_size}"

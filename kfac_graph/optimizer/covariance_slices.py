@@ -19,6 +19,10 @@ cov_ema_decay``). Over a period:
   pass (``n / B`` of a forward pass: the plain schedule's covariance step
   shares the batch's forward pass with the gradients).
 
+With a slice every ``s`` steps (``slice_stride``, chosen by an overhead
+budget; ``s`` divides ``P``) the same holds over the ``P / s`` slice steps
+of a period, with ``P / s`` in place of ``P``: fewer, larger slices.
+
 Each slice's statistics are those of a batch of ``n`` examples, so the
 factors estimate the same per-example average. The burn-in's steps take
 slices too. The slice is a batch of its own shape: the loss is registered
@@ -71,3 +75,18 @@ def accumulate_slice(estimator, args, k, period: int):
     ``estimator``'s factors with the decay ``d^(1/P)``; returns the slice's loss."""
     return estimator.accumulate(*rotating_slice(args, k, period),
                                 decay=slice_decay(estimator.cov_ema_decay, period))
+
+
+def fold_scheduled_slice(estimator, args, scheduled, schedule):
+    """Step ``scheduled``'s slice (the ``q = k // s``-th of the period's
+    ``schedule.slice_steps``) folded into ``estimator``'s factors on its
+    covariance steps: every step with stride ``s = 1``, else in a branch."""
+    def with_slice():
+        accumulate_slice(estimator, args, scheduled.k // schedule.slice_stride,
+                         schedule.slice_steps)
+        return tf.constant(True)
+
+    if schedule.slice_stride == 1:
+        with_slice()
+    else:
+        tf.cond(scheduled.do_cov, with_slice, lambda: tf.constant(False))

@@ -22,6 +22,9 @@ At ``build`` (the registration and blocks exist), from the multiply-adds
   the batch count ``f`` of their cost (two Fisher-vector products, about
   2.7 SGD steps on the whole batch). The first that fits is taken;
   ``take_choice`` hands the block size and fraction to the optimizer;
+- spread covariances under a budget: a slice every ``slice_stride`` steps
+  (``costs.choose_stride``: the largest that keeps a slice step within 1.5x
+  the others; 1 without a budget);
 - with ``stagger_inverses``: each block's slot in the inverse period
   (``costs.balanced_slots`` over the blocks' counted factorisations), so
   the steps of a period share the refresh work evenly (``schedule.py``).
@@ -63,7 +66,7 @@ def cost_options(opt, qmodel_fraction=None) -> costs_lib.StepOptions:
         sources=statistics_sources(opt, opt.registration),
         qmodel=opt.qmodel_curvature if opt.momentum_type == "qmodel" else None,
         qmodel_fraction=qmodel_fraction or opt.qmodel_batch_fraction,
-        spread=opt.spread_covariances,
+        spread=opt.spread_covariances, slice_stride=opt.schedule.slice_stride,
         damping_interval=opt.damping_adaptation_interval if opt.adapt_damping else None)
 
 
@@ -115,8 +118,9 @@ def plan_schedule(opt, registration):
     slots = None
     if opt.stagger_inverses:
         slots = costs_lib.balanced_slots([c.inverse for c in costs], inverse)
+    stride = choice.slice_stride if choice is not None else 1
     return costs, choice, StepSchedule(opt.num_burnin_steps, cov, inverse, slots,
-                                       opt.spread_covariances)
+                                       opt.spread_covariances, stride)
 
 
 def _budget_choice(costs, count, sizes, fractions, choose):

@@ -17,8 +17,10 @@ slot (without staggering every block refreshes at once when the damping
 changes); with ``P = 1`` the two schedules are the same.
 
 Spread covariances (``spread_covariances`` with ``cov_update_period > 1``):
-every step is a covariance step, each on a slice of its batch
-(``covariance_slices.py``).
+every burn-in step and every ``slice_stride``-th step after it (``k % s ==
+0``; ``s`` divides the period, 1 by default) is a covariance step, each on a
+slice of its batch (``covariance_slices.py``: the ``q = k // s``-th of the
+period's ``P / s`` slice steps).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class StepSchedule:
     inverse_update_period: int = 10
     inverse_slots: tuple | None = None
     spread_covariances: bool = False
+    slice_stride: int = 1
 
     @property
     def staggered(self) -> bool:
@@ -62,15 +65,20 @@ class StepSchedule:
 
     @property
     def spread(self) -> bool:
-        """Whether every step folds in a slice's statistics (module docstring)."""
+        """Whether covariance steps fold in a slice's statistics (module docstring)."""
         return self.spread_covariances and self.cov_update_period > 1
+
+    @property
+    def slice_steps(self) -> int:
+        """``P / s``: the slice steps of a covariance period (spread)."""
+        return self.cov_update_period // self.slice_stride
 
     def at(self, t) -> ScheduledStep:
         """The schedule of step ``t`` (an int64 scalar tensor)."""
         in_burnin = t < self.num_burnin_steps
         k = t - self.num_burnin_steps
-        do_cov = (tf.constant(True) if self.spread
-                  else in_burnin | tf.equal(k % self.cov_update_period, 0))
+        every = self.slice_stride if self.spread else self.cov_update_period
+        do_cov = tf.constant(True) if every == 1 else in_burnin | tf.equal(k % every, 0)
         do_inv = ~in_burnin & tf.equal(k % self.inverse_update_period, 0)
         return ScheduledStep(t, in_burnin, k, do_cov, do_inv)
 

@@ -125,7 +125,8 @@ def forward_backward(opt, args, variables, scheduled, share_forward=False):
       the gradients and the statistics;
     - spread covariances: the loss and gradients by the registered graph's pass
       (with ``share_forward``) or the function's own, and the estimator's pass
-      on the step's slice of the batch (``covariance_slices.py``);
+      on the step's slice of the batch (``covariance_slices.py``; in a branch
+      on covariance steps where the slices are ``slice_stride > 1`` steps apart);
     - otherwise, with ``share_forward``: the registered graph's pass gives the
       loss and gradients at the top level, and on covariance steps a branch
       runs the estimator's own pass for the statistics (gradients cannot
@@ -138,8 +139,7 @@ def forward_backward(opt, args, variables, scheduled, share_forward=False):
         return taps.loss, dense(tf.gradients(taps.loss, variables), variables), taps
 
     if opt.schedule.spread:
-        covariance_slices.accumulate_slice(opt.estimator, args, scheduled.k,
-                                           opt.schedule.cov_update_period)
+        covariance_slices.fold_scheduled_slice(opt.estimator, args, scheduled, opt.schedule)
         if share_forward:
             return registered_pass(opt, args, variables)
         return (*plain_gradients(opt, args, variables), None)
