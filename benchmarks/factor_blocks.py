@@ -1,5 +1,6 @@
 """What factors in diagonal blocks (``factor_block_size``) cost, against full
-factors, on ``keras.applications.ResNet50`` (64x64, batch 32, 10 classes).
+factors, on ``keras.applications.ResNet50`` (64x64, batch 32, 10 classes) or,
+with ``--model bert_small``, on ``bert_small.py``'s encoder (batch 16 x 128).
 
 For full factors and each ``--sizes`` block size: the counted
 preconditioning (``optimizer/costs.py``) over an SGD step's ``3 F``, the
@@ -14,8 +15,8 @@ at fixed periods ``--periods`` (not spread) beside an SGD-with-momentum
 step, interleaved: the median step over SGD's and the counted step over
 SGD's.
 
-    python benchmarks/factor_blocks.py [--sizes 1024,512,256] [--reps 7]
-        [--steps 6] [--periods 100/1000]
+    python benchmarks/factor_blocks.py [--model resnet50] [--sizes 1024,512,256]
+        [--reps 7] [--steps 6] [--periods 100/1000]
 """
 from __future__ import annotations
 
@@ -27,11 +28,13 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import kfac_graph as kg  # noqa: E402
+from bert_small import batch as bert_batch, bert_small  # noqa: E402
 from kfac_graph.optimizer import costs, plan  # noqa: E402
 from lm_race import keras_step  # noqa: E402
 from per_example_rules import time_all  # noqa: E402
 
 FLAGS = flags.FLAGS
+flags.DEFINE_enum("model", "resnet50", ["resnet50", "bert_small"], "the model")
 flags.DEFINE_list("sizes", ["1024", "512", "256"], "factor_block_size values")
 flags.DEFINE_integer("reps", 7, "interleaved timed calls of each preconditioning")
 flags.DEFINE_integer("steps", 6, "interleaved timed whole steps of each optimizer (0: none)")
@@ -40,8 +43,8 @@ flags.DEFINE_string("periods", "100/1000", "cov_update_period/inverse_update_per
 
 def model_and_loss():
     keras.utils.set_random_seed(0)
-    model = keras.applications.ResNet50(input_shape=(64, 64, 3), weights=None, classes=10,
-                                        classifier_activation=None)
+    model = bert_small() if FLAGS.model == "bert_small" else keras.applications.ResNet50(
+        input_shape=(64, 64, 3), weights=None, classes=10, classifier_activation=None)
 
     def loss(x, y):
         logits = model(x, training=True)
@@ -59,8 +62,11 @@ def median_ratios(fns, reps, base):
 def main(argv):
     del argv
     rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=(32, 64, 64, 3)), tf.float32)
-    y = tf.constant(rng.integers(0, 10, 32), tf.int32)
+    if FLAGS.model == "bert_small":
+        x, y = bert_batch(rng)
+    else:
+        x = tf.constant(rng.normal(size=(32, 64, 64, 3)), tf.float32)
+        y = tf.constant(rng.integers(0, 10, 32), tf.int32)
     cov, inverse = (int(p) for p in FLAGS.periods.split("/"))
     labels = ["full"] + [f"blocks of {s}" for s in FLAGS.sizes]
     block_sizes = [None] + [int(s) for s in FLAGS.sizes]
@@ -101,7 +107,9 @@ def main(argv):
                                                      plan.cost_options(opt)) / forward}
     measured = median_ratios(calls, FLAGS.reps, "gradient")
     stepped = median_ratios(steps, FLAGS.steps, "SGD") if FLAGS.steps else {}
-    print(f"\nResNet50 64x64, batch 32; preconditioning over the gradient: medians of "
+    shape = "bert_small, batch 16 x 128" if FLAGS.model == "bert_small" else \
+        "ResNet50 64x64, batch 32"
+    print(f"\n{shape}; preconditioning over the gradient: medians of "
           f"{FLAGS.reps} interleaved calls; steps at periods {cov}/{inverse}, not spread\n")
     print("| factors | counted precondition / SGD | counted refresh / SGD | memory | "
           "measured precondition / gradient | measured refresh / gradient | step / SGD | "

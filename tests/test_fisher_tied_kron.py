@@ -245,7 +245,7 @@ def test_estimator_runs_the_block_and_reports_its_factors():
     # statistics rows (11 + 64 + 64 + 11), products 2 (V D + V D^2), eigh 4 (V + 2 D^3),
     # the dense side's cube at the factorisations' rate
     eigh = 4 * (11 + 2 * 8 ** 3 / costs.FACTORISATION_RATE)
-    assert costs._block_costs(block, 10.0, 8, 1) == (1500.0, 1584.0, eigh)
+    assert costs._block_costs(block, 10.0, 8, 1) == pytest.approx((1500.0, 1584.0, eigh))
 
 
 @pytest.mark.parametrize("momentum_type", ["qmodel", "regular"])
