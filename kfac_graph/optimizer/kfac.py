@@ -132,9 +132,9 @@ class KFAC(tf.Module):
     and (``"qmodel"``, no ``qmodel_batch_fraction`` given: None is 1) a fraction.
     ``stagger_inverses``: each block refreshes in its own slot of the inverse
     period (``schedule.py`` states the staleness);
-    ``spread_covariances``: each step takes the statistics of ``1/P`` of its
-    batch (``P = cov_update_period``), not every ``P``-th step all of it (None:
-    with ``overhead_budget``).
+    ``spread_covariances``: each step (every ``s``-th under a budget) takes the
+    statistics of a slice of its batch, not every ``P``-th step all of it (None:
+    with ``overhead_budget``; ``covariance_slices.py``).
     ``graph_optimization``: ``"off"`` (default) skips Grappler's rewrites
     of the step's graph, ``"default"`` keeps TensorFlow's (``kfac_graph/graph_options.py``).
     ``summary_writer``: a ``tf.summary`` writer; loss, damping, learning
