@@ -105,8 +105,9 @@ def test_explicit_periods_win_and_tight_budgets_say_so(caplog):
     assert len(warnings) == 1 and "no periods tried are within it" in warnings[0]
     assert f"periods {opt.cov_update_period}/7" in warnings[0]
     assert opt.inverse_update_period == 7 and not opt.period_choice.within
-    # spread over 4 examples: the longest period, two examples every 50 steps
-    assert opt.cov_update_period == costs.COV_PERIODS[-1] and opt.schedule.slice_stride == 50
+    # spread over 4 examples with a slice at least every 7 steps: one example
+    # every 5 steps from period 20 on; the freshest of the cheapest
+    assert (opt.cov_update_period, opt.schedule.slice_stride) == (20, 5)
     assert "NOT within" in opt.cost_summary()
     assert max(opt.schedule.inverse_slots) < 7
 
@@ -171,8 +172,11 @@ def test_spread_slices_take_the_largest_stride_whose_slice_steps_stay_within_hal
         stride = strides[period] = costs.choose_stride(opt.costs, period, 10, options)
         assert period % stride == 0 and stride < period
         assert within(period, stride) or stride == 1
-        assert not any(within(period, s) for s in costs.slice_strides(period) if s > stride)
+        assert stride <= 10  # at least a slice per inverse period
+        assert not any(within(period, s) for s in costs.slice_strides(period)
+                       if stride < s <= 10)
     assert strides[2] == 1 and strides[100] > 1, strides
+    assert costs.choose_stride(opt.costs, 100, 1, options) == 1
     assert costs.slice_strides(20) == [10, 5, 4, 2, 1]
     assert costs.choose_stride(opt.costs, 20, 10, dataclasses.replace(options, spread=False)) == 1
 

@@ -268,7 +268,8 @@ def slice_strides(cov_period: int) -> list:
 
 
 def choose_stride(costs, cov_period: int, inverse_period: int, options: StepOptions) -> int:
-    """The largest of ``slice_strides(P)`` whose slice steps count at most
+    """The largest of ``slice_strides(P)`` up to the inverse period (a slice
+    lands between two refreshes of a block) whose slice steps count at most
     ``SLICE_STEP_SHARE`` of the amortised step more than the steps between
     them (a slice's statistics and forward pass, ``(S + F) n / B``), so that
     no step is more than 1.5x the others; 1 if none is (or not spread)."""
@@ -276,7 +277,7 @@ def choose_stride(costs, cov_period: int, inverse_period: int, options: StepOpti
         return 1
     f = sum(c.forward for c in costs)
     stats = sum(c.statistics for c in costs)
-    for stride in slice_strides(cov_period):
+    for stride in [s for s in slice_strides(cov_period) if s <= inverse_period]:
         at = dataclasses.replace(options, slice_stride=stride)
         spike = (stats + f) * slice_examples(cov_period, at) / options.batch
         if spike <= SLICE_STEP_SHARE * step_multiply_adds(costs, cov_period, inverse_period, at):
