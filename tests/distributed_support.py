@@ -76,10 +76,13 @@ def make_loss(weights):
     return [w1, b1, w2, b2], kg.auto_register(loss_fn)
 
 
-def train(config, strategy=None, sync="lazy", counter=None, order=None, **extra):
+def train(config, strategy=None, sync="lazy", counter=None, order=None, slice_stride=None,
+          **extra):
     """Final parameters (and the optimizer) after ``STEPS`` steps on whole
-    batches, their examples in ``order`` if given."""
+    batches, their examples in ``order`` if given; ``slice_stride``: spread
+    slices that far apart (what an overhead budget may pick), set once built."""
     import contextlib
+    import dataclasses
 
     import tensorflow as tf
 
@@ -90,6 +93,9 @@ def train(config, strategy=None, sync="lazy", counter=None, order=None, **extra)
     with scope:
         variables, loss = make_loss(weights)
         opt = kg.KFAC(loss, sync_statistics=sync, **CONFIGS[config], **extra)
+    if slice_stride:
+        opt.build(*(tf.constant(t) for t in batches[0]))
+        opt.schedule = dataclasses.replace(opt.schedule, slice_stride=slice_stride)
     losses = []
     for x, y in batches:
         if order is not None:
@@ -204,6 +210,17 @@ def mirrored_options(devices, names, results):
         results[f"spread/{sync}"] = np.concatenate([p.ravel() for p in params])
     whole, _, _ = train("regular", **spread)
     results["spread/unordered"] = np.concatenate([p.ravel() for p in whole])
+    # a slice every 2nd step of period 4: two slice steps a period, each the
+    # replicas' own
+    stride = dict(cov_update_period=4, spread_covariances=True, slice_stride=2)
+    ref, _, _ = train("regular", order=slice_order(devices, 2), **stride)
+    results["stride/reference"] = np.concatenate([p.ravel() for p in ref])
+    for sync in ("lazy", "eager"):
+        strategy = tf.distribute.MirroredStrategy(names)
+        params, _, _ = train("regular", strategy, sync, **stride)
+        results[f"stride/{sync}"] = np.concatenate([p.ravel() for p in params])
+    whole, _, _ = train("regular", **stride)
+    results["stride/unordered"] = np.concatenate([p.ravel() for p in whole])
 
 
 def checkpoint_round_trip(config, names, sync, directory):
