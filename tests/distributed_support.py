@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from distributed_keras_fit import keras_fit  # noqa: E402
+
 STEPS, BATCH = 20, 16
 # regular momentum exercises the damping rule's curvature product, l2 and
 # burn-in; qmodel the exact Fisher forms; all refresh inverses every 3 steps;
@@ -189,38 +191,33 @@ def mirrored_config(config, names, out, results):
 def mirrored_options(devices, names, results):
     """``qmodel_batch_fraction`` and ``spread_covariances`` on the replicas
     against one device's run on reordered batches, into ``results``."""
-    import tensorflow as tf
-
     # the quadratic model's forms on each replica's first half: those of one
     # device's first half, the batch reordered to put the replicas' first
-    ref, _, _ = train("qmodel", order=leading_order(devices, 0.5), qmodel_batch_fraction=0.5)
-    results["qmodel_fraction/reference"] = np.concatenate([p.ravel() for p in ref])
-    strategy = tf.distribute.MirroredStrategy(names)
-    params, _, _ = train("qmodel", strategy, qmodel_batch_fraction=0.5)
-    results["qmodel_fraction/lazy"] = np.concatenate([p.ravel() for p in params])
-    whole, _, _ = train("qmodel", qmodel_batch_fraction=0.5)
-    results["qmodel_fraction/unordered"] = np.concatenate([p.ravel() for p in whole])
+    against_reordered(results, "qmodel_fraction", "qmodel", names, leading_order(devices, 0.5),
+                      ("lazy",), qmodel_batch_fraction=0.5)
     # spread covariances: each replica's statistics are those of its own slice
-    spread = dict(cov_update_period=2, spread_covariances=True)
-    ref, _, _ = train("regular", order=slice_order(devices, 2), **spread)
-    results["spread/reference"] = np.concatenate([p.ravel() for p in ref])
-    for sync in ("lazy", "eager"):
-        strategy = tf.distribute.MirroredStrategy(names)
-        params, _, _ = train("regular", strategy, sync, **spread)
-        results[f"spread/{sync}"] = np.concatenate([p.ravel() for p in params])
-    whole, _, _ = train("regular", **spread)
-    results["spread/unordered"] = np.concatenate([p.ravel() for p in whole])
+    against_reordered(results, "spread", "regular", names, slice_order(devices, 2),
+                      ("lazy", "eager"), cov_update_period=2, spread_covariances=True)
     # a slice every 2nd step of period 4: two slice steps a period, each the
     # replicas' own
-    stride = dict(cov_update_period=4, spread_covariances=True, slice_stride=2)
-    ref, _, _ = train("regular", order=slice_order(devices, 2), **stride)
-    results["stride/reference"] = np.concatenate([p.ravel() for p in ref])
-    for sync in ("lazy", "eager"):
+    against_reordered(results, "stride", "regular", names, slice_order(devices, 2),
+                      ("lazy", "eager"), cov_update_period=4, spread_covariances=True,
+                      slice_stride=2)
+
+
+def against_reordered(results, key, config, names, order, syncs, **options):
+    """``results[key/...]``: the final parameters, flat, of one device's run on
+    batches reordered by ``order`` (``reference``), of a mirrored run per
+    statistics sync of ``syncs``, and of one device's run on the batches as
+    they are (``unordered``)."""
+    import tensorflow as tf
+
+    flat = lambda params: np.concatenate([p.ravel() for p in params])  # noqa: E731
+    results[f"{key}/reference"] = flat(train(config, order=order, **options)[0])
+    for sync in syncs:
         strategy = tf.distribute.MirroredStrategy(names)
-        params, _, _ = train("regular", strategy, sync, **stride)
-        results[f"stride/{sync}"] = np.concatenate([p.ravel() for p in params])
-    whole, _, _ = train("regular", **stride)
-    results["stride/unordered"] = np.concatenate([p.ravel() for p in whole])
+        results[f"{key}/{sync}"] = flat(train(config, strategy, sync, **options)[0])
+    results[f"{key}/unordered"] = flat(train(config, **options)[0])
 
 
 def checkpoint_round_trip(config, names, sync, directory):
@@ -271,7 +268,8 @@ def nan_batch_changes_nothing(opt):
         return [c.numpy().copy() for v in opt.variables if v is not opt.skipped_steps
                 for c in getattr(v, "values", [v])]
 
-    before, skipped, iterations = state(), int(opt.skipped_steps.numpy()), int(opt.iterations.numpy())
+    before = state()
+    skipped, iterations = int(opt.skipped_steps.numpy()), int(opt.iterations.numpy())
     opt.step(tf.constant(bad), tf.constant(y))
     after = state()
     changed = any(not np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after)
@@ -310,50 +308,6 @@ def run_xla(devices, out):
         compiled=np.array(compiled),
         op_types=np.array(sorted(op_types)),
     )
-
-
-def keras_fit(strategy):
-    """``(parameters, history, iterations)`` of ``KFACModel.fit`` (2 epochs of 4
-    batches of 32, float64, exact Fisher) under ``strategy`` (None: one device);
-    Keras's float type is put back afterwards."""
-    import keras
-
-    previous = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")  # Keras may have cached a float32 policy
-    try:
-        return _keras_fit(strategy)
-    finally:
-        keras.config.set_floatx(previous[0])
-        keras.config.set_dtype_policy(previous[1])
-
-
-def _keras_fit(strategy):
-    import keras
-    import tensorflow as tf
-
-    import kfac_graph as kg
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(128, 6))
-    y = np.argmax(x @ rng.normal(size=(6, 3)), axis=1)
-    keras.utils.set_random_seed(0)
-    scope = strategy.scope() if strategy is not None else tf.init_scope()
-    with scope:
-        inner = keras.Sequential(
-            [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]
-        )
-        model = kg.KFACModel(
-            inner,
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            estimation_mode="exact",
-            damping=1e-2,
-            inverse_update_period=3,
-        )
-        model.compile(metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    params = np.concatenate([v.numpy().ravel() for v in inner.trainable_variables])
-    return params, history.history, int(model.kfac.iterations.numpy())
 
 
 def run_keras(devices, out):

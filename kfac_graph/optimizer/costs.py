@@ -251,9 +251,14 @@ def covariance_share(cov_period: int, options: StepOptions = StepOptions()) -> f
     """The share of a batch's statistics one step pays on average: ``1 / P``,
     or spread over a known batch ``B > 1`` with stride ``s``, ``n / (s B)``
     with ``n = ceil(B s / P)`` (module docstring)."""
-    if options.spread and cov_period > 1 and options.batch and options.batch > 1:
+    if _sliced(cov_period, options):
         return slice_examples(cov_period, options) / (options.slice_stride * options.batch)
     return 1.0 / cov_period
+
+
+def _sliced(cov_period: int, options: StepOptions) -> bool:
+    """Whether the covariances are spread in slices of a known batch ``B > 1``."""
+    return bool(options.spread and cov_period > 1 and options.batch and options.batch > 1)
 
 
 def slice_examples(cov_period: int, options: StepOptions) -> int:
@@ -273,7 +278,7 @@ def choose_stride(costs, cov_period: int, inverse_period: int, options: StepOpti
     ``SLICE_STEP_SHARE`` of the amortised step more than the steps between
     them (a slice's statistics and forward pass, ``(S + F) n / B``), so that
     no step is more than 1.5x the others; 1 if none is (or not spread)."""
-    if not (options.spread and cov_period > 1 and options.batch and options.batch > 1):
+    if not _sliced(cov_period, options):
         return 1
     f = sum(c.forward for c in costs)
     stats = sum(c.statistics for c in costs)
@@ -326,18 +331,18 @@ def choose_periods(costs, budget: float, options: StepOptions = StepOptions(),
     covariances every 5 with inverses every 50); with the adapted damping a
     refresh is also when a block takes up a new damping."""
     sgd = sgd_multiply_adds(costs)
-    stride = lambda c, i: choose_stride(costs, c, i, options)  # noqa: E731
-    ratio = lambda c, i: step_multiply_adds(  # noqa: E731
-        costs, c, i, dataclasses.replace(options, slice_stride=stride(c, i))) / sgd \
-        if sgd else math.inf
     covs = COV_PERIODS if given[0] is None else (given[0],)
     inverses = INVERSE_PERIODS if given[1] is None else (given[1],)
     every = [(c, i) for i in inverses for c in covs]
     pairs = [(c, i) for c, i in every if options.spread or i % c == 0] or every
-    first = next(((c, i) for c, i in pairs if ratio(c, i) <= budget), None)
-    c, i = first or min(pairs, key=lambda pair: (ratio(*pair), pair[1]))
-    return PeriodChoice(c, i, ratio(c, i), budget, first is not None,
-                        slice_stride=stride(c, i))
+    priced = []  # (cov, inverse, stride, ratio), in the order tried
+    for c, i in pairs:
+        stride = choose_stride(costs, c, i, options)
+        step = step_multiply_adds(costs, c, i, dataclasses.replace(options, slice_stride=stride))
+        priced.append((c, i, stride, step / sgd if sgd else math.inf))
+    first = next((p for p in priced if p[3] <= budget), None)
+    c, i, stride, ratio = first or min(priced, key=lambda p: (p[3], p[1]))
+    return PeriodChoice(c, i, ratio, budget, first is not None, slice_stride=stride)
 
 
 def balanced_slots(weights, period: int) -> tuple:
