@@ -35,6 +35,7 @@ class RegisteredFunction:
             "kg.auto_register", "max_loop_iterations", max_loop_iterations, options.Integer(0))
         self._tf_function = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
         self._cache: dict[Any, tuple[Any, Registration]] = {}
+        self._inline = None
         # Functions derived from a registration (per-example gradients,
         # estimator steps), built once per registration by their modules.
         self.derived: dict[Any, Any] = {}
@@ -46,6 +47,18 @@ class RegisteredFunction:
     def tf_function(self):
         """The ``tf.function`` the registration traces."""
         return self._tf_function
+
+    def inline(self, *args):
+        """The loss traced into the caller's graph, converted by AutoGraph as
+        ``tf.function`` converts it, but not as a nested function call. A
+        gradient taken through a nested call returns an embedding's
+        ``IndexedSlices`` from that call, and XLA then compiles the caller for
+        the call's argument values: it recompiled a ``jit_compile=True`` K-FAC
+        step on every batch."""
+        if self._inline is None:
+            self._inline = tf.autograph.to_graph(
+                getattr(self.python_function, "python_function", self.python_function))
+        return self._inline(*args)
 
     def concrete_function(self, *args):
         return self._tf_function.get_concrete_function(*args)

@@ -172,9 +172,10 @@ def registered_pass(opt, args, variables):
 
 
 def plain_gradients(opt, args, variables):
-    """``(loss, dense gradients)`` of the function's own pass (no statistics)."""
+    """``(loss, dense gradients)`` of the function's own pass (no statistics),
+    traced inline (``RegisteredFunction.inline``)."""
     with tf.GradientTape() as tape:
-        loss = opt.fn.tf_function(*args)
+        loss = opt.fn.inline(*args)
     grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return loss, dense(grads, variables)
 
