@@ -173,6 +173,23 @@ def test_backbone_trains_with_kfac_defaults_and_dpsgd(family, tied):
     _trains(loss_fn, args)
 
 
+@pytest.mark.slow  # about a minute: the step's XLA compile
+def test_gpt2_whole_step_xla_with_a_covariance_period_matches_the_plain_step():
+    """The step an accelerator runs by default (``jit_compile="auto"`` there:
+    the whole step under XLA), with steps that skip the statistics: the same
+    parameters as the plain step on two batches (exact-mode statistics: XLA
+    and TensorFlow's kernels draw different samples)."""
+    trained = []
+    for jit in (True, False):
+        loss_fn, (x, y), backbone = _model("gpt2", "float32", tied=True)
+        opt = kg.KFAC(loss_fn, jit_compile=jit, cov_update_period=2, estimation_mode="exact")
+        for shift in range(4):
+            opt.step((x + shift) % V, (y + shift) % V)
+        assert int(opt.skipped_steps) == 0
+        trained.append([v.numpy() for v in backbone.trainable_variables])
+    for a, b in zip(*trained):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-5)
+
 def _tied_model(bias, form):
     """A raw tied table ``E [7, 3]``: ``z = tanh(mean_t E[x_t] W) E^T (+ b)``,
     the projection written as ``form``."""
