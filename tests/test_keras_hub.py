@@ -173,15 +173,16 @@ def test_backbone_trains_with_kfac_defaults_and_dpsgd(family, tied):
     _trains(loss_fn, args)
 
 
-@pytest.mark.slow  # about a minute: the step's XLA compile
-def test_gpt2_whole_step_xla_with_a_covariance_period_matches_the_plain_step():
+@pytest.mark.slow  # 2-3 minutes each: the step's XLA compile
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_whole_step_xla_with_a_covariance_period_matches_the_plain_step(family):
     """The step an accelerator runs by default (``jit_compile="auto"`` there:
     the whole step under XLA), with steps that skip the statistics: the same
-    parameters as the plain step on two batches (exact-mode statistics: XLA
+    parameters as the plain step on four batches (exact-mode statistics: XLA
     and TensorFlow's kernels draw different samples)."""
     trained = []
     for jit in (True, False):
-        loss_fn, (x, y), backbone = _model("gpt2", "float32", tied=True)
+        loss_fn, (x, y), backbone = _model(family, "float32", tied=True)
         opt = kg.KFAC(loss_fn, jit_compile=jit, cov_update_period=2, estimation_mode="exact")
         for shift in range(4):
             opt.step((x + shift) % V, (y + shift) % V)
