@@ -7,6 +7,7 @@ single-device reference on the same problem; writes the results to an npz.
     python tests/distributed_support.py keras --devices 2 --out r.npz
     python tests/distributed_support.py worker --out r.npz   # TF_CONFIG set
     python tests/distributed_support.py xla --devices 2 --out r.npz
+    python tests/distributed_support.py xla_embedding --devices 2 --out r.npz
 
 The problem: a float64 tanh MLP (5-8-3, softmax loss) and 20 batches of 16.
 """
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from distributed_keras_fit import keras_fit  # noqa: E402
+from distributed_xla_embedding import train_tokens  # noqa: E402
 
 STEPS, BATCH = 20, 16
 # regular momentum exercises the damping rule's curvature product, l2 and
@@ -329,6 +331,20 @@ def run_keras(devices, out):
     )
 
 
+def run_xla_embedding(devices, out):
+    """``distributed_xla_embedding.py``'s problem: one device without XLA, and
+    the replicas' XLA-compiled step, regular momentum and the quadratic model."""
+    import tensorflow as tf
+
+    names = logical_devices(devices)
+    results = {}
+    for rule in ("regular", "qmodel"):
+        results[f"{rule}/reference"], _ = train_tokens(rule)
+        strategy = tf.distribute.MirroredStrategy(names)
+        results[f"{rule}/xla"], results[f"{rule}/skipped"] = train_tokens(rule, strategy, True)
+    np.savez(out, **results)
+
+
 def run_worker(out):
     """One worker of a ``MultiWorkerMirroredStrategy`` cluster (``TF_CONFIG``)."""
     import tensorflow as tf
@@ -350,7 +366,7 @@ def run_worker(out):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["mirrored", "mirrored_apart", "keras", "worker",
-                                         "xla"])
+                                         "xla", "xla_embedding"])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -362,6 +378,8 @@ def main():
         run_keras(args.devices, args.out)
     elif args.mode == "xla":
         run_xla(args.devices, args.out)
+    elif args.mode == "xla_embedding":
+        run_xla_embedding(args.devices, args.out)
     else:
         run_worker(args.out)
 
