@@ -29,6 +29,9 @@ class RegisteredFunction:
     def __init__(self, fn: Callable, loss: str | None = None,
                  max_loop_iterations: int = passes.unroll.DEFAULT_MAX_ITERATIONS):
         functools.update_wrapper(self, fn)
+        if "__name__" not in vars(self):  # a functools.partial or a callable object
+            inner = getattr(fn, "func", fn)
+            self.__name__ = getattr(inner, "__name__", type(inner).__name__)
         self.python_function = fn
         self.loss_kind = loss
         self.max_loop_iterations = options.check(
@@ -56,8 +59,11 @@ class RegisteredFunction:
         the call's argument values: it recompiled a ``jit_compile=True`` K-FAC
         step on every batch."""
         if self._inline is None:
-            self._inline = tf.autograph.to_graph(
-                getattr(self.python_function, "python_function", self.python_function))
+            python = getattr(self.python_function, "python_function", self.python_function)
+            # as tf.function converts: partials, callable objects and methods
+            # too, and a function AutoGraph cannot convert runs as it is
+            self._inline = tf.__internal__.autograph.tf_convert(
+                python, tf.__internal__.autograph.control_status_ctx())
         return self._inline(*args)
 
     def concrete_function(self, *args):

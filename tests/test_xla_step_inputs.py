@@ -12,6 +12,7 @@ is an op without a gradient, and the quadratic model's Jacobian products
 failed on a model that slices a position table (GPT-2); ``xla_slice_grad``
 gives it one. Statistics in exact mode: XLA and TensorFlow's kernels draw
 different samples."""
+import functools
 import re
 
 import keras
@@ -73,14 +74,53 @@ def test_xla_step_takes_the_batch_as_parameters_and_matches_the_plain_step(wrap,
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_inline_traces_the_loss_as_the_function_computes_it():
-    fn, _, batches = _problem(wrap=True)
-    x, y = batches[0]
-    inline = tf.function(lambda a, b: fn.inline(a, b))
-    np.testing.assert_allclose(inline(x, y).numpy(), fn.tf_function(x, y).numpy(), rtol=1e-6)
+class _Loss:
+    """A loss as a callable object and as a method."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, x, y):
+        return _mean_xent(x, y, self.w, 1.0)
+
+    def method(self, x, y):
+        return _mean_xent(x, y, self.w, 1.0)
+
+
+def _mean_xent(x, y, w, scale):
+    return scale * tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, x @ w))
+
+
+CALLABLES = {
+    "function": lambda w: lambda x, y: _mean_xent(x, y, w, 1.0),
+    "tf_function": lambda w: tf.function(lambda x, y: _mean_xent(x, y, w, 1.0)),
+    # the variable closed over (tf.function passes a partial's own keywords as arguments)
+    "partial": lambda w: functools.partial(lambda x, y, scale: _mean_xent(x, y, w, scale),
+                                           scale=1.0),
+    "object": _Loss,
+    "method": lambda w: _Loss(w).method,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CALLABLES))
+def test_inline_traces_any_callable_loss_as_the_function_computes_it(kind):
+    """Partials, callable objects and methods (converted as ``tf.function``
+    converts them) as well as functions: the same value, no nested call, and a
+    K-FAC step with steps that skip the statistics (the plain pass) runs."""
+    rng = np.random.default_rng(3)
+    w = tf.Variable(rng.normal(size=(3, 2)))
+    x, y = tf.constant(rng.normal(size=(4, 3))), tf.constant([0, 1, 1, 0])
+    fn = kg.auto_register(CALLABLES[kind](w))
+    inline = tf.function(lambda a, b: fn.inline(a, b), autograph=False)
+    np.testing.assert_allclose(inline(x, y).numpy(), fn(x, y).numpy(), rtol=1e-12)
     graph = inline.get_concrete_function(x, y).graph
     calls = [op for op in graph.get_operations() if "PartitionedCall" in op.type]
     assert not calls, "the loss was traced as a nested call"
+    opt = kg.KFAC(fn, momentum_type="regular", cov_update_period=2)
+    before = w.numpy()
+    for _ in range(3):
+        assert np.isfinite(float(opt.step(x, y)))
+    assert int(opt.skipped_steps) == 0 and not np.array_equal(before, w.numpy())
 
 
 def test_a_backward_pass_through_a_slice_is_differentiable_again_under_xla():
