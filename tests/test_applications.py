@@ -8,7 +8,8 @@ they do not couple the examples):
 - a ``FisherEstimator`` update and inverse update run, every block finite;
 - 5 ``kg.KFAC`` steps on one batch lower the loss, no step skipped.
 
-One model is in the fast set; the rest run with ``-m slow``
+One model is in the fast set; the rest run with ``-m slow``, as does
+MobileNetV3Small's whole step under XLA against the plain step
 (``test_applications_register.py`` checks one per family's registration
 in the fast set).
 
@@ -126,3 +127,22 @@ def test_application_registers_verifies_and_trains(name):
     losses = [float(opt.step(x, y)) for _ in range(5)]
     assert int(opt.skipped_steps) == 0, losses
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.slow  # about 4 minutes: the step's XLA compile
+def test_whole_step_xla_matches_the_plain_step():
+    """MobileNetV3Small (depthwise convolutions, hard swish, squeeze-excitation,
+    batch norms) under the step an accelerator runs by default (the whole
+    step under XLA) with steps that skip the statistics: the same parameters
+    as the plain step after three steps (exact-mode statistics: XLA and
+    TensorFlow's kernels draw different samples)."""
+    trained = []
+    for jit in (True, False):
+        model, loss_fn, x, y = _build("MobileNetV3Small")
+        opt = kg.KFAC(loss_fn, momentum_type="regular", jit_compile=jit, cov_update_period=2,
+                      estimation_mode="exact")
+        losses = [float(opt.step(x, y)) for _ in range(3)]
+        assert int(opt.skipped_steps) == 0, losses
+        trained.append([v.numpy() for v in model.trainable_variables])
+    for a, b in zip(*trained):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
