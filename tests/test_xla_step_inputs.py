@@ -150,3 +150,57 @@ def test_a_backward_pass_through_a_slice_is_differentiable_again_under_xla():
     brute = (1 - np.tanh(x.numpy() + table.numpy()[:4]) ** 2) * u.numpy()[:4]
     np.testing.assert_allclose(want.numpy(), brute, rtol=1e-12)
     np.testing.assert_allclose(got.numpy(), brute, rtol=1e-12)
+
+
+def _convolutions():
+    return keras.Sequential([
+        keras.Input((8, 8, 4)),
+        keras.layers.Conv2D(8, 3, padding="same", groups=2, activation="swish"),
+        keras.layers.DepthwiseConv2D(3, padding="same"),
+        keras.layers.GroupNormalization(groups=4),
+        keras.layers.Conv2DTranspose(6, 3, strides=2, padding="same", activation="gelu"),
+        keras.layers.Conv2D(6, 3, strides=2),
+        keras.layers.Reshape((-1, 6)),
+        keras.layers.Conv1D(6, 3, padding="causal"),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(5)])
+
+
+def _recurrent():
+    return keras.Sequential([
+        keras.Input((4,), dtype="int32"), keras.layers.Embedding(9, 6),
+        keras.layers.LSTM(8, return_sequences=True), keras.layers.GRU(8, return_sequences=True),
+        keras.layers.Dense(9)])
+
+
+FAMILIES = {  # model, input, targets
+    "convolutions": (_convolutions, lambda r: r.normal(size=(6, 8, 8, 4)).astype(np.float32),
+                     lambda r: r.integers(0, 5, 6).astype(np.int32)),
+    "recurrent": (_recurrent, lambda r: r.integers(0, 9, (5, 4)).astype(np.int32),
+                  lambda r: r.integers(0, 9, (5, 4)).astype(np.int32)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_quadratic_model_under_whole_step_xla_matches_the_plain_step(family):
+    """The defaults' quadratic model with steps that skip the statistics, the
+    whole step under XLA against the plain step, on the convolution family
+    (grouped, depthwise, transposed, causal 1-D; swish, GELU, group norm) and
+    on recurrent layers with a per-token loss."""
+    build, inputs, targets = FAMILIES[family]
+    trained = []
+    for jit in (True, "auto"):
+        keras.utils.set_random_seed(0)
+        model = build()
+
+        def loss(x, y, model=model):
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+        rng = np.random.default_rng(0)
+        x, y = tf.constant(inputs(rng)), tf.constant(targets(rng))
+        opt = kg.KFAC(kg.auto_register(loss), jit_compile=jit, estimation_mode="exact",
+                      cov_update_period=2)
+        losses = [float(opt.step(x, y)) for _ in range(3)]
+        assert int(opt.skipped_steps) == 0 and losses[-1] < losses[0], losses
+        trained.append([v.numpy() for v in model.trainable_variables])
+    for a, b in zip(*trained):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
