@@ -12,6 +12,7 @@ from typing import Any, Callable
 import networkx as nx
 import tensorflow as tf
 from absl import logging
+from tensorflow.python.autograph.core import ag_ctx
 
 import passes
 import passes.unroll
@@ -38,7 +39,11 @@ class RegisteredFunction:
             "kg.auto_register", "max_loop_iterations", max_loop_iterations, options.Integer(0))
         self._tf_function = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
         self._cache: dict[Any, tuple[Any, Registration]] = {}
-        self._inline = None
+        # as tf.function converts: partials, callable objects and methods too,
+        # and a function AutoGraph cannot convert runs as it is; converted even
+        # where the caller's trace has AutoGraph off (the K-FAC step's)
+        self._inline = tf.__internal__.autograph.tf_convert(
+            getattr(fn, "python_function", fn), ag_ctx.ControlStatusCtx(ag_ctx.Status.ENABLED))
         # Functions derived from a registration (per-example gradients,
         # estimator steps), built once per registration by their modules.
         self.derived: dict[Any, Any] = {}
@@ -58,12 +63,6 @@ class RegisteredFunction:
         ``IndexedSlices`` from that call, and XLA then compiles the caller for
         the call's argument values: it recompiled a ``jit_compile=True`` K-FAC
         step on every batch."""
-        if self._inline is None:
-            python = getattr(self.python_function, "python_function", self.python_function)
-            # as tf.function converts: partials, callable objects and methods
-            # too, and a function AutoGraph cannot convert runs as it is
-            self._inline = tf.__internal__.autograph.tf_convert(
-                python, tf.__internal__.autograph.control_status_ctx())
         return self._inline(*args)
 
     def concrete_function(self, *args):

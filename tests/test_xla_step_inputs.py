@@ -12,6 +12,7 @@ is an op without a gradient, and the quadratic model's Jacobian products
 failed on a model that slices a position table (GPT-2); ``xla_slice_grad``
 gives it one. Statistics in exact mode: XLA and TensorFlow's kernels draw
 different samples."""
+import contextlib
 import functools
 import re
 
@@ -22,6 +23,7 @@ import tensorflow as tf
 
 import kfac_graph as kg
 from kfac_graph import xla_slice_grad
+from xla_reference import assert_xla_matches_plain
 
 VOCAB, BATCH, STEPS = 11, (4, 5), 4
 
@@ -58,20 +60,19 @@ OPTIONS = {"regular": dict(momentum_type="regular", cov_update_period=2),
 @pytest.mark.parametrize("wrap,options", [(False, "regular"), (True, "regular"),
                                           (False, "qmodel_half")])
 def test_xla_step_takes_the_batch_as_parameters_and_matches_the_plain_step(wrap, options):
-    trained = []
-    for jit in (True, "auto"):
+    def train(jit):
         fn, variables, batches = _problem(wrap)
         opt = kg.KFAC(fn, jit_compile=jit, estimation_mode="exact", **OPTIONS[options])
         for x, y in batches:
             opt.step(x, y)
         assert int(opt.skipped_steps) == 0
-        trained.append([v.numpy() for v in variables])
         if jit is True:
             hlo = opt._compiled.core.experimental_get_compiler_ir(*batches[0])(stage="hlo")
             ids = re.findall(r"s32\[4,5\][^ ]* parameter\(", _entry_parameters(hlo))
             assert len(ids) == 2, "the batch was compiled in as constants"
-    for a, b in zip(*trained):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        return [v.numpy() for v in variables]
+
+    assert_xla_matches_plain(train, "auto", rtol=1e-4, atol=1e-6)
 
 
 class _Loss:
@@ -91,6 +92,15 @@ def _mean_xent(x, y, w, scale):
     return scale * tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, x @ w))
 
 
+def _branching(w):
+    def loss(x, y):
+        scale = tf.constant(1.0, tf.float64)
+        if tf.reduce_sum(x) > 0:  # AutoGraph makes it a tf.cond
+            scale = tf.constant(2.0, tf.float64)
+        return _mean_xent(x, y, w, scale)
+    return loss
+
+
 CALLABLES = {
     "function": lambda w: lambda x, y: _mean_xent(x, y, w, 1.0),
     "tf_function": lambda w: tf.function(lambda x, y: _mean_xent(x, y, w, 1.0)),
@@ -99,14 +109,17 @@ CALLABLES = {
                                            scale=1.0),
     "object": _Loss,
     "method": lambda w: _Loss(w).method,
+    "branching": _branching,
 }
 
 
 @pytest.mark.parametrize("kind", sorted(CALLABLES))
 def test_inline_traces_any_callable_loss_as_the_function_computes_it(kind):
-    """Partials, callable objects and methods (converted as ``tf.function``
-    converts them) as well as functions: the same value, no nested call, and a
-    K-FAC step with steps that skip the statistics (the plain pass) runs."""
+    """Partials, callable objects, methods and a loss with a Python ``if`` on a
+    tensor (converted as ``tf.function`` converts them, also inside the
+    step's trace, which has AutoGraph off) as well as functions: the same
+    value, no nested call, and a K-FAC step with steps that skip the
+    statistics (the plain pass) runs."""
     rng = np.random.default_rng(3)
     w = tf.Variable(rng.normal(size=(3, 2)))
     x, y = tf.constant(rng.normal(size=(4, 3))), tf.constant([0, 1, 1, 0])
@@ -131,20 +144,16 @@ def test_a_backward_pass_through_a_slice_is_differentiable_again_under_xla():
     x = tf.constant(rng.normal(size=(2, 4, 3)))
     u = tf.constant(rng.normal(size=(6, 3)))
 
-    def jacobian_product():
+    def jacobian_product(override=True):
         z = tf.tanh(x + tf.slice(table, [0, 0], [4, 3]))
         w = tf.zeros_like(z)
-        with xla_slice_grad.differentiable():
+        with xla_slice_grad.differentiable() if override else contextlib.nullcontext():
             r = tf.gradients(z, table, grad_ys=w)[0]
         return tf.gradients(r, w, grad_ys=u)[0]
 
-    def without_the_gradient():
-        z = tf.tanh(x + tf.slice(table, [0, 0], [4, 3]))
-        w = tf.zeros_like(z)
-        return tf.gradients(tf.gradients(z, table, grad_ys=w)[0], w, grad_ys=u)[0]
-
     with pytest.raises(LookupError, match="XlaDynamicUpdateSlice"):  # TensorFlow's own
-        tf.function(without_the_gradient, jit_compile=True, autograph=False)()
+        tf.function(lambda: jacobian_product(override=False), jit_compile=True,
+                    autograph=False)()
     got = tf.function(jacobian_product, jit_compile=True)()
     want = tf.function(jacobian_product)()
     brute = (1 - np.tanh(x.numpy() + table.numpy()[:4]) ** 2) * u.numpy()[:4]
@@ -187,12 +196,12 @@ def test_quadratic_model_under_whole_step_xla_matches_the_plain_step(family):
     (grouped, depthwise, transposed, causal 1-D; swish, GELU, group norm) and
     on recurrent layers with a per-token loss."""
     build, inputs, targets = FAMILIES[family]
-    trained = []
-    for jit in (True, "auto"):
+
+    def train(jit):
         keras.utils.set_random_seed(0)
         model = build()
 
-        def loss(x, y, model=model):
+        def loss(x, y):
             return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
 
         rng = np.random.default_rng(0)
@@ -201,6 +210,6 @@ def test_quadratic_model_under_whole_step_xla_matches_the_plain_step(family):
                       cov_update_period=2)
         losses = [float(opt.step(x, y)) for _ in range(3)]
         assert int(opt.skipped_steps) == 0 and losses[-1] < losses[0], losses
-        trained.append([v.numpy() for v in model.trainable_variables])
-    for a, b in zip(*trained):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        return [v.numpy() for v in model.trainable_variables]
+
+    assert_xla_matches_plain(train, "auto", rtol=1e-4, atol=1e-5)
