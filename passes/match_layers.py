@@ -17,7 +17,7 @@ from typing import Mapping
 
 import networkx as nx
 
-from passes import ir, scale_shift_use
+from passes import batch_flow, ir, scale_shift_use
 from passes.atrous import atrous_attrs
 from passes.layer_names import readable, scope_name, unique_names
 from passes.lookup_ids import ids_without_batch
@@ -86,7 +86,7 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
     output_node = ir.split_tensor(g.graph["output"])[0]
     on_path = nx.ancestors(g, output_node) | {output_node}
     data = ir.reachable_from(g, g.graph["arguments"])
-    batched = data | ir.reachable_from(g, _batch_constants(g))
+    batched = data | ir.reachable_from(g, batch_flow.batch_sources(g))
     parameters = ir.reachable_from(g, (n for n, d in g.nodes(data=True)
                                        if d["op"] == "Variable"))
     order = _data_flow_order(g, data)
@@ -104,7 +104,8 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
     readers = {key: [dst for node in nodes for dst in g.successors(node)]
                for key, nodes in holders.items()}
     groups = ids_without_batch(g, grouped, data)
-    groups, reasons = _resolve_conflicts(g, groups, on_path & batched, readers)
+    reaching = on_path & (batched | batch_flow.weights_into_data(g, on_path, batched))
+    groups, reasons = _resolve_conflicts(g, groups, reaching, readers)
     layers = [_layer(g, kind, keys, uses, order) for (kind, keys), uses in groups.items()]
     owned = {k for layer in layers for k in layer.variables}
     for key in _loss_variables(g, on_path, order):
@@ -173,8 +174,9 @@ def _use(g, pattern: Pattern, roles) -> Use:
     attrs["input_shape"] = ir.shape_of(g, data["raw_inputs"][0]) if data["raw_inputs"] else None
     attrs["output_shape"] = data["shapes"][0] if data["shapes"] else None
     if pattern.kind == "dense":
+        transposed = data["attrs"].get("transpose_b") or data["attrs"].get("adj_y")
         layout = (einsum_kernel_layout(data["attrs"]["equation"]) if data["op"] == "Einsum"
-                  else ("oi" if data["attrs"].get("transpose_b") or data["attrs"].get("adj_y") else "io"))
+                  else ("oi" if transposed else "io"))
         attrs["transpose_kernel"] = (layout == "oi") != ("t" in roles)
         attrs["input_shape"] = ir.shape_of(g, inputs[0])
         k = kernel_in_axes(g, roles)
@@ -311,20 +313,6 @@ def _bias_as_shift(g, roles, use: Use):
         g, roles["add"], roles["b"], attrs["output_shape"])
     shift = Use((ir.tensor_name(main),), ir.tensor_name(roles["add"]), (roles["add"],), attrs)
     return None, roles, shift
-
-
-def _batch_constants(g) -> list:
-    """Constants shaped ``[B, ...]`` for the arguments' static batch ``B``
-    (an RNN's zero initial state): every row is an example's, so what is
-    computed from them and the weights, row by row (the first step of an
-    unrolled loop), is per example like the data."""
-    batch = next((s[0] for a in g.graph["arguments"] if a in g
-                  for s in g.nodes[a]["shapes"][:1] if s and s[0] is not None), None)
-    if batch is None:
-        return []
-    return [n for n, d in g.nodes(data=True) if d["op"] in ("Const", "Fill")
-            and d["shapes"] and d["shapes"][0] and len(d["shapes"][0]) >= 2
-            and d["shapes"][0][0] == batch]
 
 
 def _loss_variables(g, on_path, order):

@@ -3,15 +3,19 @@ preset): BERT (token, position and segment embeddings, post-norm LayerNorm,
 a pooled tanh head), GPT-2 (pre-norm, its LM head tied to the token table:
 ``ReversibleEmbedding(reverse=True)``) and Llama (RMSNorm, rotary position
 embeddings, grouped-query attention with fewer key/value heads, a gated
-SwiGLU MLP; untied and tied heads).
+SwiGLU MLP; untied and tied heads) and DeBERTa-v3 (relative position
+embeddings repeated over the batch and projected by each layer's own query
+and key: a second use of those layers, ``tests/test_weight_paths.py``).
 
-Shown: every trainable variable registers in a non-generic layer; the
+Shown: every trainable variable registers in a non-generic layer (but
+DeBERTa's relative table and its normalisation, computed from weights
+alone); the
 per-example gradients and norms equal a loop of one-example tapes (float64
 at rtol 1e-6, float32 at 1e-4); a tied table's exact-mode Fisher blocks equal
 the brute-force Jacobian Fisher; kg.KFAC with its defaults lowers the loss
 in 20 steps with no skipped step, and kg.DPSGD runs a step. The losses:
 a classifier on BERT's pooled output, and the LM head's logits at the last
-position against ``[B]`` next tokens for GPT-2 and Llama."""
+position against ``[B]`` next tokens for GPT-2, Llama and DeBERTa."""
 import re
 
 import keras
@@ -26,6 +30,7 @@ from per_example_reference import one_example_loop
 from xla_reference import assert_xla_matches_plain
 
 B, T, V, C = 3, 5, 40, 4
+DEBERTA_GENERIC = ("rel_embedding/rel_embedding", "rel_embedding/gamma", "rel_embedding/beta")
 
 
 def _set_dtype(dtype):
@@ -43,6 +48,10 @@ def _backbone(family, tied=False):
         return keras_hub.models.GPT2Backbone(
             vocabulary_size=V, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
             max_sequence_length=8)
+    if family == "deberta":
+        return keras_hub.models.DebertaV3Backbone(
+            vocabulary_size=V, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+            max_sequence_length=8, bucket_size=4)
     if family == "gemma":
         return keras_hub.models.GemmaBackbone(
             vocabulary_size=V, num_layers=2, num_query_heads=2, num_key_value_heads=1,
@@ -96,8 +105,11 @@ def _assert_matches_loop(loss_fn, args, rtol, atol):
     return reg
 
 
-def _assert_all_registered(reg, backbone, extra=()):
-    assert not reg.generic_variables, reg.summary()
+def _assert_all_registered(reg, backbone, extra=(), generic=()):
+    """Every trainable variable registered once, and in a non-generic layer
+    unless it is named in ``generic``."""
+    assert {layer.name for layer in reg.layers if layer.kind == "generic"} == set(generic), (
+        reg.summary())
     own = sum(int(np.prod(v.shape)) for v in backbone.trainable_variables)
     assert len(reg.variables) == len(backbone.trainable_variables) + len(extra), reg.summary()
     assert sum(layer.num_parameters for layer in reg.layers) == own + sum(extra), reg.summary()
@@ -113,14 +125,18 @@ def _kinds(reg):
 
 
 @pytest.mark.parametrize("family", [
-    "bert", "gpt2", "llama", pytest.param("gemma", marks=pytest.mark.slow)])
+    "bert", "gpt2", "llama", "deberta", pytest.param("gemma", marks=pytest.mark.slow)])
 def test_backbone_registers_and_per_example_gradients_are_exact_float64(family):
     loss_fn, args, backbone = _model(family, "float64")
     # Llama's and Gemma's RMSNorm normalise in float32 whatever the model's
     # dtype: the loop itself is only float32-exact there
     rtol, atol = (1e-4, 1e-7) if family in ("llama", "gemma") else (1e-6, 1e-12)
     reg = _assert_matches_loop(loss_fn, args, rtol=rtol, atol=atol)
-    _assert_all_registered(reg, backbone, extra=(16 * C, C) if family == "bert" else ())
+    # DeBERTa's relative table is layer-normalised as a weight, before any
+    # example axis: no layer pattern (its per-example gradients come from the
+    # generic Jacobian, checked above)
+    _assert_all_registered(reg, backbone, extra=(16 * C, C) if family == "bert" else (),
+                           generic=DEBERTA_GENERIC if family == "deberta" else ())
     kinds = _kinds(reg)
     if family == "bert":
         assert [kinds[k] for k in ("token_embedding", "position_embedding",
@@ -135,6 +151,11 @@ def test_backbone_registers_and_per_example_gradients_are_exact_float64(family):
         assert kinds["feedforward_gate_dense"] == {"dense"}, reg.summary()
         shapes = [tuple(v.shape) for v in reg.variables]
         assert (16, 2, 4) in shapes and (16, 4, 4) in shapes  # 2 key/value heads, 4 query heads
+    if family == "deberta":  # relative embeddings (a weight repeated over the batch)
+        # projected by each layer's own query and key: a second use of both
+        for name in ("query", "key"):
+            assert [(layer.kind, layer.uses) for layer in reg.layers
+                    if layer.name.endswith(f"/{name}_1")] == [("dense", 2)] * 2, reg.summary()
     if family == "gemma":  # x * (1 + scale); kernels [heads, d, head_dim] contracted on axis 1
         assert reg.layers[0].kind == "tied_embedding"
         assert kinds["pre_attention_norm"] == {"scale_and_shift"}, reg.summary()
@@ -168,7 +189,8 @@ def _trains(loss_fn, args, steps=20):
 
 @pytest.mark.slow  # 30-80 s each, most of it building the first K-FAC and DP-SGD steps
 @pytest.mark.parametrize("family,tied", [
-    ("gpt2", True), ("bert", False), ("llama", False), ("llama", True), ("gemma", True)])
+    ("gpt2", True), ("bert", False), ("llama", False), ("llama", True), ("gemma", True),
+    ("deberta", True)])
 def test_backbone_trains_with_kfac_defaults_and_dpsgd(family, tied):
     loss_fn, args, _ = _model(family, "float32", tied=tied)
     _trains(loss_fn, args)

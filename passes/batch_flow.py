@@ -1,0 +1,74 @@
+"""Which ops of the IR compute per example, and which weight-only values
+reach them.
+
+``batch_sources(g)``: besides the arguments, the ops whose rows are the
+examples' although no data flows into them (module functions' docstrings).
+``weights_into_data(g, on_path, batched)``: the ops computed from weights
+alone whose values flow into an op with an example axis, so a variable read
+among them is a use a layer must claim (else the variable is generic).
+"""
+from __future__ import annotations
+
+import networkx as nx
+
+from passes import ir
+
+
+def batch_sources(g) -> list:
+    """Constants shaped ``[B, ...]`` for the arguments' static batch ``B``
+    (an RNN's zero initial state), and weights or constants tiled or
+    broadcast to ``[B, ...]`` (DeBERTa's relative embeddings, repeated over
+    the batch): every row is an example's, so what is computed from them
+    and the weights, row by row (the first step of an unrolled loop, the
+    relative embeddings' projections), is per example like the data."""
+    batch = next((s[0] for a in g.graph["arguments"] if a in g
+                  for s in g.nodes[a]["shapes"][:1] if s and s[0] is not None), None)
+    if batch is None:
+        return []
+    constants = [n for n, d in g.nodes(data=True) if d["op"] in ("Const", "Fill")
+                 and d["shapes"] and d["shapes"][0] and len(d["shapes"][0]) >= 2
+                 and d["shapes"][0][0] == batch]
+    if batch == 1:  # every unit axis would read as the batch's
+        return constants
+    return constants + [n for n, d in g.nodes(data=True)
+                        if d["op"] in ("Tile", "BroadcastTo") and _expands_to(g, d, batch)]
+
+
+def _expands_to(g, d, batch) -> bool:
+    """Whether the op copies its input ``batch`` times along a new leading
+    axis (unit axes before it allowed: ``repeat`` tiles ``[1, B, ...]``)."""
+    out = d["shapes"][0] if d["shapes"] else None
+    node, index = ir.split_tensor(d["inputs"][0])
+    src = g.nodes[node]["shapes"][index] if len(g.nodes[node]["shapes"]) > index else None
+    if out is None or src is None or len(src) > len(out):
+        return False
+    for o, s in zip(out, (1,) * (len(out) - len(src)) + tuple(src)):
+        if o != 1:
+            return o == batch and s == 1
+    return False
+
+
+_NOT_DIFFERENTIABLE = frozenset({"Shape", "ShapeN", "Size", "Rank", "StopGradient"})
+
+
+def weights_into_data(g, on_path, batched) -> set:
+    """The ops on the loss's path computed from weights and constants alone
+    whose values flow on (through floating-point ops) into a data-dependent
+    op with an example axis: a variable read there is a use of the variable
+    that a layer must claim (DeBERTa's relative embeddings projected by the
+    attention's own query and key layers), unlike a weight penalty, whose
+    value meets the data only in the scalar loss."""
+    into = set()
+    for node in reversed(list(nx.topological_sort(g.subgraph(on_path)))):
+        d = g.nodes[node]
+        if node in batched or d["op"] in _NOT_DIFFERENTIABLE or not any(
+                t.startswith(("float", "bfloat", "half", "complex")) for t in d["dtypes"]):
+            continue
+        for s in g.successors(node):
+            if s not in on_path:
+                continue
+            if s in into or (s in batched and any(shape is None or len(shape) >= 1
+                                                  for shape in g.nodes[s]["shapes"])):
+                into.add(node)
+                break
+    return into

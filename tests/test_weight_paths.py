@@ -1,0 +1,135 @@
+"""Values computed from weights alone that meet the data (``passes/batch_flow.py``).
+
+DeBERTa projects its relative position embeddings, a table repeated over
+the batch, with the attention's own query and key layers, and pairs the
+projected rows with each example's queries: the projection is a second use
+of those layers, per example like the data. Before, the pass took the
+weights-only product for a weight penalty and dropped that use, and the
+per-example gradients of the query and key kernels came back wrong by tens
+of percent, with no error. Now such a use registers when the weights are
+tiled or broadcast over the batch, and any other read of a variable whose
+value meets the data before the loss is reduced makes it generic (with the
+reason) instead of being ignored; a penalty added to the scalar loss stays
+what it was. Checked in float64 against a loop of one-example gradients and
+the brute-force Fisher."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+from fisher_reference import brute_fisher
+from per_example_reference import one_example_loop
+
+B, T, P, D, C = 3, 4, 5, 3, 2
+
+
+def _softmax_fisher(z):
+    p = tf.nn.softmax(z)
+    return tf.linalg.diag(p) - p[:, :, None] * p[:, None, :]
+
+
+def _relative_model(expand, batch):
+    """``q = x W + b`` and ``k = R W + b`` with the table ``R`` repeated over
+    the batch (``expand``), scores ``q_i . k_i`` per example, a linear head."""
+    rng = np.random.RandomState(0)
+    rel = tf.Variable(rng.normal(size=(P, D)), name="rel")
+    w = tf.Variable(rng.normal(size=(D, D)), name="w")
+    b = tf.Variable(rng.normal(size=(D,)), name="b")
+    head = tf.Variable(rng.normal(size=(P, C)), name="head")
+    params = [rel, w, b, head]
+
+    def logits(p, x):
+        rel, w, b, head = p
+        n = batch(x)
+        r = {"repeat": lambda: tf.repeat(rel[None], n, axis=0),
+             "tile": lambda: tf.tile(rel[None], [n, 1, 1]),
+             "broadcast": lambda: tf.broadcast_to(rel, [n, P, D])}[expand]()
+        scores = tf.einsum("btd,bpd->btp", x @ w + b, r @ w + b)
+        return tf.reduce_mean(tf.tanh(scores), axis=1) @ head
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, logits(params, x)))
+
+    x = tf.constant(rng.normal(size=(B, T, D)))
+    return loss_fn, logits, params, (x, tf.constant([0, 1, 1]))
+
+
+def _assert_matches_loop(loss_fn, args):
+    reg = loss_fn.registration(*args)
+    got = kg.per_example_gradients(loss_fn, *args)
+    want = one_example_loop(loss_fn, args, reg.variables)
+    for v, g, w in zip(reg.variables, got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12, err_msg=v.name)
+    return reg
+
+
+@pytest.mark.parametrize("expand", ["repeat", "tile", "broadcast"])
+@pytest.mark.parametrize("batch", ["static", "dynamic"])
+def test_weights_repeated_over_the_batch_are_a_second_use(expand, batch):
+    size = {"static": lambda x: x.shape[0], "dynamic": lambda x: tf.shape(x)[0]}[batch]
+    loss_fn, logits, params, args = _relative_model(expand, size)
+    reg = _assert_matches_loop(loss_fn, args)
+    kinds = {tuple(v.name.split(":")[0] for v in layer.variables): (layer.kind, layer.uses)
+             for layer in reg.layers}
+    assert kinds[("w", "b")] == ("dense", 2), reg.summary()
+    assert kinds[("rel",)][0] == "generic", reg.summary()  # weights alone, no example axis
+    rel, w, b, _ = params
+    want = brute_fisher(lambda p, x: logits([rel, p[0], p[1], params[3]], x), [w, b],
+                        args[0], _softmax_fisher)
+    est = kg.FisherEstimator(loss_fn, estimation_mode="exact", approximations={"dense": "full"})
+    est.update(*args)
+    block = [blk for blk, layer in zip(est.blocks, reg.layers) if layer.kind == "dense"
+             and layer.variables[0] is w][0]
+    np.testing.assert_allclose(block.full_matrix(), want, rtol=1e-6, atol=1e-12)
+
+
+def _side_path_model(form, penalty=0.1, w=None):
+    """A dense layer whose kernel also reaches the loss another way:
+    ``"into_data"`` adds its column means to the outputs (per example),
+    ``"per_example_penalty"`` adds ``penalty |W|^2`` to every example's
+    term, and ``"penalty"`` adds it to the reduced loss. ``w``: the kernel
+    (default a new one)."""
+    rng = np.random.RandomState(1)
+    w = tf.Variable(rng.normal(size=(D, C)), name="w") if w is None else w
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        z = tf.tanh(x) @ w
+        if form == "into_data":
+            z = z + tf.reduce_mean(w, axis=0)
+        terms = tf.nn.sparse_softmax_cross_entropy_with_logits(y, z)
+        if form == "per_example_penalty":
+            terms = terms + penalty * tf.reduce_sum(tf.square(w))
+        loss = tf.reduce_mean(terms)
+        return loss + penalty * tf.reduce_sum(tf.square(w)) if form == "penalty" else loss
+
+    return loss_fn, (tf.constant(rng.normal(size=(B, D))), tf.constant([0, 1, 1]))
+
+
+def test_a_weight_path_into_the_examples_outside_the_layer_is_generic():
+    loss_fn, args = _side_path_model("into_data")
+    reg = _assert_matches_loop(loss_fn, args)
+    (layer,) = reg.layers
+    assert layer.kind == "generic" and "also read outside its layer pattern" in layer.reason
+
+
+def test_a_penalty_added_to_each_term_is_generic_and_still_no_examples():
+    """The penalty meets each example's term, so the kernel is generic; its
+    per-example gradients stay those of the terms without it (a penalty
+    belongs to no example, as on the reduced loss)."""
+    loss_fn, args = _side_path_model("per_example_penalty")
+    reg = loss_fn.registration(*args)
+    (layer,) = reg.layers
+    assert layer.kind == "generic", reg.summary()
+    without, _ = _side_path_model("per_example_penalty", 0.0, reg.variables[0])
+    want = one_example_loop(without, args, reg.variables)
+    np.testing.assert_allclose(kg.per_example_gradients(loss_fn, *args)[0], want[0],
+                               rtol=1e-6, atol=1e-12)
+
+
+def test_a_penalty_on_the_reduced_loss_leaves_the_layer_registered():
+    loss_fn, args = _side_path_model("penalty")
+    (layer,) = loss_fn.registration(*args).layers
+    assert (layer.kind, layer.uses) == ("dense", 1)
