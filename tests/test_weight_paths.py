@@ -1,17 +1,25 @@
-"""Values computed from weights alone that meet the data (``passes/batch_flow.py``).
+"""Paths from a weight to the loss that a layer's pattern does not see.
 
-DeBERTa projects its relative position embeddings, a table repeated over
-the batch, with the attention's own query and key layers, and pairs the
-projected rows with each example's queries: the projection is a second use
-of those layers, per example like the data. Before, the pass took the
-weights-only product for a weight penalty and dropped that use, and the
-per-example gradients of the query and key kernels came back wrong by tens
-of percent, with no error. Now such a use registers when the weights are
-tiled or broadcast over the batch, and any other read of a variable whose
-value meets the data before the loss is reduced makes it generic (with the
-reason) instead of being ignored; a penalty added to the scalar loss stays
-what it was. Checked in float64 against a loop of one-example gradients and
-the brute-force Fisher."""
+Values computed from weights alone that meet the data
+(``passes/batch_flow.py``): DeBERTa projects its relative position
+embeddings, a table repeated over the batch, with the attention's own query
+and key layers, and pairs the projected rows with each example's queries:
+the projection is a second use of those layers, per example like the data.
+Before, the pass took the weights-only product for a weight penalty and
+dropped that use, and the per-example gradients of the query and key
+kernels came back wrong by tens of percent, with no error. Now such a use
+registers when the weights are tiled or broadcast over the batch, and any
+other read of a variable whose value meets the data before the loss is
+reduced makes it generic (with the reason) instead of being ignored; a
+penalty added to the scalar loss stays what it was.
+
+A layer's weighted product read both through its "bias" and elsewhere
+(XLNet's bias-free query, plus three attention biases) is no biased layer
+(``match_layers._leaks``): before, one bias was taken for the projection's
+and the kernel's gradient lost the other two paths.
+
+Checked in float64 against a loop of one-example gradients and the
+brute-force Fisher."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -133,3 +141,32 @@ def test_a_penalty_on_the_reduced_loss_leaves_the_layer_registered():
     loss_fn, args = _side_path_model("penalty")
     (layer,) = loss_fn.registration(*args).layers
     assert (layer.kind, layer.uses) == ("dense", 1)
+
+
+@pytest.mark.parametrize("layer", ["dense", "conv2d"])
+def test_a_product_read_before_and_after_its_bias_is_no_biased_layer(layer):
+    """XLNet's bias-free query projection ``q`` is read as ``q + u`` and
+    ``q + v`` (two attention biases): neither add is the projection's bias,
+    since the layer's output would then miss the other path. The product
+    registers alone and each bias as a shift of its own."""
+    rng = np.random.RandomState(2)
+    shape = {"dense": (D, D), "conv2d": (2, 2, D, D)}[layer]
+    w = tf.Variable(rng.normal(size=shape), name="w")
+    u = tf.Variable(rng.normal(size=(D,)), name="u")
+    v = tf.Variable(rng.normal(size=(D,)), name="v")
+    head = tf.Variable(rng.normal(size=(D, C)), name="head")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        q = x @ w if layer == "dense" else tf.nn.conv2d(x, w, 1, "SAME")
+        h = tf.tanh(q + u) * tf.sigmoid(q + v)
+        h = tf.reduce_mean(h, axis=list(range(1, len(h.shape) - 1))) if layer == "conv2d" else h
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, h @ head))
+
+    x = rng.normal(size=(B, D) if layer == "dense" else (B, 3, 3, D))
+    args = (tf.constant(x), tf.constant([0, 1, 1]))
+    reg = _assert_matches_loop(loss_fn, args)
+    got = sorted((layer.kind, tuple(v.name.split(":")[0] for v in layer.variables))
+                 for layer in reg.layers)
+    assert got == sorted([(layer, ("w",)), ("dense", ("head",)),
+                          ("scale_and_shift", ("u",)), ("scale_and_shift", ("v",))]), got
