@@ -96,6 +96,7 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
     grouped = _group(g, find(LAYER_PATTERNS))
     if _stacked_kernels_shared(grouped):
         grouped = _group(g, find(tuple(p for p in LAYER_PATTERNS if p not in STACKED_PATTERNS)))
+    grouped = batch_flow.unflatten_dense_rows(grouped, batch_flow.flattened_rows(g, batched))
 
     holders = collections.defaultdict(list)
     for node, d in g.nodes(data=True):

@@ -16,7 +16,6 @@ catalogue of all of them in ``passes.catalogue``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Callable, Mapping
 
@@ -324,37 +323,9 @@ DENSE_TENSORDOT_TRANSPOSED = Pattern(
 
 
 
-def _merges_rows(g, m) -> bool:
-    """Positions flattened into rows before a matmul, never unflattened
-    there (a mixture of experts' router on ``reshape(h, [-1, d])``):
-    Reshape ``[B, .., d] -> [N, d]``, MatMul. The rows are batch-major, so
-    the layer reads ``h`` with its batch axis (``dense.operands`` lays the
-    output gradient ``[N, o]`` out as ``[B, .., o]``)."""
-    before = ir.shape_of(g, g.nodes[m["flat"]]["inputs"][0])
-    flat = g.nodes[m["flat"]]["shapes"][0]
-    if before is None or flat is None or len(before) < 3 or len(flat) != 2:
-        return False
-    rows = None if None in before[:-1] else math.prod(before[:-1])
-    return (flat[-1] is not None and flat[-1] == before[-1] and None not in (rows, flat[0])
-            and flat[0] == rows and _dense_kernel_ok(g, m))
-
-
-_FLAT_NODES = {"x": ANY, "flat": ops("Reshape"), "op": ops("MatMul", where=_dense_op),
-               "w": VAR_PART}
-_FLAT_EDGES = (("x", "flat", 0), ("flat", "op", 0), ("w", "op", 1))
-DENSE_FLAT_BIAS = Pattern(
-    "dense_flat_bias", "dense", {**_FLAT_NODES, "b": VAR, "add": ADD},
-    _FLAT_EDGES + (("op", "add", None), ("b", "add", None)),
-    anchor="op", output="add", params=("w", "b"), inputs=(("flat", "in", 0),),
-    check=lambda g, m: _merges_rows(g, m) and bias_fits(g, m, -1))
-DENSE_FLAT = Pattern(
-    "dense_flat", "dense", _FLAT_NODES, _FLAT_EDGES,
-    anchor="op", output="op", params=("w",), inputs=(("flat", "in", 0),), check=_merges_rows)
-
 DENSE_AND_CONV_PATTERNS: tuple[Pattern, ...] = (
     DENSE_TENSORDOT_BIAS, DENSE_TENSORDOT,
     DENSE_TENSORDOT_TRANSPOSED_BIAS, DENSE_TENSORDOT_TRANSPOSED,
-    DENSE_FLAT_BIAS, DENSE_FLAT,
     DENSE_TRANSPOSED_BIAS, DENSE_TRANSPOSED,
     DENSE_BIAS, DENSE,
     ATROUS_CONV2D_BIAS, ATROUS_CONV2D, ATROUS_CONV3D_BIAS, ATROUS_CONV3D,

@@ -1,0 +1,147 @@
+"""Layers on examples flattened into rows (``passes.batch_flow.flattened_rows``).
+
+A Reshape of a tensor whose leading axis is the batch into ``[k B, ..]``
+rows keeps each example's rows together (row-major order), and row-wise ops
+(elementwise, softmax, a matmul on a weight, a transpose that keeps the
+rows first) keep them so. A dense layer on such rows reads them as
+``[B, k, ..]``. Before, its per-example gradients stopped at a one-line
+error (leading axis ``kB``). Cases: a mixture of experts as keras-hub
+writes them (Mixtral, Qwen-MoE), whose router and shared expert run on
+``reshape(h, [-1, d])`` and are never unflattened there (softmax, top-k and
+the routing weights follow on ``[B T, E]``); and windows cut from a
+sequence (Swin's ``[B nW, N, C]``) projected by a Keras ``Dense``.
+Checked in float64 against a loop of one-example gradients and the
+brute-force Fisher."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+from fisher_reference import brute_fisher
+from per_example_reference import one_example_loop
+
+B, T, D, E, C = 3, 4, 3, 5, 2
+
+
+def _softmax_fisher(z):
+    p = tf.nn.softmax(z)
+    return tf.linalg.diag(p) - p[:, :, None] * p[:, None, :]
+
+
+def _router_model(bias):
+    """Tokens ``[B, T, D]`` flattened to rows, routed by ``softmax(rows W + b)``
+    over E experts (each a fixed scale here), mean over tokens, a head."""
+    rng = np.random.RandomState(0)
+    w = tf.Variable(rng.normal(size=(D, E)), name="router")
+    b = tf.Variable(rng.normal(size=(E,)), name="router_bias")
+    head = tf.Variable(rng.normal(size=(D, C)), name="head")
+    scales = tf.constant(rng.normal(size=(E,)))
+
+    def logits(params, x):
+        w, b, head = params
+        rows = tf.reshape(x, [-1, D])
+        route = tf.nn.softmax(rows @ w + b if bias else rows @ w)
+        mixed = rows * tf.reduce_sum(route * scales, axis=-1, keepdims=True)
+        pooled = tf.reduce_mean(tf.reshape(mixed, [-1, T, D]), axis=1)
+        return pooled @ head
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, logits([w, b, head], x)))
+
+    args = (tf.constant(rng.normal(size=(B, T, D))), tf.constant([0, 1, 1]))
+    return loss_fn, logits, [w, b, head], args
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_router_on_flattened_tokens(bias):
+    loss_fn, logits, params, args = _router_model(bias)
+    reg = loss_fn.registration(*args)
+    got = [(layer.kind, tuple(v.name.split(":")[0] for v in layer.variables))
+           for layer in reg.layers]
+    router = ("router", "router_bias") if bias else ("router",)
+    assert got == [("dense", router), ("dense", ("head",))], reg.summary()
+    assert reg.layers[0].use_attrs[0]["input_shape"] == (B, T, D)
+    pex = kg.per_example_gradients(loss_fn, *args)
+    for v, g, w in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12, err_msg=v.name)
+    w, b, head = params
+    want = brute_fisher(lambda p, x: logits([p[0], p[-1] if bias else b, head], x),
+                        [w, b] if bias else [w], args[0], _softmax_fisher)
+    est = kg.FisherEstimator(loss_fn, estimation_mode="exact", approximations={"dense": "full"})
+    est.update(*args)
+    np.testing.assert_allclose(est.blocks[0].full_matrix(), want, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen_moe", marks=pytest.mark.slow)])
+def test_keras_hub_moe_backbone(family):
+    """keras-hub's Mixtral and Qwen-MoE from tiny configs, float64: every
+    router a dense layer on ``[B, T, d]``; the experts' stacked kernels
+    ``[E, d, m]`` (``einsum("th,ehm->etm")``, every expert on every token,
+    weighed by the routing after) stay generic, with the reason; per-example
+    gradients equal a loop; kg.KFAC with its defaults lowers the loss."""
+    keras = pytest.importorskip("keras")
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        keras.utils.set_random_seed(0)
+        common = dict(vocabulary_size=20, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+                      hidden_dim=8, intermediate_dim=16, num_experts=3, top_k=2)
+        backbone = (keras_hub.models.MixtralBackbone(**common) if family == "mixtral" else
+                    keras_hub.models.QwenMoeBackbone(**common, moe_intermediate_dim=8,
+                                                     shared_expert_intermediate_dim=8))
+        head = keras.layers.Dense(C)
+        rng = np.random.RandomState(1)
+        x = tf.constant(rng.randint(0, 20, (B, 5)))
+
+        @kg.auto_register
+        def loss_fn(x, y):
+            h = backbone({"token_ids": x, "padding_mask": tf.ones_like(x)})
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                y, head(tf.reduce_mean(h, axis=1))))
+
+        args = (x, tf.constant([0, 1, 1]))
+        reg = loss_fn.registration(*args)
+        routers = [layer for layer in reg.layers
+                   if "sparse_feedforward_gate_dense" in layer.variables[0].name]
+        assert [(layer.kind, layer.use_attrs[0]["input_shape"]) for layer in routers] == [
+            ("dense", (B, 5, 8))] * 2, reg.summary()
+        generic = [layer for layer in reg.layers if layer.kind == "generic"]
+        assert generic and all("/experts/" in layer.name and "Einsum" in layer.reason
+                               for layer in generic), reg.summary()
+        pex = kg.per_example_gradients(loss_fn, *args)
+        for v, g, w in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
+            # the layer norms compute in float32 whatever the model's dtype
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6, err_msg=v.name)
+        opt = kg.KFAC(loss_fn)
+        losses = [float(opt.step(*args)) for _ in range(8)]
+        assert losses[-1] < 0.5 * losses[0] and int(opt.skipped_steps) == 0, losses
+    finally:
+        keras.config.set_floatx("float32")
+        keras.config.set_dtype_policy("float32")
+
+
+def test_windows_of_a_sequence_through_keras_dense():
+    """``[B, T, D]`` cut into windows ``[B T / 2, 2, D]``, a Keras ``Dense``
+    (a Tensordot) and a softmax over each window, then back to ``[B, T, D]``."""
+    keras = pytest.importorskip("keras")
+    rng = np.random.RandomState(3)
+    dense = keras.layers.Dense(D, dtype="float64")
+    head = tf.Variable(rng.normal(size=(D, C)), name="head")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        windows = tf.reshape(x, [-1, 2, D])
+        h = tf.nn.softmax(tf.tanh(dense(windows)), axis=1)
+        pooled = tf.reduce_mean(tf.reshape(h, [-1, T, D]), axis=1)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, pooled @ head))
+
+    args = (tf.constant(rng.normal(size=(B, T, D))), tf.constant([0, 1, 1]))
+    reg = loss_fn.registration(*args)
+    assert [layer.kind for layer in reg.layers] == ["dense", "dense"], reg.summary()
+    assert reg.layers[0].use_attrs[0]["input_shape"] == (B, T // 2, 2, D)
+    pex = kg.per_example_gradients(loss_fn, *args)
+    for v, g, w in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12, err_msg=v.name)
