@@ -1,4 +1,4 @@
-"""Layers on examples flattened into rows (``passes.batch_flow.flattened_rows``).
+"""Layers on examples flattened into rows (``passes/example_rows.py``).
 
 A Reshape of a tensor whose leading axis is the batch into ``[k B, ..]``
 rows keeps each example's rows together (row-major order), and row-wise ops
@@ -145,3 +145,49 @@ def test_windows_of_a_sequence_through_keras_dense():
     pex = kg.per_example_gradients(loss_fn, *args)
     for v, g, w in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12, err_msg=v.name)
+
+
+def test_keras_hub_swin_windows():
+    """keras-hub's Swin Transformer from a tiny config, float64: attention
+    within windows ``[B nW, N, C]``, the qkv projection split by a reshape,
+    a transpose that moves the rows to the second axis and an unstack, the
+    scores and weighted values batched matmuls, the output projection back
+    on the rows (shifted windows in the second block). Every projection is
+    a dense layer on ``[B, nW, N, C]``; the relative position bias tables
+    (looked up by ids without an example axis and added to every window's
+    scores) stay generic, with the reason; per-example gradients equal a
+    loop."""
+    keras = pytest.importorskip("keras")
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.SwinTransformerBackbone(
+            image_shape=(8, 8, 3), embed_dim=4, depths=[2], num_heads=[2], window_size=2,
+            patch_size=2)
+        head = keras.layers.Dense(C)
+        rng = np.random.RandomState(2)
+
+        @kg.auto_register
+        def loss_fn(x, y):
+            h = backbone(x)
+            h = list(h.values())[-1] if isinstance(h, dict) else h  # the last stage's map
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                y, head(tf.reduce_mean(h, axis=list(range(1, len(h.shape) - 1))))))
+
+        args = (tf.constant(rng.normal(size=(B, 8, 8, 3))), tf.constant([0, 1, 1]))
+        reg = loss_fn.registration(*args)
+        windowed = [layer for layer in reg.layers if "/attn_1/" in layer.name]
+        assert windowed and all(
+            layer.kind == "dense" and layer.use_attrs[0]["input_shape"][:2] == (B, 4)
+            for layer in windowed), reg.summary()
+        generic = [layer for layer in reg.layers if layer.kind == "generic"]
+        assert len(generic) == 2 and all(
+            "relative_position_bias_table" in layer.name for layer in generic), reg.summary()
+        pex = kg.per_example_gradients(loss_fn, *args)
+        for v, g, w in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12, err_msg=v.name)
+    finally:
+        keras.config.set_floatx("float32")
+        keras.config.set_dtype_policy("float32")
