@@ -229,8 +229,11 @@ SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE = _with_bias(
 
 
 def _broadcast_over_batch(g, m) -> bool:
-    """The lookup ``[*ids, D]`` is added to a ``[B, *ids, D]`` activation."""
+    """The lookup ``[*ids, D]`` is added to a ``[B, *ids, D]`` activation
+    (ids ``[1, T]`` too, their unit axis standing for the batch: ViT's)."""
     rows, out = _shape(g, m["op"]), _shape(g, m["add"])
+    if rows is not None and out is not None and len(rows) == len(out) >= 3 and rows[0] == 1:
+        rows = rows[1:]
     return (EMBEDDING.check(g, m) and m["x"] != m["op"] and rows is not None and out is not None
             and len(out) == len(rows) + 1 and _same(out[1:], rows))
 

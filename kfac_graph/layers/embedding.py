@@ -160,14 +160,16 @@ def spec(layer, use):
 
 def operands(layer, use, tensors, grads):
     """The ids, and the gradients at the looked-up rows. A position embedding
-    (`ids_broadcast`: ids `[T]` with no batch axis, rows added to a `[B, T, D]`
-    activation; the gradients are taken at that sum) gets its ids broadcast
-    to `[B, T]`: example i's rows are its own `g_i`, so its per-example gradient
+    (`ids_broadcast`: ids `[T]` with no batch axis, or `[1, T]`, rows added to a
+    `[B, T, D]` activation; the gradients are taken at that sum) gets its ids
+    broadcast to `[B, T]`: example i's rows are its own `g_i`, so its per-example gradient
     is the scatter of `g_i` into the rows read. A table slice
     `table[start:stop]` added so (`row_range`) reads ids `range(start, stop)`."""
     attrs = layer.use_attrs[use]
     ids = tf.range(*attrs["row_range"]) if attrs.get("row_range") else tensors[0]
     if attrs.get("ids_broadcast"):
+        if ids.shape.rank == grads[0].shape.rank - 1:  # [1, T]: the unit axis is the batch's
+            ids = tf.reshape(ids, tf.shape(ids)[1:])
         shape = tf.concat([tf.shape(grads[0])[:1], tf.shape(ids)], axis=0)
         ids = tf.broadcast_to(ids[None], shape)
         ids.set_shape(grads[0].shape[:-1])
