@@ -52,7 +52,8 @@ def example_rows(g, batched) -> dict:
         if d["op"] == "Reshape":
             src = ir.shape_of(g, d["inputs"][0])
             first = (rows[sources[0]].axis == 0 if sources[0] in rows else
-                     bool(src) and src[0] == batch and sources[0] in batched)
+                     bool(src) and src[0] == batch and sources[0] in batched
+                     and not _transposed_from(g, sources[0]))
             if first and out[0] > batch and out[0] % batch == 0:
                 rows[node] = Rows(batch, out[0] // batch, 0)
             continue
@@ -64,6 +65,24 @@ def example_rows(g, batched) -> dict:
         if axis is not None and axis < len(out) and out[axis] == r.batch * r.per_example:
             rows[node] = r._replace(axis=axis)
     return rows
+
+
+def _transposed_from(g, node, depth=16) -> bool:
+    """Whether ``node``'s first axis came from another axis by a Transpose up
+    its chain of elementwise ops (a time-major ``[T, B, d]`` whose ``T``
+    equals ``B`` would read as batch-first)."""
+    for _ in range(depth):
+        d = g.nodes[node]
+        if d["op"] == "Transpose":
+            perm = g.nodes[ir.split_tensor(d["inputs"][1])[0]].get("value")
+            if perm is None or int(perm[0]) != 0:
+                return True
+        elif d["op"] not in _ELEMENTWISE and d["op"] not in ("Softmax", "LogSoftmax"):
+            return False
+        if not d["inputs"]:
+            return False
+        node = ir.split_tensor(d["inputs"][0])[0]
+    return True
 
 
 def _axis_after(g, d, sources, r, rows, batched, rank):

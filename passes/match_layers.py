@@ -26,7 +26,8 @@ from passes.catalogue import LAYER_PATTERNS
 from passes.example_rows import example_rows, unflatten_dense_rows
 from passes.patterns import Pattern, einsum_kernel_layout, var_shape
 from passes.patterns_stacked import STACKED_PATTERNS
-from passes.patterns_multiaxis import kernel_in_axes, kernel_perm, part_rows, slice_rows
+from passes.patterns_multiaxis import (kernel_in_axes, kernel_perm, output_perm, part_rows,
+                                      slice_rows)
 from passes.tied_embedding import merge_tied
 from passes.unroll import WHILE_OPS
 
@@ -199,9 +200,10 @@ def _use(g, pattern: Pattern, roles) -> Use:
         k = kernel_in_axes(g, roles)
         if k is not None:
             attrs["kernel_in_axes"] = k
-        perm = kernel_perm(g, roles)
-        if perm is not None:
-            attrs["kernel_perm"] = perm
+        for name, perm in (("kernel_perm", kernel_perm(g, roles)),
+                           ("output_perm", output_perm(g, roles))):
+            if perm is not None:
+                attrs[name] = perm
         if "w2" in roles:  # a stacked kernel: the rows each variable gives it
             attrs["stacked_rows"] = tuple(int(var_shape(g, roles[r])[0]) for r in ("w", "w2"))
     if pattern.kind == "embedding" and "add" in roles:

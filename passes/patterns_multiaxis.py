@@ -46,12 +46,15 @@ from passes import ir
 from passes.patterns import ADD, ANY, EMBEDDING, VAR, VAR_PART, Op, Pattern, ops, var_shape
 
 
-def einsum_dense_form(equation: str) -> tuple[int, tuple] | None:
-    """``(k, perm)`` for an Einsum ``x,w->y`` applying a kernel of rank > 2 as
-    a dense layer: ``x = P + C``, ``y = P + O`` (P non-empty or an ellipsis),
-    ``w`` holding the letters of C and O in any order; ``k = len(C)`` and
-    ``perm`` orders ``w``'s axes as C (in ``x``'s order) then O (in ``y``'s),
-    the identity when ``w = C + O`` already. Else None."""
+def einsum_dense_form(equation: str) -> tuple[int, tuple, tuple] | None:
+    """``(k, perm, out_perm)`` for an Einsum ``x,w->y`` applying a kernel of
+    rank > 2 as a dense layer: ``x = P + C``, ``y`` the letters of P then O
+    (P non-empty or an ellipsis), ``w`` holding the letters of C and O in
+    any order; ``k = len(C)``, ``perm`` orders ``w``'s axes as C (in ``x``'s
+    order) then O (in ``y``'s), and ``out_perm`` takes ``y``'s axes to
+    ``P + O`` (identities when already so). ``y`` may interleave P and O
+    (a mixture of experts' ``"th,ehm->etm"``: every expert on every token),
+    without an ellipsis. Else None."""
     m = re.fullmatch(r"(\.\.\.)?([a-z]*),([a-z]+)->(\.\.\.)?([a-z]*)", equation.replace(" ", ""))
     if not m:
         return None
@@ -63,11 +66,13 @@ def einsum_dense_form(equation: str) -> tuple[int, tuple] | None:
     positions = x[:len(x) - k]
     if not k or k == len(w) or x[len(x) - k:] != "".join(contracted) or not (positions or ell_x):
         return None
-    out = y[len(positions):]
-    if (y[:len(positions)] != positions or len(out) != len(w) - k or set(out) != set(w) - set(x)
-            or len(set(y)) != len(y)):
+    out = [c for c in y if c not in positions]
+    if (len(set(y)) != len(y) or len(out) != len(w) - k or set(out) != set(w) - set(x)
+            or [c for c in y if c in positions] != list(positions)
+            or (ell_y and y[:len(positions)] != positions)):
         return None
-    return k, tuple(w.index(c) for c in contracted + list(out))
+    out_perm = tuple(y.index(c) for c in list(positions) + out)
+    return k, tuple(w.index(c) for c in contracted + out), out_perm
 
 
 def einsum_dense_axes(equation: str) -> int | None:
@@ -98,6 +103,16 @@ def kernel_perm(g, m) -> tuple | None:
         perm = None if form is None else form[1]
     else:
         return None
+    return None if perm is None or perm == tuple(range(len(perm))) else perm
+
+
+def output_perm(g, m) -> tuple | None:
+    """How an Einsum's output axes go to ``positions + outputs``
+    (``einsum_dense_form``); None when they are in that order."""
+    if g.nodes[m["op"]]["op"] != "Einsum" or len(var_shape(g, m["w"])) <= 2:
+        return None
+    form = einsum_dense_form(g.nodes[m["op"]]["attrs"].get("equation", ""))
+    perm = None if form is None else form[2]
     return None if perm is None or perm == tuple(range(len(perm))) else perm
 
 
@@ -165,7 +180,8 @@ def _bias_ok(g, m, out_role) -> bool:
     (or with its unit axes squeezed: Keras adds a ``[1, n]`` bias as ``[n]``)."""
     k = kernel_in_axes(g, m)
     bias, out, before = var_shape(g, m["b"]), _shape(g, m["add"]), _shape(g, m[out_role])
-    if k is None or not bias or out is None or before is None or len(bias) >= len(out):
+    if (k is None or output_perm(g, m) is not None or not bias or out is None or before is None
+            or len(bias) >= len(out)):
         return False
     if None in out[1:] + before[1:] or math.prod(out[1:]) != math.prod(before[1:]):
         return False  # the sum is no wider than the projection (unit axes aside)
@@ -321,4 +337,4 @@ MULTIAXIS_PATTERNS: tuple[Pattern, ...] = (
     POSITION_EMBEDDING, POSITION_TABLE_SLICE, POSITION_BROADCAST)
 
 __all__ = ["MULTIAXIS_PATTERNS", "einsum_dense_axes", "einsum_dense_form", "kernel_in_axes",
-           "slice_rows", "part_rows", "kernel_perm", "Op"]
+           "slice_rows", "part_rows", "kernel_perm", "output_perm", "Op"]

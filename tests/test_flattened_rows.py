@@ -9,7 +9,10 @@ error (leading axis ``kB``). Cases: a mixture of experts as keras-hub
 writes them (Mixtral, Qwen-MoE), whose router and shared expert run on
 ``reshape(h, [-1, d])`` and are never unflattened there (softmax, top-k and
 the routing weights follow on ``[B T, E]``); and windows cut from a
-sequence (Swin's ``[B nW, N, C]``) projected by a Keras ``Dense``.
+sequence (Swin's ``[B nW, N, C]``) projected by a Keras ``Dense``. The
+experts' input kernels, ``einsum("th,ehm->etm", rows, W)``, are dense
+layers on ``transpose(W, (1, 0, 2))`` whose output gradient is laid out
+positions first (``output_perm``).
 Checked in float64 against a loop of one-example gradients and the
 brute-force Fisher."""
 import numpy as np
@@ -77,10 +80,12 @@ def test_router_on_flattened_tokens(bias):
 @pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen_moe", marks=pytest.mark.slow)])
 def test_keras_hub_moe_backbone(family):
     """keras-hub's Mixtral and Qwen-MoE from tiny configs, float64: every
-    router a dense layer on ``[B, T, d]``; the experts' stacked kernels
+    router a dense layer on ``[B, T, d]``; the experts' stacked input kernels
     ``[E, d, m]`` (``einsum("th,ehm->etm")``, every expert on every token,
-    weighed by the routing after) stay generic, with the reason; per-example
-    gradients equal a loop; kg.KFAC with its defaults lowers the loss."""
+    weighed by the routing after) dense layers too; their output kernels
+    (``"eti,eih->eth"``, each expert on its own input) stay generic, with the
+    reason; per-example gradients equal a loop; kg.KFAC with its defaults
+    lowers the loss."""
     keras = pytest.importorskip("keras")
     keras_hub = pytest.importorskip("keras_hub")
     keras.config.set_floatx("float64")
@@ -108,9 +113,16 @@ def test_keras_hub_moe_backbone(family):
                    if "sparse_feedforward_gate_dense" in layer.variables[0].name]
         assert [(layer.kind, layer.use_attrs[0]["input_shape"]) for layer in routers] == [
             ("dense", (B, 5, 8))] * 2, reg.summary()
-        generic = [layer for layer in reg.layers if layer.kind == "generic"]
-        assert generic and all("/experts/" in layer.name and "Einsum" in layer.reason
-                               for layer in generic), reg.summary()
+        # the experts' input kernels (every expert on every token) are dense
+        # layers; their output kernels, one per expert's own input
+        # (``"eti,eih->eth"``), stay generic
+        experts = [layer for layer in reg.layers if "/experts/" in layer.variables[0].name]
+        assert experts and all(
+            (layer.kind, "Einsum" in layer.reason) == ("generic", True)
+            if "output_dense" in layer.variables[0].name else layer.kind == "dense"
+            for layer in experts), reg.summary()
+        assert {layer.kind for layer in experts} == {"dense", "generic"}, reg.summary()
+        assert all(layer in experts for layer in reg.layers if layer.kind == "generic")
         pex = kg.per_example_gradients(loss_fn, *args)
         for v, g, w in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
             # the layer norms compute in float32 whatever the model's dtype
@@ -191,3 +203,66 @@ def test_keras_hub_swin_windows():
     finally:
         keras.config.set_floatx("float32")
         keras.config.set_dtype_policy("float32")
+
+
+@pytest.mark.parametrize("form", ["th,ehm->etm", "th,ehm->tem"])
+def test_experts_on_every_token(form):
+    """Every expert on every token, ``einsum(form, rows, W [E, D, M])``, then
+    weighed by the routing: a dense layer on the applied kernel
+    ``transpose(W, (1, 0, 2))`` whose output ``[E, N, M]`` is laid out
+    positions first (``output_perm``)."""
+    rng = np.random.RandomState(4)
+    w = tf.Variable(rng.normal(size=(E, D, 2)), name="experts")
+    router = tf.Variable(rng.normal(size=(D, E)), name="router")
+    head = tf.Variable(rng.normal(size=(2, C)), name="head")
+
+    def logits(params, x):
+        w, router, head = params
+        rows = tf.reshape(x, [-1, D])
+        out = tf.tanh(tf.einsum(form, rows, w))
+        out = out if form.endswith("etm") else tf.transpose(out, [1, 0, 2])  # [E, N, M]
+        route = tf.transpose(tf.nn.softmax(rows @ router))  # [E, N]
+        mixed = tf.reduce_sum(out * route[:, :, None], axis=0)
+        return tf.reduce_mean(tf.reshape(mixed, [-1, T, 2]), axis=1) @ head
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, logits([w, router, head], x)))
+
+    args = (tf.constant(rng.normal(size=(B, T, D))), tf.constant([0, 1, 1]))
+    reg = loss_fn.registration(*args)
+    experts = [layer for layer in reg.layers if layer.variables[0] is w]
+    assert [(layer.kind, layer.use_attrs[0].get("output_perm")) for layer in experts] == [
+        ("dense", (1, 0, 2) if form.endswith("etm") else None)], reg.summary()
+    pex = kg.per_example_gradients(loss_fn, *args)
+    for v, g, want in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
+        np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-12, err_msg=v.name)
+    expected = brute_fisher(lambda p, x: logits([p[0], router, head], x), [w], args[0],
+                            _softmax_fisher)
+    est = kg.FisherEstimator(loss_fn, estimation_mode="exact", approximations={"dense": "full"})
+    est.update(*args)
+    block = est.blocks[reg.layers.index(experts[0])]
+    np.testing.assert_allclose(block.full_matrix(), expected, rtol=1e-6, atol=1e-12)
+    est = kg.FisherEstimator(loss_fn)  # the default Kronecker block runs
+    est.update(*args)
+    assert np.all(np.isfinite(est.blocks[reg.layers.index(experts[0])].full_matrix()))
+
+
+def test_time_major_rows_are_not_examples():
+    """``[B, T, D]`` made time-major and flattened to ``[T B, D]`` holds a
+    time step, not an example, in each group of rows: with ``T = B`` the
+    shapes alone would pass for examples. The dense layer there keeps the
+    one-line error naming it, never a wrong tensor."""
+    rng = np.random.RandomState(5)
+    w = tf.Variable(rng.normal(size=(D, C)), name="w")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        rows = tf.reshape(tf.transpose(x, [1, 0, 2]), [-1, D])  # [T B, D]
+        z = tf.reduce_mean(tf.reshape(tf.tanh(rows @ w), [-1, B, C]), axis=0)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, z))
+
+    args = (tf.constant(rng.normal(size=(B, B, D))), tf.constant([0, 1, 1]))
+    with pytest.raises(kg.KfacGraphError, match="leading axis"):
+        kg.per_example_gradients(loss_fn, *args)

@@ -200,7 +200,11 @@ def test_raw_einsum_op_and_separate_bias():
 @pytest.mark.parametrize("equation,axes", [
     ("abc,cde->abde", 1), ("abcd,cde->abe", 2), ("...c,cde->...de", 1), ("bc,cde->bde", 1),
     ("abc,dce->abde", 1), ("abc,cd->abd", None), ("abc,abd->acd", None), ("abc,bcd->abd", None),
-    ("abc,cde->abed", 1), ("abc,cde->aebd", None), ("abc,cdc->abd", None)])
+    ("abc,cde->abed", 1), ("abc,cdc->abd", None),
+    # outputs interleaved with the positions (a mixture of experts' input
+    # kernels: every expert on every token), the positions kept in order
+    ("abc,cde->aebd", 1), ("th,ehm->etm", 1), ("abc,cde->bdae", None),
+    ("...c,cde->d...e", None)])
 def test_einsum_dense_axes(equation, axes):
     assert einsum_dense_axes(equation) == axes
 

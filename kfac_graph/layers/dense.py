@@ -230,10 +230,13 @@ def operands(layer, use, tensors, grads):
     multi-axis kernel `a [B, T, d_in]` and `g [B, T, d_out]` (T: all positions);
     for a use of a box of the kernel (`parts.py`), both zero-padded to the
     whole kernel's `d_in` and `d_out`; for a stacked kernel the use's inputs
-    concatenated along their last axis."""
+    concatenated along their last axis; an Einsum whose output interleaves
+    positions and outputs (``output_perm``) has ``g`` transposed first."""
     attrs = layer.use_attrs[use]
     shape = attrs.get("input_shape")
     rows = attrs.get("stacked_rows")
+    if attrs.get("output_perm"):  # an Einsum's output axes, to positions then outputs
+        grads = [tf.transpose(g, attrs["output_perm"]) for g in grads]
     if rows:  # [x, h]: the inputs side by side, as the stacked kernel's rows
         lead = tuple(shape[:-1]) if shape else None
         a = tf.concat([reshape_like(t, lead and (*lead, d)) for t, d in zip(tensors, rows)],
