@@ -6,6 +6,7 @@ examples' although no data flows into them (module functions' docstrings).
 ``weights_into_data(g, on_path, batched)``: the ops computed from weights
 alone whose values flow into an op with an example axis, so a variable read
 among them is a use a layer must claim (else the variable is generic).
+``static_batch(g)``: the arguments' static batch size, or None.
 """
 from __future__ import annotations
 
@@ -74,5 +75,7 @@ def weights_into_data(g, on_path, batched) -> set:
 
 
 def static_batch(g):
+    """The leading dimension of the first argument that has a static one
+    (None when none has)."""
     return next((s[0] for a in g.graph["arguments"] if a in g
                  for s in g.nodes[a]["shapes"][:1] if s and s[0] is not None), None)

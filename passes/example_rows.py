@@ -6,8 +6,10 @@ keeps each example's slab of the buffer contiguous): keras-hub's mixture
 of experts routes ``reshape(h, [-1, d])``, Swin attends within windows
 ``[B nW, N, C]``. Ops that compute each row from the same rows of their
 inputs keep the grouping, and transposes and unstacks move the axis it is
-on. ``example_rows(g, batched)`` follows it; ``unflatten_dense_rows`` lets a
-dense layer on such rows (on the first axis) read them as ``[B, k, ..]``.
+on. A tensor a transpose made time-major is never taken for batch-first
+(``[T, B, d]`` with ``T = B`` has the shape of one). ``example_rows(g,
+batched)`` follows the rows; ``unflatten_dense_rows`` lets a dense layer on
+them (on the first axis) read them as ``[B, k, ..]``.
 """
 from __future__ import annotations
 
