@@ -68,6 +68,11 @@ BACKBONES = {
     "qwen_moe": lambda: _M.QwenMoeBackbone(
         **_DEC, num_query_heads=4, num_key_value_heads=2, moe_intermediate_dim=8,
         shared_expert_intermediate_dim=8, num_experts=3, top_k=2),
+    "gemma3": lambda: _M.Gemma3Backbone(
+        **_DEC, image_size=16, num_query_heads=2, num_key_value_heads=1, head_dim=8,
+        use_post_ffw_norm=True, use_post_attention_norm=True),
+    "gpt_oss": lambda: _M.GptOssBackbone(**_DEC, num_query_heads=4, num_key_value_heads=2,
+                                         num_experts=3, top_k=2, head_dim=4),
     "t5": lambda: _M.T5Backbone(**{**_DEC, "num_heads": 2}),
     "bart": lambda: _M.BartBackbone(**_ENC),
 }
