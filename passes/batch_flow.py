@@ -38,8 +38,7 @@ def _expands_to(g, d, batch) -> bool:
     """Whether the op copies its input ``batch`` times along a new leading
     axis (unit axes before it allowed: ``repeat`` tiles ``[1, B, ...]``)."""
     out = d["shapes"][0] if d["shapes"] else None
-    node, index = ir.split_tensor(d["inputs"][0])
-    src = g.nodes[node]["shapes"][index] if len(g.nodes[node]["shapes"]) > index else None
+    src = ir.shape_of(g, d["inputs"][0])
     if out is None or src is None or len(src) > len(out):
         return False
     for o, s in zip(out, (1,) * (len(out) - len(src)) + tuple(src)):

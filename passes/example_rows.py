@@ -76,7 +76,7 @@ def _transposed_from(g, node, depth=16) -> bool:
     for _ in range(depth):
         d = g.nodes[node]
         if d["op"] == "Transpose":
-            perm = g.nodes[ir.split_tensor(d["inputs"][1])[0]].get("value")
+            perm = ir.const_value(g, d["inputs"][1])
             if perm is None or int(perm[0]) != 0:
                 return True
         elif d["op"] not in _ELEMENTWISE and d["op"] not in ("Softmax", "LogSoftmax"):
@@ -91,7 +91,7 @@ def _axis_after(g, d, sources, r, rows, batched, rank):
     """The rows' axis in ``d``'s output, or None where the op mixes rows."""
     op, a = d["op"], r.axis
     if op == "Transpose":
-        perm = g.nodes[sources[1]].get("value")
+        perm = ir.const_value(g, d["inputs"][1])
         return None if perm is None else [int(p) for p in perm].index(a)
     if op == "Unpack":
         u = d["attrs"].get("axis", 0) % (rank + 1)

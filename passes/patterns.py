@@ -321,8 +321,6 @@ DENSE_TENSORDOT_TRANSPOSED = Pattern(
     anchor="op", output="unflat", params=("w",), inputs=(("flat", "in", 0),),
     check=lambda g, m: _merges_leading(g, m) and _transposed_kernel(g, m))
 
-
-
 DENSE_AND_CONV_PATTERNS: tuple[Pattern, ...] = (
     DENSE_TENSORDOT_BIAS, DENSE_TENSORDOT,
     DENSE_TENSORDOT_TRANSPOSED_BIAS, DENSE_TENSORDOT_TRANSPOSED,

@@ -91,29 +91,34 @@ def _same(a, b) -> bool:
     return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b))
 
 
+def _einsum_form(g, m):
+    """``einsum_dense_form`` of a matched Einsum with a kernel of rank > 2, else None."""
+    data = g.nodes[m["op"]]
+    if data["op"] != "Einsum" or len(var_shape(g, m["w"])) <= 2:
+        return None
+    return einsum_dense_form(data["attrs"].get("equation", ""))
+
+
+def _unless_identity(perm):
+    return None if perm is None or perm == tuple(range(len(perm))) else perm
+
+
 def kernel_perm(g, m) -> tuple | None:
     """The permutation the layer applies its kernel in: a ``Transpose(w,
     perm)`` before the Reshape (role ``"perm"``), or an Einsum's
     (``einsum_dense_form``); None when it applies the kernel as stored."""
     if "perm" in m:
         perm = ir.const_value(g, g.nodes[m["perm"]]["inputs"][1])
-        perm = None if perm is None else tuple(int(p) for p in perm)
-    elif g.nodes[m["op"]]["op"] == "Einsum" and len(var_shape(g, m["w"])) > 2:
-        form = einsum_dense_form(g.nodes[m["op"]]["attrs"].get("equation", ""))
-        perm = None if form is None else form[1]
-    else:
-        return None
-    return None if perm is None or perm == tuple(range(len(perm))) else perm
+        return _unless_identity(None if perm is None else tuple(int(p) for p in perm))
+    form = _einsum_form(g, m)
+    return _unless_identity(None if form is None else form[1])
 
 
 def output_perm(g, m) -> tuple | None:
     """How an Einsum's output axes go to ``positions + outputs``
     (``einsum_dense_form``); None when they are in that order."""
-    if g.nodes[m["op"]]["op"] != "Einsum" or len(var_shape(g, m["w"])) <= 2:
-        return None
-    form = einsum_dense_form(g.nodes[m["op"]]["attrs"].get("equation", ""))
-    perm = None if form is None else form[2]
-    return None if perm is None or perm == tuple(range(len(perm))) else perm
+    form = _einsum_form(g, m)
+    return _unless_identity(None if form is None else form[2])
 
 
 def kernel_shape(g, m) -> tuple:

@@ -127,3 +127,9 @@ def cov(rows):
 def homog(x):
     """``x`` with a 1 appended on its last axis (the bias's homogeneous coordinate)."""
     return np.concatenate([x, np.ones(x.shape[:-1] + (1,))], -1)
+
+
+def softmax_fisher(z):
+    """``[B, K, K]``: the categorical Fisher at logits ``z``, diag(p) - p p^T."""
+    p = tf.nn.softmax(z)
+    return tf.linalg.diag(p) - p[:, :, None] * p[:, None, :]

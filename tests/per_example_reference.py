@@ -9,6 +9,7 @@ the summed loss w.r.t. each use's op output is exactly `c_u`: the rule gets
 import numpy as np
 import tensorflow as tf
 
+import kfac_graph as kg
 from kfac_graph import per_example as pe
 
 RTOL = {tf.float64: 1e-6, tf.float32: 1e-4}
@@ -113,3 +114,13 @@ def one_example_loop(loss_fn, args, variables):
         out.append([tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                     for g, v in zip(grads, variables)])
     return [tf.stack(parts) for parts in zip(*out)]
+
+
+def assert_matches_loop(loss_fn, args, rtol=1e-6, atol=1e-12):
+    """``kg.per_example_gradients`` of ``loss_fn`` on ``args`` equals
+    ``one_example_loop``, variable by variable; returns the registration."""
+    reg = loss_fn.registration(*args)
+    got = kg.per_example_gradients(loss_fn, *args)
+    for v, g, w in zip(reg.variables, got, one_example_loop(loss_fn, args, reg.variables)):
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=v.name)
+    return reg

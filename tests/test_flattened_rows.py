@@ -20,15 +20,10 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
-from fisher_reference import brute_fisher
-from per_example_reference import one_example_loop
+from fisher_reference import brute_fisher, softmax_fisher
+from per_example_reference import assert_matches_loop
 
 B, T, D, E, C = 3, 4, 3, 5, 2
-
-
-def _softmax_fisher(z):
-    p = tf.nn.softmax(z)
-    return tf.linalg.diag(p) - p[:, :, None] * p[:, None, :]
 
 
 def _router_model(bias):
@@ -66,12 +61,10 @@ def test_router_on_flattened_tokens(bias):
     router = ("router", "router_bias") if bias else ("router",)
     assert got == [("dense", router), ("dense", ("head",))], reg.summary()
     assert reg.layers[0].use_attrs[0]["input_shape"] == (B, T, D)
-    pex = kg.per_example_gradients(loss_fn, *args)
-    for v, g, w in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12, err_msg=v.name)
+    assert_matches_loop(loss_fn, args)
     w, b, head = params
     want = brute_fisher(lambda p, x: logits([p[0], p[-1] if bias else b, head], x),
-                        [w, b] if bias else [w], args[0], _softmax_fisher)
+                        [w, b] if bias else [w], args[0], softmax_fisher)
     est = kg.FisherEstimator(loss_fn, estimation_mode="exact", approximations={"dense": "full"})
     est.update(*args)
     np.testing.assert_allclose(est.blocks[0].full_matrix(), want, rtol=1e-6, atol=1e-12)
@@ -88,51 +81,45 @@ def test_keras_hub_moe_backbone(family):
     lowers the loss."""
     keras = pytest.importorskip("keras")
     keras_hub = pytest.importorskip("keras_hub")
-    keras.config.set_floatx("float64")
+    keras.config.set_floatx("float64")  # conftest restores the dtypes
     keras.config.set_dtype_policy("float64")
-    try:
-        keras.utils.set_random_seed(0)
-        common = dict(vocabulary_size=20, num_layers=2, num_query_heads=4, num_key_value_heads=2,
-                      hidden_dim=8, intermediate_dim=16, num_experts=3, top_k=2)
-        backbone = (keras_hub.models.MixtralBackbone(**common) if family == "mixtral" else
-                    keras_hub.models.QwenMoeBackbone(**common, moe_intermediate_dim=8,
-                                                     shared_expert_intermediate_dim=8))
-        head = keras.layers.Dense(C)
-        rng = np.random.RandomState(1)
-        x = tf.constant(rng.randint(0, 20, (B, 5)))
+    keras.utils.set_random_seed(0)
+    common = dict(vocabulary_size=20, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+                  hidden_dim=8, intermediate_dim=16, num_experts=3, top_k=2)
+    backbone = (keras_hub.models.MixtralBackbone(**common) if family == "mixtral" else
+                keras_hub.models.QwenMoeBackbone(**common, moe_intermediate_dim=8,
+                                                 shared_expert_intermediate_dim=8))
+    head = keras.layers.Dense(C)
+    rng = np.random.RandomState(1)
+    x = tf.constant(rng.randint(0, 20, (B, 5)))
 
-        @kg.auto_register
-        def loss_fn(x, y):
-            h = backbone({"token_ids": x, "padding_mask": tf.ones_like(x)})
-            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                y, head(tf.reduce_mean(h, axis=1))))
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = backbone({"token_ids": x, "padding_mask": tf.ones_like(x)})
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, head(tf.reduce_mean(h, axis=1))))
 
-        args = (x, tf.constant([0, 1, 1]))
-        reg = loss_fn.registration(*args)
-        routers = [layer for layer in reg.layers
-                   if "sparse_feedforward_gate_dense" in layer.variables[0].name]
-        assert [(layer.kind, layer.use_attrs[0]["input_shape"]) for layer in routers] == [
-            ("dense", (B, 5, 8))] * 2, reg.summary()
-        # the experts' input kernels (every expert on every token) are dense
-        # layers; their output kernels, one per expert's own input
-        # (``"eti,eih->eth"``), stay generic
-        experts = [layer for layer in reg.layers if "/experts/" in layer.variables[0].name]
-        assert experts and all(
-            (layer.kind, "Einsum" in layer.reason) == ("generic", True)
-            if "output_dense" in layer.variables[0].name else layer.kind == "dense"
-            for layer in experts), reg.summary()
-        assert {layer.kind for layer in experts} == {"dense", "generic"}, reg.summary()
-        assert all(layer in experts for layer in reg.layers if layer.kind == "generic")
-        pex = kg.per_example_gradients(loss_fn, *args)
-        for v, g, w in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
-            # the layer norms compute in float32 whatever the model's dtype
-            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6, err_msg=v.name)
-        opt = kg.KFAC(loss_fn)
-        losses = [float(opt.step(*args)) for _ in range(8)]
-        assert losses[-1] < 0.5 * losses[0] and int(opt.skipped_steps) == 0, losses
-    finally:
-        keras.config.set_floatx("float32")
-        keras.config.set_dtype_policy("float32")
+    args = (x, tf.constant([0, 1, 1]))
+    reg = loss_fn.registration(*args)
+    routers = [layer for layer in reg.layers
+               if "sparse_feedforward_gate_dense" in layer.variables[0].name]
+    assert [(layer.kind, layer.use_attrs[0]["input_shape"]) for layer in routers] == [
+        ("dense", (B, 5, 8))] * 2, reg.summary()
+    # the experts' input kernels (every expert on every token) are dense
+    # layers; their output kernels, one per expert's own input
+    # (``"eti,eih->eth"``), stay generic
+    experts = [layer for layer in reg.layers if "/experts/" in layer.variables[0].name]
+    assert experts and all(
+        (layer.kind, "Einsum" in layer.reason) == ("generic", True)
+        if "output_dense" in layer.variables[0].name else layer.kind == "dense"
+        for layer in experts), reg.summary()
+    assert {layer.kind for layer in experts} == {"dense", "generic"}, reg.summary()
+    assert all(layer in experts for layer in reg.layers if layer.kind == "generic")
+    # the layer norms compute in float32 whatever the model's dtype
+    assert_matches_loop(loss_fn, args, rtol=1e-4, atol=1e-6)
+    opt = kg.KFAC(loss_fn)
+    losses = [float(opt.step(*args)) for _ in range(8)]
+    assert losses[-1] < 0.5 * losses[0] and int(opt.skipped_steps) == 0, losses
 
 
 def test_windows_of_a_sequence_through_keras_dense():
@@ -154,9 +141,7 @@ def test_windows_of_a_sequence_through_keras_dense():
     reg = loss_fn.registration(*args)
     assert [layer.kind for layer in reg.layers] == ["dense", "dense"], reg.summary()
     assert reg.layers[0].use_attrs[0]["input_shape"] == (B, T // 2, 2, D)
-    pex = kg.per_example_gradients(loss_fn, *args)
-    for v, g, w in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12, err_msg=v.name)
+    assert_matches_loop(loss_fn, args)
 
 
 def test_keras_hub_swin_windows():
@@ -171,38 +156,32 @@ def test_keras_hub_swin_windows():
     loop."""
     keras = pytest.importorskip("keras")
     keras_hub = pytest.importorskip("keras_hub")
-    keras.config.set_floatx("float64")
+    keras.config.set_floatx("float64")  # conftest restores the dtypes
     keras.config.set_dtype_policy("float64")
-    try:
-        keras.utils.set_random_seed(0)
-        backbone = keras_hub.models.SwinTransformerBackbone(
-            image_shape=(8, 8, 3), embed_dim=4, depths=[2], num_heads=[2], window_size=2,
-            patch_size=2)
-        head = keras.layers.Dense(C)
-        rng = np.random.RandomState(2)
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.SwinTransformerBackbone(
+        image_shape=(8, 8, 3), embed_dim=4, depths=[2], num_heads=[2], window_size=2,
+        patch_size=2)
+    head = keras.layers.Dense(C)
+    rng = np.random.RandomState(2)
 
-        @kg.auto_register
-        def loss_fn(x, y):
-            h = backbone(x)
-            h = list(h.values())[-1] if isinstance(h, dict) else h  # the last stage's map
-            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                y, head(tf.reduce_mean(h, axis=list(range(1, len(h.shape) - 1))))))
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = backbone(x)
+        h = list(h.values())[-1] if isinstance(h, dict) else h  # the last stage's map
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, head(tf.reduce_mean(h, axis=list(range(1, len(h.shape) - 1))))))
 
-        args = (tf.constant(rng.normal(size=(B, 8, 8, 3))), tf.constant([0, 1, 1]))
-        reg = loss_fn.registration(*args)
-        windowed = [layer for layer in reg.layers if "/attn_1/" in layer.name]
-        assert windowed and all(
-            layer.kind == "dense" and layer.use_attrs[0]["input_shape"][:2] == (B, 4)
-            for layer in windowed), reg.summary()
-        generic = [layer for layer in reg.layers if layer.kind == "generic"]
-        assert len(generic) == 2 and all(
-            "relative_position_bias_table" in layer.name for layer in generic), reg.summary()
-        pex = kg.per_example_gradients(loss_fn, *args)
-        for v, g, w in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
-            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12, err_msg=v.name)
-    finally:
-        keras.config.set_floatx("float32")
-        keras.config.set_dtype_policy("float32")
+    args = (tf.constant(rng.normal(size=(B, 8, 8, 3))), tf.constant([0, 1, 1]))
+    reg = loss_fn.registration(*args)
+    windowed = [layer for layer in reg.layers if "/attn_1/" in layer.name]
+    assert windowed and all(
+        layer.kind == "dense" and layer.use_attrs[0]["input_shape"][:2] == (B, 4)
+        for layer in windowed), reg.summary()
+    generic = [layer for layer in reg.layers if layer.kind == "generic"]
+    assert len(generic) == 2 and all(
+        "relative_position_bias_table" in layer.name for layer in generic), reg.summary()
+    assert_matches_loop(loss_fn, args)
 
 
 @pytest.mark.parametrize("form", ["th,ehm->etm", "th,ehm->tem"])
@@ -235,11 +214,9 @@ def test_experts_on_every_token(form):
     experts = [layer for layer in reg.layers if layer.variables[0] is w]
     assert [(layer.kind, layer.use_attrs[0].get("output_perm")) for layer in experts] == [
         ("dense", (1, 0, 2) if form.endswith("etm") else None)], reg.summary()
-    pex = kg.per_example_gradients(loss_fn, *args)
-    for v, g, want in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
-        np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-12, err_msg=v.name)
+    assert_matches_loop(loss_fn, args)
     expected = brute_fisher(lambda p, x: logits([p[0], router, head], x), [w], args[0],
-                            _softmax_fisher)
+                            softmax_fisher)
     est = kg.FisherEstimator(loss_fn, estimation_mode="exact", approximations={"dense": "full"})
     est.update(*args)
     block = est.blocks[reg.layers.index(experts[0])]

@@ -11,15 +11,10 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
-from fisher_reference import brute_fisher
-from per_example_reference import one_example_loop
+from fisher_reference import brute_fisher, softmax_fisher
+from per_example_reference import assert_matches_loop
 
 B, T, D, C = 3, 4, 3, 2
-
-
-def _softmax_fisher(z):
-    p = tf.nn.softmax(z)
-    return tf.linalg.diag(p) - p[:, :, None] * p[:, None, :]
 
 
 def test_position_ids_with_a_unit_batch_axis():
@@ -40,10 +35,8 @@ def test_position_ids_with_a_unit_batch_axis():
     args = (tf.constant(rng.normal(size=(B, T, D))), tf.constant([0, 1, 1]))
     reg = loss_fn.registration(*args)
     assert [layer.kind for layer in reg.layers] == ["embedding", "dense"], reg.summary()
-    pex = kg.per_example_gradients(loss_fn, *args)
-    for v, g, w in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12, err_msg=v.name)
-    want = brute_fisher(lambda p, x: logits([p[0], head], x), [table], args[0], _softmax_fisher)
+    assert_matches_loop(loss_fn, args)
+    want = brute_fisher(lambda p, x: logits([p[0], head], x), [table], args[0], softmax_fisher)
     est = kg.FisherEstimator(loss_fn, estimation_mode="exact",
                              approximations={"embedding": "full"})
     est.update(*args)
@@ -53,30 +46,24 @@ def test_position_ids_with_a_unit_batch_axis():
 def test_keras_hub_vit():
     keras = pytest.importorskip("keras")
     keras_hub = pytest.importorskip("keras_hub")
-    keras.config.set_floatx("float64")
+    keras.config.set_floatx("float64")  # conftest restores the dtypes
     keras.config.set_dtype_policy("float64")
-    try:
-        keras.utils.set_random_seed(0)
-        backbone = keras_hub.models.ViTBackbone(
-            image_shape=(8, 8, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=8,
-            mlp_dim=16)
-        head = keras.layers.Dense(C)
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(8, 8, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=8,
+        mlp_dim=16)
+    head = keras.layers.Dense(C)
 
-        @kg.auto_register
-        def loss_fn(x, y):
-            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                y, head(backbone(x)[:, 0])))
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, head(backbone(x)[:, 0])))
 
-        rng = np.random.RandomState(1)
-        args = (tf.constant(rng.normal(size=(B, 8, 8, 3))), tf.constant([0, 1, 1]))
-        reg = loss_fn.registration(*args)
-        kinds = {layer.name.split("/")[-1]: layer.kind for layer in reg.layers}
-        assert kinds["position_embedding_1"] == "embedding", reg.summary()
-        (generic,) = [layer for layer in reg.layers if layer.kind == "generic"]
-        assert generic.name.endswith("class_token") and "Tile" in generic.reason
-        pex = kg.per_example_gradients(loss_fn, *args)
-        for v, g, w in zip(reg.variables, pex, one_example_loop(loss_fn, args, reg.variables)):
-            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12, err_msg=v.name)
-    finally:
-        keras.config.set_floatx("float32")
-        keras.config.set_dtype_policy("float32")
+    rng = np.random.RandomState(1)
+    args = (tf.constant(rng.normal(size=(B, 8, 8, 3))), tf.constant([0, 1, 1]))
+    reg = loss_fn.registration(*args)
+    kinds = {layer.name.split("/")[-1]: layer.kind for layer in reg.layers}
+    assert kinds["position_embedding_1"] == "embedding", reg.summary()
+    (generic,) = [layer for layer in reg.layers if layer.kind == "generic"]
+    assert generic.name.endswith("class_token") and "Tile" in generic.reason
+    assert_matches_loop(loss_fn, args)

@@ -25,15 +25,10 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
-from fisher_reference import brute_fisher
-from per_example_reference import one_example_loop
+from fisher_reference import brute_fisher, softmax_fisher
+from per_example_reference import assert_matches_loop, one_example_loop
 
 B, T, P, D, C = 3, 4, 5, 3, 2
-
-
-def _softmax_fisher(z):
-    p = tf.nn.softmax(z)
-    return tf.linalg.diag(p) - p[:, :, None] * p[:, None, :]
 
 
 def _relative_model(expand, batch):
@@ -64,28 +59,19 @@ def _relative_model(expand, batch):
     return loss_fn, logits, params, (x, tf.constant([0, 1, 1]))
 
 
-def _assert_matches_loop(loss_fn, args):
-    reg = loss_fn.registration(*args)
-    got = kg.per_example_gradients(loss_fn, *args)
-    want = one_example_loop(loss_fn, args, reg.variables)
-    for v, g, w in zip(reg.variables, got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-12, err_msg=v.name)
-    return reg
-
-
 @pytest.mark.parametrize("expand", ["repeat", "tile", "broadcast"])
 @pytest.mark.parametrize("batch", ["static", "dynamic"])
 def test_weights_repeated_over_the_batch_are_a_second_use(expand, batch):
     size = {"static": lambda x: x.shape[0], "dynamic": lambda x: tf.shape(x)[0]}[batch]
     loss_fn, logits, params, args = _relative_model(expand, size)
-    reg = _assert_matches_loop(loss_fn, args)
+    reg = assert_matches_loop(loss_fn, args)
     kinds = {tuple(v.name.split(":")[0] for v in layer.variables): (layer.kind, layer.uses)
              for layer in reg.layers}
     assert kinds[("w", "b")] == ("dense", 2), reg.summary()
     assert kinds[("rel",)][0] == "generic", reg.summary()  # weights alone, no example axis
     rel, w, b, _ = params
     want = brute_fisher(lambda p, x: logits([rel, p[0], p[1], params[3]], x), [w, b],
-                        args[0], _softmax_fisher)
+                        args[0], softmax_fisher)
     est = kg.FisherEstimator(loss_fn, estimation_mode="exact", approximations={"dense": "full"})
     est.update(*args)
     block = [blk for blk, layer in zip(est.blocks, reg.layers) if layer.kind == "dense"
@@ -118,7 +104,7 @@ def _side_path_model(form, penalty=0.1, w=None):
 
 def test_a_weight_path_into_the_examples_outside_the_layer_is_generic():
     loss_fn, args = _side_path_model("into_data")
-    reg = _assert_matches_loop(loss_fn, args)
+    reg = assert_matches_loop(loss_fn, args)
     (layer,) = reg.layers
     assert layer.kind == "generic" and "also read outside its layer pattern" in layer.reason
 
@@ -165,7 +151,7 @@ def test_a_product_read_before_and_after_its_bias_is_no_biased_layer(layer):
 
     x = rng.normal(size=(B, D) if layer == "dense" else (B, 3, 3, D))
     args = (tf.constant(x), tf.constant([0, 1, 1]))
-    reg = _assert_matches_loop(loss_fn, args)
+    reg = assert_matches_loop(loss_fn, args)
     got = sorted((layer.kind, tuple(v.name.split(":")[0] for v in layer.variables))
                  for layer in reg.layers)
     assert got == sorted([(layer, ("w",)), ("dense", ("head",)),
