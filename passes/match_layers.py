@@ -24,7 +24,7 @@ from passes.lookup_ids import ids_without_batch
 from passes.matcher import find_matches
 from passes.catalogue import LAYER_PATTERNS
 from passes.example_rows import example_rows, unflatten_dense_rows
-from passes.patterns import Pattern, einsum_kernel_layout, var_shape
+from passes.patterns import Pattern, einsum_kernel_layout, var_shape, weighted_roles
 from passes.patterns_stacked import STACKED_PATTERNS
 from passes.patterns_multiaxis import (kernel_in_axes, kernel_perm, output_perm, part_rows,
                                       slice_rows)
@@ -126,30 +126,29 @@ def _find(g, patterns, on_path, batched, parameters, undirected) -> list:
     found = []
     claimed: set[str] = set()
     for pattern in patterns:
+        weighted = weighted_roles(pattern)
         for roles in find_matches(g, pattern, claimed, undirected):
             if roles[pattern.output] not in on_path:
                 continue
             source = ir.split_tensor(ir.resolve(g, _inputs(g, pattern, roles)[0]))[0]
             if source not in batched and source in parameters:
                 continue  # a product of weights, not a layer applied to data
-            if _leaks(g, pattern, roles, on_path):
+            if _leaks(g, pattern, roles, weighted, on_path):
                 continue
             claimed |= {roles[r] for r, spec in pattern.nodes.items() if spec.exclusive}
             found.append((pattern, roles))
     return found
 
 
-def _leaks(g, pattern: Pattern, roles, on_path) -> bool:
-    """Whether an op inside the match that depends on its weights (a dense
-    product before its bias) is also read outside it on the loss's path:
-    the layer's output would then miss that path (XLNet adds three biases to
-    one bias-free query projection; taking one of them as the projection's
-    bias dropped the other two paths from the kernel's gradient)."""
+def _leaks(g, pattern: Pattern, roles, weighted, on_path) -> bool:
+    """Whether an op inside the match that depends on its weights
+    (``weighted``: a dense product before its bias) is also read outside it
+    on the loss's path: the layer's output would then miss that path (XLNet
+    adds three biases to one bias-free query projection; taking one of them
+    as the projection's bias dropped the other two paths from the kernel's
+    gradient)."""
     inner = {roles[r] for r in pattern.nodes}
-    flow = nx.DiGraph([(src, dst) for src, dst, _ in pattern.edges])
-    downstream = set().union(*(nx.descendants(flow, r) for r in pattern.params if r in flow))
-    return any(s in on_path and s not in inner
-               for r in downstream - {pattern.output} for s in g.successors(roles[r]))
+    return any(s in on_path and s not in inner for r in weighted for s in g.successors(roles[r]))
 
 
 def _stacked_kernels_shared(groups) -> bool:

@@ -63,6 +63,13 @@ VAR = Op(variable=True, exclusive=False, where=lambda data: data.get("part") is 
 VAR_PART = Op(variable=True, exclusive=False)
 
 
+def weighted_roles(pattern: Pattern) -> set:
+    """The pattern's roles that depend on its weights, its output aside."""
+    flow = nx.DiGraph([(src, dst) for src, dst, _ in pattern.edges])
+    return set().union(*(nx.descendants(flow, r) for r in pattern.params if r in flow)) - {
+        pattern.output}
+
+
 def ops(*types, where=None) -> Op:
     return Op(frozenset(types), where=where)
 
