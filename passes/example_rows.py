@@ -8,12 +8,15 @@ of experts routes ``reshape(h, [-1, d])``, Swin attends within windows
 inputs keep the grouping, and transposes and unstacks move the axis it is
 on. A tensor a transpose made time-major is never taken for batch-first
 (``[T, B, d]`` with ``T = B`` has the shape of one). ``example_rows(g,
-batched)`` follows the rows; ``unflatten_dense_rows`` lets a dense layer on
-them (on the first axis) read them as ``[B, k, ..]``.
+batched, data)`` follows the rows (through reductions along other axes too: a
+norm's moments); ``unflatten_rows`` lets a dense or scale-and-shift layer
+on them (on the first axis) read them as ``[B, k, ..]`` (Qwen3.5's gated
+RMSNorm on ``[B T H, d]``, RWKV-7's group norm on ``[B T, C]``).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import networkx as nx
@@ -21,12 +24,8 @@ import networkx as nx
 from passes import ir
 from passes.batch_flow import static_batch
 
-# the output's rows, at the rows' axis, are computed from the same rows of
-# the inputs (the other operands broadcast along that axis)
-_ELEMENTWISE = frozenset({
-    "Add", "AddV2", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "Neg", "Square",
-    "Sqrt", "Rsqrt", "Exp", "Log", "Erf", "Sigmoid", "Tanh", "Relu", "Relu6", "Elu", "Selu",
-    "Softplus", "LeakyRelu", "Cast", "BiasAdd", "SelectV2"})
+# reductions over axes given by a constant (the rows' axis must not be one of them)
+_REDUCTIONS = frozenset({"Mean", "Sum", "Max", "Min", "Prod"})
 
 
 class Rows(NamedTuple):
@@ -37,10 +36,14 @@ class Rows(NamedTuple):
     axis: int
 
 
-def example_rows(g, batched) -> dict:
+def example_rows(g, batched, data) -> dict:
     """``{node: Rows}`` for the ops whose output holds the examples in row
-    groups (module docstring); ``batched``: the data-dependent ops (a
-    matmul's weight operand must not be one)."""
+    groups (module docstring). ``batched``: the ops whose leading axis may
+    be the batch (the data's and per-example constants, ``batch_flow``);
+    ``data``: the ops that depend on the arguments (a matmul's or einsum's
+    other operand must not be one: each row would read other examples).
+    A constant shaped ``[B, ..]`` by coincidence (a ``[q, k]`` grid with
+    ``q = B``) mixes no examples into a row."""
     batch = static_batch(g)
     rows = {}
     if batch is None:
@@ -52,21 +55,48 @@ def example_rows(g, batched) -> dict:
             continue
         sources = [ir.split_tensor(t)[0] for t in d["inputs"]]
         if d["op"] == "Reshape":
-            src = ir.shape_of(g, d["inputs"][0])
-            first = (rows[sources[0]].axis == 0 if sources[0] in rows else
-                     bool(src) and src[0] == batch and sources[0] in batched
-                     and not _transposed_from(g, sources[0]))
-            if first and out[0] > batch and out[0] % batch == 0:
-                rows[node] = Rows(batch, out[0] // batch, 0)
+            r = _reshaped(g, d, sources[0], out, rows, batched, batch)
+            if r is not None:
+                rows[node] = r
             continue
         found = {rows[s] for s in sources if s in rows}
         if len(found) != 1:
             continue
         (r,) = found
-        axis = _axis_after(g, d, sources, r, rows, batched, len(out))
+        axis = _axis_after(g, d, sources, r, rows, data, len(out))
         if axis is not None and axis < len(out) and out[axis] == r.batch * r.per_example:
             rows[node] = r._replace(axis=axis)
     return rows
+
+
+def _reshaped(g, d, source, out, rows, batched, batch):
+    """The rows a Reshape's output holds, or None. Its input holds rows
+    along axis ``a`` (or is batch-leading: one row each, on axis 0). In
+    row-major order each example's rows fill one contiguous block of every
+    slab of ``P = prod(in[:a])`` leading indices; an output axis ``a'`` with
+    ``prod(out[:a']) = P`` whose size is a multiple of ``B`` cuts each slab
+    into ``B`` blocks of the same size, the same examples' blocks in the
+    same order: the output holds ``out[a'] / B`` rows per example there
+    (one on a later axis; one on the first axis is a batch-leading tensor,
+    not rows)."""
+    src = ir.shape_of(g, d["inputs"][0])
+    if not src or None in src:
+        return None
+    if source in rows:
+        r, gained = rows[source], False
+    elif (src[0] == batch and source in batched and not _transposed_from(g, source)):
+        r, gained = Rows(batch, 1, 0), True
+    else:
+        return None
+    prefix = math.prod(src[:r.axis])
+    for axis, size in enumerate(out):
+        if math.prod(out[:axis]) == prefix and size % batch == 0 and size >= batch:
+            if size == batch and (gained or axis == 0):  # batch-leading: no rows
+                return None
+            return Rows(batch, size // batch, axis)
+        if math.prod(out[:axis]) > prefix:
+            return None
+    return None
 
 
 def _transposed_from(g, node, depth=16) -> bool:
@@ -79,7 +109,7 @@ def _transposed_from(g, node, depth=16) -> bool:
             perm = ir.const_value(g, d["inputs"][1])
             if perm is None or int(perm[0]) != 0:
                 return True
-        elif d["op"] not in _ELEMENTWISE and d["op"] not in ("Softmax", "LogSoftmax"):
+        elif d["op"] not in ir.ELEMENTWISE and d["op"] not in ("Softmax", "LogSoftmax"):
             return False
         if not d["inputs"]:
             return False
@@ -87,7 +117,7 @@ def _transposed_from(g, node, depth=16) -> bool:
     return True
 
 
-def _axis_after(g, d, sources, r, rows, batched, rank):
+def _axis_after(g, d, sources, r, rows, data, rank):
     """The rows' axis in ``d``'s output, or None where the op mixes rows."""
     op, a = d["op"], r.axis
     if op == "Transpose":
@@ -99,14 +129,88 @@ def _axis_after(g, d, sources, r, rows, batched, rank):
     if op in ("Softmax", "LogSoftmax"):
         return a if a != rank - 1 else None
     if op == "MatMul":
-        ok = (a == 0 and sources[0] in rows and sources[1] not in batched
+        ok = (a == 0 and sources[0] in rows and sources[1] not in data
               and not d["attrs"].get("transpose_a"))
         return a if ok else None
     if op == "BatchMatMulV2":  # its batch axes are never contracted
         return a if a < rank - 2 and _aligned(g, d, sources, r, rows, rank) else None
-    if op in _ELEMENTWISE:
+    if op in ir.ELEMENTWISE:
         return a if _aligned(g, d, sources, r, rows, rank) else None
+    if op in _REDUCTIONS and sources[0] in rows:
+        return _axis_after_reduction(g, d, a)
+    if op == "Einsum":
+        return _axis_after_einsum(d, sources, rows, data, a)
+    if op == "ExpandDims" and sources[0] in rows:
+        e = ir.const_value(g, d["inputs"][1])
+        return None if e is None else a + (int(e) % rank <= a)
+    if op == "Squeeze" and sources[0] in rows:
+        dims = [int(x) % (rank + 1) for x in d["attrs"].get("squeeze_dims") or ()]
+        return None if not dims or a in dims else a - sum(x < a for x in dims)
+    if op == "StridedSlice" and sources[0] in rows and not any(s in rows for s in sources[1:]):
+        return _axis_after_slice(g, d, a)
     return None
+
+
+def _axis_after_einsum(d, sources, rows, data, a):
+    """An Einsum whose operands in rows name the rows' axis by one letter
+    that the others do not read (they must not be data, which would mix
+    examples into each row) and that the output keeps."""
+    equation = d["attrs"].get("equation", "")
+    if "..." in equation or "->" not in equation:
+        return None
+    ins, out = equation.replace(" ", "").split("->")
+    letters = set()
+    for s, spec in zip(sources, ins.split(",")):
+        if s in rows:
+            letters.add(spec[a] if a < len(spec) else None)
+        elif s in data:
+            return None
+    (letter,) = letters if len(letters) == 1 else (None,)
+    others = [spec for s, spec in zip(sources, ins.split(",")) if s not in rows]
+    if letter is None or letter not in out or any(letter in spec for spec in others):
+        return None
+    return out.index(letter)
+
+
+def _axis_after_slice(g, d, a):
+    """A StridedSlice that keeps the rows' axis whole (stride 1): where it
+    lands, walking the slice's spec (ellipsis, new axes, shrunk axes)."""
+    shape = ir.shape_of(g, d["inputs"][0])
+    begin, end, strides = (ir.const_value(g, t) for t in d["inputs"][1:4])
+    if shape is None or begin is None or end is None or strides is None:
+        return None
+    bit = lambda name, i: (d["attrs"].get(name, 0) >> i) & 1
+    n = len(begin)
+    plain = sum(1 for i in range(n) if not bit("ellipsis_mask", i) and not bit("new_axis_mask", i))
+    at_in = at_out = 0
+    for i in range(n):
+        if bit("ellipsis_mask", i):
+            span = len(shape) - plain
+            if at_in <= a < at_in + span:
+                return at_out + a - at_in
+            at_in, at_out = at_in + span, at_out + span
+        elif bit("new_axis_mask", i):
+            at_out += 1
+        elif at_in == a:
+            whole = ((bit("begin_mask", i) or int(begin[i]) == 0)
+                     and (bit("end_mask", i) or int(end[i]) >= shape[a]) and int(strides[i]) == 1)
+            return at_out if whole and not bit("shrink_axis_mask", i) else None
+        else:
+            at_in, at_out = at_in + 1, at_out + (0 if bit("shrink_axis_mask", i) else 1)
+    return at_out + a - at_in
+
+
+def _axis_after_reduction(g, d, a):
+    """The rows' axis ``a`` of a reduction's input in its output, or None
+    where the reduction runs along it (or its axes are not a constant)."""
+    axes = ir.const_value(g, d["inputs"][1])
+    rank = len(ir.shape_of(g, d["inputs"][0]) or ())
+    if axes is None or not rank:
+        return None
+    axes = {int(x) % rank for x in ([axes] if axes.ndim == 0 else axes)}
+    if a in axes:
+        return None
+    return a if d["attrs"].get("keep_dims") else a - sum(x < a for x in axes)
 
 
 def _aligned(g, d, sources, r, rows, rank) -> bool:
@@ -123,22 +227,44 @@ def _aligned(g, d, sources, r, rows, rank) -> bool:
     return True
 
 
-def unflatten_dense_rows(groups, rows) -> dict:
-    """``groups`` (``(kind, keys) -> [(pattern, roles, Use)]``) with each
-    dense use whose input ``[k B, ..]`` holds the examples' rows on its first
-    axis (``rows``, from ``example_rows``) reading it as ``[B, k, ..]``: its
-    ``input_shape``, which the dense kind's operands lay ``a`` and ``g`` out
-    by."""
+def unflatten_rows(groups, rows) -> dict:
+    """``groups`` (``(kind, keys) -> [(pattern, roles, Use)]``) with each use
+    whose input ``[k B, ..]`` holds the examples' rows on its first axis
+    (``rows``, from ``example_rows``) reading them as ``[B, k, ..]``: a dense
+    use its ``input_shape`` (the dense kind's operands lay ``a`` and ``g``
+    out by it); a scale-and-shift use (a layer or group norm on rows, a
+    shift alone on them) each recorded shape that leads with ``k B``, its
+    input, output and operand shapes (its rule sums over the ``k`` rows as
+    over any axis its scale broadcasts along)."""
     out = {}
     for key, items in groups.items():
         out[key] = []
         for pattern, roles, use in items:
-            source = ir.split_tensor(use.inputs[0])[0] if use.inputs else None
-            shape = use.attrs.get("input_shape")
+            source = ir.split_tensor(use.inputs[0] if use.inputs else use.output)[0]
             r = rows.get(source)
-            if (key[0] == "dense" and r is not None and r.axis == 0 and shape
-                    and "stacked_rows" not in use.attrs):
-                use = dataclasses.replace(use, attrs={
-                    **use.attrs, "input_shape": (r.batch, r.per_example, *shape[1:])})
+            if r is not None and r.axis == 0 and key[0] in _UNFLATTEN:
+                use = dataclasses.replace(use, attrs=_UNFLATTEN[key[0]](use.attrs, r))
             out[key].append((pattern, roles, use))
     return out
+
+
+def _split(shape, r):
+    """``shape`` read as ``[B, k, ..]`` where it leads with ``k B``."""
+    if shape and shape[0] == r.batch * r.per_example:
+        return (r.batch, r.per_example, *shape[1:])
+    return shape
+
+
+def _dense_attrs(attrs, r):
+    if not attrs.get("input_shape") or "stacked_rows" in attrs:
+        return attrs
+    return {**attrs, "input_shape": _split(attrs["input_shape"], r)}
+
+
+def _scale_shift_attrs(attrs, r):
+    out = {**attrs, **{k: _split(attrs.get(k), r) for k in ("input_shape", "output_shape")}}
+    out["operand_shapes"] = tuple(_split(s, r) for s in attrs.get("operand_shapes") or ())
+    return out
+
+
+_UNFLATTEN = {"dense": _dense_attrs, "scale_and_shift": _scale_shift_attrs}

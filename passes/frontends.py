@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any, Callable, Sequence
 
 import networkx as nx
@@ -280,7 +281,11 @@ def _name(fn) -> str:
 def error_line(e: BaseException) -> str:
     """The line of a TensorFlow error that says what went wrong (autograph
     wraps it after "in user code:" and a traceback)."""
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # Keras bolds its message
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    # Keras lists the call's arguments after the message: not what went wrong
+    cut = [i for i, line in enumerate(lines) if line.startswith("Arguments received by")]
+    lines = lines[:cut[0]] if cut else lines
     if not lines:
         return type(e).__name__
     return lines[-1] if lines[0].startswith("in user code") else lines[0]

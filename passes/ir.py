@@ -33,6 +33,13 @@ import numpy as np
 import tensorflow as tf
 
 _MAX_CONST_ELEMENTS = 64
+# ops computing each output element from the same elements of their inputs
+# (numpy broadcasting)
+ELEMENTWISE = frozenset({
+    "Add", "AddV2", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "Neg", "Square",
+    "Sqrt", "Rsqrt", "Exp", "Log", "Erf", "Sigmoid", "Tanh", "Relu", "Relu6", "Elu", "Selu",
+    "Softplus", "LeakyRelu", "Cast", "BiasAdd", "SelectV2", "SquaredDifference", "Identity",
+    "StopGradient", "Abs", "Reciprocal"})
 
 
 @dataclasses.dataclass(frozen=True)

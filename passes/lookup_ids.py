@@ -18,7 +18,11 @@ def ids_without_batch(g, groups, data):
     no example axis unless the ids are laid out ``[B, ...]`` themselves
     (constant segment ids): its kind's rule would read position t as
     example t. Such a use is marked ``unsupported`` (the table becomes
-    generic, whose per-example gradients are exact)."""
+    generic, whose per-example gradients are exact). Constant ids whose
+    leading axis has the batch's size are per example only where the
+    lookup meets the data elementwise, its leading axis on the data's (a
+    relative-position table looked up on a ``[q, k]`` grid with ``q = B``
+    and contracted with the queries is no such lookup)."""
     batch_sizes = {shape[0] for shape in (
         (g.nodes[a]["shapes"] or [None])[0] for a in g.graph["arguments"]) if shape}
 
@@ -29,7 +33,8 @@ def ids_without_batch(g, groups, data):
         if ir.split_tensor(ids)[0] in data:
             return True
         shape = ir.shape_of(g, ids)
-        return bool(shape) and len(shape) >= 2 and shape[0] in batch_sizes
+        return (bool(shape) and len(shape) >= 2 and shape[0] in batch_sizes
+                and _meets_data_on_batch(g, ir.split_tensor(use.output)[0], data))
 
     out = {}
     for (kind, keys), items in groups.items():
@@ -41,3 +46,24 @@ def ids_without_batch(g, groups, data):
                      for pattern, roles, use in items]
         out[(kind, keys)] = items
     return out
+
+
+def _meets_data_on_batch(g, node, data, depth=16) -> bool:
+    """Whether ``node``'s output ``[n, ..]``, followed through ops that
+    compute it alone elementwise (a cast, a scale by a constant), meets a
+    data tensor in an elementwise op that lines their leading axes up
+    (same rank, the same leading size)."""
+    shape = (g.nodes[node]["shapes"] or [None])[0]
+    if not shape:
+        return False
+    for _ in range(depth):
+        nexts = list(g.successors(node))
+        if len(nexts) != 1 or g.nodes[nexts[0]]["op"] not in ir.ELEMENTWISE:
+            return False
+        d = g.nodes[nexts[0]]
+        others = [t for t in d["inputs"] if ir.split_tensor(t)[0] != node]
+        met = [ir.shape_of(g, t) for t in others if ir.split_tensor(t)[0] in data]
+        if met:
+            return all(s is not None and len(s) == len(shape) and s[0] == shape[0] for s in met)
+        node = nexts[0]
+    return False

@@ -23,7 +23,7 @@ from passes.layer_names import readable, scope_name, unique_names
 from passes.lookup_ids import ids_without_batch
 from passes.matcher import find_matches
 from passes.catalogue import LAYER_PATTERNS
-from passes.example_rows import example_rows, unflatten_dense_rows
+from passes.example_rows import example_rows, unflatten_rows
 from passes.patterns import Pattern, einsum_kernel_layout, var_shape, weighted_roles
 from passes.patterns_stacked import STACKED_PATTERNS
 from passes.patterns_multiaxis import (kernel_in_axes, kernel_perm, output_perm, part_rows,
@@ -98,7 +98,7 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
     grouped = _group(g, find(LAYER_PATTERNS))
     if _stacked_kernels_shared(grouped):
         grouped = _group(g, find(tuple(p for p in LAYER_PATTERNS if p not in STACKED_PATTERNS)))
-    grouped = unflatten_dense_rows(grouped, example_rows(g, batched))
+    grouped = unflatten_rows(grouped, example_rows(g, batched, data))
 
     holders = collections.defaultdict(list)
     for node, d in g.nodes(data=True):

@@ -74,6 +74,28 @@ def test_untraceable_function():
     assert "in user code" not in text, text
 
 
+def test_untraceable_keras_layer():
+    """A Keras layer's error ends with the arguments it received; the line
+    is the error itself (Keras bolds it), not the last argument."""
+    keras = pytest.importorskip("keras")
+
+    class Mismatched(keras.layers.Layer):
+        def call(self, x, training=None):
+            return x * tf.ones([2], tf.float64)  # x is float32
+
+    layer, w = Mismatched(), tf.Variable(tf.ones([4, 3]), name="w")
+
+    @kg.auto_register
+    def mixed(x, y):
+        return tf.reduce_mean(zoo.sparse_ce(y, layer(tf.matmul(x, w))))
+
+    with pytest.raises(kg.TraceError) as error:
+        mixed.registration(*zoo.xy_sparse(4, 3)(4))
+    text = one_line(error)
+    assert "mixed" in text and "float" in text and "training" not in text, text
+    assert "\x1b" not in text, text
+
+
 def _saved_module(tmp_path):
     built = zoo.raw_mlp_sum_over_batch()
     module = tf.Module()
