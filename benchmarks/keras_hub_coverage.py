@@ -1,5 +1,8 @@
 """Which keras-hub backbones register with no generic variable.
 
+Text backbones (``BACKBONES``) and image backbones (``VISION``, images
+32 x 32, a classifier on the output averaged over its positions).
+
 Builds each backbone from a tiny config with random weights (never a
 preset: nothing is downloaded), puts a loss on it and runs the pass. The
 loss: a decoder whose token embedding can run in reverse (a
@@ -73,10 +76,72 @@ BACKBONES = {
         use_post_ffw_norm=True, use_post_attention_norm=True),
     "gpt_oss": lambda: _M.GptOssBackbone(**_DEC, num_query_heads=4, num_key_value_heads=2,
                                          num_experts=3, top_k=2, head_dim=4),
+    "qwen3_moe": lambda: _M.Qwen3MoeBackbone(
+        **_DEC, num_query_heads=4, num_key_value_heads=2, head_dim=4, moe_intermediate_dim=8,
+        num_experts=4),
+    "esm2": lambda: _M.ESM2Backbone(**_ENC),
+    "roformer_v2": lambda: _M.RoformerV2Backbone(**_ENC, head_size=8),
+    "xlm_roberta": lambda: _M.XLMRobertaBackbone(**_ENC),
+    "qwen2": lambda: _M.Qwen2Backbone(**_DEC, num_query_heads=4, num_key_value_heads=2),
+    "qwen3": lambda: _M.Qwen3Backbone(**_DEC, num_query_heads=4, num_key_value_heads=2,
+                                      head_dim=4),
+    "llama3": lambda: _M.Llama3Backbone(**_DEC, num_query_heads=4, num_key_value_heads=2),
+    "qwen3_5": lambda: _M.Qwen3_5Backbone(
+        **_DEC, num_query_heads=4, num_key_value_heads=2, head_dim=4, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=4, linear_value_head_dim=4),
+    "rwkv7": lambda: _M.RWKV7Backbone(hidden_size=16, head_size=8, num_layers=2,
+                                      vocabulary_size=V, intermediate_dim=32),
     "t5": lambda: _M.T5Backbone(**{**_DEC, "num_heads": 2}),
     "bart": lambda: _M.BartBackbone(**_ENC),
 }
-flags.DEFINE_list("models", list(BACKBONES), "Which backbones.")
+S = 32  # images S x S x 3
+_IMG = dict(image_shape=(S, S, 3))
+# image backbones: a classifier on the output averaged over its positions
+VISION = {
+    "resnet_v2": lambda: _M.ResNetBackbone(
+        input_conv_filters=[8], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 16],
+        stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], use_pre_activation=True,
+        block_type="bottleneck_block", **_IMG),
+    "cspnet": lambda: _M.CSPNetBackbone(
+        stem_filters=8, stem_kernel_size=3, stem_strides=1, stackwise_depth=[1, 1],
+        stackwise_strides=[1, 2], stackwise_num_filters=[8, 16], block_type="bottleneck_block",
+        stage_type="cs3", bottle_ratio=[0.5], block_ratio=[1.0], expand_ratio=[2.0], **_IMG),
+    "hgnetv2": lambda: _M.HGNetV2Backbone(
+        depths=[1, 1], embedding_size=8, hidden_sizes=[16, 32], stem_channels=[3, 8, 8],
+        hidden_act="relu", use_learnable_affine_block=True,
+        stackwise_stage_filters=[(8, 8, 16, 1, 1, 3), (16, 8, 32, 1, 1, 3)],
+        apply_downsample=[False, True], use_lightweight_conv_block=[False, True], **_IMG),
+    "efficientnet": lambda: _M.EfficientNetBackbone(
+        stackwise_kernel_sizes=[3, 3], stackwise_num_repeats=[1, 1],
+        stackwise_input_filters=[8, 8], stackwise_output_filters=[8, 16],
+        stackwise_expansion_ratios=[1, 4], stackwise_squeeze_and_excite_ratios=[0.0, 0.25],
+        stackwise_strides=[1, 2], stackwise_block_types=["fused", "unfused"],
+        width_coefficient=1.0, depth_coefficient=1.0),
+    "mobilenet": lambda: _M.MobileNetBackbone(
+        stackwise_expansion=[[16], [24, 24]], stackwise_num_blocks=[1, 2],
+        stackwise_num_filters=[[8], [16, 16]], stackwise_kernel_size=[[3], [5, 5]],
+        stackwise_num_strides=[[2], [2, 1]], stackwise_se_ratio=[[None], [0.25, 0.25]],
+        stackwise_activation=[["relu"], ["hard_swish", "hard_swish"]],
+        stackwise_padding=[[1], [2, 2]], output_num_filters=32, depthwise_filters=8,
+        depthwise_stride=1, depthwise_residual=False, last_layer_filter=32,
+        input_num_filters=8, **_IMG),
+    "mit": lambda: _M.MiTBackbone(
+        layerwise_depths=[1, 1], num_layers=2, layerwise_num_heads=[1, 2],
+        layerwise_sr_ratios=[2, 1], max_drop_path_rate=0.0, layerwise_patch_sizes=[7, 3],
+        layerwise_strides=[4, 2], hidden_dims=[8, 16], **_IMG),
+    "vit": lambda: _M.ViTBackbone(image_shape=(S, S, 3), patch_size=8, num_layers=2,
+                                  num_heads=2, hidden_dim=16, mlp_dim=32),
+    "vit_det": lambda: _M.ViTDetBackbone(
+        hidden_size=8, num_layers=2, intermediate_dim=16, num_heads=2,
+        global_attention_layer_indices=[1], image_shape=(16, 16, 3), patch_size=4,
+        num_output_channels=4, window_size=2),
+    "swin": lambda: _M.SwinTransformerBackbone(
+        image_shape=(16, 16, 3), embed_dim=8, depths=[2], num_heads=[2], window_size=2,
+        patch_size=2),
+    "dinov3": lambda: _M.DINOV3Backbone(patch_size=8, num_layers=2, hidden_dim=16,
+                                        num_heads=2, intermediate_dim=32, **_IMG),
+}
+flags.DEFINE_list("models", list(BACKBONES) + list(VISION), "Which backbones.")
 flags.DEFINE_bool("check", False, "Also compare per-example gradients with a loop.")
 FLAGS = flags.FLAGS
 
@@ -89,9 +154,29 @@ def _features(backbone, x):
             for k in keys}
 
 
+def _build_vision(name):
+    """An image backbone's ``build``: a Dense classifier on its output (the
+    last, where it returns several) averaged over every position."""
+    backbone, dense = VISION[name](), keras.layers.Dense(3)
+    rng = np.random.RandomState(1)
+    shape = [S if d is None else d for d in backbone.inputs[0].shape[1:]]
+    x = tf.constant(rng.normal(size=(B, *shape)).astype("float32"))
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        out = backbone(x)
+        if isinstance(out, dict):
+            out = out.get("sequence_output", list(out.values())[-1])
+        pooled = tf.reduce_mean(out, axis=list(range(1, len(out.shape) - 1)))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, dense(pooled)))
+    return backbone, loss_fn, (x, tf.constant(rng.randint(0, 3, (B,)))), "classifier"
+
+
 def build(name):
     """``(backbone, loss_fn, args, head)``: the backbone, a registered loss on it, a batch."""
     keras.utils.set_random_seed(0)
+    if name in VISION:
+        return _build_vision(name)
     backbone = BACKBONES[name]()
     rng = np.random.RandomState(1)
     x = tf.constant(rng.randint(1, V, (B, T)))

@@ -11,7 +11,8 @@ on. A tensor a transpose made time-major is never taken for batch-first
 batched, data)`` follows the rows (through reductions along other axes too: a
 norm's moments); ``unflatten_rows`` lets a dense or scale-and-shift layer
 on them (on the first axis) read them as ``[B, k, ..]`` (Qwen3.5's gated
-RMSNorm on ``[B T H, d]``, RWKV-7's group norm on ``[B T, C]``).
+RMSNorm on ``[B T H, d]``, RWKV-7's group norm on ``[B T, C]``), and a
+grouped dense layer on ``[G, k B, d]`` as ``[G, B, k, d]``.
 """
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ def example_rows(g, batched, data) -> dict:
                 rows[node] = r
             continue
         found = {rows[s] for s in sources if s in rows}
+        if d["op"] == "Einsum" and not found:  # an einsum may move the batch off axis 0
+            leading = {s: Rows(batch, 1, 0) for s in sources
+                       if _batch_leading(g, s, batch, batched)}
+            axis = _axis_after_einsum(d, sources, leading, data, 0) if leading else None
+            if axis:
+                rows[node] = Rows(batch, 1, axis)
+            continue
         if len(found) != 1:
             continue
         (r,) = found
@@ -84,7 +92,7 @@ def _reshaped(g, d, source, out, rows, batched, batch):
         return None
     if source in rows:
         r, gained = rows[source], False
-    elif (src[0] == batch and source in batched and not _transposed_from(g, source)):
+    elif _batch_leading(g, source, batch, batched):
         r, gained = Rows(batch, 1, 0), True
     else:
         return None
@@ -97,6 +105,14 @@ def _reshaped(g, d, source, out, rows, batched, batch):
         if math.prod(out[:axis]) > prefix:
             return None
     return None
+
+
+def _batch_leading(g, node, batch, batched) -> bool:
+    """``node``'s output leads with the batch: its first axis has the batch's
+    size, it may be per example, and no transpose brought that axis there."""
+    shape = (g.nodes[node]["shapes"] or [None])[0]
+    return (bool(shape) and shape[0] == batch and node in batched
+            and not _transposed_from(g, node))
 
 
 def _transposed_from(g, node, depth=16) -> bool:
@@ -146,6 +162,10 @@ def _axis_after(g, d, sources, r, rows, data, rank):
     if op == "Squeeze" and sources[0] in rows:
         dims = [int(x) % (rank + 1) for x in d["attrs"].get("squeeze_dims") or ()]
         return None if not dims or a in dims else a - sum(x < a for x in dims)
+    if op in ("Split", "SplitV"):  # every piece keeps the rows unless cut along them
+        value, along = (1, 0) if op == "Split" else (0, 2)
+        cut = ir.const_value(g, d["inputs"][along])
+        return a if sources[value] in rows and cut is not None and int(cut) % rank != a else None
     if op == "StridedSlice" and sources[0] in rows and not any(s in rows for s in sources[1:]):
         return _axis_after_slice(g, d, a)
     return None
@@ -242,7 +262,9 @@ def unflatten_rows(groups, rows) -> dict:
         for pattern, roles, use in items:
             source = ir.split_tensor(use.inputs[0] if use.inputs else use.output)[0]
             r = rows.get(source)
-            if r is not None and r.axis == 0 and key[0] in _UNFLATTEN:
+            if key[0] == "grouped_dense":
+                use = dataclasses.replace(use, attrs=_grouped_attrs(use.attrs, r))
+            elif r is not None and r.axis == 0 and key[0] in _UNFLATTEN:
                 use = dataclasses.replace(use, attrs=_UNFLATTEN[key[0]](use.attrs, r))
             out[key].append((pattern, roles, use))
     return out
@@ -265,6 +287,18 @@ def _scale_shift_attrs(attrs, r):
     out = {**attrs, **{k: _split(attrs.get(k), r) for k in ("input_shape", "output_shape")}}
     out["operand_shapes"] = tuple(_split(s, r) for s in attrs.get("operand_shapes") or ())
     return out
+
+
+def _grouped_attrs(attrs, r):
+    """A grouped dense use (``passes.patterns_grouped``) reads its input and
+    output ``[G, k B, d]`` as ``[G, B, k, d]``; without the examples' rows
+    on that axis it is unsupported."""
+    shapes = [attrs.get("input_shape"), attrs.get("output_shape")]
+    if r is None or r.axis != 1 or any(not s or len(s) != 3 for s in shapes):
+        return {**attrs, "unsupported": "a grouped dense input [G, N, d] whose rows N do "
+                "not hold the examples' rows in groups"}
+    split = lambda s: (s[0], r.batch, r.per_example, s[2])  # noqa: E731
+    return {**attrs, "input_shape": split(shapes[0]), "output_shape": split(shapes[1])}
 
 
 _UNFLATTEN = {"dense": _dense_attrs, "scale_and_shift": _scale_shift_attrs}

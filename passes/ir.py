@@ -39,7 +39,7 @@ ELEMENTWISE = frozenset({
     "Add", "AddV2", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "Neg", "Square",
     "Sqrt", "Rsqrt", "Exp", "Log", "Erf", "Sigmoid", "Tanh", "Relu", "Relu6", "Elu", "Selu",
     "Softplus", "LeakyRelu", "Cast", "BiasAdd", "SelectV2", "SquaredDifference", "Identity",
-    "StopGradient", "Abs", "Reciprocal"})
+    "StopGradient", "Abs", "Reciprocal", "ClipByValue"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,8 @@ the routing weights follow on ``[B T, E]``); and windows cut from a
 sequence (Swin's ``[B nW, N, C]``) projected by a Keras ``Dense``. The
 experts' input kernels, ``einsum("th,ehm->etm", rows, W)``, are dense
 layers on ``transpose(W, (1, 0, 2))`` whose output gradient is laid out
-positions first (``output_perm``).
+positions first (``output_perm``); their output kernels are grouped dense
+layers (``tests/test_grouped_dense.py``).
 Checked in float64 against a loop of one-example gradients and the
 brute-force Fisher."""
 import numpy as np
@@ -76,9 +77,9 @@ def test_keras_hub_moe_backbone(family):
     router a dense layer on ``[B, T, d]``; the experts' stacked input kernels
     ``[E, d, m]`` (``einsum("th,ehm->etm")``, every expert on every token,
     weighed by the routing after) dense layers too; their output kernels
-    (``"eti,eih->eth"``, each expert on its own input) stay generic, with the
-    reason; per-example gradients equal a loop; kg.KFAC with its defaults
-    lowers the loss."""
+    (``"eti,eih->eth"``, each expert on its own input) grouped dense layers;
+    no variable generic; per-example gradients equal a loop; kg.KFAC with
+    its defaults lowers the loss."""
     keras = pytest.importorskip("keras")
     keras_hub = pytest.importorskip("keras_hub")
     keras.config.set_floatx("float64")  # conftest restores the dtypes
@@ -107,14 +108,14 @@ def test_keras_hub_moe_backbone(family):
         ("dense", (B, 5, 8))] * 2, reg.summary()
     # the experts' input kernels (every expert on every token) are dense
     # layers; their output kernels, one per expert's own input
-    # (``"eti,eih->eth"``), stay generic
+    # (``"eti,eih->eth"``), grouped dense layers on ``[E, B, T, m]``
     experts = [layer for layer in reg.layers if "/experts/" in layer.variables[0].name]
     assert experts and all(
-        (layer.kind, "Einsum" in layer.reason) == ("generic", True)
+        (layer.kind, layer.use_attrs[0]["input_shape"][1:3]) == ("grouped_dense", (B, 5))
         if "output_dense" in layer.variables[0].name else layer.kind == "dense"
         for layer in experts), reg.summary()
-    assert {layer.kind for layer in experts} == {"dense", "generic"}, reg.summary()
-    assert all(layer in experts for layer in reg.layers if layer.kind == "generic")
+    assert {layer.kind for layer in experts} == {"dense", "grouped_dense"}, reg.summary()
+    assert not [layer for layer in reg.layers if layer.kind == "generic"], reg.summary()
     # the layer norms compute in float32 whatever the model's dtype
     assert_matches_loop(loss_fn, args, rtol=1e-4, atol=1e-6)
     opt = kg.KFAC(loss_fn)

@@ -146,6 +146,7 @@ def test_registry_has_the_matcher_kinds():
         "scale_and_shift",
         "embedding",
         "tied_embedding",
+        "grouped_dense",
     }
     assert all(isinstance(DEFAULT[k], pe.PerExampleRule) for k in DEFAULT.kinds)
 

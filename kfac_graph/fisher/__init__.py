@@ -36,6 +36,10 @@ from kfac_graph.fisher.blocks_reduce import (
 from kfac_graph.fisher.blocks_series import FullyConnectedSeriesBlock
 from kfac_graph.fisher.blocks_compose import PartsBlock, TransposedKernelBlock
 from kfac_graph.fisher.blocks_tied import TiedEmbeddingKroneckerBlock
+from kfac_graph.fisher.blocks_grouped_dense import (
+    GroupedDenseKroneckerBlock,
+    GroupedDenseDiagonalBlock,
+)
 from kfac_graph.fisher.blocks_conv_transpose import (
     ConvTransposeKroneckerBlock,
     ConvTransposeKroneckerReduceBlock,

@@ -11,6 +11,7 @@ one of the aliases its kind's record allows (``LayerKind.blocks``); today:
     conv2d_transpose  ConvTransposeKronecker   ConvTransposeDiagonal   NaiveFull
     conv3d_transpose  (the same)
     depthwise_conv2d  DepthwiseConvKronecker   DepthwiseConvDiagonal   NaiveFull
+    grouped_dense     GroupedDenseKronecker    GroupedDenseDiagonal    NaiveFull
     scale_and_shift   -                        ScaleAndShiftDiagonal   ScaleAndShiftFull
     embedding         EmbeddingKronecker       NaiveDiagonal           NaiveFull
     tied_embedding    TiedEmbeddingKronecker   NaiveDiagonal           NaiveFull

@@ -9,6 +9,8 @@ default alias; today's defaults:
 
   dense, conv2d, conv3d,          -> Kronecker (K-FAC / KFC; with several
   depthwise_conv2d                   uses, the independent-uses version)
+  grouped_dense                    -> GroupedDenseKroneckerBlock (K-FAC per
+                                     group, blocks_grouped_dense.py)
   conv2d_transpose,                -> ConvTransposeKroneckerBlock (KFC on the
   conv3d_transpose                   kernel, the bias's exact block beside it)
   scale_and_shift                  -> full when the parameter count is at most
@@ -34,6 +36,7 @@ import numpy as np
 from kfac_graph import layers
 from kfac_graph.fisher import blocks_conv_transpose
 from kfac_graph.fisher import blocks_full
+from kfac_graph.fisher import blocks_grouped_dense
 from kfac_graph.fisher import blocks_kron
 from kfac_graph.fisher import blocks_reduce
 from kfac_graph.fisher import blocks_series
@@ -66,7 +69,9 @@ BLOCK_FACTORIES = types.MappingProxyType({
         blocks_conv_transpose.ConvTransposeKroneckerBlock,
         blocks_conv_transpose.ConvTransposeKroneckerReduceBlock,
         blocks_conv_transpose.ConvTransposeDiagonalBlock,
-        blocks_tied.TiedEmbeddingKroneckerBlock)
+        blocks_tied.TiedEmbeddingKroneckerBlock,
+        blocks_grouped_dense.GroupedDenseKroneckerBlock,
+        blocks_grouped_dense.GroupedDenseDiagonalBlock)
 })
 
 

@@ -10,12 +10,12 @@ with its record, one entry here, and the pass's pattern entries.
 import types
 
 from kfac_graph.layers import (conv, conv3d, conv_transpose, dense, depthwise, embedding,
-                               generic, scale_shift, tied_embedding)
+                               generic, grouped_dense, scale_shift, tied_embedding)
 from kfac_graph.layers.kind import LayerKind
 
 KINDS = types.MappingProxyType({
     k.name: k for k in (dense.KIND, conv.KIND, conv3d.KIND, conv_transpose.KIND,
-                        conv3d.TRANSPOSE_KIND, depthwise.KIND,
+                        conv3d.TRANSPOSE_KIND, depthwise.KIND, grouped_dense.KIND,
                         scale_shift.KIND, embedding.KIND, tied_embedding.KIND,
                         generic.KIND)
 })
