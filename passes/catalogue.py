@@ -4,8 +4,9 @@ MatMul could be, and a normalisation layer before a bare variable Mul;
 the multi-axis dense forms (``passes.patterns_multiaxis``: EinsumDense,
 position embeddings) before them all, and the grouped dense form
 (``passes.patterns_grouped``: a mixture of experts' output projections),
-then the sums of MatMuls that are one dense layer (``passes.patterns_stacked``: a recurrent cell's ``x @ W + h @ R
-+ b``) before the single products they contain."""
+then the sums of MatMuls that are one dense layer (``passes.patterns_stacked``:
+a recurrent cell's ``x @ W + h @ R + b``) before the single products they
+contain."""
 from __future__ import annotations
 
 from passes.patterns import DENSE_AND_CONV_PATTERNS, Pattern
