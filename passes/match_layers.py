@@ -23,7 +23,8 @@ from passes.layer_names import readable, scope_name, unique_names
 from passes.lookup_ids import ids_without_batch
 from passes.matcher import find_matches
 from passes.catalogue import LAYER_PATTERNS
-from passes.example_rows import example_rows, unflatten_rows
+from passes.example_rows import example_rows
+from passes.unflatten_rows import unflatten_rows
 from passes.patterns import Pattern, einsum_kernel_layout, var_shape, weighted_roles
 from passes.patterns_stacked import STACKED_PATTERNS
 from passes.patterns_multiaxis import (kernel_in_axes, kernel_perm, output_perm, part_rows,

@@ -1,0 +1,135 @@
+"""Where an op puts the examples' rows of its input (``passes.example_rows``).
+
+``axis_after(g, d, sources, r, rows, data, rank)``: the axis of ``d``'s
+output that holds the rows ``r`` its inputs hold (``rows``: node -> Rows),
+or None where the op mixes rows (reads several rows, or other examples'
+data, into one). Row-wise ops keep the axis: elementwise ops whose other
+operands broadcast along it, softmax and reductions off it, a matmul or
+einsum whose other operand does not depend on the data, batched matmuls,
+splits and slices that keep it whole, gathers of a table by ids in rows,
+convolutions and poolings on rows on the first axis; transposes, unstacks,
+ExpandDims and Squeeze move it.
+"""
+from __future__ import annotations
+
+from passes import ir
+
+# reductions over axes given by a constant (the rows' axis must not be one of them)
+_REDUCTIONS = frozenset({"Mean", "Sum", "Max", "Min", "Prod"})
+# ops computing each index of their input's first axis on its own (weights aside)
+_PER_LEADING = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "AvgPool",
+                          "MaxPool3D", "AvgPool3D"})
+
+
+def axis_after(g, d, sources, r, rows, data, rank):
+    """The rows' axis in ``d``'s output, or None where the op mixes rows."""
+    op, a = d["op"], r.axis
+    if op == "Transpose":
+        perm = ir.const_value(g, d["inputs"][1])
+        return None if perm is None else [int(p) for p in perm].index(a)
+    if op == "Unpack":
+        u = d["attrs"].get("axis", 0) % (rank + 1)
+        return None if u == a else a - (u < a)
+    if op in ("Softmax", "LogSoftmax"):
+        return a if a != rank - 1 else None
+    if op == "MatMul":
+        ok = (a == 0 and sources[0] in rows and sources[1] not in data
+              and not d["attrs"].get("transpose_a"))
+        return a if ok else None
+    if op == "BatchMatMulV2":  # its batch axes are never contracted
+        return a if a < rank - 2 and _aligned(g, d, sources, r, rows, rank) else None
+    if op in ir.ELEMENTWISE:
+        return a if _aligned(g, d, sources, r, rows, rank) else None
+    if op in _REDUCTIONS and sources[0] in rows:
+        return _axis_after_reduction(g, d, a)
+    if op == "Einsum":
+        return axis_after_einsum(d, sources, rows, data, a)
+    if op == "ExpandDims" and sources[0] in rows:
+        e = ir.const_value(g, d["inputs"][1])
+        return None if e is None else a + (int(e) % rank <= a)
+    if op == "Squeeze" and sources[0] in rows:
+        dims = [int(x) % (rank + 1) for x in d["attrs"].get("squeeze_dims") or ()]
+        return None if not dims or a in dims else a - sum(x < a for x in dims)
+    if op in ("Split", "SplitV"):  # every piece keeps the rows unless cut along them
+        value, along = (1, 0) if op == "Split" else (0, 2)
+        cut = ir.const_value(g, d["inputs"][along])
+        return a if sources[value] in rows and cut is not None and int(cut) % rank != a else None
+    if op == "StridedSlice" and sources[0] in rows and not any(s in rows for s in sources[1:]):
+        return _axis_after_slice(g, d, a)
+    return None
+
+
+def axis_after_einsum(d, sources, rows, data, a):
+    """An Einsum whose operands in rows name the rows' axis by one letter
+    that the others do not read (they must not be data, which would mix
+    examples into each row) and that the output keeps."""
+    equation = d["attrs"].get("equation", "")
+    if "..." in equation or "->" not in equation:
+        return None
+    ins, out = equation.replace(" ", "").split("->")
+    letters = set()
+    for s, spec in zip(sources, ins.split(",")):
+        if s in rows:
+            letters.add(spec[a] if a < len(spec) else None)
+        elif s in data:
+            return None
+    (letter,) = letters if len(letters) == 1 else (None,)
+    others = [spec for s, spec in zip(sources, ins.split(",")) if s not in rows]
+    if letter is None or letter not in out or any(letter in spec for spec in others):
+        return None
+    return out.index(letter)
+
+
+def _axis_after_slice(g, d, a):
+    """A StridedSlice that keeps the rows' axis whole (stride 1): where it
+    lands, walking the slice's spec (ellipsis, new axes, shrunk axes)."""
+    shape = ir.shape_of(g, d["inputs"][0])
+    begin, end, strides = (ir.const_value(g, t) for t in d["inputs"][1:4])
+    if shape is None or begin is None or end is None or strides is None:
+        return None
+    bit = lambda name, i: (d["attrs"].get(name, 0) >> i) & 1
+    n = len(begin)
+    plain = sum(1 for i in range(n) if not bit("ellipsis_mask", i) and not bit("new_axis_mask", i))
+    at_in = at_out = 0
+    for i in range(n):
+        if bit("ellipsis_mask", i):
+            span = len(shape) - plain
+            if at_in <= a < at_in + span:
+                return at_out + a - at_in
+            at_in, at_out = at_in + span, at_out + span
+        elif bit("new_axis_mask", i):
+            at_out += 1
+        elif at_in == a:
+            whole = ((bit("begin_mask", i) or int(begin[i]) == 0)
+                     and (bit("end_mask", i) or int(end[i]) >= shape[a]) and int(strides[i]) == 1)
+            return at_out if whole and not bit("shrink_axis_mask", i) else None
+        else:
+            at_in, at_out = at_in + 1, at_out + (0 if bit("shrink_axis_mask", i) else 1)
+    return at_out + a - at_in
+
+
+def _axis_after_reduction(g, d, a):
+    """The rows' axis ``a`` of a reduction's input in its output, or None
+    where the reduction runs along it (or its axes are not a constant)."""
+    axes = ir.const_value(g, d["inputs"][1])
+    rank = len(ir.shape_of(g, d["inputs"][0]) or ())
+    if axes is None or not rank:
+        return None
+    axes = {int(x) % rank for x in ([axes] if axes.ndim == 0 else axes)}
+    if a in axes:
+        return None
+    return a if d["attrs"].get("keep_dims") else a - sum(x < a for x in axes)
+
+
+def _aligned(g, d, sources, r, rows, rank) -> bool:
+    """Every operand holds the same rows, or broadcasts along their axis."""
+    for s, t in zip(sources, d["inputs"]):
+        if s in rows:
+            continue
+        shape = ir.shape_of(g, t)
+        if shape is None:
+            return False
+        at = r.axis - (rank - len(shape))  # right-aligned broadcasting
+        if at >= 0 and shape[at] != 1:
+            return False
+    return True
