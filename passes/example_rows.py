@@ -21,13 +21,15 @@ from typing import NamedTuple
 
 import networkx as nx
 
-from passes import ir, row_axes
+from passes import batch_flow, ir, row_axes
 from passes.batch_flow import static_batch
 
 
 
 class Rows(NamedTuple):
-    """``B`` examples, ``k`` rows each, along ``axis``."""
+    """``B`` examples, ``k`` rows each, along ``axis`` (``k = 1`` on axis 0:
+    batch-leading, as the data arguments are; on another axis: the batch
+    moved there, a time-major ``[T, B, d]``'s)."""
 
     batch: int
     per_example: int
@@ -46,6 +48,10 @@ def example_rows(g, batched, data) -> dict:
     rows = {}
     if batch is None:
         return rows
+    for node in g.graph["arguments"]:  # the data: the batch on the first axis
+        shape = (g.nodes[node]["shapes"] or [None])[0] if node in g else None
+        if shape and shape[0] == batch:
+            rows[node] = Rows(batch, 1, 0)
     for node in nx.topological_sort(g):
         d = g.nodes[node]
         out = d["shapes"][0] if d["shapes"] else None
@@ -88,7 +94,8 @@ def _reshaped(g, d, source, out, rows, batched, batch):
     if not src or None in src:
         return None
     if source in rows:
-        r, gained = rows[source], False
+        r = rows[source]
+        gained = r.per_example == 1 and r.axis == 0  # batch-leading
     elif _batch_leading(g, source, batch, batched):
         r, gained = Rows(batch, 1, 0), True
     else:
@@ -128,3 +135,12 @@ def _transposed_from(g, node, depth=16) -> bool:
             return False
         node = ir.split_tensor(d["inputs"][0])[0]
     return True
+
+
+def examples_axis(g, tensor: str) -> int | None:
+    """The axis of ``tensor`` that holds the examples, where the pass follows
+    them there from the arguments (a time-major ``[T, B, C]``: 1), else None."""
+    data = ir.reachable_from(g, g.graph["arguments"])
+    batched = data | ir.reachable_from(g, batch_flow.batch_sources(g))
+    r = example_rows(g, batched, data).get(ir.split_tensor(ir.resolve(g, tensor))[0])
+    return None if r is None else r.axis

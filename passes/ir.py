@@ -39,7 +39,8 @@ ELEMENTWISE = frozenset({
     "Add", "AddV2", "Sub", "Mul", "RealDiv", "Maximum", "Minimum", "Pow", "Neg", "Square",
     "Sqrt", "Rsqrt", "Exp", "Log", "Erf", "Sigmoid", "Tanh", "Relu", "Relu6", "Elu", "Selu",
     "Softplus", "LeakyRelu", "Cast", "BiasAdd", "SelectV2", "SquaredDifference", "Identity",
-    "StopGradient", "Abs", "Reciprocal", "ClipByValue"})
+    "StopGradient", "Abs", "Reciprocal", "ClipByValue", "Sin", "Cos", "Sign", "Floor",
+    "Softsign", "Log1p", "Expm1", "Erfc"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,8 @@ import networkx as nx
 
 from passes import frontends
 from passes.canonicalize import canonicalize
-from passes.errors import TraceError
+from passes.errors import KfacGraphError, TraceError
+from passes.example_rows import examples_axis
 from passes.grouped_conv3d import split_grouped_conv3d
 from passes.match_layers import LayerMatch, match_layers
 from passes.match_loss import LossMatch, match_loss
@@ -60,8 +61,21 @@ def run(traced: frontends.Traced, loss: str | None = None,
         raise TraceError(f"{traced.name}: the loss depends on no trainable variable")
     start = time.perf_counter()
     loss_match = match_loss(g, loss)
+    _batch_first_output(g, loss_match, traced.name)
     timings["match_loss"] = time.perf_counter() - start
     graph_def = split_grouped_conv3d(traced.graph_def, g)
     if graph_def is not traced.graph_def:
         traced = dataclasses.replace(traced, graph_def=graph_def)
     return PassResult(traced, g, layers, loss_match, timings)
+
+
+def _batch_first_output(g, loss_match, name):
+    """The loss's model output must hold the examples on its first axis (the
+    per-token Fisher, the per-example loss terms and their normalisation
+    read them there): a time-major ``[T, B, C]`` output is refused, one line."""
+    axis = examples_axis(g, loss_match.output) if loss_match.output else None
+    if axis:
+        raise KfacGraphError(
+            f"{name}: the loss reads its model output {loss_match.output} with the examples on "
+            f"axis {axis} (time-major), but reads a loss's examples on the first axis: "
+            "transpose the output and targets to batch-first before the loss")

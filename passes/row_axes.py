@@ -36,8 +36,12 @@ def axis_after(g, d, sources, r, rows, data, rank):
         ok = (a == 0 and sources[0] in rows and sources[1] not in data
               and not d["attrs"].get("transpose_a"))
         return a if ok else None
-    if op == "BatchMatMulV2":  # its batch axes are never contracted
-        return a if a < rank - 2 and _aligned(g, d, sources, r, rows, rank) else None
+    if op in ("BatchMatMulV2", "BatchMatMulV3"):
+        if a < rank - 2:  # its batch axes are never contracted
+            return a if _aligned(g, d, sources, r, rows, rank, matrix=True) else None
+        ok = (a == rank - 2 and sources[0] in rows and sources[1] not in data  # x's rows
+              and not d["attrs"].get("adj_x"))
+        return a if ok else None
     if op in ir.ELEMENTWISE:
         return a if _aligned(g, d, sources, r, rows, rank) else None
     if op in _REDUCTIONS and sources[0] in rows:
@@ -56,6 +60,25 @@ def axis_after(g, d, sources, r, rows, data, rank):
         return a if sources[value] in rows and cut is not None and int(cut) % rank != a else None
     if op == "StridedSlice" and sources[0] in rows and not any(s in rows for s in sources[1:]):
         return _axis_after_slice(g, d, a)
+    if op in ("GatherV2", "ResourceGather"):  # a table's rows by ids in rows
+        axis = ir.const_value(g, d["inputs"][2]) if op == "GatherV2" else 0
+        ok = (sources[1] in rows and sources[0] not in data and axis is not None
+              and int(axis) == 0 and not d["attrs"].get("batch_dims", 0))
+        return a if ok else None
+    if op in _PER_LEADING:
+        ok = a == 0 and sources[0] in rows and not any(s in data for s in sources[1:])
+        return a if ok else None
+    if op == "ConcatV2":  # every piece holds the same rows, joined along another axis
+        along = ir.const_value(g, d["inputs"][-1])
+        ok = along is not None and int(along) % rank != a and all(
+            s in rows for s in sources[:-1])
+        return a if ok else None
+    if op in ("Pad", "PadV2", "MirrorPad") and sources[0] in rows:
+        pads = ir.const_value(g, d["inputs"][1])
+        return a if pads is not None and not any(pads[a]) else None
+    if op == "Cumsum" and sources[0] in rows:
+        along = ir.const_value(g, d["inputs"][1])
+        return a if along is not None and int(along) % rank != a else None
     return None
 
 
@@ -121,15 +144,19 @@ def _axis_after_reduction(g, d, a):
     return a if d["attrs"].get("keep_dims") else a - sum(x < a for x in axes)
 
 
-def _aligned(g, d, sources, r, rows, rank) -> bool:
-    """Every operand holds the same rows, or broadcasts along their axis."""
+def _aligned(g, d, sources, r, rows, rank, matrix=False) -> bool:
+    """Every operand holds the same rows, or broadcasts along their axis
+    (``matrix``: a batched matmul's operands broadcast their batch axes, all
+    but their last two)."""
     for s, t in zip(sources, d["inputs"]):
         if s in rows:
             continue
         shape = ir.shape_of(g, t)
         if shape is None:
             return False
-        at = r.axis - (rank - len(shape))  # right-aligned broadcasting
+        out_rank = rank - 2 if matrix else rank
+        shape = shape[:-2] if matrix else shape
+        at = r.axis - (out_rank - len(shape))  # right-aligned broadcasting
         if at >= 0 and shape[at] != 1:
             return False
     return True

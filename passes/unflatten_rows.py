@@ -15,32 +15,73 @@ from passes import ir
 
 def unflatten_rows(groups, rows) -> dict:
     """``groups`` (``(kind, keys) -> [(pattern, roles, Use)]``) with each use
-    whose input ``[k B, ..]`` holds the examples' rows on its first axis
-    (``rows``, from ``example_rows``) reading them as ``[B, k, ..]``: a dense
-    use its ``input_shape`` (the dense kind's operands lay ``a`` and ``g``
-    out by it); a scale-and-shift use (a layer or group norm on rows, a
-    shift alone on them) each recorded shape that leads with ``k B``, its
-    input, output and operand shapes (its rule sums over the ``k`` rows as
-    over any axis its scale broadcasts along)."""
+    recorded as its input's rows are laid out (``rows``, from
+    ``example_rows``; a use whose input is not followed, or leads with the
+    batch, is left as it is):
+
+    - rows ``[k B, ..]`` on the first axis: a dense use reads them as
+      ``[B, k, ..]`` (its ``input_shape``, which the dense kind's operands
+      lay ``a`` and ``g`` out by); a scale-and-shift use (a layer or group
+      norm on rows, a shift alone on them) each recorded shape that leads
+      with ``k B`` (its rule sums over the ``k`` rows as over any axis its
+      scale broadcasts along);
+    - the examples on a later axis (a time-major ``[T, B, d]``): a dense use
+      on it moves that axis first (``batch_axis``) before reading it so;
+    - a grouped dense use: ``[G, k B, d]`` read as ``[G, B, k, d]``;
+    - any other use on rows is unsupported (the variable is generic, with
+      the reason): its kind would read the first axis as the examples. With
+      ``T = B`` the shapes alone would pass, and its per-example gradients
+      would be wrong."""
     out = {}
     for key, items in groups.items():
         out[key] = []
         for pattern, roles, use in items:
             source = ir.split_tensor(use.inputs[0] if use.inputs else use.output)[0]
-            r = rows.get(source)
-            if key[0] == "grouped_dense":
-                use = dataclasses.replace(use, attrs=_grouped_attrs(use.attrs, r))
-            elif r is not None and r.axis == 0 and key[0] in _UNFLATTEN:
-                use = dataclasses.replace(use, attrs=_UNFLATTEN[key[0]](use.attrs, r))
+            attrs = _recorded(key[0], use.attrs, rows.get(source))
+            if attrs is not use.attrs:
+                use = dataclasses.replace(use, attrs=attrs)
             out[key].append((pattern, roles, use))
     return out
 
 
+def _recorded(kind, attrs, r):
+    if kind == "grouped_dense":
+        return _grouped_attrs(attrs, r)
+    if r is None or (r.axis == 0 and r.per_example == 1):
+        return attrs
+    if r.axis == 0 and kind in _UNFLATTEN:
+        return _UNFLATTEN[kind](attrs, r)
+    if kind == "dense":
+        return _dense_batch_moved(attrs, r)
+    return _unsupported(attrs, r)
+
+
+def _unsupported(attrs, r):
+    where = (f"holds each example's {r.per_example} rows on its first axis ([k B, ..])"
+             if r.axis == 0 else f"holds the examples on axis {r.axis}, not the first "
+             "(a transposed, time-major tensor)")
+    return {**attrs, "unsupported": f"its input {where}, which its kind does not read"}
+
+
 def _split(shape, r):
-    """``shape`` read as ``[B, k, ..]`` where it leads with ``k B``."""
-    if shape and shape[0] == r.batch * r.per_example:
+    """``shape`` read as ``[B, k, ..]`` where it leads with ``k B`` (k > 1)."""
+    if shape and r.per_example > 1 and shape[0] == r.batch * r.per_example:
         return (r.batch, r.per_example, *shape[1:])
     return shape
+
+
+def _dense_batch_moved(attrs, r):
+    """A dense use whose input holds the examples on a later axis (one of its
+    positions, never a contracted one): the axis moved first, then read as
+    rows on the first axis."""
+    shape = attrs.get("input_shape")
+    contracted = attrs.get("kernel_in_axes") or 1
+    if (not shape or "stacked_rows" in attrs or "parts" in attrs
+            or r.axis >= len(shape) - contracted):
+        return _unsupported(attrs, r)
+    moved = (shape[r.axis], *shape[:r.axis], *shape[r.axis + 1:])
+    return {**_dense_attrs({**attrs, "input_shape": moved}, r._replace(axis=0)),
+            "batch_axis": r.axis}
 
 
 def _dense_attrs(attrs, r):

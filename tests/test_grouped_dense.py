@@ -125,11 +125,11 @@ def test_grouped_dense_kronecker_block_one_token():
     np.testing.assert_allclose(back[0], vec[0], rtol=1e-6, atol=1e-9)
 
 
-def test_grouped_dense_without_rows_is_generic():
+def test_grouped_dense_per_time_step():
     """A kernel per time step on a time-major input, ``einsum("eti,eih->eth")``
     with ``e`` the time and ``t`` the batch (``T = B``, so the shapes alone
-    would pass for tokens of examples): the pass does not claim the rows,
-    and the kernel stays generic, with the reason, its gradients exact."""
+    would pass for tokens of examples): the pass follows the batch to the
+    second axis, one row per example, and the layer is exact."""
     rng = np.random.RandomState(5)
     w_out = tf.Variable(rng.normal(size=(3, M, D)), name="w_out")  # one per time step
     head = tf.Variable(rng.normal(size=(D, C)), name="head")
@@ -144,8 +144,32 @@ def test_grouped_dense_without_rows_is_generic():
     args = (tf.constant(rng.normal(size=(3, 3, M))), tf.constant([0, 1, 1]))
     reg = loss_fn.registration(*args)
     layer = _experts(reg, w_out)
-    assert layer.kind == "generic" and "grouped dense" in layer.reason, reg.summary()
+    assert (layer.kind, layer.use_attrs[0]["input_shape"]) == (
+        "grouped_dense", (3, 3, 1, M)), reg.summary()
     assert_matches_loop(loss_fn, args)
+
+
+def test_grouped_dense_without_rows_is_generic():
+    """Experts' inputs that the pass cannot follow to the examples' rows (a
+    roll, which it does not read): the kernel stays generic, with the reason,
+    its gradients exact."""
+    loss_fn, _, params, args = _moe(3, 2, seed=6)
+    rng = np.random.RandomState(6)
+    w_out = tf.Variable(rng.normal(size=(E, M, D)), name="w_out")
+    head = tf.Variable(rng.normal(size=(D, C)), name="head")
+
+    @kg.auto_register
+    def rolled(x, y):
+        hidden = tf.roll(tf.tanh(tf.einsum("th,ehm->etm", tf.reshape(x, [-1, D]), params[0])),
+                         shift=1, axis=2)
+        out = tf.reduce_sum(tf.einsum("eti,eih->eth", hidden, w_out), axis=0)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, tf.reduce_mean(tf.reshape(out, [-1, 2, D]), axis=1) @ head))
+
+    reg = rolled.registration(*args)
+    layer = _experts(reg, w_out)
+    assert layer.kind == "generic" and "grouped dense" in layer.reason, reg.summary()
+    assert_matches_loop(rolled, args)
 
 
 def test_grouped_dense_trains():

@@ -231,12 +231,17 @@ def operands(layer, use, tensors, grads):
     for a use of a box of the kernel (`parts.py`), both zero-padded to the
     whole kernel's `d_in` and `d_out`; for a stacked kernel the use's inputs
     concatenated along their last axis; an Einsum whose output interleaves
-    positions and outputs (``output_perm``) has ``g`` transposed first."""
+    positions and outputs (``output_perm``) has ``g`` transposed first; an
+    input with the examples on a later axis (time-major, ``batch_axis``)
+    has that axis moved first in ``a`` and ``g``."""
     attrs = layer.use_attrs[use]
     shape = attrs.get("input_shape")
     rows = attrs.get("stacked_rows")
     if attrs.get("output_perm"):  # an Einsum's output axes, to positions then outputs
         grads = [tf.transpose(g, attrs["output_perm"]) for g in grads]
+    if attrs.get("batch_axis"):  # the examples on a later axis (time-major): moved first
+        first = lambda t: tf.transpose(t, _first(attrs["batch_axis"], t.shape.rank))  # noqa: E731
+        tensors, grads = [first(t) for t in tensors], [first(g) for g in grads]
     if rows:  # [x, h]: the inputs side by side, as the stacked kernel's rows
         lead = tuple(shape[:-1]) if shape else None
         a = tf.concat([reshape_like(t, lead and (*lead, d)) for t, d in zip(tensors, rows)],
@@ -260,6 +265,11 @@ def operands(layer, use, tensors, grads):
         a = parts.pad_axis(a, box, -1, into, kernel[into])
         grads = [parts.pad_axis(g, box, -1, out, kernel[out]) for g in grads]
     return a, list(grads)
+
+
+def _first(axis, rank):
+    """The permutation that moves ``axis`` first, the others in order."""
+    return [axis, *[i for i in range(rank) if i != axis]]
 
 
 KIND = LayerKind(
