@@ -131,7 +131,8 @@ def _find(g, patterns, on_path, batched, parameters, undirected) -> list:
         for roles in find_matches(g, pattern, claimed, undirected):
             if roles[pattern.output] not in on_path:
                 continue
-            source = ir.split_tensor(ir.resolve(g, _inputs(g, pattern, roles)[0]))[0]
+            inputs = _inputs(g, pattern, roles) or (ir.tensor_name(roles[pattern.output]),)
+            source = ir.split_tensor(ir.resolve(g, inputs[0]))[0]  # (a tiled weight: itself)
             if source not in batched and source in parameters:
                 continue  # a product of weights, not a layer applied to data
             if _leaks(g, pattern, roles, weighted, on_path):

@@ -1,9 +1,11 @@
 """Scale-and-shift layer patterns (normalisation layers, a variable Mul
-and/or Add), declared as data like ``passes.patterns``.
+and/or Add, a variable tiled over the batch), declared as data like
+``passes.patterns``.
 """
 from __future__ import annotations
 
 from passes import ir
+from passes.batch_flow import static_batch
 from passes.patterns import ADD, ANY, VAR, VAR_PART, Op, Pattern, ops, var_shape
 
 # --- scale and shift ---------------------------------------------------------
@@ -140,8 +142,33 @@ SHIFT = Pattern(
     check=lambda g, m: m["x"] != m["beta"] and _shared_by_examples("beta", "add")(g, m))
 
 
+
+def _over_the_batch(g, m) -> bool:
+    """A Tile (of the batch axis alone) or BroadcastTo of the variable whose
+    output leads with the batch, the variable read with a unit first axis."""
+    d = g.nodes[m["tile"]]
+    out = (d["shapes"] or [None])[0]
+    read = ir.read_shape(g, m["tile"], ir.tensor_name(m["beta"]))
+    if (not out or None in out or out[0] != static_batch(g) or read is None
+            or len(read) != len(out) or read[0] != 1):
+        return False
+    if d["op"] == "Tile":
+        times = ir.const_value(g, d["inputs"][1])
+        return times is not None and all(int(k) == 1 for k in times[1:])
+    return all(r in (1, o) for r, o in zip(read, out))
+
+
+# A variable tiled or broadcast over the batch (a ViT's class and register
+# tokens, concatenated before the patches; GPT-OSS's attention sinks): a
+# shift of zeros, its per-example gradient the output gradient at the copy.
+TILED_SHIFT = Pattern(
+    "tiled_shift", "scale_and_shift", {"beta": VAR_PART, "tile": ops("Tile", "BroadcastTo")},
+    (("beta", "tile", 0),), anchor="tile", output="tile", params=("beta",), inputs=(),
+    normalizer="identity", check=_over_the_batch)
+
+
 SCALE_SHIFT_PATTERNS: tuple[Pattern, ...] = (
     KERAS_BATCH_NORM, KERAS_BATCH_NORM_NO_SCALE, KERAS_BATCH_NORM_NO_CENTER, KERAS_LAYER_NORM,
     FUSED_BATCH_NORM,
-    SCALE_SHIFT, SCALE_OFFSET, SCALE, SHIFT,
+    SCALE_SHIFT, SCALE_OFFSET, SCALE, SHIFT, TILED_SHIFT,
 )

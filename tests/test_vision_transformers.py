@@ -3,9 +3,10 @@
 ViT looks its position embeddings up by ids ``[1, T]`` (a unit axis where
 the batch goes) and adds them to ``[B, T, d]`` patches: a position
 embedding, like ids ``[T]`` (before: generic, "no example axis"). Its class
-token, tiled over the batch and concatenated before the patches, stays
-generic with the reason. Checked in float64 against a loop of one-example
-gradients and the brute-force Fisher of the position table."""
+token, tiled over the batch and concatenated before the patches, is a shift
+of the tiled copy (``tests/test_tiled_weights.py``). Checked in float64
+against a loop of one-example gradients and the brute-force Fisher of the
+position table."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -64,6 +65,7 @@ def test_keras_hub_vit():
     reg = loss_fn.registration(*args)
     kinds = {layer.name.split("/")[-1]: layer.kind for layer in reg.layers}
     assert kinds["position_embedding_1"] == "embedding", reg.summary()
-    (generic,) = [layer for layer in reg.layers if layer.kind == "generic"]
-    assert generic.name.endswith("class_token") and "Tile" in generic.reason
+    assert not [layer for layer in reg.layers if layer.kind == "generic"], reg.summary()
+    (token,) = [layer for layer in reg.layers if "class_token" in layer.variables[0].name]
+    assert token.kind == "scale_and_shift", reg.summary()
     assert_matches_loop(loss_fn, args)
