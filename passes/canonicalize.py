@@ -9,11 +9,12 @@ from one integer type to another), but not from a floating dtype to an
 integer or bool, which rounds and cuts the gradient (no layer may be
 matched through it); and ``Reshape``, ``Squeeze`` and ``ExpandDims`` that
 only add or drop unit axes (Keras's bias reshape; Conv1D built as
-ExpandDims + Conv2D + Squeeze); and a ``Reshape`` of a weight read only by
-elementwise arithmetic (``Mul``, ``Add``, ``AddV2``, ``Sub``): a broadcast
-layout, as group normalisation's ``[C]`` scale laid out ``[.., G, C/G]``,
-which a pattern reads back from the raw operand's shape (``shape_of`` the
-removed tensor). Removed tensors are
+ExpandDims + Conv2D + Squeeze), and a ``StridedSlice`` that keeps every
+axis whole and only adds unit axes (``bias[:, None, :]``); and a
+``Reshape`` of a weight read only by elementwise arithmetic (``Mul``,
+``Add``, ``AddV2``, ``Sub``): a broadcast layout, as group normalisation's
+``[C]`` scale laid out ``[.., G, C/G]``, which a pattern reads back from the
+raw operand's shape (``shape_of`` the removed tensor). Removed tensors are
 recorded in ``g.graph["aliases"]``; node names are unchanged, so every tensor
 left in the IR is a tensor of the original graph. ``StopGradient`` is never
 transparent: it changes the gradient.
@@ -41,7 +42,8 @@ def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
             for k, t in enumerate(data["inputs"]):
                 ir.bypass(g, node, k, t)
         elif (op in _ALWAYS or (op == "Cast" and not _cuts_gradient(data))
-              or (op in _UNIT_AXES and _only_unit_axes(g, node, node in data_nodes))):
+              or ((op in _UNIT_AXES or (op == "StridedSlice" and _whole_slice(g, node)))
+                  and _only_unit_axes(g, node, node in data_nodes))):
             if not data["inputs"]:
                 continue
             ir.bypass(g, node, 0, data["inputs"][0])
@@ -77,6 +79,33 @@ def _only_unit_axes(g: nx.DiGraph, node: str, on_data: bool) -> bool:
         return False
     squeeze = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
     return squeeze(before) == squeeze(after) and sum(d is None for d in before) <= 1
+
+
+def _whole_slice(g: nx.DiGraph, node: str) -> bool:
+    """A StridedSlice that keeps every axis whole, stride 1, and only adds
+    unit axes (``bias[:, None, :]``: GPT-OSS's per-expert biases)."""
+    d = g.nodes[node]
+    attrs, shape = d["attrs"], ir.shape_of(g, d["inputs"][0])
+    begin, end, strides = (ir.const_value(g, t) for t in d["inputs"][1:4])
+    if (shape is None or begin is None or end is None or strides is None
+            or attrs.get("shrink_axis_mask", 0) or any(int(k) != 1 for k in strides)):
+        return False
+    bit = lambda name, i: (attrs.get(name, 0) >> i) & 1  # noqa: E731
+    plain = sum(1 for i in range(len(begin))
+                if not bit("ellipsis_mask", i) and not bit("new_axis_mask", i))
+    at = 0
+    for i in range(len(begin)):
+        if bit("ellipsis_mask", i):
+            at += len(shape) - plain
+        elif not bit("new_axis_mask", i):
+            if at >= len(shape) or shape[at] is None:
+                return False
+            if not (bit("begin_mask", i) or int(begin[i]) == 0):
+                return False
+            if not (bit("end_mask", i) or int(end[i]) >= shape[at]):
+                return False
+            at += 1
+    return True
 
 
 def _weight_layout(g: nx.DiGraph, node: str, data: dict) -> bool:

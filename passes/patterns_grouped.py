@@ -1,6 +1,7 @@
 """The grouped dense pattern: a kernel ``[G, d_in, d_out]`` applied group by
 group, ``einsum("gnc,gco->gno", x, w)`` (each of G dense layers on its own
-input: keras-hub's mixture-of-experts output projections, ``"eti,eih->eth"``).
+input: keras-hub's mixture-of-experts output projections, ``"eti,eih->eth"``),
+with a bias ``[G, d_out]`` per group or without.
 
 The layer's rows ``n`` must hold the examples' tokens in groups (on ``x``'s
 second axis, ``passes.example_rows``); ``example_rows.unflatten_rows``
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import re
 
-from passes.patterns import ANY, VAR, Pattern, ops, var_shape
+from passes import ir
+from passes.patterns import ADD, ANY, VAR, Pattern, ops, var_shape
 
 
 def grouped_dense_form(equation: str) -> bool:
@@ -27,11 +29,32 @@ def grouped_dense_form(equation: str) -> bool:
             and len({g, n, c, o}) == 4)
 
 
-GROUPED_DENSE = Pattern(
-    "grouped_dense", "grouped_dense",
-    {"x": ANY, "op": ops("Einsum", where=lambda d: grouped_dense_form(
-        d["attrs"].get("equation", ""))), "w": VAR},
-    (("x", "op", 0), ("w", "op", 1)), anchor="op", output="op", params=("w",),
-    inputs=(("op", "in", 0),), check=lambda g, m: len(var_shape(g, m["w"])) == 3)
+_NODES = {"x": ANY, "op": ops("Einsum", where=lambda d: grouped_dense_form(
+    d["attrs"].get("equation", ""))), "w": VAR}
+_EDGES = (("x", "op", 0), ("w", "op", 1))
 
-GROUPED_PATTERNS = (GROUPED_DENSE,)
+
+def _kernel_ok(g, m) -> bool:
+    return len(var_shape(g, m["w"])) == 3
+
+
+def _bias_ok(g, m) -> bool:
+    """A bias ``[G, d_out]`` read as ``[G, 1, d_out]`` (``b[:, None, :]``,
+    GPT-OSS's experts'), one per group, added to the product."""
+    if not _kernel_ok(g, m):
+        return False
+    groups, _, d_out = var_shape(g, m["w"])
+    read = ir.read_shape(g, m["add"], ir.tensor_name(m["b"]))
+    return (tuple(var_shape(g, m["b"])) == (groups, d_out) and read is not None
+            and tuple(read) == (groups, 1, d_out))
+
+
+GROUPED_DENSE_BIAS = Pattern(
+    "grouped_dense_bias", "grouped_dense", {**_NODES, "b": VAR, "add": ADD},
+    _EDGES + (("op", "add", None), ("b", "add", None)), anchor="op", output="add",
+    params=("w", "b"), inputs=(("op", "in", 0),), check=_bias_ok)
+GROUPED_DENSE = Pattern(
+    "grouped_dense", "grouped_dense", _NODES, _EDGES, anchor="op", output="op",
+    params=("w",), inputs=(("op", "in", 0),), check=_kernel_ok)
+
+GROUPED_PATTERNS = (GROUPED_DENSE_BIAS, GROUPED_DENSE)

@@ -185,6 +185,8 @@ def _bias_ok(g, m, out_role) -> bool:
     (or with its unit axes squeezed: Keras adds a ``[1, n]`` bias as ``[n]``)."""
     k = kernel_in_axes(g, m)
     bias, out, before = var_shape(g, m["b"]), _shape(g, m["add"]), _shape(g, m[out_role])
+    if k is not None and output_perm(g, m) is not None and bias and out and None not in out:
+        return _permuted_bias_ok(g, m, k, bias, out)
     if (k is None or output_perm(g, m) is not None or not bias or out is None or before is None
             or len(bias) >= len(out)):
         return False
@@ -200,6 +202,20 @@ def _bias_ok(g, m, out_role) -> bool:
     squeeze = lambda dims: tuple(d for d in dims if d != 1)
     return (shape is not None and squeeze(shape) == squeeze(bias) and len(shape) <= len(out)
             and _same(out[len(out) - len(shape):], tuple(shape)))
+
+
+def _permuted_bias_ok(g, m, k, bias, out) -> bool:
+    """An Einsum whose output interleaves positions and outputs (``"etm"``):
+    the bias ``[E, M]`` (``d_out`` entries) is read as the output with its
+    positions' axes 1 (``bias[:, None, :]``, GPT-OSS's experts' biases)."""
+    outputs = kernel_shape(g, m)[k:]
+    positions = set(output_perm(g, m)[:len(out) - len(outputs)])
+    want = tuple(1 if i in positions else d for i, d in enumerate(out))
+    add = g.nodes[m["add"]]
+    raw = [t for t in add["raw_inputs"] if ir.resolve(g, t) == ir.tensor_name(m["b"])]
+    shape = ir.shape_of(g, raw[0]) if raw else None
+    return (math.prod(bias) == math.prod(outputs) and shape is not None
+            and tuple(shape) == want)
 
 
 def _with_bias(name, nodes, edges, out_role, check, inputs):

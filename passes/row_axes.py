@@ -148,7 +148,7 @@ def _aligned(g, d, sources, r, rows, rank, matrix=False) -> bool:
     """Every operand holds the same rows, or broadcasts along their axis
     (``matrix``: a batched matmul's operands broadcast their batch axes, all
     but their last two)."""
-    for s, t in zip(sources, d["inputs"]):
+    for s, t in zip(sources, d["raw_inputs"]):  # each as the op reads it
         if s in rows:
             continue
         shape = ir.shape_of(g, t)

@@ -244,3 +244,33 @@ def test_time_major_rows_are_not_examples():
     args = (tf.constant(rng.normal(size=(B, B, D))), tf.constant([0, 1, 1]))
     with pytest.raises(kg.KfacGraphError, match="leading axis"):
         kg.per_example_gradients(loss_fn, *args)
+
+
+def test_experts_on_every_token_with_biases():
+    """GPT-OSS's input projection: ``einsum("th,ehm->etm", rows, W) + b[:, None,
+    :]``, the bias ``[E, M]`` read as the output with its positions' axis 1
+    (a whole-axis slice that only adds it): the dense layer's bias."""
+    rng = np.random.RandomState(6)
+    w = tf.Variable(rng.normal(size=(E, D, 2)), name="experts")
+    b = tf.Variable(rng.normal(size=(E, 2)), name="experts_bias")
+    head = tf.Variable(rng.normal(size=(2, C)), name="head")
+
+    def logits(params, x):
+        w, b = params
+        out = tf.tanh(tf.einsum("th,ehm->etm", tf.reshape(x, [-1, D]), w) + b[:, None, :])
+        return tf.reduce_mean(tf.reshape(tf.reduce_sum(out, 0), [-1, T, 2]), axis=1) @ head
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, logits([w, b], x)))
+
+    args = (tf.constant(rng.normal(size=(B, T, D))), tf.constant([0, 1, 1]))
+    reg = loss_fn.registration(*args)
+    assert [(layer.kind, len(layer.variables)) for layer in reg.layers] == [
+        ("dense", 2), ("dense", 1)], reg.summary()
+    assert_matches_loop(loss_fn, args)
+    want = brute_fisher(logits, [w, b], args[0], softmax_fisher)
+    est = kg.FisherEstimator(loss_fn, estimation_mode="exact", approximations={"dense": "full"})
+    est.update(*args)
+    np.testing.assert_allclose(est.blocks[0].full_matrix(), want, rtol=1e-6, atol=1e-12)

@@ -22,26 +22,29 @@ from per_example_reference import assert_matches_loop, one_example_loop
 D, E, M, C = 3, 4, 2, 2
 
 
-def _moe(batch, tokens, form="eti,eih->eth", seed=0):
+def _moe(batch, tokens, form="eti,eih->eth", seed=0, bias=False):
     """Tokens ``[B, T, D]`` as rows, every expert's hidden ``tanh(rows W_in)``
-    ``[E, B T, M]``, its output ``einsum(form, hidden, W_out)``, weighed by
-    a softmax router and summed over experts, mean over tokens, a head."""
+    ``[E, B T, M]``, its output ``einsum(form, hidden, W_out)`` (``bias``:
+    ``+ b_out[:, None, :]``, GPT-OSS's), weighed by a softmax router and
+    summed over experts, mean over tokens, a head."""
     rng = np.random.RandomState(seed)
     w_in = tf.Variable(rng.normal(size=(E, D, M)), name="w_in")
     w_out = tf.Variable(rng.normal(size=(E, M, D)), name="w_out")
     router = tf.Variable(rng.normal(size=(D, E)), name="router")
     head = tf.Variable(rng.normal(size=(D, C)), name="head")
+    b_out = tf.Variable(rng.normal(size=(E, D)), name="b_out")
 
     def logits(params, x):
-        w_in, w_out, router, head = params
+        w_in, w_out, router, head, b_out = params
         rows = tf.reshape(x, [-1, D])
         hidden = tf.tanh(tf.einsum("th,ehm->etm", rows, w_in))
         out = tf.einsum(form, hidden, w_out)  # [E, N, D]
+        out = out + b_out[:, None, :] if bias else out
         route = tf.transpose(tf.nn.softmax(rows @ router))  # [E, N]
         mixed = tf.reduce_sum(out * route[:, :, None], axis=0)
         return tf.reduce_mean(tf.reshape(mixed, [-1, tokens, D]), axis=1) @ head
 
-    params = [w_in, w_out, router, head]
+    params = [w_in, w_out, router, head, b_out]
 
     @kg.auto_register
     def loss_fn(x, y):
@@ -58,12 +61,14 @@ def _experts(reg, w_out):
     return layer
 
 
-@pytest.mark.parametrize("form", ["eti,eih->eth", "etm,emh->eth"], ids=["mixtral", "gpt_oss"])
-def test_grouped_dense_per_example(form):
-    loss_fn, _, params, args = _moe(3, 4, form)
+@pytest.mark.parametrize("form,bias", [("eti,eih->eth", False), ("etm,emh->eth", True)],
+                         ids=["mixtral", "gpt_oss_biased"])
+def test_grouped_dense_per_example(form, bias):
+    loss_fn, _, params, args = _moe(3, 4, form, bias=bias)
     reg = loss_fn.registration(*args)
     layer = _experts(reg, params[1])
     assert layer.kind == "grouped_dense", reg.summary()
+    assert list(layer.variables) == ([params[1], params[4]] if bias else [params[1]])
     assert layer.use_attrs[0]["input_shape"] == (E, 3, 4, M)
     assert not [layer for layer in reg.layers if layer.kind == "generic"], reg.summary()
     assert_matches_loop(loss_fn, args)
@@ -88,12 +93,14 @@ def test_grouped_dense_norms_both_forms():
                                    np.sum(np.square(grads), axis=(1, 2, 3)), rtol=1e-10)
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("block", ["full", "diagonal"])
-def test_grouped_dense_exact_blocks(block):
-    loss_fn, logits, params, args = _moe(3, 2)
-    w_in, w_out, router, head = params
-    want = brute_fisher(lambda p, x: logits([w_in, p[0], router, head], x), [w_out], args[0],
-                        softmax_fisher)
+def test_grouped_dense_exact_blocks(block, bias):
+    loss_fn, logits, params, args = _moe(3, 2, bias=bias)
+    w_in, w_out, router, head, b_out = params
+    own = [w_out, b_out] if bias else [w_out]
+    want = brute_fisher(lambda p, x: logits([w_in, p[0], router, head, p[-1]], x), own,
+                        args[0], softmax_fisher)
     est = kg.FisherEstimator(loss_fn, estimation_mode="exact",
                              approximations={"grouped_dense": block})
     est.update(*args)
@@ -103,15 +110,19 @@ def test_grouped_dense_exact_blocks(block):
                                rtol=1e-6, atol=1e-12)
 
 
-def test_grouped_dense_kronecker_block_one_token():
-    """One example, one token: each expert's K-FAC block ``A_j (x) G_j`` is
-    its exact Fisher block; the block drops the cross-expert terms."""
-    loss_fn, logits, params, args = _moe(1, 1)
-    w_in, w_out, router, head = params
-    want = brute_fisher(lambda p, x: logits([w_in, p[0], router, head], x), [w_out], args[0],
-                        softmax_fisher)
-    size = M * D
-    mask = np.kron(np.eye(E), np.ones((size, size)))
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_dense_kronecker_block_one_token(bias):
+    """One example, one token: each expert's K-FAC block ``A_j (x) G_j`` (over
+    ``[W_j; b_j]`` with a bias) is its exact Fisher block; the block drops
+    the cross-expert terms."""
+    loss_fn, logits, params, args = _moe(1, 1, bias=bias)
+    w_in, w_out, router, head, b_out = params
+    own = [w_out, b_out] if bias else [w_out]
+    want = brute_fisher(lambda p, x: logits([w_in, p[0], router, head, p[-1]], x), own,
+                        args[0], softmax_fisher)
+    expert = np.concatenate([np.repeat(np.arange(E), M * D)]
+                            + ([np.repeat(np.arange(E), D)] if bias else []))
+    mask = expert[:, None] == expert[None, :]
     est = kg.FisherEstimator(loss_fn, estimation_mode="exact")
     est.update(*args)
     reg = loss_fn.registration(*args)
@@ -119,10 +130,12 @@ def test_grouped_dense_kronecker_block_one_token():
     assert type(block).__name__ == "GroupedDenseKroneckerBlock"
     np.testing.assert_allclose(block.full_matrix(), want * mask, rtol=1e-6, atol=1e-12)
     # its inverse is the damped block's inverse
-    vec = [tf.constant(np.random.RandomState(4).normal(size=(E, M, D)))]
+    rng = np.random.RandomState(4)
+    vec = [tf.constant(rng.normal(size=v.shape)) for v in own]
     block.update_inverses(damping=0.1)
     back = block.multiply(block.multiply_inverse(vec, damping=0.1), damping=0.1)
-    np.testing.assert_allclose(back[0], vec[0], rtol=1e-6, atol=1e-9)
+    for got, v in zip(back, vec):
+        np.testing.assert_allclose(got, v, rtol=1e-6, atol=1e-9)
 
 
 def test_grouped_dense_per_time_step():

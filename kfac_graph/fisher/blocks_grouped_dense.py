@@ -9,8 +9,9 @@ output projections, one expert per group).
 averaged over every token of every example (and use), `R` the tokens per
 example times the uses. It is `GroupedKroneckerBlock`'s block diagonal
 (each group its own pi; the cross-group terms dropped, as between layers)
-with the groups leading the kernel: `V_j = W[j]` `(d_in, d_out)`, so the
-kernel's row-major order is already the groups' one after the other.
+with the groups leading the kernel: `V_j = [W[j]; b[j]]` `(d_in (+1),
+d_out)`, the bias's row from the homogeneous 1 appended to each group's
+input rows.
 
 `GroupedDenseDiagonalBlock`: the exact diagonal, from the kind's
 per-example rule.
@@ -31,29 +32,41 @@ class GroupedDenseKroneckerBlock(GroupedKroneckerBlock):
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
-        if len(self.var_shapes) != 1 or len(self.var_shapes[0]) != 3:
-            raise ValueError(f"a grouped dense block takes one kernel [G, d_in, d_out], "
-                             f"got {self.var_shapes}")
-        groups, d_in, d_out = (int(d) for d in self.var_shapes[0])
+        kernel = tuple(int(d) for d in self.var_shapes[0])
+        if len(kernel) != 3 or len(self.var_shapes) > 2:
+            raise ValueError(f"a grouped dense block takes a kernel [G, d_in, d_out] and "
+                             f"maybe a bias [G, d_out], got {self.var_shapes}")
+        groups, d_in, d_out = kernel
+        self.spec = grouped_dense.GroupedDenseSpec(kernel, has_bias=len(self.var_shapes) == 2)
         self._out_width = groups * d_out
-        options = lambda name: self._factor_options(groups=groups, name=name)  # noqa: E731
-        # an input factor without the homogeneous coordinate: the rows as given
-        self.input_factor = factors_kron.OutputFactor(d_in, grouped_dense.group_rows,
-                                                      **options("input_factor"))
-        self.output_factor = factors_kron.OutputFactor(d_out, grouped_dense.group_rows,
-                                                       **options("output_factor"))
+        options = lambda name: self._factor_options(name=name)  # noqa: E731
+        self.input_factor = factors_kron.PatchInputFactor(
+            self.spec, grouped_dense.input_rows, d_in, groups, **options("input_factor"))
+        self.output_factor = factors_kron.OutputFactor(
+            d_out, grouped_dense.group_rows, groups=groups, **options("output_factor"))
         self._init_kron()
 
     def _to_mat(self, vs):
-        return tf.reshape(tf.cast(vs[0], self.dtype), self.var_shapes[0])
+        """`V_j = [W[j]; b[j]]`: `[G, d_in (+1), d_out]`."""
+        mat = tf.reshape(tf.cast(vs[0], self.dtype), self.spec.kernel_shape)
+        if self.spec.has_bias:
+            mat = tf.concat([mat, tf.cast(vs[1], self.dtype)[:, None, :]], axis=1)
+        return mat
 
     def _from_mat(self, mat):
-        return [tf.reshape(mat, self.var_shapes[0])]
+        d_in = self.spec.kernel_shape[1]
+        out = [tf.reshape(mat[:, :d_in], self.spec.kernel_shape)]
+        return out + ([mat[:, d_in]] if self.spec.has_bias else [])
 
     def _canonical_index(self):
-        """index[j, r*d_out + o] = the row-major position of W[j, r, o]."""
-        groups, d_in, d_out = (int(d) for d in self.var_shapes[0])
-        return np.arange(groups * d_in * d_out).reshape(groups, d_in * d_out)
+        """index[j, r*d_out + o]: the canonical position of V_j's entry (r, o):
+        the kernel row-major, then the bias (row r = d_in)."""
+        groups, d_in, d_out = self.spec.kernel_shape
+        j, r, o = np.meshgrid(np.arange(groups), np.arange(self.input_factor.dim),
+                              np.arange(d_out), indexing="ij")
+        bias = groups * d_in * d_out + j * d_out + o
+        index = np.where(r < d_in, (j * d_in + r) * d_out + o, bias)
+        return index.reshape(groups, -1)
 
 
 class GroupedDenseDiagonalBlock(_LayerMixin, blocks_base.DiagonalBlock):
@@ -62,7 +75,8 @@ class GroupedDenseDiagonalBlock(_LayerMixin, blocks_base.DiagonalBlock):
 
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
-        spec = grouped_dense.GroupedDenseSpec(self.var_shapes[0])
+        spec = grouped_dense.GroupedDenseSpec(self.var_shapes[0],
+                                              has_bias=len(self.var_shapes) == 2)
         self.factor = factors_grad.LayerGradientFactor(
             grouped_dense.KIND.rule, spec, self.num_params, diagonal=True, dtype=self.dtype)
         self._init_cache()

@@ -11,14 +11,17 @@ so `operands` lays `x` out as `[B, G, k, d_in]` and the output gradient as
 `[B, G, k, d_out]`. Per example `i`, summed over uses,
 
     dW_i[j] = sum_t x_i[j, t]^T g_i[j, t]        [G, d_in, d_out]
+    db_i[j] = sum_t g_i[j, t]                     [G, d_out]  (GPT-OSS's bias)
 
 Norms: the Gram form per group, `sum_j sum_{t,t'} (x_t . x_t')(g_t . g_t')`
 (`norms.grouped_gram_squared_norms`), when `k (d_in + d_out) < d_in d_out`
-over all uses' rows; else the materialised gradient squared.
+over all uses' rows; else the materialised gradient squared (a bias's
+norm from its gradient, always).
 
 The Kronecker factors (`fisher/blocks_grouped_dense.py`) are per group:
-`A_j` from group j's input rows, `G_j` from its output-gradient rows, every
-token of every example a row (`input_rows`, `output_rows`: `[N, G, d]`).
+`A_j` from group j's input rows (and the bias's 1), `G_j` from its
+output-gradient rows, every token of every example a row (`input_rows`,
+`group_rows`: `[N, G, d]`).
 """
 
 import dataclasses
@@ -32,9 +35,11 @@ from kfac_graph.layers.kind import LayerKind, variable_shapes
 
 @dataclasses.dataclass(frozen=True)
 class GroupedDenseSpec:
-    """A kernel `[groups, d_in, d_out]` applied group by group."""
+    """A kernel `[groups, d_in, d_out]` applied group by group (+ a bias
+    `[groups, d_out]`)."""
 
     kernel_shape: tuple
+    has_bias: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "kernel_shape", tuple(int(d) for d in self.kernel_shape))
@@ -49,9 +54,12 @@ class GroupedDenseRule:
     `(x [B, G, k, d_in], g [B, G, k, d_out])` (module docstring)."""
 
     def per_example_grads(self, uses, spec):
-        """`[[B, G, d_in, d_out]]`."""
-        return [uses_lib.add_all([tf.einsum("bjti,bjto->bjio", x, g)
-                                  for x, g in uses_lib.as_uses(uses)])]
+        """`[B, G, d_in, d_out]` and, with a bias, `[B, G, d_out]`."""
+        uses = uses_lib.as_uses(uses)
+        out = [uses_lib.add_all([tf.einsum("bjti,bjto->bjio", x, g) for x, g in uses])]
+        if spec.has_bias:
+            out.append(uses_lib.add_all([tf.reduce_sum(g, axis=2) for _, g in uses]))
+        return out
 
     def squared_norms(self, uses, spec):
         """`[B]`: each example's squared gradient norm (module docstring)."""
@@ -62,12 +70,16 @@ class GroupedDenseRule:
             return norms.total_squared_norms(self.per_example_grads(uses, spec))
         # [B, k, G, d]: positions before groups, as the grouped Gram form reads them
         to_rows = lambda t: tf.transpose(t, [0, 2, 1, 3])  # noqa: E731
-        return norms.grouped_gram_squared_norms(tf.concat([to_rows(x) for x, _ in uses], 1),
-                                                tf.concat([to_rows(g) for _, g in uses], 1))
+        kernel = norms.grouped_gram_squared_norms(tf.concat([to_rows(x) for x, _ in uses], 1),
+                                                  tf.concat([to_rows(g) for _, g in uses], 1))
+        if not spec.has_bias:
+            return kernel
+        bias = uses_lib.add_all([tf.reduce_sum(g, axis=2) for _, g in uses])
+        return kernel + norms.sum_of_squares(bias)
 
 
 def spec(layer, use):
-    return GroupedDenseSpec(variable_shapes(layer)[0])
+    return GroupedDenseSpec(variable_shapes(layer)[0], has_bias=len(layer.variables) == 2)
 
 
 def operands(layer, use, tensors, grads):
@@ -90,6 +102,12 @@ def _batch_first(t, shape):
 def group_rows(t):
     """`[N, G, d]`: every token of every example, per group, from `t [B, G, k, d]`."""
     return tf.reshape(tf.transpose(t, [0, 2, 1, 3]), [-1, t.shape[1], t.shape[3]])
+
+
+def input_rows(a, spec):
+    """The A factors' rows (`group_rows`); the blocks append the bias's 1."""
+    del spec
+    return group_rows(a)
 
 
 KIND = LayerKind(
