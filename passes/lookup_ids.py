@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from passes import ir
+from passes.patterns_relative import grad_perm
 
 
 def ids_without_batch(g, groups, data):
@@ -39,6 +40,8 @@ def ids_without_batch(g, groups, data):
     out = {}
     for (kind, keys), items in groups.items():
         if kind == "embedding":
+            items = [(pattern, roles, _with_grad_perm(g, roles, use)) for pattern, roles, use
+                     in items]
             items = [(pattern, roles, use) if has_example_axis(use)
                      else (pattern, roles, dataclasses.replace(use, attrs={
                          **use.attrs, "unsupported": "a lookup of ids that do not depend on "
@@ -67,3 +70,11 @@ def _meets_data_on_batch(g, node, data, depth=16) -> bool:
             return all(s is not None and len(s) == len(shape) and s[0] == shape[0] for s in met)
         node = nexts[0]
     return False
+
+
+def _with_grad_perm(g, roles, use):
+    """A relative-position bias (``passes.patterns_relative``) records how its
+    output gradient goes back to the lookup's layout (``grad_perm``)."""
+    if "perm" not in roles:
+        return use
+    return dataclasses.replace(use, attrs={**use.attrs, "grad_perm": grad_perm(g, roles)})

@@ -164,8 +164,13 @@ def operands(layer, use, tensors, grads):
     `[B, T, D]` activation; the gradients are taken at that sum) gets its ids
     broadcast to `[B, T]`: example i's rows are its own `g_i`, so its per-example gradient
     is the scatter of `g_i` into the rows read. A table slice
-    `table[start:stop]` added so (`row_range`) reads ids `range(start, stop)`."""
+    `table[start:stop]` added so (`row_range`) reads ids `range(start, stop)`.
+    A lookup transposed before the sum (T5's relative-position bias, ids
+    `[q, k]`, rows `[q, k, H]` added as `[1, H, q, k]`) has its gradients
+    transposed back first (`grad_perm`)."""
     attrs = layer.use_attrs[use]
+    if attrs.get("grad_perm"):  # a transposed lookup's gradient, back in its layout
+        grads = [tf.transpose(g, attrs["grad_perm"]) for g in grads]
     ids = tf.range(*attrs["row_range"]) if attrs.get("row_range") else tensors[0]
     if attrs.get("ids_broadcast"):
         if ids.shape.rank == grads[0].shape.rank - 1:  # [1, T]: the unit axis is the batch's
