@@ -149,6 +149,8 @@ def _over_the_batch(g, m) -> bool:
     d = g.nodes[m["tile"]]
     out = (d["shapes"] or [None])[0]
     read = ir.read_shape(g, m["tile"], ir.tensor_name(m["beta"]))
+    if read is not None and out and d["op"] == "BroadcastTo":  # numpy: leading axes added
+        read = (1,) * (len(out) - len(read)) + tuple(read)
     if (not out or None in out or out[0] != static_batch(g) or read is None
             or len(read) != len(out) or read[0] != 1):
         return False
