@@ -36,7 +36,9 @@ def unflatten_rows(groups, rows) -> dict:
     for key, items in groups.items():
         out[key] = []
         for pattern, roles, use in items:
-            source = ir.split_tensor(use.inputs[0] if use.inputs else use.output)[0]
+            # a lookup added over the batch (ids without an example axis): its sum
+            source = ir.split_tensor(use.output if use.attrs.get("ids_broadcast") or not
+                                     use.inputs else use.inputs[0])[0]
             attrs = _recorded(key[0], use.attrs, rows.get(source))
             if attrs is not use.attrs:
                 use = dataclasses.replace(use, attrs=attrs)
