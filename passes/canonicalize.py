@@ -82,30 +82,10 @@ def _only_unit_axes(g: nx.DiGraph, node: str, on_data: bool) -> bool:
 
 
 def _whole_slice(g: nx.DiGraph, node: str) -> bool:
-    """A StridedSlice that keeps every axis whole, stride 1, and only adds
-    unit axes (``bias[:, None, :]``: GPT-OSS's per-expert biases)."""
-    d = g.nodes[node]
-    attrs, shape = d["attrs"], ir.shape_of(g, d["inputs"][0])
-    begin, end, strides = (ir.const_value(g, t) for t in d["inputs"][1:4])
-    if (shape is None or begin is None or end is None or strides is None
-            or attrs.get("shrink_axis_mask", 0) or any(int(k) != 1 for k in strides)):
-        return False
-    bit = lambda name, i: (attrs.get(name, 0) >> i) & 1  # noqa: E731
-    plain = sum(1 for i in range(len(begin))
-                if not bit("ellipsis_mask", i) and not bit("new_axis_mask", i))
-    at = 0
-    for i in range(len(begin)):
-        if bit("ellipsis_mask", i):
-            at += len(shape) - plain
-        elif not bit("new_axis_mask", i):
-            if at >= len(shape) or shape[at] is None:
-                return False
-            if not (bit("begin_mask", i) or int(begin[i]) == 0):
-                return False
-            if not (bit("end_mask", i) or int(end[i]) >= shape[at]):
-                return False
-            at += 1
-    return True
+    """A StridedSlice that keeps every axis whole and only adds unit axes
+    (``bias[:, None, :]``: GPT-OSS's per-expert biases)."""
+    axes = ir.slice_axes(g, g.nodes[node])
+    return axes is not None and all(whole for _, whole in axes)
 
 
 def _weight_layout(g: nx.DiGraph, node: str, data: dict) -> bool:

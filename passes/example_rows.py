@@ -137,10 +137,9 @@ def _transposed_from(g, node, depth=16) -> bool:
     return True
 
 
-def examples_axis(g, tensor: str) -> int | None:
-    """The axis of ``tensor`` that holds the examples, where the pass follows
-    them there from the arguments (a time-major ``[T, B, C]``: 1), else None."""
+def graph_rows(g) -> dict:
+    """``example_rows`` of the whole graph, from its arguments (the pipeline
+    computes it once, for the layers' uses and the loss's output)."""
     data = ir.reachable_from(g, g.graph["arguments"])
     batched = data | ir.reachable_from(g, batch_flow.batch_sources(g))
-    r = example_rows(g, batched, data).get(ir.split_tensor(ir.resolve(g, tensor))[0])
-    return None if r is None else r.axis
+    return example_rows(g, batched, data)

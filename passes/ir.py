@@ -170,6 +170,38 @@ def read_shape(g: nx.DiGraph, node: str, tensor: str):
     return None
 
 
+def slice_axes(g: nx.DiGraph, data: dict) -> list | None:
+    """Per input axis of a StridedSlice (``data``: its node's), ``(out_axis,
+    whole)``: where the axis lands in the output (None: shrunk away) and
+    whether the slice keeps all of it (stride 1, start to end); walks the
+    spec's ellipsis and new axes. None when the shape or spec is unknown."""
+    shape = shape_of(g, data["inputs"][0])
+    begin, end, strides = (const_value(g, t) for t in data["inputs"][1:4])
+    if shape is None or begin is None or end is None or strides is None:
+        return None
+    bit = lambda name, i: (data["attrs"].get(name, 0) >> i) & 1  # noqa: E731
+    plain = sum(1 for i in range(len(begin))
+                if not bit("ellipsis_mask", i) and not bit("new_axis_mask", i))
+    axes, out = [], 0
+    for i in range(len(begin)):
+        if bit("ellipsis_mask", i):
+            axes += [(out + k, True) for k in range(len(shape) - plain)]
+            out += len(shape) - plain
+        elif bit("new_axis_mask", i):
+            out += 1
+        elif len(axes) >= len(shape):
+            return None
+        elif bit("shrink_axis_mask", i):
+            axes.append((None, False))
+        else:
+            dim = shape[len(axes)]
+            whole = bool((bit("begin_mask", i) or int(begin[i]) == 0) and int(strides[i]) == 1
+                         and (bit("end_mask", i) or (dim is not None and int(end[i]) >= dim)))
+            axes.append((out, whole))
+            out += 1
+    return axes + [(out + k, True) for k in range(len(shape) - len(axes))]
+
+
 def const_value(g: nx.DiGraph, tensor: str):
     """The numpy value of a small constant tensor, else None."""
     node, index = split_tensor(tensor)

@@ -2,7 +2,8 @@
 scale-and-shift and embedding layer on the loss's path, group shared weights,
 and list orphans.
 
-Contract: ``match_layers(g) -> tuple[LayerMatch, ...]`` on a canonical IR.
+Contract: ``match_layers(g, rows) -> tuple[LayerMatch, ...]`` on a canonical IR
+(``rows``: ``example_rows.graph_rows(g)``).
 Each trainable variable the loss depends on belongs to exactly one
 ``LayerMatch``; layers come in the order their first use appears in the
 graph, and their uses in graph order. A variable that no pattern claims, or
@@ -23,7 +24,6 @@ from passes.layer_names import readable, scope_name, unique_names
 from passes.lookup_ids import ids_without_batch
 from passes.matcher import find_matches
 from passes.catalogue import LAYER_PATTERNS
-from passes.example_rows import example_rows
 from passes.unflatten_rows import unflatten_rows
 from passes.patterns import Pattern, einsum_kernel_layout, var_shape, weighted_roles
 from passes.patterns_stacked import STACKED_PATTERNS
@@ -85,7 +85,7 @@ class LayerMatch:
         return len(self.uses) or self.generic_uses
 
 
-def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
+def match_layers(g: nx.DiGraph, rows: dict) -> tuple[LayerMatch, ...]:
     output_node = ir.split_tensor(g.graph["output"])[0]
     on_path = nx.ancestors(g, output_node) | {output_node}
     data = ir.reachable_from(g, g.graph["arguments"])
@@ -99,7 +99,7 @@ def match_layers(g: nx.DiGraph) -> tuple[LayerMatch, ...]:
     grouped = _group(g, find(LAYER_PATTERNS))
     if _stacked_kernels_shared(grouped):
         grouped = _group(g, find(tuple(p for p in LAYER_PATTERNS if p not in STACKED_PATTERNS)))
-    grouped = unflatten_rows(grouped, example_rows(g, batched, data))
+    grouped = unflatten_rows(grouped, rows)
 
     holders = collections.defaultdict(list)
     for node, d in g.nodes(data=True):

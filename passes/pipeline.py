@@ -17,10 +17,10 @@ import time
 
 import networkx as nx
 
-from passes import frontends
+from passes import frontends, ir
 from passes.canonicalize import canonicalize
 from passes.errors import KfacGraphError, TraceError
-from passes.example_rows import examples_axis
+from passes.example_rows import graph_rows
 from passes.grouped_conv3d import split_grouped_conv3d
 from passes.match_layers import LayerMatch, match_layers
 from passes.match_loss import LossMatch, match_loss
@@ -55,13 +55,14 @@ def run(traced: frontends.Traced, loss: str | None = None,
         g = step(g)
         timings[name] = time.perf_counter() - start
     start = time.perf_counter()
-    layers = match_layers(g)
+    rows = graph_rows(g)
+    layers = match_layers(g, rows)
     timings["match_layers"] = time.perf_counter() - start
     if not layers:
         raise TraceError(f"{traced.name}: the loss depends on no trainable variable")
     start = time.perf_counter()
     loss_match = match_loss(g, loss)
-    _batch_first_output(g, loss_match, traced.name)
+    _batch_first_output(g, rows, loss_match, traced.name)
     timings["match_loss"] = time.perf_counter() - start
     graph_def = split_grouped_conv3d(traced.graph_def, g)
     if graph_def is not traced.graph_def:
@@ -69,11 +70,12 @@ def run(traced: frontends.Traced, loss: str | None = None,
     return PassResult(traced, g, layers, loss_match, timings)
 
 
-def _batch_first_output(g, loss_match, name):
+def _batch_first_output(g, rows, loss_match, name):
     """The loss's model output must hold the examples on its first axis (the
     per-token Fisher, the per-example loss terms and their normalisation
     read them there): a time-major ``[T, B, C]`` output is refused, one line."""
-    axis = examples_axis(g, loss_match.output) if loss_match.output else None
+    node = ir.split_tensor(ir.resolve(g, loss_match.output))[0] if loss_match.output else None
+    axis = rows[node].axis if node in rows else None
     if axis:
         raise KfacGraphError(
             f"{name}: the loss reads its model output {loss_match.output} with the examples on "

@@ -104,31 +104,10 @@ def axis_after_einsum(d, sources, rows, data, a):
 
 
 def _axis_after_slice(g, d, a):
-    """A StridedSlice that keeps the rows' axis whole (stride 1): where it
-    lands, walking the slice's spec (ellipsis, new axes, shrunk axes)."""
-    shape = ir.shape_of(g, d["inputs"][0])
-    begin, end, strides = (ir.const_value(g, t) for t in d["inputs"][1:4])
-    if shape is None or begin is None or end is None or strides is None:
-        return None
-    bit = lambda name, i: (d["attrs"].get(name, 0) >> i) & 1
-    n = len(begin)
-    plain = sum(1 for i in range(n) if not bit("ellipsis_mask", i) and not bit("new_axis_mask", i))
-    at_in = at_out = 0
-    for i in range(n):
-        if bit("ellipsis_mask", i):
-            span = len(shape) - plain
-            if at_in <= a < at_in + span:
-                return at_out + a - at_in
-            at_in, at_out = at_in + span, at_out + span
-        elif bit("new_axis_mask", i):
-            at_out += 1
-        elif at_in == a:
-            whole = ((bit("begin_mask", i) or int(begin[i]) == 0)
-                     and (bit("end_mask", i) or int(end[i]) >= shape[a]) and int(strides[i]) == 1)
-            return at_out if whole and not bit("shrink_axis_mask", i) else None
-        else:
-            at_in, at_out = at_in + 1, at_out + (0 if bit("shrink_axis_mask", i) else 1)
-    return at_out + a - at_in
+    """A StridedSlice that keeps the rows' axis whole: where it lands."""
+    axes = ir.slice_axes(g, d)
+    out, whole = axes[a] if axes is not None and a < len(axes) else (None, False)
+    return out if whole else None
 
 
 def _axis_after_reduction(g, d, a):
