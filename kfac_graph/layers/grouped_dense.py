@@ -57,9 +57,7 @@ class GroupedDenseRule:
         """`[B, G, d_in, d_out]` and, with a bias, `[B, G, d_out]`."""
         uses = uses_lib.as_uses(uses)
         out = [uses_lib.add_all([tf.einsum("bjti,bjto->bjio", x, g) for x, g in uses])]
-        if spec.has_bias:
-            out.append(uses_lib.add_all([tf.reduce_sum(g, axis=2) for _, g in uses]))
-        return out
+        return out + ([_bias_grads(uses)] if spec.has_bias else [])
 
     def squared_norms(self, uses, spec):
         """`[B]`: each example's squared gradient norm (module docstring)."""
@@ -72,10 +70,13 @@ class GroupedDenseRule:
         to_rows = lambda t: tf.transpose(t, [0, 2, 1, 3])  # noqa: E731
         kernel = norms.grouped_gram_squared_norms(tf.concat([to_rows(x) for x, _ in uses], 1),
                                                   tf.concat([to_rows(g) for _, g in uses], 1))
-        if not spec.has_bias:
-            return kernel
-        bias = uses_lib.add_all([tf.reduce_sum(g, axis=2) for _, g in uses])
-        return kernel + norms.sum_of_squares(bias)
+        return kernel + norms.sum_of_squares(_bias_grads(uses)) if spec.has_bias else kernel
+
+
+def _bias_grads(uses):
+    """`[B, G, d_out]`: each example's bias gradient, its output gradient
+    summed over its rows and uses."""
+    return uses_lib.add_all([tf.reduce_sum(g, axis=2) for _, g in uses])
 
 
 def spec(layer, use):
