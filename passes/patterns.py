@@ -233,16 +233,42 @@ def _static_3d(g, m) -> bool:
     ``passes.grouped_conv3d``)."""
     x = ir.shape_of(g, g.nodes[m["op"]]["raw_inputs"][0])
     fmt = g.nodes[m["op"]]["attrs"].get("data_format", "NDHWC")
-    kernel = var_shape(g, m["w"])
-    if x is None or len(x) != 5 or len(kernel) != 5:
+    kernel = ir.shape_of(g, g.nodes[m["op"]]["raw_inputs"][1])
+    if x is None or kernel is None or len(x) != 5 or len(kernel) != 5:
         return False
     channels, spatial = (x[1], x[2:]) if fmt.startswith("NC") else (x[-1], x[1:4])
     return channels is not None and channels % kernel[3] == 0 and None not in spatial
 
 
+def _permutes_kernel(g, m) -> bool:
+    """``Transpose(w, perm)`` with a constant ``perm`` gives the op its kernel
+    (up to unit axes)."""
+    perm = ir.const_value(g, g.nodes[m["perm"]]["inputs"][1])
+    w = var_shape(g, m["w"])
+    kernel = ir.shape_of(g, g.nodes[m["op"]]["raw_inputs"][1])
+    if perm is None or kernel is None or sorted(int(p) for p in perm) != list(range(len(w))):
+        return False
+    return [d for d in (w[int(p)] for p in perm) if d != 1] == [d for d in kernel if d != 1]
+
+
+def kernel_transposed(pattern: Pattern) -> Pattern:
+    """``pattern`` (a convolution's) on a kernel stored in another layout and
+    transposed before the op (role ``"perm"``; Qwen3.5's causal convolution
+    keeps its depthwise kernel ``[C, k]``): the use's ``kernel_perm``."""
+    edges = tuple(e for e in pattern.edges if e[:2] != ("w", "op"))
+    slot = next(e[2] for e in pattern.edges if e[:2] == ("w", "op"))
+    check = pattern.check or (lambda g, m: True)
+    return dataclasses.replace(
+        pattern, name=f"{pattern.name}_transposed_kernel",
+        nodes={**pattern.nodes, "perm": ops("Transpose")},
+        edges=edges + (("w", "perm", 0), ("perm", "op", slot)),
+        check=lambda g, m: _permutes_kernel(g, m) and check(g, m))
+
+
 CONV2D_BIAS, CONV2D = _conv("conv2d", ("Conv2D",), "conv2d")
 CONV3D_BIAS, CONV3D = _conv("conv3d", ("Conv3D",), "conv3d", check=_static_3d)
-DEPTHWISE_BIAS, DEPTHWISE = _conv("depthwise_conv2d", ("DepthwiseConv2dNative",), "depthwise_conv2d")
+DEPTHWISE_BIAS, DEPTHWISE = _conv("depthwise_conv2d", ("DepthwiseConv2dNative",),
+                                  "depthwise_conv2d")
 # Conv2DTranspose (and Conv1DTranspose on a unit axis): the input gradient of
 # a forward convolution, Conv2DBackpropInput(input_sizes, filter, out_backprop=x).
 CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE = _conv(
@@ -337,5 +363,10 @@ DENSE_AND_CONV_PATTERNS: tuple[Pattern, ...] = (
     ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE,
     CONV2D_BIAS, CONV2D, CONV3D_BIAS, CONV3D, DEPTHWISE_BIAS, DEPTHWISE,
     CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE, CONV3D_TRANSPOSE_BIAS, CONV3D_TRANSPOSE,
+    *map(kernel_transposed, (
+        ATROUS_CONV2D_BIAS, ATROUS_CONV2D, ATROUS_CONV3D_BIAS, ATROUS_CONV3D,
+        ATROUS_DEPTHWISE_BIAS, ATROUS_DEPTHWISE,
+        CONV2D_BIAS, CONV2D, CONV3D_BIAS, CONV3D, DEPTHWISE_BIAS, DEPTHWISE,
+        CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE, CONV3D_TRANSPOSE_BIAS, CONV3D_TRANSPOSE)),
     EMBEDDING,
 )

@@ -184,5 +184,8 @@ def test_keras_hub_norms_on_rows(family):
     norms = [layer for layer in reg.layers if norm in layer.variables[0].name]
     assert len(norms) == 2 and all(
         layer.kind == "scale_and_shift" for layer in norms), reg.summary()
+    if family == "qwen3_5":  # its causal conv kernel, stored [C, k]
+        convs = [layer for layer in reg.layers if "conv1d" in layer.variables[0].name]
+        assert [layer.kind for layer in convs] == ["depthwise_conv2d"] * 2, reg.summary()
     # (RWKV-7's norms compute in float32 whatever the model's dtype)
     assert_matches_loop(loss_fn, args, rtol=1e-4, atol=1e-6)

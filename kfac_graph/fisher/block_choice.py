@@ -147,7 +147,7 @@ def make_layer_block(layer, approximations=None, max_factor_size=None,
                                                 overrides=o, **options)
     orientation = kernel_orientation(layer)
     perms = {tuple(a.get("kernel_perm") or ()) for a in layer.use_attrs}
-    if layer.kind == "dense" and perms != {()}:
+    if perms != {()}:
         return _permuted_block(layer, factory, shapes, make, overrides, perms, options)
     rows = attrs.get("stacked_rows")
     if layer.kind == "dense" and rows:
@@ -176,14 +176,15 @@ def make_layer_block(layer, approximations=None, max_factor_size=None,
 
 
 def _permuted_block(layer, factory, shapes, make, overrides, perms, options):
-    """A dense kernel the op transposes by ``perm`` before applying it: the
+    """A kernel (dense or convolution) the op transposes by ``perm`` before applying it: the
     block of the permuted kernel, wrapped in ``PermutedKernelBlock``; uses
     with different permutations get a block fed per-example gradients."""
     if getattr(factory, "stats", None) == PER_EXAMPLE:
         return make(layer.kind, shapes, overrides)
     if len(perms) > 1:
-        logging.warning("kfac_graph: dense layer %s applies its kernel in different layouts; "
-                        "it gets a diagonal Fisher block from per-example gradients", layer.name)
+        logging.warning("kfac_graph: %s layer %s applies its kernel in different layouts; it "
+                        "gets a diagonal Fisher block from per-example gradients", layer.kind,
+                        layer.name)
         return blocks_full.NaiveDiagonalBlock(shapes, dict(layer.attrs), num_uses=layer.uses,
                                               **options)
     perm = perms.pop()

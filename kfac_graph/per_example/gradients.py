@@ -14,6 +14,7 @@ loss the batch gradient is the mean over examples, for a sum loss the sum.
 """
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops.parallel_for import gradients as pfor_gradients
 
@@ -37,15 +38,18 @@ def layer_gradients(rules: RuleRegistry, layer: Layer, uses, batch=None) -> list
     ``KfacGraphError`` (``kfac_graph.invariants``)."""
     record = layers.kind(layer.kind)
     specs = [record.spec(layer, u) for u in range(layer.uses)]
+    perms = [_op_kernel_perm(layer, u, s) for u, s in enumerate(specs)]
     if batch is None:
         batch = uses_lib.batch_size(tf.nest.flatten(uses_lib.as_pairs(uses)[0][0])[0])
-    if all(s == specs[0] for s in specs):
-        grads = rules.per_example_grads(layer.kind, uses, specs[0])
+    if all(s == specs[0] for s in specs) and len(set(perms)) == 1:
+        grads = _stored_layout(rules.per_example_grads(layer.kind, uses, specs[0]), perms[0],
+                               layer)
     else:
         per_use = [[invariants.batch_leading(g, batch, invariants.where(layer, u),
                                              "per-example gradient")
-                    for g in rules.per_example_grads(layer.kind, [use], spec)]
-                   for u, (use, spec) in enumerate(zip(uses, specs))]
+                    for g in _stored_layout(rules.per_example_grads(layer.kind, [use], spec),
+                                            perm, layer)]
+                   for u, (use, spec, perm) in enumerate(zip(uses, specs, perms))]
         grads = [tf.add_n(list(parts)) for parts in zip(*per_use)]
     if len(grads) != len(layer.variables):
         raise KfacGraphError(f"{invariants.where(layer)}: the {layer.kind} rule gave "
@@ -53,6 +57,27 @@ def layer_gradients(rules: RuleRegistry, layer: Layer, uses, batch=None) -> list
     # the variables' own shapes (Conv1D's kernel has a unit axis less than the op's)
     return [invariants.to_variable_shape(g, v, batch, invariants.where(layer))
             for g, v in zip(grads, layer.variables)]
+
+
+def _op_kernel_perm(layer, use, spec) -> tuple:
+    """The permutation a use applies its kernel in (``use_attrs[use]
+    ["kernel_perm"]``: ``transpose(W, perm)``, then any unit axes, is the op's
+    kernel) where its rule works in the op's layout; () where the rule's spec
+    carries the permutation itself (a dense layer's) or there is none."""
+    perm = layer.use_attrs[use].get("kernel_perm") if layer.use_attrs else None
+    return () if not perm or hasattr(spec, "kernel_perm") else tuple(int(p) for p in perm)
+
+
+def _stored_layout(grads, perm, layer) -> list:
+    """The rule's per-example gradients with the kernel's ``[B, *op kernel]``
+    taken back to the stored layout: reshaped to ``[B, *transpose(W, perm)]``,
+    then transposed by ``perm``'s inverse."""
+    if not perm:
+        return grads
+    stored = [int(d) for d in layer.variables[0].shape]
+    kernel = tf.reshape(grads[0], [-1, *(stored[p] for p in perm)])
+    back = [0, *(1 + int(i) for i in np.argsort(perm))]
+    return [tf.transpose(kernel, back), *grads[1:]]
 
 
 def layer_squared_norms(rules: RuleRegistry, layer: Layer, uses, batch=None,
@@ -66,15 +91,16 @@ def layer_squared_norms(rules: RuleRegistry, layer: Layer, uses, batch=None,
     specs = [record.spec(layer, u) for u in range(layer.uses)]
     if batch is None:
         batch = uses_lib.batch_size(tf.nest.flatten(uses_lib.as_pairs(uses)[0][0])[0])
-    if not all(s == specs[0] for s in specs):
+    perms = {_op_kernel_perm(layer, u, s) for u, s in enumerate(specs)}
+    if not all(s == specs[0] for s in specs) or len(perms) > 1:
         return squared_norms(layer_gradients(rules, layer, uses, batch))
     if check_shapes:
-        _check_rule_shapes(rules, layer, uses, specs[0])
+        _check_rule_shapes(rules, layer, uses, specs[0], perms.pop())
     return invariants.batch_vector(rules.squared_norms(layer.kind, uses, specs[0]), batch,
                                    invariants.where(layer), "per-example squared norm")
 
 
-def _check_rule_shapes(rules, layer, uses, spec) -> None:
+def _check_rule_shapes(rules, layer, uses, spec, perm) -> None:
     """Traces the rule's gradients (no op of them runs: the norm does not read
     them) to check their shapes against the variables', as ``layer_gradients``
     does: a norm form can hide a wrong layout (a grouped convolution)."""
@@ -85,7 +111,8 @@ def _check_rule_shapes(rules, layer, uses, spec) -> None:
                          tf.compat.v1.placeholder(tf.convert_to_tensor(g).dtype,
                                                   tf.convert_to_tensor(g).shape))
                         for a, g in uses_lib.as_uses(uses)]
-        grads = rules.per_example_grads(layer.kind, placeholders, spec)
+        grads = _stored_layout(rules.per_example_grads(layer.kind, placeholders, spec), perm,
+                               layer)
         for g, v in zip(grads, layer.variables):
             invariants.to_variable_shape(g, v, placeholders[0][0].shape[0] or tf.shape(g)[0],
                                          invariants.where(layer))
