@@ -16,7 +16,7 @@ import networkx as nx
 import tensorflow as tf
 from google.protobuf import message
 
-from passes import callbacks, inline, ir
+from passes import callbacks, inline, ir, keras_frozen
 from passes.errors import LoadError, TraceError
 
 _VARIABLE_PREFIX = "kfac_graph_variable"
@@ -73,13 +73,14 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
     for v in list(getattr(concrete, "variables", ())) + list(graph.variables) + list(extra_variables):
         by_handle.setdefault(id(v.handle), v)
     placeholders, objects, infos = {}, {}, {}
+    frozen = keras_frozen.frozen(by_handle.values())
     for external, internal in graph.captures:
         var = by_handle.get(id(external))
         if internal.dtype != tf.resource or var is None:
             continue
         key = _unique(var.name.split(":")[0], infos)
         infos[key] = ir.VariableInfo(key, var.name, tuple(var.shape.as_list()),
-                                     var.dtype.name, bool(var.trainable))
+                                     var.dtype.name, bool(var.trainable) and id(var) not in frozen)
         objects[key] = var
         placeholders[internal.op.name] = key
     n_args = len(graph.inputs) - len(graph.captures)

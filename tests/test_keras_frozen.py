@@ -1,0 +1,101 @@
+"""Layers frozen the Keras 3 way (`layer.trainable = False`) stay frozen.
+
+Keras 3 freezes a layer by its Keras variables' flag; the `tf.Variable`
+each wraps keeps the flag it was made with, and a traced function captures
+that `tf.Variable`. The pass reads the Keras flag (`passes/keras_frozen.py`):
+a frozen layer registers nothing, gets no per-example gradient, and
+`kg.KFAC`, `kg.DPSGD` and `kg.KFACModel.fit` leave it as it is, as
+`model.trainable_variables` does.
+"""
+import keras
+import numpy as np
+import tensorflow as tf
+
+import kfac_graph as kg
+from per_example_reference import assert_matches_loop
+
+
+def _model(freeze):
+    """A tiny backbone (Dense, BatchNormalization) under a Dense head;
+    ``freeze(backbone, model)`` freezes some of it after construction."""
+    keras.utils.set_random_seed(0)
+    backbone = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="tanh"),
+                                 keras.layers.BatchNormalization(), keras.layers.Dense(5)],
+                                name="backbone")
+    model = keras.Sequential([keras.Input((4,)), backbone, keras.layers.Dense(3, name="head")])
+    freeze(backbone, model)
+    return backbone, model
+
+
+def _loss(model):
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, model(x, training=False)))
+    return loss_fn
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return (tf.constant(rng.normal(size=(8, 4)).astype("float32")),
+            tf.constant(rng.integers(0, 3, 8)))
+
+
+def _values(variables):
+    return [v.numpy().copy() for v in variables]
+
+
+def _frozen_backbone(backbone, model):
+    backbone.trainable = False
+
+
+def _frozen_first_dense(backbone, model):
+    backbone.layers[0].trainable = False
+
+
+def test_frozen_backbone_registers_only_the_head():
+    backbone, model = _model(_frozen_backbone)
+    loss_fn, args = _loss(model), _data()
+    reg = loss_fn.registration(*args)
+    assert {v.name for v in reg.variables} == {v.value.name for v in model.trainable_variables}
+    assert len(reg.layers) == 1 and reg.layers[0].kind == "dense"
+    assert_matches_loop(loss_fn, args, rtol=1e-5, atol=1e-7)
+    before = _values(backbone.weights)
+    opt = kg.KFAC(loss_fn)
+    for _ in range(3):
+        assert np.isfinite(float(opt.step(*args)))
+    dp = kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0)
+    dp.step(*args)
+    for b, a in zip(before, _values(backbone.weights)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_one_frozen_layer_inside_a_trained_backbone():
+    backbone, model = _model(_frozen_first_dense)
+    frozen = backbone.layers[0]
+    loss_fn, args = _loss(model), _data()
+    reg = loss_fn.registration(*args)
+    names = {v.name for v in reg.variables}
+    assert names == {v.value.name for v in model.trainable_variables}
+    assert not names & {v.value.name for v in frozen.weights}
+    assert_matches_loop(loss_fn, args, rtol=1e-5, atol=1e-7)
+    before, trained = _values(frozen.weights), _values(backbone.layers[-1].weights)
+    opt = kg.KFAC(loss_fn)
+    for _ in range(3):
+        opt.step(*args)
+    for b, a in zip(before, _values(frozen.weights)):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(b, a) for b, a in zip(trained,
+                                                       _values(backbone.layers[-1].weights)))
+
+
+def test_kfac_model_fit_keeps_a_frozen_backbone():
+    backbone, model = _model(_frozen_backbone)
+    x, y = _data()
+    before, head = _values(backbone.weights), _values(model.layers[-1].weights)
+    km = kg.KFACModel(model, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    km.compile()
+    km.fit(x.numpy(), y.numpy(), batch_size=8, epochs=2, verbose=0)
+    for b, a in zip(before, _values(backbone.weights)):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(b, a) for b, a in zip(head, _values(model.layers[-1].weights)))
