@@ -203,10 +203,10 @@ def _use(g, pattern: Pattern, roles) -> Use:
             attrs["kernel_in_axes"] = k
         if output_perm(g, roles) is not None:
             attrs["output_perm"] = output_perm(g, roles)
-    if pattern.kind in _KERNEL_KINDS and kernel_perm(g, roles):
-        attrs["kernel_perm"] = kernel_perm(g, roles)  # its kernel transposed before the op
         if "w2" in roles:  # a stacked kernel: the rows each variable gives it
             attrs["stacked_rows"] = tuple(int(var_shape(g, roles[r])[0]) for r in ("w", "w2"))
+    if pattern.kind in _KERNEL_KINDS and kernel_perm(g, roles):
+        attrs["kernel_perm"] = kernel_perm(g, roles)  # its kernel transposed before the op
     if pattern.kind == "embedding" and "add" in roles:
         attrs["ids_broadcast"] = True
         if "slice" in roles:
