@@ -128,8 +128,12 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
         logging.warning("kfac_graph: %d variable(s) match no layer pattern and are registered "
                         "as generic: %s", len(generic), ", ".join(generic))
     lm = result.loss
+    if lm.kind == "opaque":
+        logging.warning("kfac_graph: the loss is read as opaque per-example terms %s (%s): "
+                        "per-example gradients work; a Fisher needs a loss the pass reads",
+                        lm.terms, lm.reason)
     loss = LossSpec(lm.kind, lm.reduction, lm.output, lm.targets, lm.scale, lm.weights,
-                    lm.divisors)
+                    lm.divisors, lm.reason)
     placeholders = {node: user_variable(traced.objects[key])
                     for node, key in traced.placeholder_variables.items() if key in traced.objects}
     reads, handles = {}, {}

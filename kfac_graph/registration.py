@@ -14,6 +14,7 @@ import networkx as nx
 import numpy as np
 
 from kfac_graph import layers as layer_kinds
+from passes.errors import LOSS_HOW_TO
 
 KINDS = tuple(layer_kinds.KINDS)
 
@@ -73,7 +74,12 @@ class LossSpec:
     loss is divided by (the ``sum(w)`` of a masked mean, a batch statistic
     held constant for the batch); ``w_it`` is read at run time as the loss's
     derivative by token ``it``'s term (``LayerTaps.token_weights``), and is 1
-    when both are empty."""
+    when both are empty.
+
+    An ``"opaque"`` loss has no ``output`` or ``targets``: ``l_i`` is example
+    ``i``'s own share of the terms the pass read down to (``Registration.
+    per_example_loss``), ``scale`` 1, and ``reason`` says where its reading
+    stopped (``no_fisher``)."""
     kind: str
     reduction: str = "mean"
     output: str | None = None
@@ -81,6 +87,21 @@ class LossSpec:
     scale: float = 1.0
     weights: tuple[str, ...] = ()
     divisors: tuple[str, ...] = ()
+    reason: str = ""
+
+    @property
+    def no_fisher(self) -> str:
+        """Why there is no Fisher at this loss ('' where there is one): an
+        ``"opaque"`` loss (per-example terms of a loss the pass does not read
+        as a negative log-likelihood, ``passes.match_loss``; ``reason``: where
+        its reading stopped) has no predictive distribution."""
+        if self.output is not None:
+            return ""
+        what = (f"the loss is opaque ({self.reason}): kfac_graph has its per-example terms "
+                "(per-example gradients and DP-SGD work) but no predictive distribution"
+                if self.kind == "opaque" else "the loss pass found no model output")
+        return f"{what}, so there is no Fisher to estimate; if it is a negative " \
+               f"log-likelihood, {LOSS_HOW_TO}"
 
     @property
     def weighted(self) -> bool:
@@ -141,6 +162,7 @@ class Registration:
         out.append(f"{len(self.layers)} layers, {total:,} parameters")
         loss = self.loss
         out.append(f"loss: {loss.kind}, {loss.reduction} over the batch"
+                   + (f"; per-example terms {self.per_example_loss}" if not loss.output else "")
                    + (f", scale {loss.scale:g}" if loss.scale != 1.0 else "")
                    + (f"; output {loss.output}" if loss.output else "")
                    + (f"; targets {loss.targets}" if loss.targets else "")

@@ -41,6 +41,7 @@ from tensorflow.python.ops import script_ops
 
 from kfac_graph import grouped_conv_grad, invariants, layers, token_weights
 from kfac_graph.registration import Registration
+from passes import custom_gradients
 from passes.errors import KfacGraphError
 
 
@@ -259,7 +260,6 @@ def _check_replaceable(reg: Registration, node: str, variable) -> None:
                         f"it is read inside op {readers[0]!r}, whose reads of it cannot be replaced"))
 
 
-CUSTOM_GRADIENT = b"CustomGradient-"
 
 
 def _without_mapped_placeholders(graph_def, input_map):
@@ -274,7 +274,8 @@ def _without_mapped_placeholders(graph_def, input_map):
     to the forward ops it follows, so the re-run differentiates the forward
     computation itself: the same gradient wherever the custom one is the
     forward's derivative (swish, silu, numerically stable forms), not a
-    surrogate such as a straight-through estimator."""
+    surrogate such as a straight-through estimator (the pass refuses those
+    it can tell: ``passes.custom_gradients``)."""
     mapped = {name.split(":")[0] for name in input_map}
     out = tf.compat.v1.GraphDef()
     out.versions.CopyFrom(graph_def.versions)
@@ -283,10 +284,7 @@ def _without_mapped_placeholders(graph_def, input_map):
         if node.op == "Placeholder" and node.name in mapped:
             continue
         out.node.add().CopyFrom(node)
-        if ("_gradient_op_type" in node.attr  # (indexing a proto map would insert the key)
-                and node.attr["_gradient_op_type"].s.startswith(CUSTOM_GRADIENT)):
-            del out.node[-1].attr["_gradient_op_type"]
-    return out
+    return custom_gradients.strip_markers(out)
 
 
 def layer_operands(registration: Registration, taps: LayerTaps, sources) -> list:

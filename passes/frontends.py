@@ -16,7 +16,7 @@ import networkx as nx
 import tensorflow as tf
 from google.protobuf import message
 
-from passes import callbacks, inline, ir, keras_frozen
+from passes import callbacks, custom_gradients, inline, ir, keras_frozen
 from passes.errors import LoadError, TraceError
 
 _VARIABLE_PREFIX = "kfac_graph_variable"
@@ -87,6 +87,7 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
     arguments = tuple(t.op.name for t in graph.inputs[:n_args])
     graph_def = freeze_captured_constants(graph.as_graph_def(), graph.captures)
     graph_def, renames = inline.inline_calls(graph_def)
+    custom_gradients.check(graph_def, inline.follow(renames, loss.name), name)
     if source is None:
         callbacks.check_live_callbacks(graph_def, name, graph)
     else:

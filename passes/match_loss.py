@@ -36,7 +36,13 @@ per-example negative log-likelihood, and returns
 
 If it cannot read the loss it raises ``LossNotFoundError`` naming the op it
 stopped at; ``kind`` given explicitly is always accepted (with the output and
-targets found where possible).
+targets found where possible). Given the examples' ``rows``
+(``passes.example_rows``; the pipeline passes them), a loss it cannot read
+below a tensor that holds the examples on its first axis (a CTC loss's
+``[B]``, an L1 loss's ``|z - y|``) is kind ``"opaque"``: no output, no
+targets, ``scale`` 1, ``terms`` that tensor, so that example ``i``'s own
+loss ``l_i = k sum(terms[i])`` (weighted as above) still gives per-example
+gradients; its Fisher can only be the empirical one.
 """
 from __future__ import annotations
 
@@ -49,7 +55,7 @@ from passes import ir, loss_weights
 from passes.errors import LOSS_HOW_TO, LossNotFoundError
 from passes.loss_constants import const_operand, evaluate, from_shapes
 
-KINDS = ("categorical", "bernoulli", "normal")
+KINDS = ("categorical", "bernoulli", "normal")  # and "opaque" (module docstring)
 _PASS_THROUGH = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity", "Cast"})
 _HOW_TO = LOSS_HOW_TO
 
@@ -66,14 +72,18 @@ class LossMatch:
     terms_coefficient: float = 1.0
     weights: tuple[str, ...] = ()
     divisors: tuple[str, ...] = ()
+    reason: str = ""  # an "opaque" loss: where and why the walk stopped
 
 
-def match_loss(g: nx.DiGraph, kind: str | None = None) -> LossMatch:
+def match_loss(g: nx.DiGraph, kind: str | None = None, rows=None) -> LossMatch:
     if kind is not None and kind not in KINDS:
         raise LossNotFoundError(f"unknown loss kind {kind!r}; expected one of {', '.join(KINDS)}")
+    terms = [] if rows is not None else [None]  # (without rows, no opaque match)
     try:
-        found = _walk(g)
-    except LossNotFoundError:
+        found = _walk(g, rows or {}, terms)
+    except LossNotFoundError as e:
+        if kind is None and terms and terms[0] is not None:
+            return dataclasses.replace(terms[0], reason=str(e).split("; ")[0])
         if kind is None:
             raise
         return LossMatch(kind, "mean", None, None)
@@ -82,7 +92,10 @@ def match_loss(g: nx.DiGraph, kind: str | None = None) -> LossMatch:
     return found
 
 
-def _walk(g: nx.DiGraph) -> LossMatch:
+def _walk(g: nx.DiGraph, rows, opaque) -> LossMatch:
+    """The loss read from the scalar down; ``opaque`` gets the ``"opaque"``
+    match at the first tensor on the way that holds the examples on its
+    first axis (``_examples_first``), for when the walk fails below it."""
     data = _data_nodes(g)
     params = _parameter_nodes(g)
     batch = _batch_size(g)
@@ -92,6 +105,11 @@ def _walk(g: nx.DiGraph) -> LossMatch:
     for _ in range(len(g)):
         node, index = ir.split_tensor(tensor)
         d = g.nodes[node]
+        if not opaque and _examples_first(d["shapes"][index], rows.get(node), batch):
+            # L = k (1/B) sum(terms) (mean; k sum(terms) for a sum): l_i = k sum(terms_i)
+            opaque.append(LossMatch("opaque", "mean" if batch_mean else "sum", None, None,
+                                    terms=tensor, terms_coefficient=float(coefficient),
+                                    weights=tuple(weights), divisors=tuple(divisors)))
         op, inputs = d["op"], d["inputs"]
         terminal = _terminal(g, node, params)
         if terminal is not None:
@@ -164,6 +182,15 @@ def _walk(g: nx.DiGraph) -> LossMatch:
         else:
             raise LossNotFoundError(f"cannot read a loss through op {node!r} ({op}); {_HOW_TO}")
     raise LossNotFoundError(f"no loss op found; {_HOW_TO}")
+
+
+def _examples_first(shape, rows, batch) -> bool:
+    """The tensor holds the examples on its first axis: so its rows say, or
+    (where they lost the examples: a CTC loss's While loop) its first axis
+    has the batch's size."""
+    if rows is not None:
+        return rows.axis == 0
+    return bool(shape) and batch is not None and shape[0] == batch
 
 
 def _terminal(g, node, params):

@@ -61,7 +61,7 @@ def run(traced: frontends.Traced, loss: str | None = None,
     if not layers:
         raise TraceError(f"{traced.name}: the loss depends on no trainable variable")
     start = time.perf_counter()
-    loss_match = match_loss(g, loss)
+    loss_match = match_loss(g, loss, rows)
     _batch_first_output(g, rows, loss_match, traced.name)
     timings["match_loss"] = time.perf_counter() - start
     graph_def = split_grouped_conv3d(traced.graph_def, g)

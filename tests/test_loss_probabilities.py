@@ -58,8 +58,9 @@ def test_a_probability_that_is_not_a_sigmoid_is_refused():
     bce = keras.losses.BinaryCrossentropy(dtype="float32")
     fn = kg.auto_register(lambda x, y: bce(y, tf.clip_by_value(x @ w, 0.0, 1.0)))
     x, y = tf.ones([2, 4], tf.float64), tf.ones([2, 3], tf.float64)
-    with pytest.raises(kg.LossNotFoundError, match="binary_crossentropy"):
-        fn.registration(x, y)
+    assert fn.registration(x, y).loss.kind == "opaque"  # its per-example terms only
+    with pytest.raises(kg.KfacGraphError, match="binary_crossentropy"):
+        kg.FisherEstimator(fn).update(x, y)
 
 
 def _softmax_problem(sparse):
@@ -100,5 +101,6 @@ def test_a_log_that_is_not_of_a_softmax_is_refused():
         lambda x, y: -tf.reduce_sum(y * tf.math.log(tf.clip_by_value(x @ w, 1e-7, 1.0))))
     x, y = tf.ones([2, 4], tf.float64), tf.ones([2, 3], tf.float64)
     # y is data, a weight of the terms; what it weighs is a log of no softmax
-    with pytest.raises(kg.LossNotFoundError, match=r"cannot read a loss through op 'Log' \(Log\)"):
-        fn.registration(x, y)
+    assert fn.registration(x, y).loss.kind == "opaque"  # its per-example terms only
+    with pytest.raises(kg.KfacGraphError, match=r"cannot read a loss through op 'Log' \(Log\)"):
+        kg.FisherEstimator(fn).update(x, y)

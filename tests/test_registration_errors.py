@@ -156,9 +156,13 @@ def _abs_model():
 
 
 def test_unreadable_loss_says_how_to_name_it():
+    """A loss the pass reads down to per-example terms but no further is
+    opaque; asking for its Fisher says, in one line, where the reading
+    stopped and how to name the loss."""
     _, abs_loss, args = _abs_model()
-    with pytest.raises(kg.LossNotFoundError) as error:
-        kg.auto_register(abs_loss).registration(*args)
+    assert kg.auto_register(abs_loss).registration(*args).loss.kind == "opaque"
+    with pytest.raises(kg.KfacGraphError) as error:
+        kg.FisherEstimator(kg.auto_register(abs_loss)).update(*args)
     text = one_line(error)
     assert "Abs" in text  # the op it stopped at
     assert 'loss="' in text and "normal" in text  # how to name the loss
@@ -181,11 +185,14 @@ def test_unknown_loss_kind():
 
 
 def test_negated_loss():
+    """A gain (a negated loss) has per-example terms but no Fisher."""
     w = tf.Variable(tf.ones([4, 3]), name="w")
 
     def gain(x, y):
         return -tf.reduce_mean(zoo.sparse_ce(y, tf.matmul(x, w)))
 
-    with pytest.raises(kg.LossNotFoundError) as error:
-        kg.auto_register(gain).registration(*zoo.xy_sparse(4, 3)(4))
-    assert 'loss="' in one_line(error)
+    fn, args = kg.auto_register(gain), zoo.xy_sparse(4, 3)(4)
+    assert fn.registration(*args).loss.kind == "opaque"
+    with pytest.raises(kg.KfacGraphError) as error:
+        kg.FisherEstimator(fn).update(*args)
+    assert "scaled by -1" in one_line(error) and 'loss="' in one_line(error)

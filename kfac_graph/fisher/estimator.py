@@ -266,7 +266,7 @@ class FisherEstimator(tf.Module):
     def _update(self, reg, args, decay=None):
         taps = LayerTaps.build(reg, args, read_variables=reg.generic_variables)
         if taps.model_output is None:
-            raise ValueError("the loss pass found no model output to take the Fisher at")
+            raise KfacGraphError(reg.loss.no_fisher)
         cotangents, per_example_terms = self._cotangents(reg, taps)
         operands = layer_operands(reg, taps, [taps.output_gradients(v) for v in cotangents])
         jacobians = pe_gradients.generic_jacobians(reg, taps, tf.stack(per_example_terms))

@@ -72,7 +72,7 @@ def _jacobian_products(variables, z, vectors, w):
 def _model_output(taps):
     z = taps.model_output
     if z is None:
-        raise ValueError("the loss pass found no model output to take the Fisher at")
+        raise KfacGraphError(taps.registration.loss.no_fisher)
     return z
 
 

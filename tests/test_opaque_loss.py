@@ -1,0 +1,143 @@
+"""Losses the pass reads no distribution from, and custom gradients it cannot re-run.
+
+An L1 loss, a CTC loss (sparse labels: TensorFlow's `CTCLoss` op) or any
+loss whose batch reduction the pass reads down to per-example terms but no
+further is kind "opaque" (`passes/match_loss.py`): per-example gradients,
+norms and DP-SGD work, against a loop of one-example tapes; `kg.KFAC` says
+in one line that there is no Fisher. A custom gradient the re-run graph
+would replace by a different one (a gradient reversal, a straight-through
+estimator, the CTC loss on dense labels, whose gradient TensorFlow computes
+in a loop of its forward pass) is refused at registration, one line
+(`passes/custom_gradients.py`); one whose forward is its derivative
+written stably (a log-sum-exp with the maximum held by `stop_gradient`)
+still registers and matches the loop.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+from passes.errors import KfacGraphError
+from per_example_reference import assert_matches_loop, one_example_loop
+
+B, T, D, V = 4, 6, 3, 5
+
+
+def _params(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return (tf.Variable(rng.normal(size=(D, V)).astype(dtype), name="kernel"),
+            tf.Variable(rng.normal(size=(V,)).astype(dtype), name="bias"))
+
+
+def _x(dtype, shape=(B, T, D), seed=1):
+    return tf.constant(np.random.default_rng(seed).normal(size=shape).astype(dtype))
+
+
+def _l1(weighted):
+    w, b = _params("float64")
+
+    @kg.auto_register
+    def loss_fn(x, y, s):
+        err = tf.abs(tf.tanh(x[:, 0] @ w + b) - y)
+        if weighted:  # a sample-weighted mean: sum(s * l) / sum(s)
+            return tf.reduce_sum(s[:, None] * err) / tf.reduce_sum(s)
+        return tf.reduce_mean(err)
+    y = tf.constant(np.random.default_rng(2).normal(size=(B, V)))
+    return loss_fn, (_x("float64"), y, tf.constant([1.0, 0.0, 2.0, 1.0], tf.float64))
+
+
+def test_l1_loss_is_opaque_with_exact_per_example_gradients():
+    loss_fn, args = _l1(weighted=False)
+    reg = assert_matches_loop(loss_fn, args)
+    assert reg.loss.kind == "opaque" and reg.loss.output is None
+    assert "per-example terms" in reg.summary()
+    want = one_example_loop(loss_fn, args, reg.variables)
+    norms = np.sqrt(sum(np.sum(np.reshape(g, [B, -1]) ** 2, 1) for g in want))
+    np.testing.assert_allclose(kg.per_example_gradient_norms(loss_fn, *args), norms, rtol=1e-8)
+
+
+def test_weighted_opaque_terms_sum_to_the_batch_gradient():
+    """``sum(s l) / sum(s)``: example i's term is ``s_i l_i / sum(s)``."""
+    loss_fn, args = _l1(weighted=True)
+    reg = loss_fn.registration(*args)
+    assert reg.loss.kind == "opaque" and reg.loss.reduction == "sum"
+    got = kg.per_example_gradients(loss_fn, *args)
+    with tf.GradientTape() as tape:
+        loss = loss_fn(*args)
+    for g, w in zip(got, tape.gradient(loss, reg.variables)):
+        np.testing.assert_allclose(np.sum(g, 0), w, rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(got[0][1], np.zeros_like(got[0][1]))  # weight 0
+
+
+def _ctc(sparse):
+    w, b = _params("float32")
+
+    @kg.auto_register
+    def loss_fn(x, labels):
+        logits = tf.einsum("btd,dv->btv", x, w) + b
+        n = tf.shape(x)[0]
+        return tf.reduce_mean(tf.nn.ctc_loss(
+            tf.sparse.from_dense(labels) if sparse else labels, logits,
+            label_length=None if sparse else tf.fill([n], 2), logit_length=tf.fill([n], T),
+            logits_time_major=False, blank_index=0))
+    return loss_fn, (_x("float32"), tf.constant([[1, 2], [3, 4], [2, 2], [4, 1]]))
+
+
+def test_ctc_loss_on_sparse_labels_is_opaque_and_exact():
+    loss_fn, args = _ctc(sparse=True)
+    reg = assert_matches_loop(loss_fn, args, rtol=1e-4, atol=1e-5)
+    assert reg.loss.kind == "opaque" and [layer.kind for layer in reg.layers] == ["dense"]
+    dp = kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.5)
+    before = reg.variables[0].numpy()
+    assert np.isfinite(float(dp.step(*args)))
+    assert not np.array_equal(before, reg.variables[0].numpy())
+    with pytest.raises(KfacGraphError, match="no predictive distribution"):
+        kg.KFAC(loss_fn).step(*args)
+
+
+def test_ctc_loss_on_dense_labels_is_refused():
+    loss_fn, args = _ctc(sparse=False)
+    with pytest.raises(KfacGraphError, match=r"custom gradient .* runs a loop .*sparse labels"):
+        loss_fn.registration(*args)
+
+
+@tf.custom_gradient
+def _reverse_gradient(x):
+    return tf.identity(x), lambda dy: -dy
+
+
+@tf.custom_gradient
+def _straight_through_round(x):
+    return tf.round(x), lambda dy: dy
+
+
+@tf.custom_gradient
+def _stable_logsumexp(x):
+    """Its forward is its derivative's, with the maximum held constant."""
+    m = tf.stop_gradient(tf.reduce_max(x, axis=-1, keepdims=True))
+    y = tf.math.log(tf.reduce_sum(tf.exp(x - m), axis=-1)) + m[..., 0]
+    return y, lambda dy: dy[..., None] * tf.nn.softmax(x)
+
+
+def _with(op):
+    w, b = _params("float64")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = op(x[:, 0] @ w + b)
+        logits = tf.stack([_stable_logsumexp(h), h[:, 0]], axis=1) if op is tf.identity else h
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+    return loss_fn, (_x("float64"), tf.constant([0, 1, 1, 0]))
+
+
+@pytest.mark.parametrize("op, why", [(_reverse_gradient, "passes input .* through unchanged"),
+                                     (_straight_through_round, "has no gradient")])
+def test_surrogate_custom_gradients_are_refused(op, why):
+    loss_fn, args = _with(op)
+    with pytest.raises(KfacGraphError, match=f"custom gradient .*forward {why}"):
+        loss_fn.registration(*args)
+
+
+def test_a_stable_custom_gradient_still_matches_the_loop():
+    loss_fn, args = _with(tf.identity)
+    assert_matches_loop(loss_fn, args)
