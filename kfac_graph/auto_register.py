@@ -128,6 +128,11 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
         logging.warning("kfac_graph: %d variable(s) match no layer pattern and are registered "
                         "as generic: %s", len(generic), ", ".join(generic))
     lm = result.loss
+    if result.coupling:
+        logging.warning("kfac_graph: the loss couples the examples at op %s (batch statistics, "
+                        "or two tensors of examples combined): a per-example gradient is that "
+                        "example's share of the batch gradient, not a batch-of-one gradient",
+                        ", ".join(repr(op) for op in result.coupling[:3]))
     if lm.kind == "opaque":
         logging.warning("kfac_graph: the loss is read as opaque per-example terms %s (%s): "
                         "per-example gradients work; a Fisher needs a loss the pass reads",
@@ -148,7 +153,7 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
     return Registration(layers, loss, traced.graph_def, traced.arguments, traced.output,
                         result.graph, dict(result.timings), placeholders,
                         {k: tuple(v) for k, v in reads.items()}, lm.terms, lm.terms_coefficient,
-                        {k: tuple(v) for k, v in handles.items()})
+                        {k: tuple(v) for k, v in handles.items()}, result.coupling)
 
 
 # ops that take a variable's handle without reading its value

@@ -120,7 +120,9 @@ class Registration:
     loss term is the coefficient times the sum of ``per_example_loss[i]``),
     ``handle_readers`` (placeholder node -> the ops on the loss's path that
     take the variable's handle itself rather than a read of it, such as a
-    loop the pass did not unroll: reads inside them cannot be replaced)."""
+    loop the pass did not unroll: reads inside them cannot be replaced),
+    ``coupling`` (the ops where one example's loss comes to depend on other
+    examples: ``passes.coupling``; DP-SGD refuses such a loss)."""
     layers: tuple[Layer, ...]
     loss: LossSpec
     graph_def: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -135,6 +137,7 @@ class Registration:
     per_example_coefficient: float = 1.0
     handle_readers: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict,
                                                                       repr=False)
+    coupling: tuple[str, ...] = ()
 
     @property
     def variables(self) -> tuple:

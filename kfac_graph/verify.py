@@ -95,7 +95,7 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
         gradient = _cached(fn, ("verify_gradient", id(reg)), lambda: _gradient_function(fn, reg))
         _trace_relaxed(gradient, args, batch)
         reference = [g.numpy() for g in gradient(*args)]
-        coupling = coupling_layers(reg)
+        coupling = coupling_layers(reg) or reg.coupling
         ones, one_note, one_error = {}, "", ""
         if coupling:
             one_note = "couples examples"

@@ -20,6 +20,7 @@ import networkx as nx
 from passes import frontends, ir
 from passes.canonicalize import canonicalize
 from passes.errors import KfacGraphError, TraceError
+from passes.coupling import coupling_ops
 from passes.example_rows import graph_rows
 from passes.grouped_conv3d import split_grouped_conv3d
 from passes.match_layers import LayerMatch, match_layers
@@ -36,6 +37,7 @@ class PassResult:
     layers: tuple[LayerMatch, ...]
     loss: LossMatch
     timings: dict
+    coupling: tuple[str, ...] = ()  # ops where the examples meet (passes.coupling)
 
 
 def run(traced: frontends.Traced, loss: str | None = None,
@@ -63,11 +65,12 @@ def run(traced: frontends.Traced, loss: str | None = None,
     start = time.perf_counter()
     loss_match = match_loss(g, loss, rows)
     _batch_first_output(g, rows, loss_match, traced.name)
+    coupling = coupling_ops(g, rows, loss_match.terms)
     timings["match_loss"] = time.perf_counter() - start
     graph_def = split_grouped_conv3d(traced.graph_def, g)
     if graph_def is not traced.graph_def:
         traced = dataclasses.replace(traced, graph_def=graph_def)
-    return PassResult(traced, g, layers, loss_match, timings)
+    return PassResult(traced, g, layers, loss_match, timings, coupling)
 
 
 def _batch_first_output(g, rows, loss_match, name):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from passes import ir
 
 # reductions over axes given by a constant (the rows' axis must not be one of them)
-_REDUCTIONS = frozenset({"Mean", "Sum", "Max", "Min", "Prod"})
+REDUCTIONS = frozenset({"Mean", "Sum", "Max", "Min", "Prod"})
 # ops computing each index of their input's first axis on its own (weights aside)
 _PER_LEADING = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "AvgPool",
                           "MaxPool3D", "AvgPool3D"})
@@ -44,7 +44,7 @@ def axis_after(g, d, sources, r, rows, data, rank):
         return a if ok else None
     if op in ir.ELEMENTWISE:
         return a if _aligned(g, d, sources, r, rows, rank) else None
-    if op in _REDUCTIONS and sources[0] in rows:
+    if op in REDUCTIONS and sources[0] in rows:
         return _axis_after_reduction(g, d, a)
     if op == "Einsum":
         return axis_after_einsum(d, sources, rows, data, a)

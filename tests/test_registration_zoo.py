@@ -73,6 +73,9 @@ def test_layers(name):
 def test_loss(name):
     built, _, reg = _registered(name)
     assert_loss_matches(reg, built)
+    # no model of the zoo makes an example's loss read other examples, but
+    # batch normalisation in training mode (passes/coupling.py)
+    assert bool(reg.coupling) == (name == "batchnorm_training"), reg.coupling
 
 
 @pytest.mark.parametrize("name", IDS)

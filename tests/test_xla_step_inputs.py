@@ -9,7 +9,7 @@ character transformer of ``benchmarks/transformer_lm.py``, against 0.1 s).
 The step's plain pass now traces the loss inline
 (``RegisteredFunction.inline``). Under XLA, TensorFlow's gradient of a slice
 is an op without a gradient, and the quadratic model's Jacobian products
-failed on a model that slices a position table (GPT-2); ``xla_slice_grad``
+failed on a model that slices a position table (GPT-2); ``double_backward``
 gives it one. Statistics in exact mode: XLA and TensorFlow's kernels draw
 different samples."""
 import contextlib
@@ -22,7 +22,7 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
-from kfac_graph import xla_slice_grad
+from kfac_graph import double_backward
 from xla_reference import assert_xla_matches_plain
 
 VOCAB, BATCH, STEPS = 11, (4, 5), 4
@@ -138,7 +138,7 @@ def test_inline_traces_any_callable_loss_as_the_function_computes_it(kind):
 
 def test_a_backward_pass_through_a_slice_is_differentiable_again_under_xla():
     """``J u`` by the double backward trick through ``table[:4]`` (GPT-2's
-    position embeddings), under XLA (``xla_slice_grad``) and without."""
+    position embeddings), under XLA (``double_backward``) and without."""
     rng = np.random.default_rng(1)
     table = tf.Variable(rng.normal(size=(6, 3)))
     x = tf.constant(rng.normal(size=(2, 4, 3)))
@@ -147,7 +147,7 @@ def test_a_backward_pass_through_a_slice_is_differentiable_again_under_xla():
     def jacobian_product(override=True):
         z = tf.tanh(x + tf.slice(table, [0, 0], [4, 3]))
         w = tf.zeros_like(z)
-        with xla_slice_grad.differentiable() if override else contextlib.nullcontext():
+        with double_backward.differentiable() if override else contextlib.nullcontext():
             r = tf.gradients(z, table, grad_ys=w)[0]
         return tf.gradients(r, w, grad_ys=u)[0]
 

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from kfac_graph import token_weights, xla_slice_grad
+from kfac_graph import double_backward, token_weights
 from kfac_graph.fisher import at_least_float32, make_distribution
 from kfac_graph.optimizer.example_cuts import batch_tensor, cut_examples
 from kfac_graph.taps import LayerTaps
@@ -56,8 +56,8 @@ def _forward(registration, args, taps):
 
 def _jacobian_products(variables, z, vectors, w):
     """``[J u for u in vectors]`` by differentiating ``r(w) = J^T w`` at ``w``
-    (under XLA too: ``xla_slice_grad``)."""
-    with xla_slice_grad.differentiable():
+    (``double_backward``: under XLA, through nearest-neighbour resizes)."""
+    with double_backward.differentiable():
         r = tf.gradients(z, variables, grad_ys=w)
     # dense: an embedding's IndexedSlices cannot be differentiated again
     pairs = [(k, tf.convert_to_tensor(g)) for k, g in enumerate(r) if g is not None]

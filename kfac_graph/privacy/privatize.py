@@ -12,6 +12,7 @@ from kfac_graph.privacy import accounting
 from kfac_graph.privacy import clipping as clip_lib
 from kfac_graph.privacy import gradients as grad_lib
 from kfac_graph.privacy import noise as noise_lib
+from passes.errors import KfacGraphError
 
 _METHODS = ("auto", "reweight", "materialize")
 # what each option takes (kfac_graph/options.py); a tensor passes unchecked
@@ -46,6 +47,14 @@ def privatize(fn, *args, l2_norm_clip, noise_multiplier, seed=None, method="auto
         expected_batch_size=expected_batch_size))
     check_clip(owner, clipping, l2_norm_clip)
     fn, reg = registered(fn, args)
+    if reg.coupling:
+        raise KfacGraphError(
+            f"{owner}: the loss couples the examples at op {reg.coupling[0]!r} (batch "
+            "statistics such as batch normalisation in training mode, or two tensors of "
+            "examples combined, as a contrastive loss's a @ b^T): clipping each example's share "
+            "does not bound its influence on the update, so the noise gives no differential "
+            "privacy; use per-example normalisation (LayerNormalization, GroupNormalization) "
+            "or batch normalisation in inference mode")
     plan = clip_lib.plan(reg, clipping, l2_norm_clip, automatic_clipping)
     if mask is not None and expected_batch_size is None and reg.loss.reduction == "mean":
         raise ValueError(f"{owner}: with a mask (padded Poisson batches) give "

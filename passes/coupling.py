@@ -1,0 +1,78 @@
+"""Where the examples meet: ops that make one example's loss depend on others.
+
+Per-example gradients are defined for a loss that is a sum (or mean) of
+per-example terms, each computed from its own example. Some models compute
+a term from the whole batch: batch normalisation in training mode (its
+moments are reductions along the examples' axis), a contrastive loss (the
+logits ``a @ b^T`` pair every example with every other), a pairwise
+distance (``x[:, None] - y[None]``). There the pass still gives each
+example's share of the batch gradient, but it is no batch-of-one
+gradient, and clipping it bounds no one example's influence (DP-SGD).
+
+``coupling_ops(g, rows, terms)``: the ops among the ancestors of the loss's
+per-example ``terms`` (``passes.match_loss``) that
+
+- reduce a tensor along the axis that holds its examples' rows
+  (``passes.example_rows``: ``Mean``, ``Sum``, ``Max``, ``Min``, ``Prod``
+  with constant axes), or run ``FusedBatchNorm`` in training mode on one;
+- combine two tensors that hold the examples other than row by row: a
+  matmul, batched matmul, einsum or elementwise op whose operands hold
+  different rows (one transposed, or broadcast against the other), or the
+  same rows where the op reads across them (``row_axes.axis_after`` finds
+  none).
+
+Only ops that depend on the variables count: a statistic of the data alone
+(the sum of a padding mask a masked mean divides by) scales the terms as a
+weight read for the batch, as the loss pass reads it. Where the row tracker
+loses the examples (an op it does not read), what follows is not
+inspected: the list names the couplings it can see.
+"""
+from __future__ import annotations
+
+import networkx as nx
+
+from passes import ir, row_axes
+
+_MEETS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}) | ir.ELEMENTWISE
+_BATCH_NORMS = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
+
+
+def coupling_ops(g: nx.DiGraph, rows: dict, terms: str | None) -> tuple[str, ...]:
+    """The coupling ops on the way to ``terms``, in the graph's order (module docstring)."""
+    if not terms:
+        return ()
+    target = ir.split_tensor(ir.resolve(g, terms))[0]
+    if target not in g:
+        return ()
+    before = nx.ancestors(g, target) | {target}
+    data = ir.reachable_from(g, g.graph["arguments"])
+    weighted = ir.reachable_from(g, (n for n, d in g.nodes(data=True) if d.get("variable")))
+    out = []
+    for node in nx.topological_sort(g.subgraph(before)):
+        if node not in weighted:  # a statistic of the data alone (a mask's sum) is a weight
+            continue
+        d = g.nodes[node]
+        sources = [ir.split_tensor(t)[0] for t in d["inputs"]]
+        held = [s for s in sources if s in rows]
+        if held and _couples(g, d, sources, held, rows, data):
+            out.append(node)
+    return tuple(out)
+
+
+def _couples(g, d, sources, held, rows, data) -> bool:
+    op = d["op"]
+    if op in row_axes.REDUCTIONS and sources[0] in rows:
+        axes = ir.const_value(g, d["inputs"][1])
+        rank = len(ir.shape_of(g, d["inputs"][0]) or ())
+        return axes is not None and bool(rank) and rows[sources[0]].axis in {
+            int(x) % rank for x in ([axes] if axes.ndim == 0 else axes)}
+    if op in _BATCH_NORMS:
+        return sources[0] in rows and bool(d["attrs"].get("is_training", True))
+    if op not in _MEETS or len(held) < 2:
+        return False
+    found = {rows[s] for s in held}
+    if len(found) > 1:
+        return True
+    out = d["shapes"][0] if d["shapes"] else None
+    (r,) = found
+    return row_axes.axis_after(g, d, sources, r, rows, data, len(out or ())) is None

@@ -1,0 +1,121 @@
+"""Where the examples meet (`passes/coupling.py`).
+
+A contrastive loss (`a @ b^T` over the batch, labels `range(B)`), a pairwise
+distance (`x[:, None] - x[None]`) and batch normalisation in training mode
+make one example's loss read other examples. The registration lists those
+ops (`reg.coupling`) and warns; `kg.DPSGD` and `kg.dp_gradients` refuse the
+loss in one line (clipping an example's share bounds nothing); per-example
+gradients are still each example's share and sum to the batch gradient;
+`kg.verify` marks the one-example comparison `couples examples`.
+Attention (examples meet only themselves), a padding mask's batch sum (a
+statistic of the data alone) and batch normalisation in inference mode
+couple nothing, and DP-SGD runs.
+"""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+
+B = 6
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    return rng, tf.constant(rng.normal(size=(B, 4)))
+
+
+def _contrastive():
+    rng, x = _data()
+    w1 = tf.Variable(rng.normal(size=(4, 3)), name="image_projection")
+    w2 = tf.Variable(rng.normal(size=(5, 3)), name="text_projection")
+
+    @kg.auto_register
+    def loss_fn(x, t):
+        a = tf.math.l2_normalize(x @ w1, axis=1)
+        b = tf.math.l2_normalize(t @ w2, axis=1)
+        logits = 10.0 * a @ tf.transpose(b)
+        labels = tf.range(tf.shape(x)[0])
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+    return loss_fn, (x, tf.constant(rng.normal(size=(B, 5))))
+
+
+def _pairwise():
+    rng, x = _data(1)
+    w = tf.Variable(rng.normal(size=(4, 3)), name="embedding")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        e = x @ w
+        distances = tf.reduce_sum(tf.square(e[:, None, :] - e[None, :, :]), axis=-1)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, -distances))
+    return loss_fn, (x, tf.constant([0, 1, 2, 3, 4, 5]))
+
+
+def _keras(training, body):
+    keras.utils.set_random_seed(0)
+    rng, x = _data(2)
+    model = keras.Sequential([keras.Input((4,), dtype="float64"), *body(),
+                              keras.layers.Dense(3, dtype="float64")])
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, model(x, training=training)))
+    return loss_fn, (x, tf.constant(rng.integers(0, 3, B)))
+
+
+def _batch_norm(training):
+    return _keras(training, lambda: [keras.layers.Dense(5, dtype="float64"),
+                                     keras.layers.BatchNormalization(dtype="float64")])
+
+
+@pytest.mark.parametrize("build, op", [(_contrastive, "matmul"), (_pairwise, "sub"),
+                                       (lambda: _batch_norm(True), "moments")])
+def test_coupling_is_listed_and_dp_refuses_it(build, op):
+    loss_fn, args = build()
+    reg = loss_fn.registration(*args)
+    assert reg.coupling and op in reg.coupling[0].lower(), reg.coupling
+    for run in (lambda: kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0,
+                                 noise_multiplier=1.0).step(*args),
+                lambda: kg.dp_gradients(loss_fn, *args, l2_norm_clip=1.0, noise_multiplier=1.0)):
+        with pytest.raises(kg.KfacGraphError, match=r"couples the examples at op .* no "
+                                                     r"differential privacy"):
+            run()
+    grads = kg.per_example_gradients(loss_fn, *args)  # each example's share
+    with tf.GradientTape() as tape:
+        loss = loss_fn(*args)
+    for g, w in zip(grads, tape.gradient(loss, reg.variables)):
+        np.testing.assert_allclose(np.mean(g, 0), w, rtol=1e-8, atol=1e-10)
+
+
+def test_verify_marks_a_contrastive_loss():
+    loss_fn, args = _contrastive()
+    report = kg.verify(loss_fn, *args)
+    assert "couples examples" in report.table()
+
+
+def _attention():
+    mha = keras.layers.MultiHeadAttention(2, 4, dtype="float64")
+    head = keras.layers.Dense(3, dtype="float64")
+    rng = np.random.default_rng(3)
+
+    @kg.auto_register
+    def loss_fn(x, mask, y):
+        h = mha(x, x, attention_mask=mask[:, None, :] * mask[:, :, None])
+        terms = tf.nn.sparse_softmax_cross_entropy_with_logits(y, head(h))
+        return tf.reduce_sum(terms * tf.cast(mask, terms.dtype)) / tf.reduce_sum(
+            tf.cast(mask, terms.dtype))
+    mask = np.ones((B, 5), "int32")
+    mask[0, 3:] = 0
+    return loss_fn, (tf.constant(rng.normal(size=(B, 5, 4))), tf.constant(mask),
+                     tf.constant(rng.integers(0, 3, (B, 5))))
+
+
+@pytest.mark.parametrize("build", [_attention, lambda: _batch_norm(False)])
+def test_no_coupling_where_examples_meet_only_themselves(build):
+    loss_fn, args = build()
+    assert loss_fn.registration(*args).coupling == ()
+    dp = kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0)
+    assert np.isfinite(float(dp.step(*args)))
