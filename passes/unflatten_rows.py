@@ -27,6 +27,8 @@ def unflatten_rows(groups, rows) -> dict:
       scale broadcasts along);
     - the examples on a later axis (a time-major ``[T, B, d]``): a dense use
       on it moves that axis first (``batch_axis``) before reading it so;
+    - a lookup added over the batch to ``[k B, ..]`` rows: its gradient
+      summed over each example's ``k`` rows (``row_groups``);
     - a grouped dense use: ``[G, k B, d]`` read as ``[G, B, k, d]``;
     - any other use on rows is unsupported (the variable is generic, with
       the reason): its kind would read the first axis as the examples. With
@@ -110,4 +112,15 @@ def _grouped_attrs(attrs, r):
     return {**attrs, "input_shape": split(shapes[0]), "output_shape": split(shapes[1])}
 
 
-_UNFLATTEN = {"dense": _dense_attrs, "scale_and_shift": _scale_shift_attrs}
+def _embedding_attrs(attrs, r):
+    """A lookup added over the batch (``ids_broadcast``: position or
+    relative-position rows) to ``[k B, ..]`` rows (a video's frames, Swin's
+    windows): every row of an example reads the same ids, so its gradient
+    is summed over its ``k`` rows first (``row_groups``)."""
+    if not attrs.get("ids_broadcast"):
+        return _unsupported(attrs, r)
+    return {**attrs, "row_groups": r.per_example}
+
+
+_UNFLATTEN = {"dense": _dense_attrs, "scale_and_shift": _scale_shift_attrs,
+              "embedding": _embedding_attrs}

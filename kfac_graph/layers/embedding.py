@@ -167,8 +167,13 @@ def operands(layer, use, tensors, grads):
     `table[start:stop]` added so (`row_range`) reads ids `range(start, stop)`.
     A lookup transposed before the sum (T5's relative-position bias, ids
     `[q, k]`, rows `[q, k, H]` added as `[1, H, q, k]`) has its gradients
-    transposed back first (`grad_perm`)."""
+    transposed back first (`grad_perm`). One added to `[k B, ..]` rows (a
+    video's frames, Swin's windows: `row_groups` k) has each example's `k`
+    rows of gradient summed first."""
     attrs = layer.use_attrs[use]
+    if attrs.get("row_groups"):  # added to [k B, ..] rows: each example's k rows summed
+        k = attrs["row_groups"]  # (rows are followed where shapes are static)
+        grads = [tf.reduce_sum(tf.reshape(g, [-1, k, *g.shape[1:]]), axis=1) for g in grads]
     if attrs.get("grad_perm"):  # a transposed lookup's gradient, back in its layout
         grads = [tf.transpose(g, attrs["grad_perm"]) for g in grads]
     ids = tf.range(*attrs["row_range"]) if attrs.get("row_range") else tensors[0]
