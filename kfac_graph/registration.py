@@ -97,11 +97,12 @@ class LossSpec:
         its reading stopped) has no predictive distribution."""
         if self.output is not None:
             return ""
-        what = (f"the loss is opaque ({self.reason}): kfac_graph has its per-example terms "
-                "(per-example gradients and DP-SGD work) but no predictive distribution"
-                if self.kind == "opaque" else "the loss pass found no model output")
-        return f"{what}, so there is no Fisher to estimate; if it is a negative " \
-               f"log-likelihood, {LOSS_HOW_TO}"
+        if self.kind != "opaque":
+            return f"the loss pass found no model output to take the Fisher at; {LOSS_HOW_TO}"
+        return (f"the loss is opaque ({self.reason}): kfac_graph has its per-example terms "
+                "but no predictive distribution, so its Fisher can only be the empirical one "
+                "(estimation_mode=\"empirical\"; kg.KFAC with momentum_type=\"regular\" or "
+                f"qmodel_curvature=\"kfac\"); if it is a negative log-likelihood, {LOSS_HOW_TO}")
 
     @property
     def weighted(self) -> bool:

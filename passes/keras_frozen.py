@@ -22,7 +22,10 @@ from __future__ import annotations
 import gc
 import sys
 
+import tensorflow as tf
 
+
+@tf.autograph.experimental.do_not_convert  # plain Python, also when traced under autograph
 def frozen(variables) -> set[int]:
     """``id``s of the trainable ``tf.Variable`` objects in ``variables``
     (under ``tf.distribute``, a replica's copy counts as its mirrored

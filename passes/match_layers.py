@@ -133,8 +133,8 @@ def _find(g, patterns, on_path, batched, parameters, undirected) -> list:
                 continue
             inputs = _inputs(g, pattern, roles) or (ir.tensor_name(roles[pattern.output]),)
             source = ir.split_tensor(ir.resolve(g, inputs[0]))[0]  # (a tiled weight: itself)
-            if source not in batched and source in parameters:
-                continue  # a product of weights, not a layer applied to data
+            if source not in batched and source in parameters and pattern.kind != "embedding":
+                continue  # a product of weights (ids held in a variable are ids: CLIP's)
             if _leaks(g, pattern, roles, weighted, on_path):
                 continue
             claimed |= {roles[r] for r, spec in pattern.nodes.items() if spec.exclusive}

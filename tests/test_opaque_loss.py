@@ -3,8 +3,10 @@
 An L1 loss, a CTC loss (sparse labels: TensorFlow's `CTCLoss` op) or any
 loss whose batch reduction the pass reads down to per-example terms but no
 further is kind "opaque" (`passes/match_loss.py`): per-example gradients,
-norms and DP-SGD work, against a loop of one-example tapes; `kg.KFAC` says
-in one line that there is no Fisher. A custom gradient the re-run graph
+norms and DP-SGD work, against a loop of one-example tapes; its Fisher is
+the empirical one (each example's own loss's gradient, against the loop),
+and `kg.KFAC` trains on it; asked for a sampled or exact Fisher, it says in
+one line that there is no distribution. A custom gradient the re-run graph
 would replace by a different one (a gradient reversal, a straight-through
 estimator, the CTC loss on dense labels, whose gradient TensorFlow computes
 in a loop of its forward pass) is refused at registration, one line
@@ -56,6 +58,30 @@ def test_l1_loss_is_opaque_with_exact_per_example_gradients():
     np.testing.assert_allclose(kg.per_example_gradient_norms(loss_fn, *args), norms, rtol=1e-8)
 
 
+def test_empirical_fisher_of_an_opaque_loss():
+    """The empirical Fisher needs no distribution: each example's own loss's
+    gradient, ``F = (1/B) sum_i g_i g_i^T``, against the loop's ``g_i``."""
+    loss_fn, args = _l1(weighted=False)
+    reg = loss_fn.registration(*args)
+    est = kg.FisherEstimator(loss_fn, estimation_mode="empirical", cov_ema_decay=0.0,
+                             approximations={"dense": "full"})
+    est.update(*args)
+    g = np.concatenate([np.reshape(w, [B, -1]) for w in
+                        one_example_loop(loss_fn, args, reg.variables)], axis=1)
+    np.testing.assert_allclose(est.blocks[0].full_matrix(), g.T @ g / B, rtol=1e-9, atol=1e-12)
+    with pytest.raises(KfacGraphError, match=r"opaque .*estimation_mode=\"empirical\""):
+        kg.FisherEstimator(loss_fn).update(*args)  # sampled: no distribution to sample
+
+
+@pytest.mark.parametrize("options", [dict(momentum_type="regular", learning_rate=0.1),
+                                     dict(qmodel_curvature="kfac")])
+def test_kfac_trains_an_opaque_loss_on_its_empirical_fisher(options):
+    loss_fn, args = _l1(weighted=False)
+    opt = kg.KFAC(loss_fn, estimation_mode="empirical", **options)
+    losses = [float(opt.step(*args)) for _ in range(10)]
+    assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0, losses
+
+
 def test_weighted_opaque_terms_sum_to_the_batch_gradient():
     """``sum(s l) / sum(s)``: example i's term is ``s_i l_i / sum(s)``."""
     loss_fn, args = _l1(weighted=True)
@@ -93,6 +119,10 @@ def test_ctc_loss_on_sparse_labels_is_opaque_and_exact():
     assert not np.array_equal(before, reg.variables[0].numpy())
     with pytest.raises(KfacGraphError, match="no predictive distribution"):
         kg.KFAC(loss_fn).step(*args)
+    opt = kg.KFAC(loss_fn, estimation_mode="empirical", momentum_type="regular",
+                  learning_rate=0.05)
+    losses = [float(opt.step(*args)) for _ in range(5)]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
 
 
 def test_ctc_loss_on_dense_labels_is_refused():

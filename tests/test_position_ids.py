@@ -38,3 +38,31 @@ def test_position_lookup_is_exact_when_positions_equal_the_batch(form):
     got = kg.per_example_gradients(fn, x, x)
     for g, w in zip(got, one_example_loop(loss, (x, x), reg.variables)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_position_ids_held_in_a_variable():
+    """keras-hub's CLIP keeps its position ids in a non-trainable variable
+    ``[1, N]``: still ids (not a product of weights), so the table is a
+    position embedding; float64 against a loop (ids that are not a range,
+    to tell rows apart)."""
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(0)
+    steps = batch = 4
+    pos, head = keras.layers.Embedding(steps, 3), keras.layers.Dense(2)
+    ids = tf.Variable([[2, 0, 3, 3]], trainable=False, name="position_ids")
+
+    def loss(x, y):
+        h = tf.tanh(x + pos(ids))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, head(tf.reduce_mean(h, axis=1))))
+
+    fn = kg.auto_register(loss)
+    x = tf.constant(np.random.default_rng(1).normal(size=(batch, steps, 3)))
+    y = tf.constant([0, 1, 1, 0])
+    reg = fn.registration(x, y)
+    assert [layer.kind for layer in reg.layers] == ["embedding", "dense"], reg.summary()
+    assert reg.layers[0].use_attrs[0]["ids_broadcast"]
+    got = kg.per_example_gradients(fn, x, y)
+    for g, w in zip(got, one_example_loop(loss, (x, y), reg.variables)):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)

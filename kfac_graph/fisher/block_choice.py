@@ -147,7 +147,7 @@ def make_layer_block(layer, approximations=None, max_factor_size=None,
                                                 overrides=o, **options)
     orientation = kernel_orientation(layer)
     perms = {tuple(a.get("kernel_perm") or ()) for a in layer.use_attrs}
-    if perms != {()}:
+    if any(perms):  # a kernel transposed before the op in some use
         return _permuted_block(layer, factory, shapes, make, overrides, perms, options)
     rows = attrs.get("stacked_rows")
     if layer.kind == "dense" and rows:

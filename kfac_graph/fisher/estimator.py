@@ -9,7 +9,8 @@ the model output ``z`` (the loss's ``scale`` and reduction do not enter),
 estimated from cotangents ``v`` at ``z``, one backward pass each, which give
 every layer use's output gradient ``g = v^T dz/ds``:
 
-- ``"empirical"``: ``v_i = dl_i/dz_i`` at the data's targets;
+- ``"empirical"``: ``v_i = dl_i/dz_i`` at the data's targets (for an
+  ``"opaque"`` loss, with no ``z``: each example's own loss's gradient);
 - ``"sampled"``: the same at ``S = num_samples`` targets drawn from
   ``p(y | z_i)`` (stateless seeds from ``seed`` and an update counter;
   XLA's kernels draw other samples than TensorFlow's for the same seed),
@@ -43,15 +44,14 @@ mode). Block choice and data layout: ``block_choice.py``. All blocks
 keep debiased moving averages with decay ``cov_ema_decay``, so after the
 first update a block equals that batch's estimate.
 
-Every tensor a block reads is checked while tracing to have the batch
-first, and every factor's rows the factor's width (``kfac_graph.invariants``):
-a layer form the kinds' rules do not know is a one-line ``KfacGraphError``.
-
-``update`` and ``update_inverses`` run eagerly (each is a cached
-``tf.function``), inside the caller's ``tf.function``, and under XLA.
+Every tensor a block reads is checked while tracing to have the batch first, and every
+factor's rows the factor's width (``kfac_graph.invariants``): a form the rules do not
+know is a one-line ``KfacGraphError``. ``update`` and ``update_inverses`` run eagerly
+(each a cached ``tf.function``), inside the caller's ``tf.function``, and under XLA.
 """
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from kfac_graph import invariants, options, token_weights
@@ -243,18 +243,14 @@ class FisherEstimator(tf.Module):
         return self._per_block(vectors, lambda b, vs: b.multiply_inverse(vs, refreshed, damping))
 
     def _per_block(self, vectors, op):
-        vectors, out, k = list(vectors), [], 0
-        for layer, block in zip(self.layers, self.blocks):
-            n = len(layer.variables)
-            out += list(op(block, vectors[k:k + n]))
-            k += n
-        return out
+        ends = np.cumsum([0] + [len(layer.variables) for layer in self.layers])
+        return [v for block, k, n in zip(self.blocks, ends, ends[1:])
+                for v in op(block, list(vectors)[k:n])]
 
     def accumulate(self, *args, decay=None):
-        """Inside a ``tf.function``: add this batch's statistics to the
-        blocks (with ``decay``, default ``cov_ema_decay``) and return the loss
-        (the same forward pass), for callers that build their own step (the
-        optimizer)."""
+        """Inside a ``tf.function``: add this batch's statistics to the blocks (with
+        ``decay``, default ``cov_ema_decay``) and return the loss (the same forward
+        pass), for callers that build their own step (the optimizer)."""
         return self.accumulate_taps(*args, decay=decay).loss
 
     def accumulate_taps(self, *args, decay=None):
@@ -265,7 +261,8 @@ class FisherEstimator(tf.Module):
     # -- the traced update -------------------------------------------------------------
     def _update(self, reg, args, decay=None):
         taps = LayerTaps.build(reg, args, read_variables=reg.generic_variables)
-        if taps.model_output is None:
+        if taps.model_output is None and (self.estimation_mode, reg.loss.kind) != (
+                "empirical", "opaque"):
             raise KfacGraphError(reg.loss.no_fisher)
         cotangents, per_example_terms = self._cotangents(reg, taps)
         operands = layer_operands(reg, taps, [taps.output_gradients(v) for v in cotangents])
@@ -300,7 +297,10 @@ class FisherEstimator(tf.Module):
         scalars whose parameter gradients are the per-example gradients
         (``sum z . c`` with the cotangent ``c`` held fixed). Each token's
         cotangent is scaled by the square root of its weight
-        (``kfac_graph.token_weights``; a masked token contributes nothing)."""
+        (``kfac_graph.token_weights``; a masked token contributes nothing).
+        An opaque loss (empirical only): each example's own loss, cotangent None."""
+        if taps.model_output is None:
+            return [None], [taps.per_example_loss]
         z = at_least_float32(taps.model_output)
         batch_axes = list(range(1, z.shape.rank - 1))
         per_example = lambda t: tf.reduce_sum(t, axis=batch_axes) if batch_axes else t
