@@ -39,6 +39,14 @@ V, T, B = 40, 5, 3
 _M = keras_hub.models
 _DEC = dict(vocabulary_size=V, num_layers=2, hidden_dim=16, intermediate_dim=32)
 _ENC = dict(_DEC, num_heads=2, max_sequence_length=8)
+_SMOL = dict(vocabulary_size=V, hidden_dim=16, intermediate_dim=32, num_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, attention_bias=False,
+             attention_dropout=0.0, layer_types=["attention"] * 2, mlp_bias=False,
+             layer_norm_epsilon=1e-5, max_position_embeddings=32, rope_theta=10000.0,
+             partial_rotary_factor=1.0)
+_T5GEMMA = dict(hidden_dim=16, intermediate_dim=32, num_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8,
+                layer_types=["sliding_attention", "full_attention"])
 BACKBONES = {
     "bert": lambda: _M.BertBackbone(**_ENC),
     "distil_bert": lambda: _M.DistilBertBackbone(**_ENC),
@@ -93,6 +101,12 @@ BACKBONES = {
                                       vocabulary_size=V, intermediate_dim=32),
     "t5": lambda: _M.T5Backbone(**{**_DEC, "num_heads": 2}),
     "bart": lambda: _M.BartBackbone(**_ENC),
+    "smollm": lambda: _M.SmolLMBackbone(**_SMOL, rope_layer_enabled_list=[True, True]),
+    "smollm3": lambda: _M.SmolLM3Backbone(**_SMOL, rope_layer_enabled_list=[True, False]),
+    "esm": lambda: _M.ESMBackbone(**_ENC),
+    "t5gemma": lambda: _M.T5GemmaBackbone(
+        vocabulary_size=V, sliding_window=4, **{f"{part}_{k}": v for part in ("encoder", "decoder")
+                                                for k, v in _T5GEMMA.items()}),
 }
 S = 32  # images S x S x 3
 _IMG = dict(image_shape=(S, S, 3))
@@ -140,6 +154,30 @@ VISION = {
         patch_size=2),
     "dinov3": lambda: _M.DINOV3Backbone(patch_size=8, num_layers=2, hidden_dim=16,
                                         num_heads=2, intermediate_dim=32, **_IMG),
+    "deit": lambda: _M.DeiTBackbone(patch_size=8, num_layers=2, num_heads=2, hidden_dim=16,
+                                    intermediate_dim=32, **_IMG),
+    "densenet": lambda: _M.DenseNetBackbone(stackwise_num_repeats=[1, 1], growth_rate=8, **_IMG),
+    "vgg": lambda: _M.VGGBackbone(stackwise_num_repeats=[1, 2], stackwise_num_filters=[8, 16],
+                                  **_IMG),
+    "xception": lambda: _M.XceptionBackbone(
+        stackwise_conv_filters=[[8, 8], [16, 16], [16, 16], [16]],
+        stackwise_pooling=[False, True, False, False], **_IMG),
+    "mobilenet_v5": lambda: _M.MobileNetV5Backbone(  # attention, multi-scale fusion
+        stackwise_block_types=[["er"], ["uir", "mqa"]], stackwise_num_blocks=[1, 2],
+        stackwise_num_filters=[[8], [16, 16]], stackwise_strides=[[2], [2, 1]],
+        stackwise_act_layers=[["relu"], ["gelu", "gelu"]],
+        stackwise_exp_ratios=[[2.0], [2.0, 2.0]], stackwise_se_ratios=[[0.0], [0.0, 0.0]],
+        stackwise_dw_kernel_sizes=[[0], [0, 0]], stackwise_dw_start_kernel_sizes=[[0], [3, 0]],
+        stackwise_dw_end_kernel_sizes=[[0], [3, 0]], stackwise_exp_kernel_sizes=[[3], [0, 0]],
+        stackwise_pw_kernel_sizes=[[1], [0, 0]], stackwise_num_heads=[[0], [0, 2]],
+        stackwise_key_dims=[[0], [0, 8]], stackwise_value_dims=[[0], [0, 8]],
+        stackwise_kv_strides=[[0], [0, 2]], stackwise_use_cpe=[[False], [False, False]],
+        stem_size=8, num_features=16, use_msfa=True, msfa_indices=(-2, -1),
+        msfa_output_resolution=4, layer_scale_init_value=1e-5, **_IMG),
+    "video_prism": lambda: _M.VideoPrismBackbone(  # video: 2 frames of 16 x 16
+        num_frames=2, patch_size=8, hidden_dim=16, intermediate_dim=32, num_heads=2,
+        num_spatial_layers=1, num_temporal_layers=1, num_auxiliary_layers=0,
+        image_shape=(16, 16, 3)),
 }
 flags.DEFINE_list("models", list(BACKBONES) + list(VISION), "Which backbones.")
 flags.DEFINE_bool("check", False, "Also compare per-example gradients with a loop.")

@@ -9,7 +9,7 @@ distance (``x[:, None] - y[None]``). There the pass still gives each
 example's share of the batch gradient, but it is no batch-of-one
 gradient, and clipping it bounds no one example's influence (DP-SGD).
 
-``coupling_ops(g, rows, terms)``: the ops among the ancestors of the loss's
+``coupling_ops(g, terms)``: the ops among the ancestors of the loss's
 per-example ``terms`` (``passes.match_loss``) that
 
 - reduce a tensor along the axis that holds its examples' rows
@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import networkx as nx
 
-from passes import ir, row_axes
+from passes import batch_flow, ir, row_axes
+from passes.example_rows import example_rows
 
 _MEETS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}) | ir.ELEMENTWISE
 _BATCH_NORMS = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
 
 
-def coupling_ops(g: nx.DiGraph, rows: dict, terms: str | None) -> tuple[str, ...]:
+def coupling_ops(g: nx.DiGraph, terms: str | None) -> tuple[str, ...]:
     """The coupling ops on the way to ``terms``, in the graph's order (module docstring)."""
     if not terms:
         return ()
@@ -47,13 +48,16 @@ def coupling_ops(g: nx.DiGraph, rows: dict, terms: str | None) -> tuple[str, ...
     before = nx.ancestors(g, target) | {target}
     data = ir.reachable_from(g, g.graph["arguments"])
     weighted = ir.reachable_from(g, (n for n, d in g.nodes(data=True) if d.get("variable")))
+    # where the rows are lost, a data tensor leading with the batch holds them first
+    rows = example_rows(g, data | ir.reachable_from(g, batch_flow.batch_sources(g)), data,
+                        lenient=True)
     out = []
     for node in nx.topological_sort(g.subgraph(before)):
         if node not in weighted:  # a statistic of the data alone (a mask's sum) is a weight
             continue
         d = g.nodes[node]
         sources = [ir.split_tensor(t)[0] for t in d["inputs"]]
-        held = [s for s in sources if s in rows]
+        held = [s for s in dict.fromkeys(sources) if s in rows]
         if held and _couples(g, d, sources, held, rows, data):
             out.append(node)
     return tuple(out)
@@ -62,10 +66,7 @@ def coupling_ops(g: nx.DiGraph, rows: dict, terms: str | None) -> tuple[str, ...
 def _couples(g, d, sources, held, rows, data) -> bool:
     op = d["op"]
     if op in row_axes.REDUCTIONS and sources[0] in rows:
-        axes = ir.const_value(g, d["inputs"][1])
-        rank = len(ir.shape_of(g, d["inputs"][0]) or ())
-        return axes is not None and bool(rank) and rows[sources[0]].axis in {
-            int(x) % rank for x in ([axes] if axes.ndim == 0 else axes)}
+        return rows[sources[0]].axis in (row_axes.reduced_axes(g, d) or ())
     if op in _BATCH_NORMS:
         return sources[0] in rows and bool(d["attrs"].get("is_training", True))
     if op not in _MEETS or len(held) < 2:

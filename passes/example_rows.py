@@ -36,12 +36,15 @@ class Rows(NamedTuple):
     axis: int
 
 
-def example_rows(g, batched, data) -> dict:
+def example_rows(g, batched, data, lenient=False) -> dict:
     """``{node: Rows}`` for the ops whose output holds the examples in row
     groups (module docstring). ``batched``: the ops whose leading axis may
     be the batch (the data's and per-example constants, ``batch_flow``);
     ``data``: the ops that depend on the arguments (a matmul's or einsum's
     other operand must not be one: each row would read other examples).
+    ``lenient``: where the rows are lost (an op not followed), a data tensor
+    leading with the batch (``_batch_leading``) holds them first again, as
+    the rest of the pass takes it (``passes.coupling`` follows them so).
     A constant shaped ``[B, ..]`` by coincidence (a ``[q, k]`` grid with
     ``q = B``) mixes no examples into a row."""
     batch = static_batch(g)
@@ -57,27 +60,32 @@ def example_rows(g, batched, data) -> dict:
         out = d["shapes"][0] if d["shapes"] else None
         if not out or None in out:
             continue
-        sources = [ir.split_tensor(t)[0] for t in d["inputs"]]
-        if d["op"] == "Reshape":
-            r = _reshaped(g, d, sources[0], out, rows, batched, batch)
-            if r is not None:
-                rows[node] = r
-            continue
-        found = {rows[s] for s in sources if s in rows}
-        if d["op"] == "Einsum" and not found:  # an einsum may move the batch off axis 0
-            leading = {s: Rows(batch, 1, 0) for s in sources
-                       if _batch_leading(g, s, batch, batched)}
-            axis = row_axes.axis_after_einsum(d, sources, leading, data, 0) if leading else None
-            if axis:
-                rows[node] = Rows(batch, 1, axis)
-            continue
-        if len(found) != 1:
-            continue
-        (r,) = found
-        axis = row_axes.axis_after(g, d, sources, r, rows, data, len(out))
-        if axis is not None and axis < len(out) and out[axis] == r.batch * r.per_example:
-            rows[node] = r._replace(axis=axis)
+        r = _rows_of(g, d, out, rows, batched, data, batch)
+        if r is None and lenient and node in data and _batch_leading(g, node, batch, batched):
+            r = Rows(batch, 1, 0)
+        if r is not None:
+            rows[node] = r
     return rows
+
+
+def _rows_of(g, d, out, rows, batched, data, batch):
+    """The rows op ``d``'s output holds, from its inputs' ``rows``, or None."""
+    sources = [ir.split_tensor(t)[0] for t in d["inputs"]]
+    if d["op"] == "Reshape":
+        return _reshaped(g, d, sources[0], out, rows, batched, batch)
+    found = {rows[s] for s in sources if s in rows}
+    if d["op"] == "Einsum" and not found:  # an einsum may move the batch off axis 0
+        leading = {s: Rows(batch, 1, 0) for s in sources
+                   if _batch_leading(g, s, batch, batched)}
+        axis = row_axes.axis_after_einsum(d, sources, leading, data, 0) if leading else None
+        return Rows(batch, 1, axis) if axis else None
+    if len(found) != 1:
+        return None
+    (r,) = found
+    axis = row_axes.axis_after(g, d, sources, r, rows, data, len(out))
+    if axis is not None and axis < len(out) and out[axis] == r.batch * r.per_example:
+        return r._replace(axis=axis)
+    return None
 
 
 def _reshaped(g, d, source, out, rows, batched, batch):

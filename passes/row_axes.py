@@ -113,14 +113,45 @@ def _axis_after_slice(g, d, a):
 def _axis_after_reduction(g, d, a):
     """The rows' axis ``a`` of a reduction's input in its output, or None
     where the reduction runs along it (or its axes are not a constant)."""
-    axes = ir.const_value(g, d["inputs"][1])
-    rank = len(ir.shape_of(g, d["inputs"][0]) or ())
-    if axes is None or not rank:
-        return None
-    axes = {int(x) % rank for x in ([axes] if axes.ndim == 0 else axes)}
-    if a in axes:
+    axes = reduced_axes(g, d)
+    if (axes is None or a in axes  # (an input seen through unit axes: its axes differ)
+            or ir.shape_of(g, d["raw_inputs"][0]) != ir.shape_of(g, d["inputs"][0])):
         return None
     return a if d["attrs"].get("keep_dims") else a - sum(x < a for x in axes)
+
+
+def reduced_axes(g, d) -> set | None:
+    """The axes of a reduction's input (as the IR has it) that it reduces;
+    None where they are not a constant. The op's constant axes index its
+    raw input, which may have unit axes the IR saw through (a group norm's
+    ``[B, T, G, C/G]`` with ``G = 1``): mapped across them."""
+    axes = ir.const_value(g, d["inputs"][1])
+    raw, canonical = ir.shape_of(g, d["raw_inputs"][0]), ir.shape_of(g, d["inputs"][0])
+    if axes is None or not raw or not canonical:
+        return None
+    to_canonical = _unit_axis_map(raw, canonical)
+    if to_canonical is None:
+        return None
+    return {to_canonical[int(x) % len(raw)] for x in ([axes] if axes.ndim == 0 else axes)
+            } - {None}
+
+
+def _unit_axis_map(raw, canonical):
+    """For each axis of ``raw``, its axis in ``canonical`` (None for a unit
+    axis only ``raw`` has), the two shapes differing by unit axes; None
+    where they differ otherwise."""
+    out, j = [], 0
+    for d in raw:
+        while j < len(canonical) and canonical[j] != d and canonical[j] == 1:
+            j += 1
+        if j < len(canonical) and canonical[j] == d:
+            out.append(j)
+            j += 1
+        elif d == 1:
+            out.append(None)
+        else:
+            return None
+    return out
 
 
 def _aligned(g, d, sources, r, rows, rank, matrix=False) -> bool:

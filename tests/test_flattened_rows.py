@@ -153,8 +153,9 @@ def test_keras_hub_swin_windows():
     on the rows (shifted windows in the second block). Every projection is
     a dense layer on ``[B, nW, N, C]``; the relative position bias tables
     (looked up by ids without an example axis and added to every window's
-    scores) stay generic, with the reason; per-example gradients equal a
-    loop."""
+    scores) are embeddings summed over each example's windows
+    (``row_groups``, ``tests/test_lookups_on_rows.py``); per-example
+    gradients equal a loop."""
     keras = pytest.importorskip("keras")
     keras_hub = pytest.importorskip("keras_hub")
     keras.config.set_floatx("float64")  # conftest restores the dtypes
@@ -179,9 +180,12 @@ def test_keras_hub_swin_windows():
     assert windowed and all(
         layer.kind == "dense" and layer.use_attrs[0]["input_shape"][:2] == (B, 4)
         for layer in windowed), reg.summary()
-    generic = [layer for layer in reg.layers if layer.kind == "generic"]
-    assert len(generic) == 2 and all(
-        "relative_position_bias_table" in layer.name for layer in generic), reg.summary()
+    tables = [layer for layer in reg.layers
+              if "relative_position_bias_table" in layer.variables[0].name]
+    assert len(tables) == 2 and all(
+        layer.kind == "embedding" and layer.use_attrs[0]["row_groups"] == 16 // (2 * 2)
+        for layer in tables), reg.summary()
+    assert not [layer for layer in reg.layers if layer.kind == "generic"]
     assert_matches_loop(loss_fn, args)
 
 

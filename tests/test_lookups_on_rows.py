@@ -99,10 +99,12 @@ def _keras_hub_loss(backbone, shape):
     return loss_fn, (x, tf.constant([0, 2]))
 
 
-@pytest.mark.parametrize("family", ["swin", pytest.param("videoprism", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["swin", "videoprism"])
 def test_keras_hub_tables_on_rows(family):
-    """keras-hub's Swin (relative tables on windows) and VideoPrism (position
-    tables on frames) register every variable, float64, equal to a loop."""
+    """keras-hub's Swin (relative tables on windows; in the fast set in
+    ``tests/test_flattened_rows.py``) and VideoPrism (position tables on
+    frames) register every variable, float64, equal to a loop."""
     keras = pytest.importorskip("keras")
     keras_hub = pytest.importorskip("keras_hub")
     keras.config.set_floatx("float64")
