@@ -31,6 +31,7 @@ _FOLD = {
     "Mul": lambda v, x: v[0] * v[1], "RealDiv": lambda v, x: v[0] / v[1],
     "Maximum": lambda v, x: np.maximum(v[0], v[1]), "Sub": lambda v, x: v[0] - v[1],
     "AddV2": lambda v, x: v[0] + v[1],
+    "Pack": lambda v, x: np.stack(v) if all(np.ndim(a) == 0 for a in v) else None,  # scalars
 }
 
 

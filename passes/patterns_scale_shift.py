@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from passes import ir
 from passes.batch_flow import static_batch
+from passes.loss_constants import evaluate
 from passes.patterns import ADD, ANY, VAR, VAR_PART, Op, Pattern, ops, var_shape
 
 # --- scale and shift ---------------------------------------------------------
@@ -145,19 +146,33 @@ SHIFT = Pattern(
 
 def _over_the_batch(g, m) -> bool:
     """A Tile (of the batch axis alone) or BroadcastTo of the variable whose
-    output leads with the batch, the variable read with a unit first axis."""
+    output leads with the batch, the variable read with a unit first axis
+    (a Tile's batch axis may follow unit axes: ``tf.repeat`` tiles
+    ``[1, 1, d]`` to ``[1, B, 1, d]``, then drops the first axis)."""
     d = g.nodes[m["tile"]]
     out = (d["shapes"] or [None])[0]
     read = ir.read_shape(g, m["tile"], ir.tensor_name(m["beta"]))
     if read is not None and out and d["op"] == "BroadcastTo":  # numpy: leading axes added
         read = (1,) * (len(out) - len(read)) + tuple(read)
-    if (not out or None in out or out[0] != static_batch(g) or read is None
-            or len(read) != len(out) or read[0] != 1):
+    lead = tiled_axis(g, m["tile"])
+    if (not out or None in out or lead is None or out[lead] != static_batch(g)
+            or read is None or len(read) != len(out)
+            or any(r != 1 for r in read[:lead + 1]) or any(o != 1 for o in out[:lead])):
         return False
-    if d["op"] == "Tile":
-        times = ir.const_value(g, d["inputs"][1])
-        return times is not None and all(int(k) == 1 for k in times[1:])
-    return all(r in (1, o) for r, o in zip(read, out))
+    return d["op"] == "Tile" or all(r in (1, o) for r, o in zip(read, out))
+
+
+def tiled_axis(g, node) -> int | None:
+    """The axis a Tile copies along (its one multiple other than 1; the first
+    axis where none is), 0 for a BroadcastTo, None otherwise."""
+    d = g.nodes[node]
+    if d["op"] == "BroadcastTo":
+        return 0
+    times = evaluate(g, d["inputs"][1]) if d["op"] == "Tile" else None
+    if times is None:
+        return None
+    tiled = [i for i, k in enumerate(times) if int(k) != 1]
+    return tiled[0] if len(tiled) == 1 else 0 if not tiled else None
 
 
 # A variable tiled or broadcast over the batch (a ViT's class and register

@@ -25,6 +25,7 @@ from __future__ import annotations
 import networkx as nx
 
 from passes import ir
+from passes.patterns_scale_shift import tiled_axis
 
 
 def use_attrs(g: nx.DiGraph, pattern, roles, main, inputs, attrs):
@@ -40,6 +41,10 @@ def use_attrs(g: nx.DiGraph, pattern, roles, main, inputs, attrs):
     param = pattern.params[0]
     attrs["scale_broadcast"] = scale_broadcast(
         g, roles[_consumers(pattern, param)[0]], roles[param], attrs["output_shape"])
+    lead = tiled_axis(g, roles["tile"]) if "tile" in roles else 0
+    if lead:  # copies behind unit axes (tf.repeat's [1, B, 1, d]): read batch first
+        attrs["output_shape"] = attrs["output_shape"][lead:]
+        attrs["scale_broadcast"] = attrs["scale_broadcast"][lead:]
     return inputs, attrs
 
 

@@ -1,6 +1,7 @@
 """A variable tiled or broadcast over the batch (``passes/patterns_scale_shift.py``,
 ``TILED_SHIFT``): a ViT's class and register tokens (``tile(token, [B, 1,
-1])`` concatenated before the patches), GPT-OSS's attention sinks (a
+1])`` concatenated before the patches; SigLIP's pooling probe, ``repeat``ed,
+which tiles ``[1, 1, 1, D]`` to ``[1, B, 1, D]`` behind a unit axis), GPT-OSS's attention sinks (a
 per-head logit broadcast to ``[B, H, T, 1]``). Each copy is per example, so
 the variable is a shift of zeros whose per-example gradient is the output
 gradient at that example's copy, summed over the axes it is broadcast
@@ -32,6 +33,7 @@ def _model(form):
         token, sinks, w, head = params
         batch = x.shape[0]
         copies = (tf.tile(token, [batch, 1, 1]) if form == "tile"
+                  else tf.repeat(token, batch, axis=0) if form == "repeat"  # SigLIP's probe
                   else tf.broadcast_to(token, [batch, 1, D]))
         h = tf.concat([copies, x], axis=1)  # [B, T + 1, D]
         scores = tf.transpose(tf.tanh(h @ w), [0, 2, 1])[..., None]  # [B, H, T + 1, 1]
@@ -51,7 +53,7 @@ def _model(form):
     return loss_fn, logits, params, args
 
 
-@pytest.mark.parametrize("form", ["tile", "broadcast"])
+@pytest.mark.parametrize("form", ["tile", "broadcast", "repeat"])
 def test_tiled_token_and_sinks(form):
     loss_fn, logits, params, args = _model(form)
     reg = loss_fn.registration(*args)
