@@ -16,7 +16,9 @@ non-generic layer, the layer kinds found, the pass time, and with
 ``--check`` the largest relative difference between an example's
 ``kg.per_example_gradients`` and its one-example tape (float32; per
 variable, ``loop_error``);
-the generic variables follow with their reasons.
+the generic variables follow with their reasons. ``coupling``: the ops where
+one example's loss reads other examples (``reg.coupling``, ``passes/coupling.py``;
+none in these models).
 
     python benchmarks/keras_hub_coverage.py [--models bert,gpt2,...] [--check]
 """
@@ -266,9 +268,10 @@ def loop_error(loss_fn, reg, args) -> float:
 def main(argv):
     del argv
     logging.set_verbosity(logging.ERROR)
-    header = "| backbone | head | variables | read by the loss | registered | kinds | pass s |"
+    header = ("| backbone | head | variables | read by the loss | registered | kinds | coupling "
+              "| pass s |")
     print(header + (" per-example rel err |" if FLAGS.check else ""))
-    print("|---|---|---:|---:|---:|---|---:|" + ("---:|" if FLAGS.check else ""))
+    print("|---|---|---:|---:|---:|---|---:|---:|" + ("---:|" if FLAGS.check else ""))
     reasons = []
     for name in FLAGS.models:
         backbone, loss_fn, args, head = build(name)
@@ -283,7 +286,8 @@ def main(argv):
         read = len(reg.variables) - (2 if head == "classifier" else 0)
         registered = read - sum(len(layer.variables) for layer in generic)
         row = (f"| {name} | {head} | {len(own)} | {read} | {registered} | "
-               f"{', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))} | {seconds:.2f} |")
+               f"{', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))} | "
+               f"{len(reg.coupling)} | {seconds:.2f} |")
         if FLAGS.check:
             row += f" {loop_error(loss_fn, reg, args):.1e} |"
         print(row, flush=True)

@@ -74,6 +74,8 @@ def _couples(g, d, sources, held, rows, data) -> bool:
     found = {rows[s] for s in held}
     if len(found) > 1:
         return True
+    if op in ir.ELEMENTWISE:  # the same rows meet row by row (constants broadcast or not)
+        return False
     out = d["shapes"][0] if d["shapes"] else None
     (r,) = found
     return row_axes.axis_after(g, d, sources, r, rows, data, len(out or ())) is None
