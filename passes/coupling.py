@@ -9,7 +9,7 @@ distance (``x[:, None] - y[None]``). There the pass still gives each
 example's share of the batch gradient, but it is no batch-of-one
 gradient, and clipping it bounds no one example's influence (DP-SGD).
 
-``coupling_ops(g, terms)``: the ops among the ancestors of the loss's
+``coupling_ops(g, rows, terms)``: the ops among the ancestors of the loss's
 per-example ``terms`` (``passes.match_loss``) that
 
 - reduce a tensor along the axis that holds its examples' rows
@@ -24,8 +24,12 @@ per-example ``terms`` (``passes.match_loss``) that
 Only ops that depend on the variables count: a statistic of the data alone
 (the sum of a padding mask a masked mean divides by) scales the terms as a
 weight read for the batch, as the loss pass reads it. Where the row tracker
-loses the examples (an op it does not read), what follows is not
-inspected: the list names the couplings it can see.
+loses the examples (an op it does not read), a data tensor whose first
+axis has the batch's size is taken to hold them there when two tensors
+meet (CLIP's pooled embeddings, then ``a @ b^T``), as the rest of the pass
+takes it; a reduction counts only along rows the tracker followed (a
+mixture of experts' ``[E, k B, d]`` with ``E = B``, summed over its
+experts, is no batch statistic).
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ _MEETS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}) | ir.
 _BATCH_NORMS = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
 
 
-def coupling_ops(g: nx.DiGraph, terms: str | None) -> tuple[str, ...]:
+def coupling_ops(g: nx.DiGraph, rows: dict, terms: str | None) -> tuple[str, ...]:
     """The coupling ops on the way to ``terms``, in the graph's order (module docstring)."""
     if not terms:
         return ()
@@ -48,33 +52,37 @@ def coupling_ops(g: nx.DiGraph, terms: str | None) -> tuple[str, ...]:
     before = nx.ancestors(g, target) | {target}
     data = ir.reachable_from(g, g.graph["arguments"])
     weighted = ir.reachable_from(g, (n for n, d in g.nodes(data=True) if d.get("variable")))
-    # where the rows are lost, a data tensor leading with the batch holds them first
-    rows = example_rows(g, data | ir.reachable_from(g, batch_flow.batch_sources(g)), data,
-                        lenient=True)
+    # where the rows are lost, a data tensor leading with the batch holds them first (for
+    # the meets alone: a reduction along a first axis the batch's size by chance, as a
+    # mixture of experts' [E, kB, d] with E = B, is no batch statistic)
+    lenient = example_rows(g, data | ir.reachable_from(g, batch_flow.batch_sources(g)), data,
+                           lenient=True)
     out = []
     for node in nx.topological_sort(g.subgraph(before)):
         if node not in weighted:  # a statistic of the data alone (a mask's sum) is a weight
             continue
         d = g.nodes[node]
         sources = [ir.split_tensor(t)[0] for t in d["inputs"]]
-        held = [s for s in dict.fromkeys(sources) if s in rows]
-        if held and _couples(g, d, sources, held, rows, data):
+        if _reduces_rows(g, d, sources, rows) or _meets(g, d, sources, lenient, data):
             out.append(node)
     return tuple(out)
 
 
-def _couples(g, d, sources, held, rows, data) -> bool:
-    op = d["op"]
-    if op in row_axes.REDUCTIONS and sources[0] in rows:
+def _reduces_rows(g, d, sources, rows) -> bool:
+    if d["op"] in row_axes.REDUCTIONS and sources[0] in rows:
         return rows[sources[0]].axis in (row_axes.reduced_axes(g, d) or ())
-    if op in _BATCH_NORMS:
-        return sources[0] in rows and bool(d["attrs"].get("is_training", True))
-    if op not in _MEETS or len(held) < 2:
+    return d["op"] in _BATCH_NORMS and sources[0] in rows and bool(
+        d["attrs"].get("is_training", True))
+
+
+def _meets(g, d, sources, rows, data) -> bool:
+    held = [s for s in dict.fromkeys(sources) if s in rows]
+    if d["op"] not in _MEETS or len(held) < 2:
         return False
     found = {rows[s] for s in held}
     if len(found) > 1:
         return True
-    if op in ir.ELEMENTWISE:  # the same rows meet row by row (constants broadcast or not)
+    if d["op"] in ir.ELEMENTWISE:  # the same rows meet row by row (constants broadcast or not)
         return False
     out = d["shapes"][0] if d["shapes"] else None
     (r,) = found

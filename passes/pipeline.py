@@ -65,7 +65,7 @@ def run(traced: frontends.Traced, loss: str | None = None,
     start = time.perf_counter()
     loss_match = match_loss(g, loss, rows)
     _batch_first_output(g, rows, loss_match, traced.name)
-    coupling = coupling_ops(g, loss_match.terms)
+    coupling = coupling_ops(g, rows, loss_match.terms)
     timings["match_loss"] = time.perf_counter() - start
     graph_def = split_grouped_conv3d(traced.graph_def, g)
     if graph_def is not traced.graph_def:
