@@ -135,6 +135,25 @@ SCALE = Pattern(
     anchor="mul", output="mul", params=("gamma",), inputs=(("x", "out", 0),),
     normalizer="identity",
     check=lambda g, m: m["x"] != m["gamma"] and _shared_by_examples("gamma", "mul")(g, m))
+# A log-parametrised scale, x * exp(v) or x * -exp(v) (Qwen3.5's gate A_log, a
+# learned temperature): d/dv is x times that factor s, which per example plays x's
+# part (kfac_graph/layers/scale_shift.py, normalizer "exp").
+def _exp_scale(name, factor):
+    nodes = {"x": ANY, "mul": MUL, "exp": ops("Exp"), "gamma": VAR_PART}
+    edges = (("gamma", "exp", 0), ("x", "mul", None))
+    if factor == "neg":
+        nodes["neg"] = ops("Neg")
+        edges += (("exp", "neg", 0), ("neg", "mul", None))
+    else:
+        edges += (("exp", "mul", None),)
+    return Pattern(name, "scale_and_shift", nodes, edges, anchor="mul", output="mul",
+                   params=("gamma",), inputs=(("x", "out", 0), (factor, "out", 0)),
+                   normalizer="exp",
+                   check=lambda g, m: m["x"] != m[factor] and _shared_by_examples(
+                       factor, "mul")(g, m))
+
+
+EXP_SCALE, NEG_EXP_SCALE = _exp_scale("exp_scale", "exp"), _exp_scale("neg_exp_scale", "neg")
 SHIFT = Pattern(
     "shift", "scale_and_shift", {"x": ANY, "add": ADD, "beta": VAR_PART},
     (("x", "add", None), ("beta", "add", None)),
@@ -187,5 +206,5 @@ TILED_SHIFT = Pattern(
 SCALE_SHIFT_PATTERNS: tuple[Pattern, ...] = (
     KERAS_BATCH_NORM, KERAS_BATCH_NORM_NO_SCALE, KERAS_BATCH_NORM_NO_CENTER, KERAS_LAYER_NORM,
     FUSED_BATCH_NORM,
-    SCALE_SHIFT, SCALE_OFFSET, SCALE, SHIFT, TILED_SHIFT,
+    SCALE_SHIFT, SCALE_OFFSET, EXP_SCALE, NEG_EXP_SCALE, SCALE, SHIFT, TILED_SHIFT,
 )

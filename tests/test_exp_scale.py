@@ -1,0 +1,63 @@
+"""Log-parametrised scales: `x * exp(v)` and `x * -exp(v)`.
+
+Qwen3.5's gated delta net decays by `-exp(A_log) * softplus(a + dt_bias)`;
+a learned temperature multiplies by `exp(t)`. The derivative by `v` is `x`
+times the factor itself, so the variable is a scale-and-shift layer whose
+`xhat` is `x * s` (`passes/patterns_scale_shift.py`, normalizer "exp").
+Before, `v` was generic ("no layer pattern matches its use by Exp").
+Float64, against a loop of one-example gradients and the brute-force
+Fisher; `kg.KFAC` with its defaults trains it.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+from fisher_reference import brute_fisher, softmax_fisher
+from per_example_reference import assert_matches_loop
+
+B, D, H, C = 5, 4, 3, 2
+
+
+def _model(form):
+    rng = np.random.default_rng(0)
+    a_log = tf.Variable(rng.normal(size=(H,)) * 0.3, name="A_log")
+    w = tf.Variable(rng.normal(size=(D, H)), name="w")
+    head = tf.Variable(rng.normal(size=(H, C)), name="head")
+
+    def logits(params, x):
+        a_log, w = params
+        h = x @ w
+        gate = (-tf.exp(a_log) * tf.nn.softplus(h) if form == "negated"
+                else tf.math.log1p(tf.square(h)) * tf.exp(a_log))
+        return tf.tanh(gate) @ head
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, logits([a_log, w], x)))
+
+    args = (tf.constant(rng.normal(size=(B, D))), tf.constant([0, 1, 1, 0, 1]))
+    return loss_fn, logits, [a_log, w], args
+
+
+@pytest.mark.parametrize("form", ["plain", "negated"])
+def test_exp_scale_matches_loop_and_brute_force(form):
+    loss_fn, logits, params, args = _model(form)
+    reg = assert_matches_loop(loss_fn, args)
+    (layer,) = [layer for layer in reg.layers if layer.variables[0] is params[0]]
+    assert layer.kind == "scale_and_shift" and layer.use_attrs[0]["normalizer"] == "exp"
+    want = brute_fisher(lambda p, x: logits([p[0], params[1]], x), [params[0]], args[0],
+                        softmax_fisher)
+    est = kg.FisherEstimator(loss_fn, estimation_mode="exact", cov_ema_decay=0.0,
+                             approximations={"scale_and_shift": "full"})
+    est.update(*args)
+    np.testing.assert_allclose(est.blocks[reg.layers.index(layer)].full_matrix(), want,
+                               rtol=1e-8, atol=1e-12)
+
+
+def test_kfac_trains_an_exp_scale():
+    loss_fn, _, _, args = _model("negated")
+    opt = kg.KFAC(loss_fn)
+    losses = [float(opt.step(*args)) for _ in range(8)]
+    assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0, losses
