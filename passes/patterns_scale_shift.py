@@ -154,6 +154,13 @@ def _exp_scale(name, factor):
 
 
 EXP_SCALE, NEG_EXP_SCALE = _exp_scale("exp_scale", "exp"), _exp_scale("neg_exp_scale", "neg")
+# A negated scale, x * -v (Keras's PReLU: relu(x) - alpha * relu(-x)): xhat = -x.
+NEG_SCALE = Pattern(
+    "neg_scale", "scale_and_shift", {"x": ANY, "mul": MUL, "neg": ops("Neg"), "gamma": VAR_PART},
+    (("gamma", "neg", 0), ("neg", "mul", None), ("x", "mul", None)),
+    anchor="mul", output="mul", params=("gamma",), inputs=(("x", "out", 0),),
+    normalizer="negated",
+    check=lambda g, m: m["x"] != m["neg"] and _shared_by_examples("neg", "mul")(g, m))
 SHIFT = Pattern(
     "shift", "scale_and_shift", {"x": ANY, "add": ADD, "beta": VAR_PART},
     (("x", "add", None), ("beta", "add", None)),
@@ -206,5 +213,5 @@ TILED_SHIFT = Pattern(
 SCALE_SHIFT_PATTERNS: tuple[Pattern, ...] = (
     KERAS_BATCH_NORM, KERAS_BATCH_NORM_NO_SCALE, KERAS_BATCH_NORM_NO_CENTER, KERAS_LAYER_NORM,
     FUSED_BATCH_NORM,
-    SCALE_SHIFT, SCALE_OFFSET, EXP_SCALE, NEG_EXP_SCALE, SCALE, SHIFT, TILED_SHIFT,
+    SCALE_SHIFT, SCALE_OFFSET, EXP_SCALE, NEG_EXP_SCALE, NEG_SCALE, SCALE, SHIFT, TILED_SHIFT,
 )

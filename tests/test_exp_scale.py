@@ -1,4 +1,5 @@
-"""Log-parametrised scales: `x * exp(v)` and `x * -exp(v)`.
+"""Scales read through a function of the variable: `x * exp(v)`, `x * -exp(v)`
+and `x * -v` (Keras's PReLU).
 
 Qwen3.5's gated delta net decays by `-exp(A_log) * softplus(a + dt_bias)`;
 a learned temperature multiplies by `exp(t)`. The derivative by `v` is `x`
@@ -6,8 +7,11 @@ times the factor itself, so the variable is a scale-and-shift layer whose
 `xhat` is `x * s` (`passes/patterns_scale_shift.py`, normalizer "exp").
 Before, `v` was generic ("no layer pattern matches its use by Exp").
 Float64, against a loop of one-example gradients and the brute-force
-Fisher; `kg.KFAC` with its defaults trains it.
+Fisher; `kg.KFAC` with its defaults trains it. PReLU computes `relu(x) -
+alpha * relu(-x)`: `alpha` is a scale of `relu(-x)` through a negation, `xhat =
+-relu(-x)` (it was generic, "no layer pattern matches its use by Neg").
 """
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -61,3 +65,25 @@ def test_kfac_trains_an_exp_scale():
     opt = kg.KFAC(loss_fn)
     losses = [float(opt.step(*args)) for _ in range(8)]
     assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0, losses
+
+
+@pytest.mark.parametrize("shared_axes", [None, [1, 2]])
+def test_prelu_alpha_is_a_scale(shared_axes):
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((5, 5, 2)), keras.layers.Conv2D(3, 3),
+        keras.layers.PReLU(alpha_initializer=keras.initializers.Constant(0.3),
+                           shared_axes=shared_axes),
+        keras.layers.Flatten(), keras.layers.Dense(2)])
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+    rng = np.random.default_rng(0)
+    args = (tf.constant(rng.normal(size=(4, 5, 5, 2))), tf.constant([0, 1, 1, 0]))
+    reg = assert_matches_loop(loss_fn, args)
+    assert [layer.kind for layer in reg.layers] == ["conv2d", "scale_and_shift", "dense"]
+    assert reg.layers[1].use_attrs[0]["normalizer"] == "negated"

@@ -93,9 +93,10 @@ def operands(layer, use, tensors, grads):
     (`operand_shapes`). `xhat` by the use's `normalizer`: `identity`
     (`xhat = x`), `center_scale` (`(x - mean) * inv_std`, Keras's batch,
     layer and group normalisation), `fused_inference` (`(x - mean) *
-    rsqrt(var + eps)`), `exp` (a log-parametrised scale `x * s`, `s = exp(v)` or
-    `-exp(v)`: `x * s`, the derivative by `v`) and `fused_training` (the batch variance
-    FusedBatchNorm outputs is Bessel-corrected: multiplied back by
+    rsqrt(var + eps)`), `exp` (a log-parametrised scale `x * s`, `s = exp(v)`
+    or `-exp(v)`: `x * s`, the derivative by `v`), `negated` (`x * -v`: `-x`)
+    and `fused_training` (the batch variance FusedBatchNorm outputs is
+    Bessel-corrected: multiplied back by
     `(n - 1) / n`); `1` for a shift alone. Then `xhat` (broadcast to the
     output) and each `g` have the axes along which the scale varies
     (`scale_broadcast`, numpy broadcasting: `[1, C, 1, 1]` channels-first,
@@ -148,6 +149,8 @@ def _normalised(attrs, tensors, broadcast):
     x = tensors[0]
     if normalizer == "identity":
         return x
+    if normalizer == "negated":  # x * -v: d/dv = -x (PReLU)
+        return -x
     if normalizer == "exp":  # x * s, s = (-)exp(v): d/dv = x * s, s read as the op reads it
         return x * tf.reshape(tf.cast(tensors[1], x.dtype), broadcast)
     if normalizer == "center_scale":
