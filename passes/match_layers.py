@@ -25,7 +25,7 @@ from passes.lookup_ids import ids_without_batch
 from passes.matcher import find_matches
 from passes.catalogue import LAYER_PATTERNS
 from passes.unflatten_rows import unflatten_rows
-from passes.patterns import Pattern, einsum_kernel_layout, var_shape, weighted_roles
+from passes.patterns import Pattern, einsum_kernel_layout, var_shape, weighted_roles, whole_kernel
 from passes.patterns_stacked import STACKED_PATTERNS
 from passes.patterns_multiaxis import (kernel_in_axes, kernel_perm, output_perm, part_rows,
                                       slice_rows)
@@ -214,7 +214,7 @@ def _use(g, pattern: Pattern, roles) -> Use:
         elif "bc" in roles:  # rows of the table broadcast over the batch
             attrs["row_range"] = part_rows(g, roles)
     if pattern.kind in _CONV_KINDS:
-        attrs["kernel_shape"] = ir.shape_of(g, data["raw_inputs"][1])
+        attrs["kernel_shape"] = whole_kernel(g, roles["w"], ir.shape_of(g, data["raw_inputs"][1]))
         attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))
     if pattern.kind in _TRANSPOSE_KINDS:
         attrs.update(_transpose_attrs(g, data, inputs[0]))

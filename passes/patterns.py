@@ -197,21 +197,47 @@ DENSE = Pattern(
 # --- convolutions ----------------------------------------------------------
 
 
+def output_channel_part(g, node) -> bool:
+    """A variable read whole, or a box of a convolution kernel that takes
+    every entry but along its last axis (its output channels: ConvLSTM's
+    four gates split ``[k, k, Cin, 4F]``)."""
+    box = g.nodes[node].get("part")
+    if box is None:
+        return True
+    whole = g.graph["variables"][g.nodes[node]["variable"]].shape or ()
+    return len(whole) >= 3 and all(
+        (b, e) == (0, d) for b, e, d in zip(box["begin"][:-1], box["end"][:-1], whole[:-1]))
+
+
+def whole_kernel(g, node, op_shape):
+    """The op's kernel shape for the whole variable: a part along the output
+    channels (``output_channel_part``) widened to all of them."""
+    box = g.nodes[node].get("part")
+    if box is None or not op_shape:
+        return op_shape
+    return (*op_shape[:-1], g.graph["variables"][g.nodes[node]["variable"]].shape[-1])
+
+
 def _conv(kind, types, name, x_slot=0, check=None):
     """A convolution reading its input at ``x_slot`` and its kernel at slot 1,
-    with and without a bias; ``check``: a further condition on both."""
+    with and without a bias; ``check``: a further condition on both. A
+    Conv2D or Conv3D kernel may be read as a part along its output channels
+    (``output_channel_part``)."""
     op = ops(*types)
-    both = (lambda g, m: True) if check is None else check
+    parts_ok = kind in ("conv2d", "conv3d")
+    check_w = lambda g, m: output_channel_part(g, m["w"]) if parts_ok else (  # noqa: E731
+        g.nodes[m["w"]].get("part") is None)
+    both = check_w if check is None else lambda g, m: check_w(g, m) and check(g, m)
     with_bias = Pattern(
         f"{name}_bias", kind,
-        {"x": ANY, "op": op, "w": VAR, "b": VAR, "add": ADD},
+        {"x": ANY, "op": op, "w": VAR_PART, "b": VAR, "add": ADD},
         (("x", "op", x_slot), ("w", "op", 1), ("op", "add", None), ("b", "add", None)),
         anchor="op", output="add", params=("w", "b"), inputs=(("op", "in", x_slot),),
         check=lambda g, m: both(g, m) and _conv_bias_ok(g, m))
     bare = Pattern(
-        name, kind, {"x": ANY, "op": op, "w": VAR},
+        name, kind, {"x": ANY, "op": op, "w": VAR_PART},
         (("x", "op", x_slot), ("w", "op", 1)),
-        anchor="op", output="op", params=("w",), inputs=(("op", "in", x_slot),), check=check)
+        anchor="op", output="op", params=("w",), inputs=(("op", "in", x_slot),), check=both)
     return with_bias, bare
 
 
@@ -245,6 +271,8 @@ def _permutes_kernel(g, m) -> bool:
     (up to unit axes)."""
     perm = ir.const_value(g, g.nodes[m["perm"]]["inputs"][1])
     w = var_shape(g, m["w"])
+    if g.nodes[m["w"]].get("part") is not None:
+        return False
     kernel = ir.shape_of(g, g.nodes[m["op"]]["raw_inputs"][1])
     if perm is None or kernel is None or sorted(int(p) for p in perm) != list(range(len(w))):
         return False

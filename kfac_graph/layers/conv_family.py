@@ -20,7 +20,7 @@ import dataclasses
 import tensorflow as tf
 
 from kfac_graph.layers import conv_geometry as cg
-from kfac_graph.layers import norms
+from kfac_graph.layers import norms, parts
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers.kind import reshape_like, variable_shapes
 
@@ -121,7 +121,15 @@ def spec_reader(spec_type):
 
 
 def operands(layer, use, tensors, grads):
-    """`a` and each `g` reshaped to the op's static input and output shapes."""
+    """`a` and each `g` reshaped to the op's static input and output shapes;
+    a use of a part of the kernel along its output channels (ConvLSTM's
+    gates, `parts.py`) has `g` zero-padded to all of them."""
     attrs = layer.use_attrs[use]
-    return (reshape_like(tensors[0], attrs.get("input_shape")),
-            [reshape_like(g, attrs.get("output_shape")) for g in grads])
+    grads = [reshape_like(g, attrs.get("output_shape")) for g in grads]
+    box = parts.part(layer, use, 0)
+    if box is not None:
+        fmt = attrs.get("data_format") or "NHWC"
+        axis = 1 if (fmt.decode() if isinstance(fmt, bytes) else fmt).startswith("NC") else -1
+        channels = variable_shapes(layer)[0][-1]
+        grads = [parts.pad_axis(g, box, axis, -1, channels) for g in grads]
+    return reshape_like(tensors[0], attrs.get("input_shape")), grads
