@@ -68,10 +68,10 @@ def test_weights_repeated_over_the_batch_are_a_second_use(expand, batch):
     kinds = {tuple(v.name.split(":")[0] for v in layer.variables): (layer.kind, layer.uses)
              for layer in reg.layers}
     assert kinds[("w", "b")] == ("dense", 2), reg.summary()
-    # broadcast, or tiled by a constant, over the batch: a shift of zeros on
-    # its copies (tests/test_tiled_weights.py); else weights alone, no
-    # example axis
-    tiled = expand == "broadcast" or (expand == "tile" and batch == "static")
+    # broadcast, or tiled or repeated by a constant, over the batch: a shift
+    # of zeros on its copies (tests/test_tiled_weights.py); else weights
+    # alone, no example axis
+    tiled = expand == "broadcast" or batch == "static"
     assert kinds[("rel",)][0] == ("scale_and_shift" if tiled else "generic"), reg.summary()
     rel, w, b, _ = params
     want = brute_fisher(lambda p, x: logits([rel, p[0], p[1], params[3]], x), [w, b],

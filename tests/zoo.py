@@ -25,7 +25,7 @@ from zoo_support import (  # noqa: F401 - re-exported for the tests
     tf_variable, var, variable_name, xy_sparse)
 from zoo_layers import (
     batchnorm_inference, batchnorm_training, conv1d, conv_dilation, conv_same_valid, conv_stride2,
-    depthwise, embedding, generic_prelu, generic_sin, layer_called_twice, rnn_unrolled,
+    depthwise, embedding, prelu_alpha, generic_sin, layer_called_twice, rnn_unrolled,
     rnn_zero_state, separable, tied_tf_transpose, tied_transpose_b, weight_penalty)
 
 
@@ -328,7 +328,7 @@ CASES: Sequence[ZooCase] = (
     ZooCase("layer_called_twice", layer_called_twice),
     ZooCase("rnn_unrolled", rnn_unrolled),
     ZooCase("rnn_zero_state", rnn_zero_state),
-    ZooCase("generic_prelu", generic_prelu),
+    ZooCase("prelu_alpha", prelu_alpha),
     ZooCase("generic_sin", generic_sin),
     ZooCase("weight_penalty", weight_penalty),
 )

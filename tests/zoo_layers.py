@@ -208,9 +208,10 @@ def rnn_zero_state(steps: int = 3):
 
 # --- what no pattern matches --------------------------------------------------------
 
-def generic_prelu():
-    """keras PReLU's alpha matches no pattern: a generic layer, between the
-    dense layers; its weights are applied once."""
+def prelu_alpha():
+    """keras PReLU's alpha, ``relu(x) - alpha * relu(-x)``: a scale of
+    ``relu(-x)`` through a negation (scale-and-shift), between the dense
+    layers; its weights are applied once."""
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5), keras.layers.PReLU(),
                               keras.layers.Dense(3)])
     d1, prelu, d2 = model.layers
@@ -219,7 +220,7 @@ def generic_prelu():
         return tf.reduce_mean(sparse_ce(y, model(x)))
 
     return Built(loss_fn, xy_sparse(4, 3, seed=32),
-                 [L("dense", kb(d1)), L("generic", [prelu.alpha]), L("dense", kb(d2))],
+                 [L("dense", kb(d1)), L("scale_and_shift", [prelu.alpha]), L("dense", kb(d2))],
                  "categorical", track=model)
 
 
