@@ -274,8 +274,10 @@ def _without_mapped_placeholders(graph_def, input_map):
     to the forward ops it follows, so the re-run differentiates the forward
     computation itself: the same gradient wherever the custom one is the
     forward's derivative (swish, silu, numerically stable forms), not a
-    surrogate such as a straight-through estimator (the pass refuses those
-    it can tell: ``passes.custom_gradients``)."""
+    surrogate such as a straight-through estimator: the pass marks those it
+    can tell to replay their own gradient function instead
+    (``passes.custom_gradients``, ``passes.gradient_replay``), a marker this
+    leaves in place."""
     mapped = {name.split(":")[0] for name in input_map}
     out = tf.compat.v1.GraphDef()
     out.versions.CopyFrom(graph_def.versions)

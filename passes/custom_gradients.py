@@ -1,4 +1,4 @@
-"""Custom gradients the re-run graph cannot give: refused, one line.
+"""Custom gradients the re-run graph would not give: replayed, or refused.
 
 ``tf.custom_gradient`` marks an ``IdentityN`` over ``results + inputs (+
 variables)`` with a gradient registered in Python whose closure holds
@@ -7,8 +7,12 @@ and differentiates the forward ops instead (``kfac_graph.taps``). That is
 the same gradient where the custom one is the forward's derivative written
 another way (Keras's swish and silu, a numerically stable softplus,
 ``tf.recompute_grad``), and a different one, with no error, where the
-custom gradient is a surrogate. ``check(graph_def, loss, name)`` refuses an
-op on the loss's path whose forward says it is a surrogate:
+custom gradient is a surrogate. ``honour(graph_def, loss, name)`` marks
+each op on the loss's path whose forward says it is a surrogate to have its
+own gradient function replayed in the re-run graph
+(``passes.gradient_replay``), and refuses it in one line where that
+function cannot be (gone from the process, or holding tensors the graph
+lacks). A surrogate is:
 
 - a result that is one of the inputs (through ``Identity`` ops): a forward
   identity with its own gradient, as a gradient reversal or clipping layer
@@ -23,6 +27,10 @@ op on the loss's path whose forward says it is a surrogate:
   computes its gradient in its forward pass): its derivative cannot be
   checked against the custom gradient.
 
+A surrogate whose forward is plain arithmetic (``x * 1`` with a gradient of
+``dy / 2``) cannot be told apart from an exact custom gradient, and is
+differentiated through its forward.
+
 The results are the outputs the graph reads; the other inputs are the
 function's inputs and variables.
 """
@@ -31,7 +39,7 @@ from __future__ import annotations
 import networkx as nx
 import tensorflow as tf
 
-from passes import ir
+from passes import gradient_replay, ir
 from passes.errors import KfacGraphError
 
 MARKER = b"CustomGradient-"
@@ -59,13 +67,14 @@ def strip_markers(graph_def):
     return out
 
 
-def check(graph_def, loss: str, name: str) -> None:
-    """Raises ``KfacGraphError`` for the first surrogate custom gradient on
-    the path to ``loss`` (module docstring)."""
+def honour(graph_def, loss: str, name: str):
+    """``graph_def``, each surrogate custom gradient on the path to ``loss``
+    (module docstring) marked to be replayed (``passes.gradient_replay``);
+    ``KfacGraphError`` for the first one that cannot be."""
     marked = [n for n in graph_def.node if n.op == "IdentityN" and "_gradient_op_type" in n.attr
               and n.attr["_gradient_op_type"].s.startswith(MARKER)]
     if not marked:
-        return
+        return graph_def
     nodes = {n.name: n for n in graph_def.node}
     g = nx.DiGraph()
     read = set()
@@ -77,7 +86,7 @@ def check(graph_def, loss: str, name: str) -> None:
                 g.add_edge(src, n.name)
                 read.add((src, k))
     on_path = nx.ancestors(g, ir.split_tensor(loss)[0])
-    to_differentiate = []
+    surrogates, to_differentiate = [], []
     for node in marked:
         if node.name not in on_path:
             continue
@@ -88,34 +97,48 @@ def check(graph_def, loss: str, name: str) -> None:
                    and (k >= len(types) or tf.as_dtype(types[k]).is_floating)]
         why, plain = _surrogate(g, nodes, results, {ir.split_tensor(t)[0] for t in sources})
         if why:
+            surrogates.append((node, why))
+        elif not plain:
+            to_differentiate.append((node, results, sources))
+    surrogates += _differentiate(graph_def, to_differentiate)
+    if not surrogates:
+        return graph_def
+    out = type(graph_def)()
+    out.CopyFrom(graph_def)
+    replayed = {n.name: n for n in out.node}
+    for node, why in surrogates:
+        if not gradient_replay.register(node, nodes):
             raise _error(name, node.name, why)
-        if not plain:
-            to_differentiate.append((node.name, results, sources))
-    if to_differentiate:
-        _differentiate(graph_def, name, to_differentiate)
+        replayed[node.name].attr["_gradient_op_type"].s = gradient_replay.replay_name(
+            node.attr["_gradient_op_type"].s.decode()).encode()
+    return out
 
 
 def _error(name, op, why):
     return KfacGraphError(
-        f"{name}: op {op!r} has a custom gradient (tf.custom_gradient) whose forward {why}: "
-        "kfac_graph re-runs the forward ops and differentiates them, which does not give that "
-        "gradient; compute it by ops TensorFlow differentiates (for a CTC loss, sparse labels: "
-        "tf.sparse.from_dense)")
+        f"{name}: op {op!r} has a custom gradient (tf.custom_gradient) whose forward {why}, "
+        "and whose gradient function cannot be replayed in the graph kfac_graph re-runs (it "
+        "is gone, or holds tensors that graph lacks); compute it by ops TensorFlow "
+        "differentiates")
 
 
-def _differentiate(graph_def, name, ops) -> None:
+def _differentiate(graph_def, ops) -> list:
     """TensorFlow's own verdict where the forward holds other ops (a loop):
-    no gradient from any result to any floating input is a cut forward."""
-    ops = [(op, [_tensor(t) for t in results], [_tensor(t) for t in sources])
-           for op, results, sources in ops]
+    ``[(node, why)]`` for each whose results have no gradient to any floating input."""
+    if not ops:
+        return []
+    ops = [(node, [_tensor(t) for t in results], [_tensor(t) for t in sources])
+           for node, results, sources in ops]
     wanted = list(dict.fromkeys(t for _, results, sources in ops for t in results + sources))
+    out = []
     with tf.Graph().as_default():
         tensors = dict(zip(wanted, tf.graph_util.import_graph_def(
             strip_markers(graph_def), return_elements=wanted, name="")))
-        for op, results, sources in ops:
+        for node, results, sources in ops:
             grads = tf.gradients([tensors[t] for t in results], [tensors[t] for t in sources])
             if sources and all(gr is None for gr in grads):
-                raise _error(name, op, "has no gradient TensorFlow computes from its inputs")
+                out.append((node, "has no gradient TensorFlow computes from its inputs"))
+    return out
 
 
 def _surrogate(g, nodes, results, sources) -> tuple[str, bool]:

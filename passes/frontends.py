@@ -87,7 +87,7 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
     arguments = tuple(t.op.name for t in graph.inputs[:n_args])
     graph_def = freeze_captured_constants(graph.as_graph_def(), graph.captures)
     graph_def, renames = inline.inline_calls(graph_def)
-    custom_gradients.check(graph_def, inline.follow(renames, loss.name), name)
+    graph_def = custom_gradients.honour(graph_def, inline.follow(renames, loss.name), name)
     if source is None:
         callbacks.check_live_callbacks(graph_def, name, graph)
     else:

@@ -101,15 +101,17 @@ def _walk(g: nx.DiGraph, rows, opaque) -> LossMatch:
     batch = _batch_size(g)
     tensor = g.graph["output"]
     coefficient, batch_mean = 1.0, False
-    weights, divisors, weighted_at = [], [], []
+    weights, divisors, weighted_at, reader = [], [], [], None  # reader: the op the walk left
     for _ in range(len(g)):
         node, index = ir.split_tensor(tensor)
         d = g.nodes[node]
         if not opaque and _examples_first(d["shapes"][index], rows.get(node), batch):
             # L = k (1/B) sum(terms) (mean; k sum(terms) for a sum): l_i = k sum(terms_i)
             opaque.append(LossMatch("opaque", "mean" if batch_mean else "sum", None, None,
-                                    terms=tensor, terms_coefficient=float(coefficient),
+                                    terms=_as_read(g, reader, tensor),
+                                    terms_coefficient=float(coefficient),
                                     weights=tuple(weights), divisors=tuple(divisors)))
+        reader = node
         op, inputs = d["op"], d["inputs"]
         terminal = _terminal(g, node, params)
         if terminal is not None:
@@ -182,6 +184,15 @@ def _walk(g: nx.DiGraph, rows, opaque) -> LossMatch:
         else:
             raise LossNotFoundError(f"cannot read a loss through op {node!r} ({op}); {_HOW_TO}")
     raise LossNotFoundError(f"no loss op found; {_HOW_TO}")
+
+
+def _as_read(g, reader, tensor):
+    """``tensor`` as ``reader`` reads it in the original graph (through a
+    custom gradient's ``IdentityN``, which the terms' gradient must cross)."""
+    if reader is None:
+        return tensor
+    d = g.nodes[reader]
+    return next((raw for t, raw in zip(d["inputs"], d["raw_inputs"]) if t == tensor), tensor)
 
 
 def _examples_first(shape, rows, batch) -> bool:

@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
+from passes import custom_gradients
 from passes.errors import KfacGraphError
 from per_example_reference import assert_matches_loop, one_example_loop
 
@@ -109,10 +110,15 @@ def _ctc(sparse):
     return loss_fn, (_x("float32"), tf.constant([[1, 2], [3, 4], [2, 2], [4, 1]]))
 
 
-def test_ctc_loss_on_sparse_labels_is_opaque_and_exact():
-    loss_fn, args = _ctc(sparse=True)
+@pytest.mark.parametrize("sparse", [True, False])
+def test_ctc_loss_is_opaque_and_exact(sparse):
+    """On sparse labels TensorFlow's CTCLoss op; on dense ones (Keras's
+    ``ops.ctc_loss``) a custom gradient computed in the forward's loop,
+    replayed in the graph kfac_graph re-runs (``passes/gradient_replay.py``)."""
+    loss_fn, args = _ctc(sparse)
     reg = assert_matches_loop(loss_fn, args, rtol=1e-4, atol=1e-5)
     assert reg.loss.kind == "opaque" and [layer.kind for layer in reg.layers] == ["dense"]
+    assert np.abs(kg.per_example_gradients(loss_fn, *args)[0]).max() > 0.1
     dp = kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.5)
     before = reg.variables[0].numpy()
     assert np.isfinite(float(dp.step(*args)))
@@ -123,12 +129,6 @@ def test_ctc_loss_on_sparse_labels_is_opaque_and_exact():
                   learning_rate=0.05)
     losses = [float(opt.step(*args)) for _ in range(5)]
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
-
-
-def test_ctc_loss_on_dense_labels_is_refused():
-    loss_fn, args = _ctc(sparse=False)
-    with pytest.raises(KfacGraphError, match=r"custom gradient .* runs a loop .*sparse labels"):
-        loss_fn.registration(*args)
 
 
 @tf.custom_gradient
@@ -160,12 +160,27 @@ def _with(op):
     return loss_fn, (_x("float64"), tf.constant([0, 1, 1, 0]))
 
 
-@pytest.mark.parametrize("op, why", [(_reverse_gradient, "passes input .* through unchanged"),
-                                     (_straight_through_round, "has no gradient")])
-def test_surrogate_custom_gradients_are_refused(op, why):
+@pytest.mark.parametrize("op", [_reverse_gradient, _straight_through_round])
+def test_surrogate_custom_gradients_are_replayed(op):
+    """A gradient reversal and a straight-through estimator: their own
+    gradients, replayed; per-example gradients equal the loop's, which uses
+    them too (the forward's derivative would have the other sign, or none)."""
     loss_fn, args = _with(op)
-    with pytest.raises(KfacGraphError, match=f"custom gradient .*forward {why}"):
-        loss_fn.registration(*args)
+    assert_matches_loop(loss_fn, args)
+
+
+def test_a_custom_gradient_that_cannot_be_replayed_is_refused():
+    """Its function gone from the process (a graph from elsewhere): one line."""
+    loss_fn, args = _with(_reverse_gradient)
+    concrete = tf.function(loss_fn.python_function).get_concrete_function(*args)
+    graph_def = concrete.graph.as_graph_def()
+    for node in graph_def.node:
+        if "_gradient_op_type" in node.attr:
+            node.attr["_gradient_op_type"].s = b"CustomGradient-999999999"
+    loss = concrete.outputs[0].name
+    with pytest.raises(KfacGraphError, match=r"custom gradient .* passes input .* cannot be "
+                                             r"replayed"):
+        custom_gradients.honour(graph_def, loss, "fn")
 
 
 def test_a_stable_custom_gradient_still_matches_the_loop():
