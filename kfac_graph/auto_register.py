@@ -68,6 +68,7 @@ class RegisteredFunction:
     def concrete_function(self, *args):
         return self._tf_function.get_concrete_function(*args)
 
+    @tf.autograph.experimental.do_not_convert  # the pass is plain Python, also when traced
     def registration(self, *args) -> Registration:
         """The registration for these arguments' input signature (cached)."""
         concrete = _concrete(self._tf_function, args, self.__name__)

@@ -186,3 +186,23 @@ def test_a_custom_gradient_that_cannot_be_replayed_is_refused():
 def test_a_stable_custom_gradient_still_matches_the_loop():
     loss_fn, args = _with(tf.identity)
     assert_matches_loop(loss_fn, args)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_custom_gradients_registered_inside_a_tf_function(jit_compile):
+    """Registered first while tracing the caller's function (the pass runs
+    as plain Python there, never converted by AutoGraph), under XLA too: a
+    replayed straight-through estimator, and swish's exact custom gradient."""
+    want_fn, args = _with(_straight_through_round)
+    want = kg.per_example_gradients(want_fn, *args)
+    loss_fn, _ = _with(_straight_through_round)
+    got = tf.function(lambda *a: kg.per_example_gradients(loss_fn, *a),
+                      jit_compile=jit_compile)(*args)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+    swish_fn, _ = _with(tf.nn.silu)
+    got = tf.function(lambda *a: kg.per_example_gradients(swish_fn, *a),
+                      jit_compile=jit_compile)(*args)
+    reg = swish_fn.registration(*args)
+    for g, w in zip(got, one_example_loop(swish_fn, args, reg.variables)):
+        np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-12)
