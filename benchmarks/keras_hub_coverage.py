@@ -265,16 +265,18 @@ def loop_error(loss_fn, reg, args) -> float:
     return worst
 
 
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.ERROR)
+def report(build_fn, names, check):
+    """Prints the table (module docstring) for the backbones ``names``, each
+    from ``build_fn(name) -> (backbone, loss_fn, args, head)``; with
+    ``check``, the loop error (none where the loss couples its examples: a
+    batch of one is another loss)."""
     header = ("| backbone | head | variables | read by the loss | registered | kinds | coupling "
               "| pass s |")
-    print(header + (" per-example rel err |" if FLAGS.check else ""))
-    print("|---|---|---:|---:|---:|---|---:|---:|" + ("---:|" if FLAGS.check else ""))
+    print(header + (" per-example rel err |" if check else ""))
+    print("|---|---|---:|---:|---:|---|---:|---:|" + ("---:|" if check else ""))
     reasons = []
-    for name in FLAGS.models:
-        backbone, loss_fn, args, head = build(name)
+    for name in names:
+        backbone, loss_fn, args, head = build_fn(name)
         loss_fn(*args)
         start = time.perf_counter()
         reg = loss_fn.registration(*args)
@@ -288,11 +290,17 @@ def main(argv):
         row = (f"| {name} | {head} | {len(own)} | {read} | {registered} | "
                f"{', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))} | "
                f"{len(reg.coupling)} | {seconds:.2f} |")
-        if FLAGS.check:
-            row += f" {loop_error(loss_fn, reg, args):.1e} |"
+        if check:
+            row += " - |" if reg.coupling else f" {loop_error(loss_fn, reg, args):.1e} |"
         print(row, flush=True)
     for line in reasons:
         print("generic:", line)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.ERROR)
+    report(build, FLAGS.models, FLAGS.check)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,6 @@ counts the ops where examples meet, ``passes/coupling.py``).
 """
 from __future__ import annotations
 
-import collections
-import time
-
 import bench_env  # noqa: E402,F401  (first: quiet logs, the repository importable)
 
 import keras  # noqa: E402
@@ -29,7 +26,7 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 import kfac_graph as kg  # noqa: E402
-from keras_hub_coverage import B, T, V, loop_error  # noqa: E402
+from keras_hub_coverage import B, T, V, report  # noqa: E402
 
 _M = keras_hub.models
 _TOWER = dict(patch_size=8, hidden_dim=16, num_layers=2, num_heads=2, intermediate_dim=32,
@@ -133,29 +130,7 @@ def build(name):
 def main(argv):
     del argv
     logging.set_verbosity(logging.ERROR)
-    print("| backbone | head | variables | read by the loss | registered | kinds | coupling "
-          "| pass s |" + (" per-example rel err |" if FLAGS.check else ""))
-    print("|---|---|---:|---:|---:|---|---:|---:|" + ("---:|" if FLAGS.check else ""))
-    reasons = []
-    for name in FLAGS.models:
-        backbone, loss_fn, args, head = build(name)
-        loss_fn(*args)
-        start = time.perf_counter()
-        reg = loss_fn.registration(*args)
-        seconds = time.perf_counter() - start
-        kinds = collections.Counter(layer.kind for layer in reg.layers)
-        generic = [layer for layer in reg.layers if layer.kind == "generic"]
-        reasons += [f"{name}: {layer.name}: {layer.reason}" for layer in generic]
-        read = len(reg.variables) - (2 if head == "classifier" else 0)
-        registered = read - sum(len(layer.variables) for layer in generic)
-        row = (f"| {name} | {head} | {len(backbone.trainable_variables)} | {read} | "
-               f"{registered} | {', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))} | "
-               f"{len(reg.coupling)} | {seconds:.2f} |")
-        if FLAGS.check:
-            row += " - |" if reg.coupling else f" {loop_error(loss_fn, reg, args):.1e} |"
-        print(row, flush=True)
-    for line in reasons:
-        print("generic:", line)
+    report(build, FLAGS.models, FLAGS.check)
 
 
 if __name__ == "__main__":

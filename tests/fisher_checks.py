@@ -58,3 +58,13 @@ def assert_same_inverse_products(est, reference, variables, rng):
     for got, want in zip(est.multiply_inverse(vs), reference.multiply_inverse(vs)):
         np.testing.assert_allclose(got, want, rtol=1e-9)
 
+
+
+def block_matrix(fn, args, layer, kind, approximation=None, estimation_mode="exact"):
+    """The matrix of ``layer``'s block in a ``kg.FisherEstimator`` whose
+    ``kind`` layers take ``approximation`` (None: the default), updated once
+    on ``args`` (no moving average)."""
+    est = kg.FisherEstimator(fn, estimation_mode=estimation_mode, cov_ema_decay=0.0,
+                             approximations={kind: approximation} if approximation else None)
+    est.update(*args)
+    return est.blocks[list(est.layers).index(layer)].full_matrix().numpy()

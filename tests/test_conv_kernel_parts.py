@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
+from fisher_checks import block_matrix
 from fisher_reference import brute_fisher, softmax_fisher
 from per_example_reference import assert_matches_loop
 
@@ -52,11 +53,8 @@ def test_kernel_parts_match_loop_and_brute_force(approximation):
     want = brute_fisher(lambda p, x: logits(p, x), [kernel], args[0], softmax_fisher)
     if approximation == "diagonal":
         want = np.diag(np.diag(want))
-    est = kg.FisherEstimator(loss_fn, estimation_mode="exact", cov_ema_decay=0.0,
-                             approximations={"conv2d": approximation})
-    est.update(*args)
-    np.testing.assert_allclose(est.blocks[reg.layers.index(layer)].full_matrix(), want,
-                               rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(block_matrix(loss_fn, args, layer, "conv2d", approximation),
+                               want, rtol=1e-8, atol=1e-12)
 
 
 @pytest.mark.parametrize("rank", [1, pytest.param(2, marks=pytest.mark.slow)])
