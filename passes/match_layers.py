@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Mapping
 
 import networkx as nx
 
 from passes import batch_flow, ir, scale_shift_use
 from passes.atrous import atrous_attrs
+from passes.bias_shift import bias_as_shift, detach_bias, without_bias
 from passes.layer_names import readable, scope_name, unique_names
 from passes.lookup_ids import ids_without_batch
 from passes.matcher import find_matches
@@ -29,6 +31,7 @@ from passes.patterns import Pattern, einsum_kernel_layout, var_shape, weighted_r
 from passes.patterns_stacked import STACKED_PATTERNS
 from passes.patterns_multiaxis import (kernel_in_axes, kernel_perm, output_perm, part_rows,
                                       slice_rows)
+from passes.lora import param_key, split_lora
 from passes.tied_embedding import merge_tied
 from passes.unroll import WHILE_OPS
 
@@ -99,7 +102,7 @@ def match_layers(g: nx.DiGraph, rows: dict) -> tuple[LayerMatch, ...]:
     grouped = _group(g, find(LAYER_PATTERNS))
     if _stacked_kernels_shared(grouped):
         grouped = _group(g, find(tuple(p for p in LAYER_PATTERNS if p not in STACKED_PATTERNS)))
-    grouped = unflatten_rows(grouped, rows)
+    grouped = split_lora(g, unflatten_rows(grouped, rows), functools.partial(detach_bias, g))
 
     holders = collections.defaultdict(list)
     for node, d in g.nodes(data=True):
@@ -179,7 +182,7 @@ def _group(g, found):
     """(kind, variable keys) -> list of (pattern, roles, Use)."""
     groups = collections.defaultdict(list)
     for pattern, roles in found:
-        keys = tuple(g.nodes[roles[p]]["variable"] for p in pattern.params)
+        keys = tuple(param_key(g, roles[p]) for p in pattern.params)
         groups[(pattern.kind, keys)].append((pattern, roles, _use(g, pattern, roles)))
     return groups
 
@@ -274,13 +277,12 @@ def _resolve_conflicts(g, groups, on_path, readers):
             merged = []
             for owner in owners:
                 for pattern, roles, use in groups.pop(owner):
-                    merged.append((pattern, roles, _without_bias(g, use, roles)))
+                    merged.append((pattern, roles, without_bias(g, use, roles)))
                     if len(owner[1]) > 1:
-                        shift = _bias_as_shift(g, roles, use)
+                        shift = bias_as_shift(g, roles, use)
                         groups.setdefault(("scale_and_shift", (owner[1][1],)), []).append(shift)
             groups[(owners[0][0], (kernel,))] = merged
-    groups = merge_tied(groups, lambda roles, use: (
-        _without_bias(g, use, roles), _bias_as_shift(g, roles, use)))
+    groups = merge_tied(groups, functools.partial(detach_bias, g))
     owners_of = collections.defaultdict(set)
     for group in groups:
         for key in group[1]:
@@ -308,31 +310,6 @@ def _resolve_conflicts(g, groups, on_path, readers):
                 for k in group[1]:
                     reasons[k] = why[0]
     return groups, reasons
-
-
-def _without_bias(g, use: Use, roles) -> Use:
-    if "add" not in roles or "b" not in roles:
-        return use
-    main = roles.get("unflat") or roles.get("b2s") or roles["op"]
-    ops = tuple(n for n in use.ops if n != roles["add"])
-    attrs = dict(use.attrs)
-    if "parts" in attrs:
-        attrs["parts"] = attrs["parts"][:1]
-    return dataclasses.replace(use, output=ir.tensor_name(main), ops=ops, attrs=attrs)
-
-
-def _bias_as_shift(g, roles, use: Use):
-    main = roles.get("unflat") or roles.get("b2s") or roles["op"]
-    attrs = {"op": g.nodes[roles["add"]]["op"], "normalizer": "identity", "has_scale": False,
-             "input_shape": g.nodes[main]["shapes"][0],
-             "output_shape": g.nodes[roles["add"]]["shapes"][0]}
-    if "data_format" in g.nodes[roles["add"]]["attrs"]:
-        attrs["data_format"] = g.nodes[roles["add"]]["attrs"]["data_format"]
-    attrs["operand_shapes"] = (attrs["input_shape"],)
-    attrs["scale_broadcast"] = scale_shift_use.scale_broadcast(
-        g, roles["add"], roles["b"], attrs["output_shape"])
-    shift = Use((ir.tensor_name(main),), ir.tensor_name(roles["add"]), (roles["add"],), attrs)
-    return None, roles, shift
 
 
 def _loss_variables(g, on_path, order):
@@ -368,7 +345,8 @@ def _layer(g, kind, keys, items, order) -> LayerMatch:
     nodes = list(uses[0].ops) if uses else []
     if uses and uses[0].attrs.get("ids_broadcast"):
         nodes = nodes[:1]  # a position embedding: named by its lookup, not the sum
-    return LayerMatch(kind, scope_name(nodes), keys, tuple(uses))
+    suffix = uses[0].attrs.get("name_suffix", "") if uses else ""  # an adapter's A or B
+    return LayerMatch(kind, scope_name(nodes) + suffix, keys, tuple(uses))
 
 
 def _generic(g, key, reason, n_reads) -> LayerMatch:

@@ -33,7 +33,7 @@ class Op:
 
     def accepts(self, g: nx.DiGraph, node: str) -> bool:
         data = g.nodes[node]
-        if self.variable:
+        if self.variable and data.get("lora") is None:  # (an adapter's kernel: passes.lora)
             key = data.get("variable")
             if data["op"] != "Variable" or key is None or not g.graph["variables"][key].trainable:
                 return False
@@ -79,8 +79,8 @@ def _attr(name, value):
 
 
 def var_shape(g, node) -> tuple:
-    """The variable's (a part's own) static shape; () when unknown (no pattern fits)."""
-    if g.nodes[node].get("part") is not None:
+    """The variable's (a part's or an adapter kernel's own) static shape; () when unknown."""
+    if g.nodes[node].get("part") is not None or g.nodes[node].get("lora") is not None:
         return g.nodes[node]["shapes"][0]
     return g.graph["variables"][g.nodes[node]["variable"]].shape or ()
 

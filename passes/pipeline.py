@@ -4,7 +4,8 @@
 is static (``passes.unroll``, at most ``max_loop_iterations`` each), imports
 the traced graph into the IR, marks where it computes in a narrower float
 than its inputs (precision), canonicalizes it, reads static slices of
-variables as parts of them (variable_parts), matches layers and the loss,
+variables as parts of them (variable_parts), marks low-rank adapters'
+kernels (lora), matches layers and the loss,
 and records how long each pass took (``timings``, seconds). The graph the
 runtime re-imports has each grouped Conv3D written per group, and NCDHW
 ones as NDHWC (``passes.grouped_conv3d``: TensorFlow's CPU Conv3D has no
@@ -23,6 +24,7 @@ from passes.errors import KfacGraphError, TraceError
 from passes.coupling import coupling_ops
 from passes.example_rows import graph_rows
 from passes.grouped_conv3d import split_grouped_conv3d
+from passes.lora import mark_lora
 from passes.match_layers import LayerMatch, match_layers
 from passes.match_loss import LossMatch, match_loss
 from passes.precision import mark_narrowing
@@ -52,7 +54,7 @@ def run(traced: frontends.Traced, loss: str | None = None,
     g = frontends.to_ir(traced)
     timings["import"] = time.perf_counter() - start
     for name, step in (("precision", mark_narrowing), ("canonicalize", canonicalize),
-                       ("variable_parts", mark_parts)):
+                       ("variable_parts", mark_parts), ("lora", mark_lora)):
         start = time.perf_counter()
         g = step(g)
         timings[name] = time.perf_counter() - start

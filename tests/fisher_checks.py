@@ -60,11 +60,12 @@ def assert_same_inverse_products(est, reference, variables, rng):
 
 
 
-def block_matrix(fn, args, layer, kind, approximation=None, estimation_mode="exact"):
+def block_matrix(fn, args, layer, kind, approximation=None, estimation_mode="exact", **options):
     """The matrix of ``layer``'s block in a ``kg.FisherEstimator`` whose
     ``kind`` layers take ``approximation`` (None: the default), updated once
-    on ``args`` (no moving average)."""
+    on ``args`` (no moving average); ``options`` go to the estimator."""
     est = kg.FisherEstimator(fn, estimation_mode=estimation_mode, cov_ema_decay=0.0,
-                             approximations={kind: approximation} if approximation else None)
+                             approximations={kind: approximation} if approximation else None,
+                             **options)
     est.update(*args)
     return est.blocks[list(est.layers).index(layer)].full_matrix().numpy()

@@ -48,7 +48,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from kfac_graph.layers import norms, parts
+from kfac_graph.layers import lora, norms, parts
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers import xla as xla_lib
 from kfac_graph.layers.kind import LayerKind, reshape_like, variable_shapes
@@ -233,8 +233,28 @@ def operands(layer, use, tensors, grads):
     concatenated along their last axis; an Einsum whose output interleaves
     positions and outputs (``output_perm``) has ``g`` transposed first; an
     input with the examples on a later axis (time-major, ``batch_axis``)
-    has that axis moved first in ``a`` and ``g``."""
+    has that axis moved first in ``a`` and ``g``; a low-rank adapter's A or
+    B (``attrs["lora"]``, ``passes/lora.py``) has its kernel's operands
+    turned into its own by `lora.operands`."""
     attrs = layer.use_attrs[use]
+    if attrs.get("lora"):  # a low-rank adapter's A or B: read through its kernel's use
+        kernel = attrs["lora"]["kernel_shape"]
+        a, grads = applied_operands({**attrs, "kernel_in_axes": attrs["lora"]["kernel_in_axes"]},
+                                    kernel, tensors[:1], grads)
+        return lora.operands(attrs["lora"], a, grads, tensors[1])
+    a, grads = applied_operands(attrs, applied_kernel_shape(layer, use), tensors, grads)
+    box = parts.part(layer, use, 0)
+    if box is not None:
+        kernel = [int(d) for d in layer.variables[0].shape]
+        into, out = (1, 0) if layer.use_attrs[use].get("transpose_kernel") else (0, 1)
+        a = parts.pad_axis(a, box, -1, into, kernel[into])
+        grads = [parts.pad_axis(g, box, -1, out, kernel[out]) for g in grads]
+    return a, list(grads)
+
+
+def applied_operands(attrs, kernel_shape, tensors, grads):
+    """`operands` of a use with attributes `attrs` of a kernel applied in
+    `kernel_shape`, before a part's padding."""
     shape = attrs.get("input_shape")
     rows = attrs.get("stacked_rows")
     if attrs.get("output_perm"):  # an Einsum's output axes, to positions then outputs
@@ -248,7 +268,7 @@ def operands(layer, use, tensors, grads):
                       axis=-1)
         return a, [reshape_like(g, lead and (*lead, g.shape[-1])) for g in grads]
     if attrs.get("kernel_in_axes"):
-        d_in, d_out = matrix_shape(applied_kernel_shape(layer, use), attrs["kernel_in_axes"])
+        d_in, d_out = matrix_shape(kernel_shape, attrs["kernel_in_axes"])
         if shape is None or None in shape[1:]:
             flat = lambda t, d: tf.reshape(t, [uses_lib.batch_size(t), -1, d])
         else:
@@ -258,12 +278,6 @@ def operands(layer, use, tensors, grads):
     a = reshape_like(tensors[0], shape)
     if shape:
         grads = [reshape_like(g, (*shape[:-1], g.shape[-1])) for g in grads]
-    box = parts.part(layer, use, 0)
-    if box is not None:
-        kernel = [int(d) for d in layer.variables[0].shape]
-        into, out = (1, 0) if layer.use_attrs[use].get("transpose_kernel") else (0, 1)
-        a = parts.pad_axis(a, box, -1, into, kernel[into])
-        grads = [parts.pad_axis(g, box, -1, out, kernel[out]) for g in grads]
     return a, list(grads)
 
 
