@@ -21,20 +21,23 @@ cross terms between A and B are dropped, as between any two layers.
 Contract:
 
 - ``mark_lora(g) -> g``: returns ``g``, or a copy in which the last node of
-  every adapter's kernel chain carries ``lora`` = ``{"key", "a", "b",
+  every adapter's kernel chain carries ``lora`` = ``{"key", "a", "b", "base",
   "scale", "rank", "reads", "ops"}``: the chain is a ``MatMul`` of two
   trainable whole variables (A maybe reshaped to 2-D first, the product
   maybe reshaped to ``[*lead, n]``), maybe times a scalar constant ``s``,
-  maybe plus a constant or frozen variable of its shape, each link read by
-  the next alone; ``reads`` are the tensors of A and B it reads, ``ops``
-  its nodes, ``key`` the group key layer patterns give it (``param_key``).
+  maybe plus a constant or a whole variable ``W0`` of its shape, each link
+  read by the next alone; ``reads`` are the tensors of A and B it reads,
+  ``ops`` its nodes, ``base`` W0's key where it is trainable (else None),
+  ``key`` the group key layer patterns give it (``param_key``).
   Layer patterns take such a node wherever they take a kernel variable.
 - ``split_lora(g, groups, detach_bias) -> groups``: the matcher's groups
   ``{(kind, keys): [(pattern, roles, Use)]}`` with every group whose kernel
   is an adapter's replaced by a ``"dense"`` group of A and one of B (each
   use's ``attrs["lora"]`` says its ``role``, ``"a"`` or ``"b"``; its inputs
   are the activation and the other variable's read), and its bias, split
-  off by ``detach_bias(roles, use)``, a shift layer of its own. A kernel
+  off by ``detach_bias(roles, use)``, a shift layer of its own; a trainable
+  W0 is a dense layer of its own with the kernel's use (Keras's frozen
+  flag does not survive a SavedModel: there W0 is trainable). A kernel
   the op permutes keeping its last axis last (Gemma's ``"btd,ndh->btnh"``)
   is the adapter of the permuted ``A``. An adapter read by another kind of
   layer, or by a dense op that transposes it, moves its last axis or stacks
@@ -130,18 +133,20 @@ def _chain(g, matmul):
         if value is not None and value.size == 1:
             top, ops, scale = nxt, ops + [nxt], float(value.reshape(()))
             nxt, slot = _only_reader(g, top)
+    base = None
     if nxt is not None and g.nodes[nxt]["op"] in ("Add", "AddV2"):
-        base = ir.split_tensor(_other(g, nxt, slot))[0]
-        frozen = g.nodes[base]["op"] == "Const" or (
-            g.nodes[base]["op"] == "Variable" and not _trainable(g, base)
-            and g.nodes[base].get("variable") is not None)
-        if frozen and ir.shape_of(g, _other(g, nxt, slot)) == want:
+        node = ir.split_tensor(_other(g, nxt, slot))[0]
+        whole = g.nodes[node]["op"] == "Const" or (
+            g.nodes[node]["op"] == "Variable" and g.nodes[node].get("variable") is not None
+            and g.nodes[node].get("part") is None)
+        if whole and ir.shape_of(g, _other(g, nxt, slot)) == want:
             top, ops = nxt, ops + [nxt]
+            base = g.nodes[node]["variable"] if _trainable(g, node) else None
     shapes = g.nodes[top]["shapes"]
     if not shapes or tuple(shapes[0] or ()) != want:
         return None
     keys = (g.nodes[a[0]]["variable"], g.nodes[b[0]]["variable"])
-    return top, {"key": ("lora", top), "a": keys[0], "b": keys[1], "scale": scale,
+    return top, {"key": ("lora", top), "a": keys[0], "b": keys[1], "base": base, "scale": scale,
                  "rank": int(shape_b[0]), "reads": (a[1], b[1]), "ops": tuple(ops)}
 
 
@@ -160,13 +165,17 @@ def split_lora(g: nx.DiGraph, groups: dict, detach_bias) -> dict:
             if why:  # A and B (and the rest) stay generic, saying why
                 attrs = {**use.attrs, "unsupported": f"its low-rank adapter's kernel {why}"}
                 others = tuple(k for k in keys if not isinstance(k, tuple))
-                out[(kind, (info["a"], info["b"]) + others)].append(
+                mine = (info["a"], info["b"]) + ((info["base"],) if info["base"] else ())
+                out[(kind, mine + others)].append(
                     (pattern, roles, dataclasses.replace(use, ops=ops, attrs=attrs)))
                 continue
             if len(keys) > 1:  # its bias: a shift layer of its own
                 use, shift = detach_bias(roles, use)
                 out[("scale_and_shift", keys[1:])].append(shift)
                 ops = tuple(use.ops) + info["ops"]
+            if info["base"] is not None:  # W0 trainable: a dense layer of its own, as applied
+                out[("dense", (info["base"],))].append(
+                    (pattern, roles, dataclasses.replace(use, ops=ops)))
             for role, key, read in (("a", info["a"], info["reads"][1]),
                                     ("b", info["b"], info["reads"][0])):
                 out[("dense", (key,))].append((pattern, roles, _role_use(

@@ -186,3 +186,22 @@ def test_adapter_applied_transposed_stays_generic_and_exact():
     assert [layer.kind for layer in reg.layers] == ["generic", "generic"]
     assert "low-rank adapter's kernel is read by an op that applies it transposed" in (
         reg.layers[0].reason), reg.layers[0].reason
+
+
+def test_trainable_base_kernel_is_a_third_dense_layer():
+    """``(W0 + s A B)`` with W0 trainable too (a Keras adapter restored from a
+    SavedModel, where the frozen flag is lost): three dense layers, exact."""
+    rng = np.random.default_rng(4)
+    w0 = tf.Variable(rng.normal(size=(D, C)), name="w0")
+    a = tf.Variable(rng.normal(size=(D, RANK)), name="a")
+    b = tf.Variable(rng.normal(size=(RANK, C)), name="b")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        logits = tf.einsum("btd,dc->btc", x, w0 + 0.5 * tf.matmul(a, b))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    args = _args(rng)
+    reg = assert_matches_loop(loss_fn, args)
+    assert {layer.variables[0].name: layer.kind for layer in reg.layers} == {
+        "w0:0": "dense", "a:0": "dense", "b:0": "dense"}
