@@ -28,11 +28,12 @@ from keras_hub_coverage import BACKBONES, VISION, build, report  # noqa: E402
 flags.DEFINE_integer("rank", 2, "The adapters' rank.")
 flags.DEFINE_integer("kfac", 0, "K-FAC steps to take on each model after the table (0: none).")
 FLAGS = flags.FLAGS  # --models and --check, keras_hub_coverage's
-# the backbones keras-hub adapts (its default targets are attention layers'
-# query and value projections; T5's and the vision convolutions' have none)
-ADAPTED = ("bert", "distil_bert", "roberta", "albert", "electra", "deberta_v3", "f_net",
-           "gpt2", "gpt_neo_x", "opt", "bloom", "falcon", "llama", "mistral", "qwen", "phi3",
-           "gemma", "gemma3", "mixtral", "qwen3", "llama3", "bart", "vit", "deit")
+# the backbones enable_lora adapts (its default targets are the attention's
+# query and value projections, by layer name; the others have no such layer)
+ADAPTED = ("bert", "distil_bert", "roberta", "albert", "electra", "deberta_v3", "xlnet", "gpt2",
+           "opt", "bloom", "falcon", "llama", "llama_tied", "mistral", "qwen", "phi3", "gemma",
+           "mixtral", "qwen_moe", "gemma3", "gpt_oss", "qwen3_moe", "xlm_roberta", "qwen2",
+           "qwen3", "llama3", "rwkv7", "bart", "t5gemma", "vit", "deit", "video_prism")
 FLAGS.set_default("models", [m for m in ADAPTED if m in BACKBONES or m in VISION])
 
 
