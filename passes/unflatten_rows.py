@@ -79,7 +79,7 @@ def _dense_batch_moved(attrs, r):
     positions, never a contracted one): the axis moved first, then read as
     rows on the first axis."""
     shape = attrs.get("input_shape")
-    contracted = attrs.get("kernel_in_axes") or 1
+    contracted = attrs.get("lora", {}).get("kernel_in_axes") or attrs.get("kernel_in_axes") or 1
     if (not shape or "stacked_rows" in attrs or "parts" in attrs
             or r.axis >= len(shape) - contracted):
         return _unsupported(attrs, r)

@@ -205,3 +205,29 @@ def test_trainable_base_kernel_is_a_third_dense_layer():
     reg = assert_matches_loop(loss_fn, args)
     assert {layer.variables[0].name: layer.kind for layer in reg.layers} == {
         "w0:0": "dense", "a:0": "dense", "b:0": "dense"}
+
+
+def test_adapter_on_rows_of_examples():
+    """An adapted Dense on ``[k B, d]`` rows (a video's frames folded into the
+    batch, VideoPrism's): A, B and the bias read each example's k rows."""
+    _float64()
+    dense = keras.layers.Dense(D, name="frames")
+    dense.build((None, D))
+    dense.enable_lora(RANK, lora_alpha=ALPHA)
+    head = keras.layers.Dense(C, name="head")
+    rng = np.random.default_rng(5)
+    for v in dense.trainable_variables:
+        v.assign(rng.normal(size=v.shape) * 0.4)
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        rows = dense(tf.reshape(x, [-1, D]))  # [B T, D]
+        pooled = tf.reduce_mean(tf.reshape(tf.tanh(rows), [-1, T, D]), axis=1)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, head(pooled)))
+
+    args = (_args(rng)[0], tf.constant([0, 2, 1]))
+    reg = assert_matches_loop(loss_fn, args, **F32)
+    assert {layer.kind for layer in reg.layers} == {"dense", "scale_and_shift"}
+    opt = kg.KFAC(loss_fn)
+    losses = [float(opt.step(*args)) for _ in range(4)]
+    assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0, losses
