@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["tensorflow>=2.16", "tensorboard", "networkx>=3.0", "numpy", "absl-py", "dp-accounting"],
     extras_require={"test": ["pytest", "pytest-xdist", "hypothesis", "scikit-learn",
-                             "keras-hub"],
+                             "keras-hub", "tf_keras"],
                     "bench": ["scikit-learn", "matplotlib"]},
     entry_points={"console_scripts": ["kfac-graph=tools.kfac_register:run",
                                         "kfac-rewrite=tools.kfac_rewrite:run"]},

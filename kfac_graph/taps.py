@@ -277,15 +277,27 @@ def _without_mapped_placeholders(graph_def, input_map):
     surrogate such as a straight-through estimator: the pass marks those it
     can tell to replay their own gradient function instead
     (``passes.custom_gradients``, ``passes.gradient_replay``), a marker this
-    leaves in place."""
+    leaves in place. A node colocated with a removed placeholder (Keras 2's
+    embedding lookup, ``_class: loc:@<variable's placeholder>``) is no longer
+    (the import would refuse a colocation with an unknown node)."""
     mapped = {name.split(":")[0] for name in input_map}
+    removed = {node.name for node in graph_def.node
+               if node.op == "Placeholder" and node.name in mapped}
     out = tf.compat.v1.GraphDef()
     out.versions.CopyFrom(graph_def.versions)
     out.library.CopyFrom(graph_def.library)
     for node in graph_def.node:
-        if node.op == "Placeholder" and node.name in mapped:
+        if node.name in removed:
             continue
-        out.node.add().CopyFrom(node)
+        new = out.node.add()
+        new.CopyFrom(node)
+        if "_class" in new.attr:
+            kept = [c for c in new.attr["_class"].list.s
+                    if c[len(b"loc:@"):].decode() not in removed]
+            if kept:
+                new.attr["_class"].list.s[:] = kept
+            else:
+                del new.attr["_class"]
     return custom_gradients.strip_markers(out)
 
 

@@ -1,18 +1,27 @@
-"""Variables a Keras 3 model has frozen (``layer.trainable = False``).
+"""Variables a Keras model has frozen (``layer.trainable = False``).
 
-A Keras 3 variable wraps a ``tf.Variable`` made with the trainable flag the
-Keras variable had at creation. Freezing a layer later (the fine-tuning
-idiom ``backbone.trainable = False``) sets the Keras variable's flag alone:
-the ``tf.Variable`` a traced function captures still says trainable, while
-``model.trainable_variables`` leaves it out. ``frozen(variables)`` finds,
-among captured ``tf.Variable`` objects, those whose Keras variable is not
-trainable, so that the pass treats them as constants as Keras does (no
-layer, no per-example gradient, no update).
+Keras 3: a Keras variable wraps a ``tf.Variable`` made with the trainable
+flag the Keras variable had at creation. Freezing a layer later (the
+fine-tuning idiom ``backbone.trainable = False``) sets the Keras variable's
+flag alone: the ``tf.Variable`` a traced function captures still says
+trainable, while ``model.trainable_variables`` leaves it out.
 
-The ``tf.Variable`` does not point back to its Keras variable, so the Keras
-variables alive in the process are looked up once per call among the
-objects the garbage collector tracks (a fraction of a second); nothing is
-looked up where Keras is not imported or no captured variable is trainable.
+Keras 2 (``tf_keras``, TensorFlow's ``tf.keras`` under
+``TF_USE_LEGACY_KERAS=1``): the flag is the layer's, not the variable's
+(freezing a layer freezes its sublayers; ``trainable_weights`` of a frozen
+layer is empty), so a variable held by a frozen layer (in its ``weights``)
+is frozen.
+
+``frozen(variables)`` finds, among captured ``tf.Variable`` objects, those
+that Keras leaves out of ``model.trainable_variables`` in either way, so
+that the pass treats them as constants as Keras does (no layer, no
+per-example gradient, no update).
+
+Neither the variable nor its Keras variable points back to its owner, so
+the Keras variables and Keras 2 layers alive in the process are looked up
+once per call among the objects the garbage collector tracks (a fraction of
+a second); nothing is looked up where neither Keras is imported or no
+captured variable is trainable.
 A registration reads the flags when it is made: unfreezing a layer later
 needs a new registration (a new ``kg.auto_register`` function), as Keras's
 ``fit`` needs ``make_train_function(force=True)``.
@@ -29,9 +38,10 @@ import tensorflow as tf
 def frozen(variables) -> set[int]:
     """``id``s of the trainable ``tf.Variable`` objects in ``variables``
     (under ``tf.distribute``, a replica's copy counts as its mirrored
-    variable) whose Keras variable is not trainable."""
-    keras = sys.modules.get("keras")
-    keras_variable = getattr(keras, "Variable", None) if keras is not None else None
+    variable) whose Keras variable is not trainable, or that a frozen Keras 2
+    layer holds."""
+    keras_variable = getattr(sys.modules.get("keras"), "Variable", None)
+    legacy_layer = getattr(getattr(sys.modules.get("tf_keras"), "layers", None), "Layer", None)
     ids = {}
     for v in variables:
         if v.trainable:
@@ -39,12 +49,14 @@ def frozen(variables) -> set[int]:
             ids[id(v)] = id(v)
             if container is not None:
                 ids[id(container())] = id(v)
-    if keras_variable is None or not ids:
+    if (keras_variable is None and legacy_layer is None) or not ids:
         return set()
     out = set()
     for obj in gc.get_objects():
-        if isinstance(obj, keras_variable) and not obj.trainable:
+        if keras_variable is not None and isinstance(obj, keras_variable):
             inner = getattr(obj, "_value", None)
-            if inner is not None and id(inner) in ids:
+            if not obj.trainable and inner is not None and id(inner) in ids:
                 out.add(ids[id(inner)])
+        elif legacy_layer is not None and isinstance(obj, legacy_layer) and not obj.trainable:
+            out.update(ids[id(w)] for w in obj.weights if id(w) in ids)
     return out

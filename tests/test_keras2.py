@@ -1,0 +1,80 @@
+"""Keras 2 models (``tf_keras``, TensorFlow's ``tf.keras`` under
+``TF_USE_LEGACY_KERAS=1``), code written for the Keras before Keras 3.
+
+Keras 2 freezes a layer on the layer, not on its variables: the
+``tf.Variable`` stays trainable, and ``model.trainable_variables`` leaves it
+out. Before, ``kg.KFAC`` trained such a layer (``passes/keras_frozen.py``).
+Its embedding lookup is colocated with the table's placeholder, which the
+re-run graph maps to the variable: the import refused it
+(``kfac_graph/taps.py``). Shown in float64: frozen layers (one layer, and a
+whole nested model) are constants; a model of Keras 2 layers (Embedding,
+Conv1D, LSTM, MultiHeadAttention, LayerNormalization) has per-example
+gradients equal to a loop of one-example tapes, and ``kg.KFAC`` trains it.
+"""
+import numpy as np
+import tensorflow as tf
+import tf_keras as tfk
+
+import kfac_graph as kg
+from per_example_reference import assert_matches_loop
+
+L = tfk.layers
+B = 4
+
+
+def _loss(model):
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+    return loss_fn
+
+
+def _classes(rng):
+    return tf.constant(rng.integers(0, 3, (B,)))
+
+
+def test_frozen_layers_and_a_frozen_nested_model_are_constants():
+    tfk.backend.set_floatx("float64")
+    try:
+        rng = np.random.default_rng(0)
+        inner = tfk.Sequential([tfk.Input((4,)), L.Dense(5, activation="tanh", name="inner")])
+        frozen_dense = L.Dense(5, activation="tanh", name="frozen")
+        model = tfk.Sequential([tfk.Input((4,)), inner, frozen_dense, L.Dense(3, name="head")])
+        inner.trainable = False
+        frozen_dense.trainable = False
+        loss_fn = _loss(model)
+        args = (tf.constant(rng.normal(size=(B, 4))), _classes(rng))
+        reg = assert_matches_loop(loss_fn, args)
+        assert [v.name for v in reg.variables] == [v.name for v in model.trainable_variables] == [
+            "head/kernel:0", "head/bias:0"]
+        before = [v.numpy() for v in model.non_trainable_variables]
+        opt = kg.KFAC(loss_fn)
+        losses = [float(opt.step(*args)) for _ in range(3)]
+        assert losses[-1] < losses[0], losses
+        for v, value in zip(model.non_trainable_variables, before):
+            np.testing.assert_array_equal(v.numpy(), value, err_msg=v.name)
+    finally:
+        tfk.backend.set_floatx("float32")
+
+
+def test_a_keras2_sequence_model_matches_the_loop_and_trains():
+    tfk.backend.set_floatx("float64")
+    try:
+        tf.random.set_seed(0)
+        rng = np.random.default_rng(1)
+        ids = tfk.Input((6,), dtype="int32")
+        h = L.Embedding(12, 8)(ids)
+        h = L.Conv1D(8, 3, padding="same", activation="relu")(h)
+        h = L.LayerNormalization()(h + L.MultiHeadAttention(2, 4)(h, h))
+        h = L.LSTM(5)(h)
+        model = tfk.Model(ids, L.Dense(3)(h))
+        loss_fn = _loss(model)
+        args = (tf.constant(rng.integers(0, 12, (B, 6)), tf.int32), _classes(rng))
+        reg = assert_matches_loop(loss_fn, args, atol=1e-10)
+        assert {layer.kind for layer in reg.layers} == {"embedding", "conv2d", "dense",
+                                                        "scale_and_shift"}, reg.summary()
+        opt = kg.KFAC(loss_fn)
+        losses = [float(opt.step(*args)) for _ in range(4)]
+        assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0, losses
+    finally:
+        tfk.backend.set_floatx("float32")
