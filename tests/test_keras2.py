@@ -9,9 +9,11 @@ re-run graph maps to the variable: the import refused it
 (``kfac_graph/taps.py``). Shown in float64: frozen layers (one layer, and a
 whole nested model) are constants; a model of Keras 2 layers (Embedding,
 Conv1D, LSTM, MultiHeadAttention, LayerNormalization) has per-example
-gradients equal to a loop of one-example tapes, and ``kg.KFAC`` trains it.
+gradients equal to a loop of one-example tapes, and ``kg.KFAC`` trains it;
+``kg.KFACModel.fit`` trains a Keras 2 model and ``kg.DPModel`` refuses one.
 """
 import numpy as np
+import pytest
 import tensorflow as tf
 import tf_keras as tfk
 
@@ -78,3 +80,20 @@ def test_a_keras2_sequence_model_matches_the_loop_and_trains():
         assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0, losses
     finally:
         tfk.backend.set_floatx("float32")
+
+
+def test_keras_fit_wrappers():
+    """``kg.KFACModel`` trains a Keras 2 model through Keras 3's ``fit``;
+    ``kg.DPModel``, whose optimizer is Keras 3's, refuses it in one line."""
+    rng = np.random.default_rng(2)
+    model = tfk.Sequential([tfk.Input((4,)), L.Dense(3)])
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = np.argmax(x @ rng.normal(size=(4, 3)), axis=1)  # separable classes
+    loss = tfk.losses.SparseCategoricalCrossentropy(from_logits=True)
+    km = kg.KFACModel(model, loss=loss, learning_rate=0.1, damping=1e-2)
+    km.compile()
+    before = model.layers[0].kernel.numpy()
+    history = km.fit(x, y, batch_size=16, epochs=3, verbose=0).history["loss"]
+    assert history[-1] < history[0] and not np.allclose(model.layers[0].kernel.numpy(), before)
+    with pytest.raises(TypeError, match=r"kg.DPModel wraps a Keras 3 model, got a tf_keras"):
+        kg.DPModel(model, loss=loss)

@@ -71,6 +71,11 @@ class DPModel(keras.Model):
                  secure_mode: bool = False, method: str = "auto", sampling="poisson",
                  sample_rate: float | None = None, num_examples: int | None = None,
                  batch_size: float | None = None, loss_kind: str | None = None, name=None):
+        if not isinstance(model, keras.Layer):  # a Keras 2 (tf_keras) model: its variables
+            # are not Keras 3's, which the wrapper's optimizer applies the gradient to
+            raise TypeError(f"kg.DPModel wraps a Keras 3 model, got a "
+                            f"{type(model).__module__}.{type(model).__name__}; train a Keras 2 "
+                            "(tf_keras) model with kg.DPSGD on a kg.auto_register loss")
         options.check_all("kg.DPModel", OPTIONS, dict(
             noise_multiplier=noise_multiplier, method=method,
             **({} if seed is None else {"seed": seed})))
