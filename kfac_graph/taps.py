@@ -41,7 +41,7 @@ from tensorflow.python.ops import script_ops
 
 from kfac_graph import grouped_conv_grad, invariants, layers, token_weights
 from kfac_graph.registration import Registration
-from passes import custom_gradients
+from passes import custom_gradients, inline
 from passes.errors import KfacGraphError
 
 
@@ -277,27 +277,18 @@ def _without_mapped_placeholders(graph_def, input_map):
     surrogate such as a straight-through estimator: the pass marks those it
     can tell to replay their own gradient function instead
     (``passes.custom_gradients``, ``passes.gradient_replay``), a marker this
-    leaves in place. A node colocated with a removed placeholder (Keras 2's
-    embedding lookup, ``_class: loc:@<variable's placeholder>``) is no longer
-    (the import would refuse a colocation with an unknown node)."""
+    leaves in place. A colocation with a removed placeholder (Keras 2's
+    embedding lookup sits with its table's handle) is dropped
+    (``inline.drop_lost_colocations``): the import refuses an unknown node."""
     mapped = {name.split(":")[0] for name in input_map}
-    removed = {node.name for node in graph_def.node
-               if node.op == "Placeholder" and node.name in mapped}
     out = tf.compat.v1.GraphDef()
     out.versions.CopyFrom(graph_def.versions)
     out.library.CopyFrom(graph_def.library)
     for node in graph_def.node:
-        if node.name in removed:
+        if node.op == "Placeholder" and node.name in mapped:
             continue
-        new = out.node.add()
-        new.CopyFrom(node)
-        if "_class" in new.attr:
-            kept = [c for c in new.attr["_class"].list.s
-                    if c[len(b"loc:@"):].decode() not in removed]
-            if kept:
-                new.attr["_class"].list.s[:] = kept
-            else:
-                del new.attr["_class"]
+        out.node.add().CopyFrom(node)
+    inline.drop_lost_colocations(out)
     return custom_gradients.strip_markers(out)
 
 

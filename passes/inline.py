@@ -4,7 +4,8 @@ Contract: ``inline_calls(graph_def)`` returns a GraphDef that
 computes the same values in which every ``PartitionedCall`` /
 ``StatefulPartitionedCall`` (nested ``tf.function``s, loaded SavedModel
 functions) and every direct call of a library function is replaced by the
-function's body. Body nodes are named ``<call node>/<body node>``; the call
+function's body. Body nodes are named ``<call node>/<body node>`` (and their
+colocations follow them); the call
 node's name is kept by a ``NoOp`` that waits on the body, so control
 dependencies on the call still hold. Control-flow ops (``While``, ``If``) keep
 their bodies as functions. The function library keeps the functions the
@@ -60,7 +61,25 @@ def inline_calls(graph_def: tf.compat.v1.GraphDef
     del result.library.function[:]
     result.library.function.extend(f for name, f in library.items() if name in kept)
     result.node.extend(nodes)
+    drop_lost_colocations(result)
     return result, all_renames
+
+
+def drop_lost_colocations(graph_def) -> None:
+    """Drops, in place, each colocation (``_class: loc:@node``) with a node
+    ``graph_def`` does not hold: a function body names the caller's graph's
+    nodes there (Keras 2's embedding lookup, with its table's handle), which
+    an import refuses. Colocation only guides placement; a resource op is
+    placed with its resource anyway."""
+    names = {node.name for node in graph_def.node}
+    for node in graph_def.node:
+        if "_class" in node.attr:
+            kept = [c for c in node.attr["_class"].list.s
+                    if c[len(b"loc:@"):].decode() in names]
+            if kept:
+                node.attr["_class"].list.s[:] = kept
+            else:
+                del node.attr["_class"]
 
 
 def _named_functions(nodes, library) -> set[str]:
@@ -139,6 +158,10 @@ def instantiate(fdef, inputs, rename, controls=(), converted=None):
         new = tf.compat.v1.NodeDef()
         new.CopyFrom(node)
         new.name = rename(node.name)
+        if "_class" in new.attr:  # colocation with a body node (or argument): its new name
+            new.attr["_class"].list.s[:] = [
+                b"loc:@" + outer(c[len(b"loc:@"):].decode()).split(":")[0].encode()
+                for c in node.attr["_class"].list.s]
         inputs_ = [outer(t) for t in node.input] or list(controls)
         del new.input[:]
         new.input.extend(inputs_)

@@ -5,8 +5,9 @@ Keras 2 freezes a layer on the layer, not on its variables: the
 ``tf.Variable`` stays trainable, and ``model.trainable_variables`` leaves it
 out. Before, ``kg.KFAC`` trained such a layer (``passes/keras_frozen.py``).
 Its embedding lookup is colocated with the table's placeholder, which the
-re-run graph maps to the variable: the import refused it
-(``kfac_graph/taps.py``). Shown in float64: frozen layers (one layer, and a
+re-run graph maps to the variable, and in a SavedModel's function with a
+node of the caller's graph: the import refused both (``kfac_graph/taps.py``,
+``passes/inline.py``). Shown in float64: frozen layers (one layer, and a
 whole nested model) are constants; a model of Keras 2 layers (Embedding,
 Conv1D, LSTM, MultiHeadAttention, LayerNormalization) has per-example
 gradients equal to a loop of one-example tapes, and ``kg.KFAC`` trains it;
@@ -97,3 +98,34 @@ def test_keras_fit_wrappers():
     assert history[-1] < history[0] and not np.allclose(model.layers[0].kernel.numpy(), before)
     with pytest.raises(TypeError, match=r"kg.DPModel wraps a Keras 3 model, got a tf_keras"):
         kg.DPModel(model, loss=loss)
+
+
+def test_a_keras2_saved_model_is_rewritten(tmp_path):
+    """A SavedModel of a Keras 2 model with an embedding (its lookup colocated
+    with the table's handle, named as the caller's graph names it): rewritten,
+    its per-example gradients equal the in-process ones, and it trains."""
+    from tools import kfac_rewrite
+
+    rng = np.random.default_rng(3)
+    ids = tfk.Input((6,), dtype="int32")
+    model = tfk.Model(ids, L.Dense(3)(L.GlobalAveragePooling1D()(L.Embedding(12, 8)(ids))))
+
+    class Saved(tf.Module):
+        def __init__(self):
+            self.model = model
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 6], tf.int32),
+                                      tf.TensorSpec([None], tf.int32)])
+        def loss(self, x, y):
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+    tf.saved_model.save(Saved(), str(tmp_path / "in"))
+    assert kfac_rewrite.main(["kfac-rewrite", "--input", str(tmp_path / "in"), "--function",
+                              "loss", "--output", str(tmp_path / "out")]) == 0
+    loaded = tf.saved_model.load(str(tmp_path / "out"))
+    args = (tf.constant(rng.integers(0, 12, (B, 6)), tf.int32), tf.constant([0, 1, 2, 1]))
+    for got, want in zip(loaded.per_example_gradients(*args),
+                         kg.per_example_gradients(_loss(model), *args)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    losses = [float(loaded.kfac_step(*args)) for _ in range(4)]
+    assert losses[-1] < losses[0], losses
