@@ -13,6 +13,10 @@ along K's leading axes):
 - B is a dense layer on ``s x A``, applied at every position and every
   one of those output axes, whose output gradient is ``g``.
 
+A table ``K [V, d]`` looked up by ids (``Embedding.enable_lora``) gives
+``K[ids] = W0[ids] + s A[ids] B``: A is a lookup of the same ids whose
+output gradient is ``s g B^T``, and B a dense layer on ``s A[ids]``.
+
 So each gets the dense kind's exact per-example rule and its Kronecker block
 (``kfac_graph/layers/lora.py`` makes those operands from the use's input,
 the output gradient and the read of the other variable); the Fisher's
@@ -32,7 +36,9 @@ Contract:
   Layer patterns take such a node wherever they take a kernel variable.
 - ``split_lora(g, groups, detach_bias) -> groups``: the matcher's groups
   ``{(kind, keys): [(pattern, roles, Use)]}`` with every group whose kernel
-  is an adapter's replaced by a ``"dense"`` group of A and one of B (each
+  is an adapter's replaced by a ``"dense"`` group of A (an ``"embedding"``
+  group where the kernel is a table looked up: Keras's
+  ``Embedding.enable_lora``) and a ``"dense"`` group of B (each
   use's ``attrs["lora"]`` says its ``role``, ``"a"`` or ``"b"``; its inputs
   are the activation and the other variable's read), and its bias, split
   off by ``detach_bias(roles, use)``, a shift layer of its own; a trainable
@@ -57,6 +63,7 @@ _TRANSPOSED = ("transpose_a", "transpose_b", "adj_x", "adj_y")
 _REFUSED = (("transpose_kernel", "applies it transposed"),
             ("stacked_rows", "stacks it with another kernel"),
             ("output_perm", "interleaves its output axes"), ("parts", "reads a part of it"))
+_LOOKUP_FORMS = ("ids_broadcast", "row_range", "grad_perm")
 
 
 def param_key(g: nx.DiGraph, node: str):
@@ -178,14 +185,17 @@ def split_lora(g: nx.DiGraph, groups: dict, detach_bias) -> dict:
                     (pattern, roles, dataclasses.replace(use, ops=ops)))
             for role, key, read in (("a", info["a"], info["reads"][1]),
                                     ("b", info["b"], info["reads"][0])):
-                out[("dense", (key,))].append((pattern, roles, _role_use(
-                    g, use, info, role, read, ops, roles[pattern.params[0]])))
+                a_kind = kind if role == "a" else "dense"  # a lookup's A is a lookup too
+                out[(a_kind, (key,))].append((pattern, roles, _role_use(
+                    g, use, info, role, read, ops, roles[pattern.params[0]], kind)))
     return dict(out)
 
 
 def _refusal(kind, keys, use) -> str:
-    if kind != "dense":
+    if kind not in ("dense", "embedding"):
         return f"is read by a layer of kind {kind!r}, which has no adapter form here"
+    if kind == "embedding" and any(use.attrs.get(k) for k in _LOOKUP_FORMS):
+        return "is looked up by ids without an example axis"
     if len(keys) > 2 or not isinstance(keys[0], tuple) or any(isinstance(k, tuple)
                                                               for k in keys[1:]):
         return "is stacked with another kernel"
@@ -196,13 +206,13 @@ def _refusal(kind, keys, use) -> str:
                  if use.attrs.get(attr)), "")
 
 
-def _role_use(g, use, info, role, read, ops, kernel):
+def _role_use(g, use, info, role, read, ops, kernel, kind):
     """The use of A (``role`` "a") or B ("b"): the activation and the other
     variable's ``read``; ``lora`` holds the kernel's shape and contracted
     axes as the op applies it (its ``kernel_in_axes``, else all but the
     last), the op's permutation of the kernel (``perm``: A's too, as it
-    keeps the last axis last; B is applied as it is) and A's shape (its
-    read may have lost unit axes)."""
+    keeps the last axis last; B is applied as it is), A's shape (its
+    read may have lost unit axes) and whether the kernel is looked up."""
     perm = use.attrs.get("kernel_perm")
     stored = tuple(g.nodes[kernel]["shapes"][0])
     shape = tuple(stored[p] for p in perm) if perm else stored
@@ -211,6 +221,7 @@ def _role_use(g, use, info, role, read, ops, kernel):
              if key not in ("kernel_in_axes", "kernel_perm") or role == "a"}
     attrs["lora"] = {"role": role, "scale": info["scale"], "rank": info["rank"],
                      "kernel_shape": shape, "kernel_in_axes": k, "perm": perm,
-                     "a_shape": (*stored[:-1], info["rank"])}
+                     "a_shape": (*stored[:-1], info["rank"]),
+                     "lookup": kind == "embedding"}
     attrs["name_suffix"] = f"/lora_{role}"
     return dataclasses.replace(use, inputs=(use.inputs[0], read), ops=ops, attrs=attrs)

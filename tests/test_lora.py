@@ -231,3 +231,45 @@ def test_adapter_on_rows_of_examples():
     opt = kg.KFAC(loss_fn)
     losses = [float(opt.step(*args)) for _ in range(4)]
     assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0, losses
+
+
+def test_embedding_adapter_is_a_lookup_and_a_dense_layer():
+    """``Embedding.enable_lora``: ``K[ids] = W0[ids] + s A[ids] B``; A is an
+    embedding layer (output gradient ``s g B^T``), B a dense layer on ``s A[ids]``;
+    their blocks are those of the lookup written out so."""
+    _float64()
+    rng = np.random.default_rng(6)
+    table = keras.layers.Embedding(7, D, name="table")
+    table.build((None, T))
+    table.enable_lora(RANK, lora_alpha=ALPHA)
+    for v in table.trainable_variables:
+        v.assign(rng.normal(size=v.shape) * 0.4)
+    head = tf.Variable(rng.normal(size=(D, C)), name="head")
+    a, b = table.lora_embeddings_a, table.lora_embeddings_b
+
+    def written_out(ids):
+        rows = (ALPHA / RANK) * tf.gather(tf.cast(a, tf.float64), ids)
+        return tf.gather(table._embeddings, ids) + rows @ tf.cast(b, tf.float64)
+
+    def losses(lookup):
+        @kg.auto_register
+        def loss_fn(ids, y):
+            pooled = tf.reduce_mean(tf.tanh(lookup(ids)), axis=1)
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                y, pooled @ head))
+        return loss_fn
+
+    args = (tf.constant(rng.integers(0, 7, (B, T))), tf.constant([0, 2, 1]))
+    adapted, reference = losses(table), losses(written_out)
+    reg = assert_matches_loop(adapted, args, **F32)
+    assert [_by_variable(reg, v.path).kind for v in (a, b)] == ["embedding", "dense"]
+    for variable in (a, b):
+        layers = [_by_variable(fn.registration(*args), variable.path)
+                  for fn in (adapted, reference)]
+        assert layers[0].kind == layers[1].kind
+        got, want = (block_matrix(fn, args, layer, layer.kind)
+                     for fn, layer in zip((adapted, reference), layers))
+        np.testing.assert_allclose(got, want, **F32, err_msg=variable.path)
+    opt = kg.KFAC(adapted)
+    losses_ = [float(opt.step(*args)) for _ in range(4)]
+    assert losses_[-1] < losses_[0] and int(opt.skipped_steps) == 0, losses_

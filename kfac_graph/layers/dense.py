@@ -238,6 +238,8 @@ def operands(layer, use, tensors, grads):
     turned into its own by `lora.operands`."""
     attrs = layer.use_attrs[use]
     if attrs.get("lora"):  # a low-rank adapter's A or B: read through its kernel's use
+        if attrs["lora"]["lookup"]:  # B of a looked-up table's adapter: on s A[ids]
+            return lora.lookup_operands(attrs["lora"], tensors[0], grads, tensors[1])
         kernel = attrs["lora"]["kernel_shape"]
         a, grads = applied_operands({**attrs, "kernel_in_axes": attrs["lora"]["kernel_in_axes"]},
                                     kernel, tensors[:1], grads)

@@ -28,7 +28,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from kfac_graph.layers import norms
+from kfac_graph.layers import lora, norms
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers.kind import LayerKind, variable_shapes
 
@@ -169,7 +169,8 @@ def operands(layer, use, tensors, grads):
     `[q, k]`, rows `[q, k, H]` added as `[1, H, q, k]`) has its gradients
     transposed back first (`grad_perm`). One added to `[k B, ..]` rows (a
     video's frames, Swin's windows: `row_groups` k) has each example's `k`
-    rows of gradient summed first."""
+    rows of gradient summed first. A low-rank adapter's A on a table
+    (``attrs["lora"]``, ``lora.py``) reads ``s g B^T`` at the rows."""
     attrs = layer.use_attrs[use]
     if attrs.get("row_groups"):  # added to [k B, ..] rows: each example's k rows summed
         k = attrs["row_groups"]  # (rows are followed where shapes are static)
@@ -183,6 +184,8 @@ def operands(layer, use, tensors, grads):
         shape = tf.concat([tf.shape(grads[0])[:1], tf.shape(ids)], axis=0)
         ids = tf.broadcast_to(ids[None], shape)
         ids.set_shape(grads[0].shape[:-1])
+    if attrs.get("lora"):  # A of a looked-up table's adapter: its gradient s g B^T
+        return lora.lookup_operands(attrs["lora"], ids, grads, tensors[1])
     return ids, list(grads)
 
 

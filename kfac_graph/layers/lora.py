@@ -19,13 +19,31 @@ So ``dA_i = s sum_p x_ip^T (g_ip B^T)`` and ``dB_i = s sum_{p,l} (x_ip A_l)^T
 g_ipl``: the dense rule gives them without forming ``K``'s per-example
 gradient. An op that permutes the kernel before applying it, keeping its
 last axis last (``info["perm"]``), applies ``A`` permuted the same way: A's
-layer has that ``kernel_perm``, and B's input reads A permuted.
+layer has that ``kernel_perm``, and B's input reads A permuted. A table
+looked up by ids (``K[ids] = W0[ids] + s A[ids] B``): A is an embedding
+layer on the ids whose output gradient is ``s g B^T``, B a dense layer on
+``s A[ids]`` (``lookup_operands``).
 """
 import math
 
 import tensorflow as tf
 
 from kfac_graph.layers import uses as uses_lib
+
+
+def lookup_operands(info, ids, grads, other):
+    """A looked-up table's adapter (``info["lookup"]``): for A (an
+    embedding layer) the ids and ``s g B^T``; for B (a dense layer) the
+    rows ``s A[ids]`` and ``g``, each ``[B, T, ..]`` with every looked-up
+    position a position; ``other`` the read of B (for A) or of A (for B)."""
+    scale, r, n = info["scale"], info["rank"], info["kernel_shape"][-1]
+    if info["role"] == "a":
+        b = tf.reshape(tf.cast(other, grads[0].dtype), [r, n])
+        return ids, [scale * tf.einsum("...n,rn->...r", g, b) for g in grads]
+    rows = tf.gather(tf.reshape(other, [-1, r]), ids)
+    batch = uses_lib.batch_size(rows)
+    return (scale * tf.reshape(rows, [batch, -1, r]),
+            [tf.reshape(g, [batch, -1, n]) for g in grads])
 
 
 def operands(info, a, grads, other):
