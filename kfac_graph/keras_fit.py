@@ -30,9 +30,13 @@ Semantics:
   so the logs show the chosen step size, until the step hands over to
   regular momentum, ``qmodel_fallback.py``, which ``fit`` checks after each
   batch), and the ``kg.KFAC`` instance (``model.kfac``).
-- ``sample_weight`` and ``class_weight`` are not supported in training
-  (a weighted loss has no per-example Fisher the pass can read);
-  ``evaluate`` accepts them.
+- ``sample_weight`` (per example ``[B]``, or per token ``[B, T]``: a
+  keras-hub ``CausalLM``'s padding mask) and ``class_weight`` reach the
+  Keras loss as its ``sample_weight``: K-FAC's loss is then ``loss(y,
+  y_pred, sample_weight=w)``, which the pass reads as a weighted loss (each
+  token's Fisher term scaled by its weight; README, "Per-token losses").
+  Every batch of a ``fit`` must have weights, or none (K-FAC's state is
+  built for one form); a loss given as ``fn(y_true, y_pred)`` takes none.
 - Each step runs eagerly from Python around two compiled calls (the metric
   update and K-FAC's step); K-FAC decides its own XLA use
   (``jit_compile=``), Keras's ``jit_compile`` only affects evaluate/predict.
@@ -174,8 +178,9 @@ class KFACModel(keras.Model):
         loss_fn, keras_loss = _as_loss(loss)
         inner = self.model
 
-        def kfac_loss(x, y):
-            value = _unscaled(loss_fn, loss_fn(y, inner(x, training=True)))
+        def kfac_loss(x, y, *sample_weight):  # the weights, where fit has them
+            y_pred = inner(x, training=True)
+            value = _unscaled(loss_fn, loss_fn(y, y_pred, *sample_weight))
             if inner.losses:
                 value = value + tf.add_n([tf.cast(v, value.dtype) for v in inner.losses])
             return value
@@ -187,6 +192,7 @@ class KFACModel(keras.Model):
         self._shim.kfac = KFAC(self.loss_fn, **self.kfac_options)
         self._shim.set_model_weights(inner.variables)
         self._kfac_built = False
+        self._weighted = None  # whether the steps pass sample weights, once built
         self._step_function = None
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
@@ -205,22 +211,27 @@ class KFACModel(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if sample_weight is not None:
-            raise ValueError("KFACModel.fit: sample_weight and class_weight are not supported "
-                             "(K-FAC needs the unweighted per-example loss)")
         if y is None:
             raise ValueError("KFACModel.fit needs targets y")
         if self.kfac is None:
             _as_loss(None)
+        weights = () if sample_weight is None else (sample_weight,)
+        if weights and not isinstance(self._keras_loss, keras.losses.Loss):
+            raise ValueError("KFACModel.fit: sample_weight and class_weight need a "
+                             "keras.losses.Loss (a loss given as fn(y_true, y_pred) takes none)")
+        if self._kfac_built and self._weighted != bool(weights):
+            raise ValueError("KFACModel.fit: every batch needs sample weights or none: K-FAC's "
+                             f"state was built {'with' if self._weighted else 'without'} them")
         if not self._kfac_built:
-            self.kfac.build(x, y)
+            self._weighted = bool(weights)
+            self.kfac.build(x, y, *weights)
             self._shim.restore_pending()
             self._kfac_built = True
         if self._step_function is None:
             step = self._kfac_step
             self._step_function = step if self.run_eagerly else tf.function(step)
         qmodel = self.kfac.momentum_type == "qmodel"
-        logs = self._step_function(x, y)
+        logs = self._step_function(x, y, *weights)
         hand_over_when_due(self.kfac)  # a traced step cannot (qmodel_fallback.py)
         if qmodel and self.kfac.momentum_type != "qmodel":  # handed over, here or eagerly
             # the logs showed the model's step sizes; regular momentum takes the one given
@@ -229,26 +240,26 @@ class KFACModel(keras.Model):
             self._step_function = None  # traced anew
         return logs
 
-    def _kfac_step(self, x, y):
+    def _kfac_step(self, x, y, *weights):
         kfac = self.kfac
         if kfac.strategy is not None:
-            return self._distributed_kfac_step(x, y)
+            return self._distributed_kfac_step(x, y, *weights)
         y_pred = None
         if self._compile_metrics is not None:
             with keras.StatelessScope():
                 y_pred = self.model(x, training=True)
         if kfac.momentum_type != "qmodel":
             kfac.learning_rate.assign(tf.cast(self._shim.learning_rate, kfac.learning_rate.dtype))
-        loss = kfac.step(x, y)
+        loss = kfac.step(x, y, *weights)
         if kfac.momentum_type == "qmodel":  # logs show the step size the model chose
             self._shim.learning_rate.assign(tf.cast(kfac.learning_rate,
                                                     self._shim.learning_rate.dtype))
         self._shim.iterations.assign_add(1)
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         self._loss_tracker.update_state(loss, sample_weight=batch)
-        return self.compute_metrics(x, y, y_pred, sample_weight=None)
+        return self.compute_metrics(x, y, y_pred, sample_weight=weights[0] if weights else None)
 
-    def _distributed_kfac_step(self, x, y):
+    def _distributed_kfac_step(self, x, y, *weights):
         """``_kfac_step`` under ``tf.distribute``: the metrics' forward pass and
         updates run per replica (on its share), K-FAC's step on all of them."""
         kfac, strategy = self.kfac, self.kfac.strategy
@@ -257,23 +268,23 @@ class KFACModel(keras.Model):
             y_pred = strategy.run(self._metric_predictions, args=(x,))
         if kfac.momentum_type != "qmodel":
             kfac.learning_rate.assign(tf.cast(self._shim.learning_rate, kfac.learning_rate.dtype))
-        loss = kfac.step(x, y)
+        loss = kfac.step(x, y, *weights)
         if kfac.momentum_type == "qmodel":
             self._shim.learning_rate.assign(tf.cast(kfac.learning_rate,
                                                     self._shim.learning_rate.dtype))
         self._shim.iterations.assign_add(1)
-        strategy.run(self._update_metrics, args=(x, y, y_pred, loss))
+        strategy.run(self._update_metrics, args=(x, y, y_pred, loss, *weights))
         return self.get_metrics_result()
 
     def _metric_predictions(self, x):
         with keras.StatelessScope():
             return self.model(x, training=True)
 
-    def _update_metrics(self, x, y, y_pred, loss):
+    def _update_metrics(self, x, y, y_pred, loss, sample_weight=None):
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         self._loss_tracker.update_state(loss, sample_weight=batch)
         if y_pred is not None:
-            self.compute_metrics(x, y, y_pred, sample_weight=None)
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def make_train_function(self, force=False):
         """Python drives the steps; each step is K-FAC's compiled step plus a

@@ -6,6 +6,18 @@ import keras
 import tensorflow as tf
 
 
+class _NamedLoss(keras.losses.Loss):
+    """A Keras loss function as a ``keras.losses.Loss`` (``call`` is the
+    function; the default reduction averages every element)."""
+
+    def __init__(self, fn, name):
+        super().__init__(name=name)
+        self.fn = fn
+
+    def call(self, y_true, y_pred):
+        return self.fn(y_true, y_pred)
+
+
 def as_loss(loss):
     """A callable ``(y_true, y_pred) -> scalar``; returns ``(callable, keras_loss)``
     where ``keras_loss`` is what ``compile`` passes to Keras (for evaluate)."""
@@ -13,6 +25,10 @@ def as_loss(loss):
         raise ValueError("the model needs a loss: give loss= to the constructor or to "
                          "compile()")
     obj = keras.losses.get(loss) if isinstance(loss, (str, dict)) else loss
+    if isinstance(loss, str) and not isinstance(obj, keras.losses.Loss):
+        # a loss named as compile() takes it: wrapped as Keras wraps it (a mean
+        # over every element, taking sample weights)
+        obj = _NamedLoss(obj, loss)
     if isinstance(obj, keras.losses.Loss):
         return obj, obj
     if not callable(obj):

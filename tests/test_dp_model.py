@@ -123,6 +123,9 @@ def test_bad_use_is_a_one_line_error():
     with pytest.warns(UserWarning, match="does not say how it was sampled"), \
             pytest.raises(ValueError, match="sample_weight and class_weight are not supported"):
         dp.fit(weighted, verbose=0)
+    with pytest.raises(ValueError, match="kg.DPModel.fit: sample_weight and class_weight are "
+                       "not supported"):
+        dp.fit(x, y, sample_weight=np.ones(40, "float32"), verbose=0)
     with pytest.raises(ValueError, match="secure_mode refuses a fixed noise seed"):
         kg.DPModel(model, loss=_loss(), seed=1, secure_mode=True)
     with pytest.raises(ValueError, match="kg.DPModel: noise_multiplier must be"):

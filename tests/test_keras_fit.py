@@ -87,10 +87,50 @@ def test_misuse_is_reported():
         model.compile(optimizer="adam")
     model.compile()
     x, y = _data(32)
-    with pytest.raises(ValueError, match="sample_weight"):
-        model.fit(x, y, sample_weight=np.ones(32), verbose=0)
+    model.fit(x, y, sample_weight=np.ones(32), batch_size=16, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="every batch needs sample weights or none"):
+        model.fit(x, y, batch_size=16, verbose=0)
+    plain = kg.KFACModel(inner, loss=lambda t, p: keras.losses.sparse_categorical_crossentropy(
+        t, p, from_logits=True))
+    plain.compile()
+    with pytest.raises(ValueError, match="need a keras.losses.Loss"):
+        plain.fit(x, y, sample_weight=np.ones(32), verbose=0)
     with pytest.raises(ValueError, match="needs a loss"):
         kg.KFACModel(inner).compile()
+
+
+def test_per_token_sample_weights_train_as_kfac_on_the_weighted_loss():
+    """``fit(x, y, sample_weight=mask)`` on a token model (a causal LM's padding
+    mask, ``[B, T]``) takes the steps ``kg.KFAC`` takes on ``loss(y, model(x),
+    sample_weight=mask)``, batch for batch."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 12, (32, 6))
+    mask = (rng.uniform(size=(32, 6)) < 0.8).astype("float32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def inner():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Embedding(12, 8),
+                                 keras.layers.Dense(12)])
+
+    fitted = kg.KFACModel(inner(), loss=loss, damping=1e-2, momentum_type="regular")
+    fitted.compile()
+    fitted.fit(ids, ids, sample_weight=mask, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = inner()
+
+    @kg.auto_register
+    def weighted(x, y, w):
+        return loss(y, model(x, training=True), sample_weight=w)
+
+    opt = kg.KFAC(weighted, damping=1e-2, momentum_type="regular")
+    for _ in range(2):
+        for start in (0, 16):
+            batch = slice(start, start + 16)
+            opt.step(ids[batch], ids[batch], mask[batch])
+    for u, v in zip(fitted.model.variables, model.variables):
+        np.testing.assert_allclose(u.numpy(), v.numpy(), rtol=1e-5, atol=1e-6)
+    assert float(loss(ids, model(ids), sample_weight=mask)) < float(
+        loss(ids, inner()(ids), sample_weight=mask))
 
 
 @pytest.mark.slow

@@ -185,6 +185,10 @@ class DPModel(keras.Model):
     def fit(self, x=None, y=None, batch_size=None, epochs=1, callbacks=None,
             validation_split=0.0, validation_data=None, **kwargs):
         """Keras's ``fit`` with DP sampling (module docstring)."""
+        if kwargs.get("sample_weight") is not None or kwargs.get("class_weight") is not None:
+            raise ValueError("kg.DPModel.fit: sample_weight and class_weight are not supported "
+                             "(train with kg.DPSGD on a kg.auto_register loss that takes "
+                             "them: loss_fn(x, y, w))")
         if isinstance(x, tf.data.Dataset):
             sampling = getattr(x, "privacy_sampling", None)
             if sampling is not None:
