@@ -90,9 +90,10 @@ def _by_variable(reg, name):
                 if layer.variables[0].name.split(":")[0] == name)
 
 
-@pytest.mark.parametrize("which", ["query/lora_kernel_a", "query/lora_kernel_b",
-                                   "out/lora_kernel_a", "value/lora_kernel_a",
-                                   "value/lora_kernel_b"])
+@pytest.mark.parametrize("which", [
+    "query/lora_kernel_a", "value/lora_kernel_b",
+    *(pytest.param(w, marks=pytest.mark.slow)  # (the same rule on other layouts)
+      for w in ("query/lora_kernel_b", "out/lora_kernel_a", "value/lora_kernel_a"))])
 def test_full_block_is_brute_force_fisher(which):
     _float64()
     model = _adapted_model()
