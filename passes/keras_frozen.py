@@ -37,9 +37,9 @@ import tensorflow as tf
 @tf.autograph.experimental.do_not_convert  # plain Python, also when traced under autograph
 def frozen(variables) -> set[int]:
     """``id``s of the trainable ``tf.Variable`` objects in ``variables``
-    (under ``tf.distribute``, a replica's copy counts as its mirrored
-    variable) whose Keras variable is not trainable, or that a frozen Keras 2
-    layer holds."""
+    whose Keras variable is not trainable, or that a frozen Keras 2 layer
+    holds (under ``tf.distribute``, a replica's copy counts as its mirrored
+    variable, whether it points back to it or the mirrored variable lists it)."""
     keras_variable = getattr(sys.modules.get("keras"), "Variable", None)
     legacy_layer = getattr(getattr(sys.modules.get("tf_keras"), "layers", None), "Layer", None)
     ids = {}
@@ -54,9 +54,16 @@ def frozen(variables) -> set[int]:
     out = set()
     for obj in gc.get_objects():
         if keras_variable is not None and isinstance(obj, keras_variable):
-            inner = getattr(obj, "_value", None)
-            if not obj.trainable and inner is not None and id(inner) in ids:
-                out.add(ids[id(inner)])
+            if not obj.trainable:
+                out.update(ids[i] for i in _held(getattr(obj, "_value", None)) if i in ids)
         elif legacy_layer is not None and isinstance(obj, legacy_layer) and not obj.trainable:
-            out.update(ids[id(w)] for w in obj.weights if id(w) in ids)
+            out.update(ids[i] for w in obj.weights for i in _held(w) if i in ids)
     return out
+
+
+def _held(variable) -> list[int]:
+    """``id``s of ``variable`` and, for a ``tf.distribute`` variable, of its
+    per-replica components (what a replica's traced step captures)."""
+    if variable is None:
+        return []
+    return [id(variable)] + [id(v) for v in getattr(variable, "_values", ())]

@@ -4,11 +4,14 @@ Keras 3 freezes a layer by its Keras variables' flag; the `tf.Variable`
 each wraps keeps the flag it was made with, and a traced function captures
 that `tf.Variable`. The pass reads the Keras flag (`passes/keras_frozen.py`):
 a frozen layer registers nothing, gets no per-example gradient, and
-`kg.KFAC`, `kg.DPSGD` and `kg.KFACModel.fit` leave it as it is, as
-`model.trainable_variables` does.
+`kg.KFAC`, `kg.DPSGD` and `kg.KFACModel.fit` (also under a
+`MirroredStrategy`) leave it as it is, as `model.trainable_variables` does.
 """
+import contextlib
+
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
@@ -89,12 +92,18 @@ def test_one_frozen_layer_inside_a_trained_backbone():
                                                        _values(backbone.layers[-1].weights)))
 
 
-def test_kfac_model_fit_keeps_a_frozen_backbone():
-    backbone, model = _model(_frozen_backbone)
+@pytest.mark.parametrize("mirrored", [False, True])
+def test_kfac_model_fit_keeps_a_frozen_backbone(mirrored):
+    """Also under ``tf.distribute`` (one device), where the step captures each
+    mirrored variable's per-replica component, which does not point back."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"]) if mirrored else None
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        backbone, model = _model(_frozen_backbone)
+        km = kg.KFACModel(model, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        km.compile()
     x, y = _data()
     before, head = _values(backbone.weights), _values(model.layers[-1].weights)
-    km = kg.KFACModel(model, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    km.compile()
     km.fit(x.numpy(), y.numpy(), batch_size=8, epochs=2, verbose=0)
     for b, a in zip(before, _values(backbone.weights)):
         np.testing.assert_array_equal(a, b)
