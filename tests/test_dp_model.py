@@ -53,6 +53,33 @@ def test_without_noise_and_clipping_a_step_is_the_optimizers_step():
     assert history.history["epsilon"] == [np.inf]
 
 
+def test_per_token_sample_weights_step_as_the_weighted_loss():
+    """``fit(x, y, sample_weight=mask)`` on token sequences (a causal LM's
+    padding mask): without noise and clipping, a step over the whole data set
+    (fixed-size batches of all of it) is the optimizer's step on
+    ``loss(y, model(x), sample_weight=mask)``, whose zeros count for nothing."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Embedding(12, 8),
+                              keras.layers.Dense(12)])
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 12, (16, 6)).astype("int32")
+    mask = (rng.uniform(size=(16, 6)) < 0.7).astype("float32")
+    before = [v.numpy() for v in model.trainable_variables]
+    with tf.GradientTape() as tape:
+        loss = _loss()(ids, model(ids, training=True), sample_weight=mask)
+    grads = tape.gradient(loss, model.trainable_variables)
+    dp = kg.DPModel(model, loss=_loss(), l2_norm_clip=1e9, noise_multiplier=0.0,
+                    sampling="fixed")
+    dp.compile(optimizer=keras.optimizers.SGD(0.1))
+    history = dp.fit(ids, ids, sample_weight=mask, batch_size=16, epochs=1, verbose=0)
+    for v, b, g in zip(model.trainable_variables, before, grads):
+        np.testing.assert_allclose(v.numpy(), b - 0.1 * tf.convert_to_tensor(g).numpy(),
+                                   rtol=1e-5, atol=1e-6)
+    assert history.history["loss"][0] == pytest.approx(float(loss), rel=1e-5)
+    with pytest.raises(ValueError, match="sample_weight with a dataset"):
+        dp.fit(tf.data.Dataset.from_tensor_slices((ids, ids)).batch(4), sample_weight=mask)
+
+
 def test_poisson_padding_counts_for_nothing_and_the_mean_uses_the_expected_size():
     model, x, y = _small(1)
     batches = kg.privacy.poisson_batches((x, y), 0.25, steps=1, seed=4, pad_multiple=8)
@@ -123,9 +150,8 @@ def test_bad_use_is_a_one_line_error():
     with pytest.warns(UserWarning, match="does not say how it was sampled"), \
             pytest.raises(ValueError, match="sample_weight and class_weight are not supported"):
         dp.fit(weighted, verbose=0)
-    with pytest.raises(ValueError, match="kg.DPModel.fit: sample_weight and class_weight are "
-                       "not supported"):
-        dp.fit(x, y, sample_weight=np.ones(40, "float32"), verbose=0)
+    with pytest.raises(ValueError, match="kg.DPModel.fit: class_weight"):
+        dp.fit(x, y, class_weight={0: 1.0, 1: 2.0, 2: 1.0}, verbose=0)
     with pytest.raises(ValueError, match="secure_mode refuses a fixed noise seed"):
         kg.DPModel(model, loss=_loss(), seed=1, secure_mode=True)
     with pytest.raises(ValueError, match="kg.DPModel: noise_multiplier must be"):

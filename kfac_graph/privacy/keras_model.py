@@ -27,8 +27,13 @@ Sampling and accounting:
   ``batch_size`` to the constructor, which then vouches for the sampler.
 - Poisson batches come as ``(x, y, mask)``: the mask arrives as Keras's
   ``sample_weight``, is taken as the padding mask (padded examples count for
-  nothing), and the mean divides by the expected batch size ``qN``. Any
-  other ``sample_weight`` or ``class_weight`` is refused.
+  nothing), and the mean divides by the expected batch size ``qN``.
+- ``fit(x, y, sample_weight=w)`` on arrays (per example, or per token: a
+  causal LM's padding mask ``[B, T]``) samples the weights with their
+  examples and gives them to the Keras loss, ``loss(y, y_pred,
+  sample_weight=w)``: each example's clipped gradient is that of its own
+  weighted terms. The batches carry ``(w, mask)`` as their third element.
+  ``class_weight``, and ``sample_weight`` with a dataset, are refused.
 - Epsilon at ``delta`` (default 1e-5) for the steps taken
   (``optimizer.iterations``, saved with checkpoints) is in the logs as
   ``epsilon`` after every step, so the progress bar, ``History`` and
@@ -185,10 +190,12 @@ class DPModel(keras.Model):
     def fit(self, x=None, y=None, batch_size=None, epochs=1, callbacks=None,
             validation_split=0.0, validation_data=None, **kwargs):
         """Keras's ``fit`` with DP sampling (module docstring)."""
-        if kwargs.get("sample_weight") is not None or kwargs.get("class_weight") is not None:
-            raise ValueError("kg.DPModel.fit: sample_weight and class_weight are not supported "
-                             "(train with kg.DPSGD on a kg.auto_register loss that takes "
-                             "them: loss_fn(x, y, w))")
+        weights = kwargs.pop("sample_weight", None)
+        if kwargs.get("class_weight") is not None or (
+                weights is not None and isinstance(x, tf.data.Dataset)):
+            raise ValueError("kg.DPModel.fit: class_weight, and sample_weight with a dataset, "
+                             "are not supported (give arrays and sample_weight=, or train with "
+                             "kg.DPSGD on a kg.auto_register loss that takes the weights)")
         if isinstance(x, tf.data.Dataset):
             sampling = getattr(x, "privacy_sampling", None)
             if sampling is not None:
@@ -201,16 +208,20 @@ class DPModel(keras.Model):
             if y is None:
                 raise ValueError("kg.DPModel.fit needs targets y")
             n = int(np.shape(tf.nest.flatten(x)[0])[0])
+            data = (x, y) if weights is None else (x, y, weights)
             if validation_split:
                 cut = n - int(math.floor(n * validation_split))
-                validation_data = (_rows(x, cut, None), _rows(y, cut, None))
-                x, y, n = _rows(x, 0, cut), _rows(y, 0, cut), cut
+                validation_data = tuple(_rows(t, cut, None) for t in data)
+                data, n = tuple(_rows(t, 0, cut) for t in data), cut
             b = batch_size or 32
             if self.sampler_kind == "fixed":
-                x = fixed_size_batches((x, y), b, seed=None)
+                x = fixed_size_batches(data, b, seed=None)
             else:
-                x = poisson_batches((x, y), b / n)
-            self._use_sampling(x.privacy_sampling)
+                x = poisson_batches(data, b / n)
+            sampling = x.privacy_sampling
+            if weights is not None:  # the weights and the mask (Poisson's) as one element
+                x = x.map(lambda x, y, w, *mask: (x, y, (w, *mask)))
+            self._use_sampling(sampling)
             y, batch_size = None, None
         kwargs["shuffle"] = False  # the sampler draws the batches
         callbacks = list(callbacks or [])
@@ -229,8 +240,8 @@ class DPModel(keras.Model):
         inner = self.model
         per_example = keras_loss.call if isinstance(keras_loss, keras.losses.Loss) else keras_loss
 
-        def dp_loss(x, y):
-            value = loss_fn(y, inner(x, training=True))
+        def dp_loss(x, y, *sample_weight):  # the weights, where fit has them
+            value = loss_fn(y, inner(x, training=True), *sample_weight)
             if inner.losses:
                 value = value + tf.add_n([tf.cast(v, value.dtype) for v in inner.losses])
             return value
@@ -242,6 +253,12 @@ class DPModel(keras.Model):
 
     def train_step(self, data):
         x, y, mask = keras.utils.unpack_x_y_sample_weight(data)
+        weights = ()
+        if isinstance(mask, tuple):  # fit's arrays with sample weights: (w,) or (w, mask)
+            weights, mask = mask[:1], (mask[1] if len(mask) > 1 else None)
+            if not isinstance(self._keras_loss, keras.losses.Loss):
+                raise ValueError("kg.DPModel.fit: sample_weight needs a keras.losses.Loss (a "
+                                 "loss given as fn(y_true, y_pred) takes none)")
         if y is None:
             raise ValueError("kg.DPModel.fit needs targets y")
         if mask is not None and (self.sampling is None or self.sampling.kind != "poisson"):
@@ -253,15 +270,15 @@ class DPModel(keras.Model):
                 self.optimizer.build(self.trainable_variables)
             self._step_function = (self._dp_step if self.run_eagerly
                                    else tf.function(self._dp_step, autograph=False))
-        self.loss_fn.registration(x, y)  # the pass runs eagerly, never under tf.function
+        self.loss_fn.registration(x, y, *weights)  # the pass runs eagerly, never traced
         key = self.noise.next_key()
-        logs = dict(self._step_function(x, y, key) if mask is None
-                    else self._step_function(x, y, key, mask))
+        logs = dict(self._step_function(x, y, key) if mask is None and not weights
+                    else self._step_function(x, y, key, mask, *weights))
         if self.sampling is not None and self.accountant == "rdp":
             logs["epsilon"] = self.epsilon()
         return logs
 
-    def _dp_step(self, x, y, key, mask=None):
+    def _dp_step(self, x, y, key, mask=None, *weights):
         y_pred = None
         with keras.StatelessScope():
             y_pred = self.model(x, training=True)
@@ -270,12 +287,12 @@ class DPModel(keras.Model):
             raise ValueError("kg.DPModel: padded Poisson batches need the expected batch size "
                              "(num_examples= and batch_size=, or sample_rate= with "
                              "num_examples=)")
-        _, grads = privatize(self.loss_fn, x, y, l2_norm_clip=self.l2_norm_clip,
+        _, grads = privatize(self.loss_fn, x, y, *weights, l2_norm_clip=self.l2_norm_clip,
                              noise_multiplier=self.noise_multiplier, seed=key,
                              method=self.method, clipping=self.clipping,
                              automatic_clipping=self.automatic_clipping, mask=mask,
                              expected_batch_size=expected, owner="kg.DPModel")
-        reg = self.loss_fn.registration(x, y)
+        reg = self.loss_fn.registration(x, y, *weights)
         by_ref = {v.ref(): g for v, g in zip(reg.variables, grads)}
         pairs = []
         for kv in self.trainable_variables:
@@ -283,17 +300,23 @@ class DPModel(keras.Model):
             if g is not None:
                 pairs.append((tf.cast(g, kv.dtype), kv))
         self.optimizer.apply_gradients(pairs)
-        return self._step_logs(x, y, y_pred, mask)
+        return self._step_logs(x, y, y_pred, mask, *weights)
 
-    def _step_logs(self, x, y, y_pred, mask):
+    def _step_logs(self, x, y, y_pred, mask, *sample_weight):
         values = tf.convert_to_tensor(self._per_example_loss(y, y_pred))
+        metric_weight = mask
+        if sample_weight:  # per example or per token, as the loss weighs them
+            w = tf.cast(sample_weight[0], values.dtype)
+            values = values * _trailing(w, values.shape.rank)
+            metric_weight = w if mask is None else w * _trailing(
+                tf.cast(mask, w.dtype), w.shape.rank)
         if values.shape.rank > 1:
             values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
         weights = tf.ones_like(values) if mask is None else tf.cast(mask, values.dtype)
         count = tf.reduce_sum(weights)
         loss = tf.reduce_sum(values * weights) / tf.maximum(count, 1.0)
         self._loss_tracker.update_state(loss, sample_weight=count)
-        return self.compute_metrics(x, y, y_pred, sample_weight=mask)
+        return self.compute_metrics(x, y, y_pred, sample_weight=metric_weight)
 
     def make_train_function(self, force=False):
         """Python drives the steps (so epsilon joins the logs); each step is one
@@ -321,6 +344,11 @@ class _EpochEpsilon(keras.callbacks.Callback):
 def _tf_variable(v):
     """The ``tf.Variable`` behind a Keras variable (the registration holds those)."""
     return getattr(v, "_value", v) if isinstance(v, keras.Variable) else v
+
+
+def _trailing(t, rank):
+    """``t`` with unit axes appended up to ``rank``."""
+    return tf.reshape(t, tf.concat([tf.shape(t), tf.ones([rank - t.shape.rank], tf.int32)], 0))
 
 
 def _rows(data, start, stop):
