@@ -78,6 +78,10 @@ def test_per_token_sample_weights_step_as_the_weighted_loss():
     assert history.history["loss"][0] == pytest.approx(float(loss), rel=1e-5)
     with pytest.raises(ValueError, match="sample_weight with a dataset"):
         dp.fit(tf.data.Dataset.from_tensor_slices((ids, ids)).batch(4), sample_weight=mask)
+    poisson = kg.DPModel(model, loss=_loss(), l2_norm_clip=1.0, noise_multiplier=1.0)
+    poisson.compile(optimizer=keras.optimizers.SGD(0.1))  # padded batches: (w, mask)
+    logs = poisson.fit(ids, ids, sample_weight=mask, batch_size=4, verbose=0).history
+    assert np.isfinite(logs["loss"][0]) and np.isfinite(logs["epsilon"][0])
 
 
 def test_poisson_padding_counts_for_nothing_and_the_mean_uses_the_expected_size():
