@@ -23,6 +23,11 @@ lacks). A surrogate is:
   no gradient through (``Round``, ``Floor``: tested by ``tf.gradients`` on
   the unmarked graph where the forward holds ops other than elementwise
   ones);
+- a forward where some such path does, on floating data (a stop, a
+  rounding, a cast of floats to integers): Keras's int8 and int4 layers
+  quantize their inputs, and only the scales they divide by again are
+  differentiable, so the forward's derivative is not the custom gradient's
+  (the dequantized kernel's);
 - a forward that runs a loop (TensorFlow's CTC loss on dense labels, which
   computes its gradient in its forward pass): its derivative cannot be
   checked against the custom gradient.
@@ -44,6 +49,7 @@ from passes.errors import KfacGraphError
 
 MARKER = b"CustomGradient-"
 _CUTS = frozenset({"StopGradient", "PreventGradient", "Sign"})
+_ROUNDING = frozenset({"Round", "Floor", "Ceil", "Rint"})  # TensorFlow gives them no gradient
 _PASS = frozenset({"Identity", "Snapshot"})
 _LOOPS = frozenset({"While", "StatelessWhile"})
 # ops whose registered gradient is their derivative: a forward of these alone
@@ -164,6 +170,10 @@ def _surrogate(g, nodes, results, sources) -> tuple[str, bool]:
             first = min(cuts)
             return (f"reaches its result only through ops that cut the gradient ({first!r}, "
                     f"{nodes[first].op})"), True
+        rounded = sorted(op for op in forward if _rounds_data(nodes[op]))
+        if rounded:  # a quantized forward whose scales alone are differentiable
+            return (f"reaches its result partly through an op that cuts the gradient "
+                    f"({rounded[0]!r}, {nodes[rounded[0]].op})"), True
         plain = plain and all(nodes[op].op in _PLAIN or op in sources or op in cuts
                               for op in forward)
     return "", plain
@@ -171,6 +181,15 @@ def _surrogate(g, nodes, results, sources) -> tuple[str, bool]:
 
 def _tensor(name: str) -> str:
     return ir.tensor_name(*ir.split_tensor(name))
+
+
+def _rounds_data(node) -> bool:
+    """An op that cuts a floating tensor's gradient: a stop, a rounding or a
+    cast of floats to integers (not the integer arithmetic of shapes)."""
+    if node.op == "Cast":
+        return ("SrcT" in node.attr and tf.as_dtype(node.attr["SrcT"].type).is_floating
+                and _integer_cast(node))
+    return node.op in _CUTS or node.op in _ROUNDING
 
 
 def _integer_cast(node) -> bool:

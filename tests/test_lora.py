@@ -274,3 +274,34 @@ def test_embedding_adapter_is_a_lookup_and_a_dense_layer():
     opt = kg.KFAC(adapted)
     losses_ = [float(opt.step(*args)) for _ in range(4)]
     assert losses_[-1] < losses_[0] and int(opt.skipped_steps) == 0, losses_
+
+
+def test_int8_quantized_layers_with_adapters():
+    """``model.quantize("int8")`` then ``enable_lora`` (Keras's QLoRA recipe):
+    the frozen int8 kernels apply through a custom gradient (the inputs are
+    quantized, only their scale is differentiable, the gradient is the
+    dequantized kernel's), which is replayed (``passes/custom_gradients.py``;
+    differentiated through its forward, every per-example gradient was
+    wrong); the adapters are two dense layers applied one after the other."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((T, D))
+    hidden = keras.layers.Dense(8, activation="relu", name="dense")(x)
+    hidden = keras.layers.EinsumDense("btd,dnh->btnh", (T, HEADS, HEAD), bias_axes="nh",
+                                      name="query")(hidden)
+    model = keras.Model(x, keras.layers.Dense(C, name="head")(
+        keras.layers.Reshape((T, HEADS * HEAD))(hidden)))
+    model.quantize("int8")
+    rng = np.random.default_rng(7)
+    for name in ("dense", "query"):
+        model.get_layer(name).enable_lora(RANK)
+    for v in model.trainable_variables:  # B starts at zero
+        if "lora_kernel_b" in v.path:
+            v.assign(rng.normal(size=v.shape).astype("float32") * 0.3)
+    loss_fn = _loss(model)
+    args = (tf.constant(rng.normal(size=(B, T, D)).astype("float32")),
+            tf.constant(rng.integers(0, C, (B, T))))
+    reg = assert_matches_loop(loss_fn, args, rtol=1e-4, atol=1e-6)
+    assert {layer.kind for layer in reg.layers} == {"dense", "scale_and_shift"}, reg.summary()
+    opt = kg.KFAC(loss_fn)
+    losses = [float(opt.step(*args)) for _ in range(4)]
+    assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0, losses

@@ -142,6 +142,14 @@ def _straight_through_round(x):
 
 
 @tf.custom_gradient
+def _scaled_quantizer(x):
+    """Rounds on a scale taken from ``x`` and divides it back, as Keras's int8
+    layers quantize their inputs: only the scale's path is differentiable."""
+    scale = 127.0 / tf.reduce_max(tf.abs(x), axis=-1, keepdims=True)  # per row
+    return tf.round(x * scale) / scale, lambda dy: dy
+
+
+@tf.custom_gradient
 def _stable_logsumexp(x):
     """Its forward is its derivative's, with the maximum held constant."""
     m = tf.stop_gradient(tf.reduce_max(x, axis=-1, keepdims=True))
@@ -160,11 +168,12 @@ def _with(op):
     return loss_fn, (_x("float64"), tf.constant([0, 1, 1, 0]))
 
 
-@pytest.mark.parametrize("op", [_reverse_gradient, _straight_through_round])
+@pytest.mark.parametrize("op", [_reverse_gradient, _straight_through_round, _scaled_quantizer])
 def test_surrogate_custom_gradients_are_replayed(op):
-    """A gradient reversal and a straight-through estimator: their own
+    """A gradient reversal and straight-through estimators: their own
     gradients, replayed; per-example gradients equal the loop's, which uses
-    them too (the forward's derivative would have the other sign, or none)."""
+    them too (the forward's derivative would have the other sign, none, or
+    the scale's alone)."""
     loss_fn, args = _with(op)
     assert_matches_loop(loss_fn, args)
 
