@@ -73,11 +73,16 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
     for v in list(getattr(concrete, "variables", ())) + list(graph.variables) + list(extra_variables):
         by_handle.setdefault(id(v.handle), v)
     placeholders, objects, infos = {}, {}, {}
-    frozen = keras_frozen.frozen(by_handle.values())
+    flags = keras_frozen.frozen(by_handle.values())
+    frozen = flags.frozen
     for external, internal in graph.captures:
         var = by_handle.get(id(external))
         if internal.dtype != tf.resource or var is None:
             continue
+        if id(var) in flags.overwritten:
+            raise TraceError(f"{name} reads variable {var.name}, which Keras overwrites with "
+                             "its gradient (float8 training's scales): it is no parameter, "
+                             "and kfac_graph does not train such a model")
         key = _unique(var.name.split(":")[0], infos)
         infos[key] = ir.VariableInfo(key, var.name, tuple(var.shape.as_list()),
                                      var.dtype.name, bool(var.trainable) and id(var) not in frozen)

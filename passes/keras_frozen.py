@@ -30,16 +30,25 @@ from __future__ import annotations
 
 import gc
 import sys
+from typing import NamedTuple
 
 import tensorflow as tf
 
 
+class Flags(NamedTuple):
+    frozen: set  # ids of variables Keras leaves out of trainable_variables
+    overwritten: set  # ids of variables Keras overwrites with their "gradient"
+
+
 @tf.autograph.experimental.do_not_convert  # plain Python, also when traced under autograph
-def frozen(variables) -> set[int]:
+def frozen(variables) -> Flags:
     """``id``s of the trainable ``tf.Variable`` objects in ``variables``
     whose Keras variable is not trainable, or that a frozen Keras 2 layer
     holds (under ``tf.distribute``, a replica's copy counts as its mirrored
-    variable, whether it points back to it or the mirrored variable lists it)."""
+    variable, whether it points back to it or the mirrored variable lists it);
+    and of those whose Keras variable ``overwrite_with_gradient`` (float8
+    training's scales: the optimizer assigns them what their custom gradient
+    computes, so they are no parameters)."""
     keras_variable = getattr(sys.modules.get("keras"), "Variable", None)
     legacy_layer = getattr(getattr(sys.modules.get("tf_keras"), "layers", None), "Layer", None)
     ids = {}
@@ -49,15 +58,18 @@ def frozen(variables) -> set[int]:
             ids[id(v)] = id(v)
             if container is not None:
                 ids[id(container())] = id(v)
+    out = Flags(set(), set())
     if (keras_variable is None and legacy_layer is None) or not ids:
-        return set()
-    out = set()
+        return out
     for obj in gc.get_objects():
         if keras_variable is not None and isinstance(obj, keras_variable):
+            held = [ids[i] for i in _held(getattr(obj, "_value", None)) if i in ids]
             if not obj.trainable:
-                out.update(ids[i] for i in _held(getattr(obj, "_value", None)) if i in ids)
+                out.frozen.update(held)
+            elif getattr(obj, "overwrite_with_gradient", False):
+                out.overwritten.update(held)
         elif legacy_layer is not None and isinstance(obj, legacy_layer) and not obj.trainable:
-            out.update(ids[i] for w in obj.weights for i in _held(w) if i in ids)
+            out.frozen.update(ids[i] for w in obj.weights for i in _held(w) if i in ids)
     return out
 
 

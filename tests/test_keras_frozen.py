@@ -108,3 +108,15 @@ def test_kfac_model_fit_keeps_a_frozen_backbone(mirrored):
     for b, a in zip(before, _values(backbone.weights)):
         np.testing.assert_array_equal(a, b)
     assert any(not np.array_equal(b, a) for b, a in zip(head, _values(model.layers[-1].weights)))
+
+
+def test_float8_scales_are_refused():
+    """``model.quantize("float8")`` adds scales Keras overwrites with what their
+    custom gradient computes (``overwrite_with_gradient``): no parameters, and
+    no loss kfac_graph can train; one line, not a generic layer of them."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.quantize("float8")
+    loss_fn = _loss(model)
+    with pytest.raises(kg.TraceError, match="which Keras overwrites with its gradient"):
+        loss_fn.registration(*_data())
