@@ -73,8 +73,7 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
     for v in list(getattr(concrete, "variables", ())) + list(graph.variables) + list(extra_variables):
         by_handle.setdefault(id(v.handle), v)
     placeholders, objects, infos = {}, {}, {}
-    flags = keras_frozen.frozen(by_handle.values())
-    frozen = flags.frozen
+    flags = keras_frozen.flags(by_handle.values())
     for external, internal in graph.captures:
         var = by_handle.get(id(external))
         if internal.dtype != tf.resource or var is None:
@@ -84,8 +83,9 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
                              "its gradient (float8 training's scales): it is no parameter, "
                              "and kfac_graph does not train such a model")
         key = _unique(var.name.split(":")[0], infos)
+        trainable = bool(var.trainable) and id(var) not in flags.frozen
         infos[key] = ir.VariableInfo(key, var.name, tuple(var.shape.as_list()),
-                                     var.dtype.name, bool(var.trainable) and id(var) not in frozen)
+                                     var.dtype.name, trainable)
         objects[key] = var
         placeholders[internal.op.name] = key
     n_args = len(graph.inputs) - len(graph.captures)

@@ -12,7 +12,7 @@ Keras 2 (``tf_keras``, TensorFlow's ``tf.keras`` under
 layer is empty), so a variable held by a frozen layer (in its ``weights``)
 is frozen.
 
-``frozen(variables)`` finds, among captured ``tf.Variable`` objects, those
+``flags(variables)`` finds, among captured ``tf.Variable`` objects, those
 that Keras leaves out of ``model.trainable_variables`` in either way, so
 that the pass treats them as constants as Keras does (no layer, no
 per-example gradient, no update).
@@ -41,7 +41,7 @@ class Flags(NamedTuple):
 
 
 @tf.autograph.experimental.do_not_convert  # plain Python, also when traced under autograph
-def frozen(variables) -> Flags:
+def flags(variables) -> Flags:
     """``id``s of the trainable ``tf.Variable`` objects in ``variables``
     whose Keras variable is not trainable, or that a frozen Keras 2 layer
     holds (under ``tf.distribute``, a replica's copy counts as its mirrored

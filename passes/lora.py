@@ -165,21 +165,20 @@ def split_lora(g: nx.DiGraph, groups: dict, detach_bias) -> dict:
         if not adapters:
             out[(kind, keys)].extend(items)
             continue
+        info = g.nodes[adapters[0][1]]["lora"]
+        mine = (info["a"], info["b"]) + ((info["base"],) if info["base"] else ())
         for pattern, roles, use in items:
-            info = g.nodes[adapters[0][1]]["lora"]
             why = _refusal(kind, keys, use)
-            ops = tuple(use.ops) + info["ops"]
             if why:  # A and B (and the rest) stay generic, saying why
                 attrs = {**use.attrs, "unsupported": f"its low-rank adapter's kernel {why}"}
                 others = tuple(k for k in keys if not isinstance(k, tuple))
-                mine = (info["a"], info["b"]) + ((info["base"],) if info["base"] else ())
-                out[(kind, mine + others)].append(
-                    (pattern, roles, dataclasses.replace(use, ops=ops, attrs=attrs)))
+                out[(kind, mine + others)].append((pattern, roles, dataclasses.replace(
+                    use, ops=tuple(use.ops) + info["ops"], attrs=attrs)))
                 continue
             if len(keys) > 1:  # its bias: a shift layer of its own
                 use, shift = detach_bias(roles, use)
                 out[("scale_and_shift", keys[1:])].append(shift)
-                ops = tuple(use.ops) + info["ops"]
+            ops = tuple(use.ops) + info["ops"]
             if info["base"] is not None:  # W0 trainable: a dense layer of its own, as applied
                 out[("dense", (info["base"],))].append(
                     (pattern, roles, dataclasses.replace(use, ops=ops)))
@@ -196,9 +195,8 @@ def _refusal(kind, keys, use) -> str:
         return f"is read by a layer of kind {kind!r}, which has no adapter form here"
     if kind == "embedding" and any(use.attrs.get(k) for k in _LOOKUP_FORMS):
         return "is looked up by ids without an example axis"
-    if len(keys) > 2 or not isinstance(keys[0], tuple) or any(isinstance(k, tuple)
-                                                              for k in keys[1:]):
-        return "is stacked with another kernel"
+    if not isinstance(keys[0], tuple) or any(isinstance(k, tuple) for k in keys[1:]):
+        return "is not the layer's one kernel"  # (a stacked form's is refused below)
     perm = use.attrs.get("kernel_perm")
     if perm and perm[-1] != len(perm) - 1:
         return "is read by an op that moves its last axis"

@@ -38,7 +38,7 @@ def lookup_operands(info, ids, grads, other):
     position a position; ``other`` the read of B (for A) or of A (for B)."""
     scale, r, n = info["scale"], info["rank"], info["kernel_shape"][-1]
     if info["role"] == "a":
-        b = tf.reshape(tf.cast(other, grads[0].dtype), [r, n])
+        b = tf.reshape(other, [r, n])
         return ids, [scale * tf.einsum("...n,rn->...r", g, b) for g in grads]
     rows = tf.gather(tf.reshape(other, [-1, r]), ids)
     batch = uses_lib.batch_size(rows)
