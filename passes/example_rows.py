@@ -29,9 +29,10 @@ from passes.batch_flow import static_batch
 class Rows(NamedTuple):
     """``B`` examples, ``k`` rows each, along ``axis`` (``k = 1`` on axis 0:
     batch-leading, as the data arguments are; on another axis: the batch
-    moved there, a time-major ``[T, B, d]``'s)."""
+    moved there, a time-major ``[T, B, d]``'s). ``batch`` is None where the
+    graph's batch is known only at run time (``passes.shape_probe``)."""
 
-    batch: int
+    batch: int | None
     per_example: int
     axis: int
 

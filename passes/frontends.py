@@ -61,7 +61,11 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
     ``source`` names where from, and Python callbacks are refused, see
     ``callbacks.py``)."""
     graph = concrete.graph
-    outputs = [t for t in graph.outputs if t.dtype != tf.resource]
+    # what the function returns: once a tape has differentiated it, the graph
+    # also outputs the intermediates its gradient reads
+    structured = getattr(concrete, "structured_outputs", None)
+    returned = graph.outputs[:len(tf.nest.flatten(structured, expand_composites=True))]
+    outputs = [t for t in returned if t.dtype != tf.resource]
     if len(outputs) != 1:
         raise TraceError(f"{name} returns {len(outputs)} tensors; it must return one scalar loss")
     loss = outputs[0]

@@ -5,7 +5,10 @@ is static (``passes.unroll``, at most ``max_loop_iterations`` each), imports
 the traced graph into the IR, marks where it computes in a narrower float
 than its inputs (precision), canonicalizes it, reads static slices of
 variables as parts of them (variable_parts), marks low-rank adapters'
-kernels (lora), matches layers and the loss,
+kernels (lora), finds the examples' rows (``passes.example_rows``; where the
+batch is known at run time only, from probes, ``passes.shape_probe``, which
+also restores the static shapes such a graph lost), matches layers and the
+loss,
 and records how long each pass took (``timings``, seconds). The graph the
 runtime re-imports has each grouped Conv3D written per group, and NCDHW
 ones as NDHWC (``passes.grouped_conv3d``: TensorFlow's CPU Conv3D has no
@@ -28,6 +31,8 @@ from passes.lora import mark_lora
 from passes.match_layers import LayerMatch, match_layers
 from passes.match_loss import LossMatch, match_loss
 from passes.precision import mark_narrowing
+from passes.batch_flow import static_batch
+from passes.shape_probe import probed_rows, restore_shapes
 from passes.unroll import DEFAULT_MAX_ITERATIONS, unroll_loops
 from passes.variable_parts import mark_parts
 
@@ -51,15 +56,18 @@ def run(traced: frontends.Traced, loss: str | None = None,
     traced = unroll_loops(traced, max_loop_iterations)
     timings["unroll"] = time.perf_counter() - start
     start = time.perf_counter()
+    traced = restore_shapes(traced)
+    timings["shape_probe"] = time.perf_counter() - start
+    start = time.perf_counter()
     g = frontends.to_ir(traced)
     timings["import"] = time.perf_counter() - start
-    for name, step in (("precision", mark_narrowing), ("canonicalize", canonicalize),
-                       ("variable_parts", mark_parts), ("lora", mark_lora)):
-        start = time.perf_counter()
-        g = step(g)
-        timings[name] = time.perf_counter() - start
+    g = _prepared(g, timings)
     start = time.perf_counter()
     rows = graph_rows(g)
+    if static_batch(g) is None:  # the batch known at run time only: rows from probes
+        rows = probed_rows(traced, lambda t: graph_rows(_prepared(frontends.to_ir(t))), g)
+    timings["rows"] = time.perf_counter() - start
+    start = time.perf_counter()
     layers = match_layers(g, rows)
     timings["match_layers"] = time.perf_counter() - start
     if not layers:
@@ -73,6 +81,17 @@ def run(traced: frontends.Traced, loss: str | None = None,
     if graph_def is not traced.graph_def:
         traced = dataclasses.replace(traced, graph_def=graph_def)
     return PassResult(traced, g, layers, loss_match, timings, coupling)
+
+
+def _prepared(g, timings=None):
+    """The IR after the passes that precede matching, each timed."""
+    for name, step in (("precision", mark_narrowing), ("canonicalize", canonicalize),
+                       ("variable_parts", mark_parts), ("lora", mark_lora)):
+        start = time.perf_counter()
+        g = step(g)
+        if timings is not None:
+            timings[name] = time.perf_counter() - start
+    return g
 
 
 def _batch_first_output(g, rows, loss_match, name):

@@ -69,7 +69,8 @@ def _unsupported(attrs, r):
 
 def _split(shape, r):
     """``shape`` read as ``[B, k, ..]`` where it leads with ``k B`` (k > 1)."""
-    if shape and r.per_example > 1 and shape[0] == r.batch * r.per_example:
+    size = None if r.batch is None else r.batch * r.per_example
+    if shape and r.per_example > 1 and shape[0] == size:
         return (r.batch, r.per_example, *shape[1:])
     return shape
 

@@ -1,0 +1,136 @@
+"""Static shapes a graph lost to a run-time batch, recovered by probing it.
+
+A function traced with an input signature whose batch is ``None`` (every
+SavedModel's, ``tf.function(input_signature=...)``) computes its reshapes'
+targets from ``tf.shape`` at run time: Keras's Dense on ``[B, T, d]`` is a
+Tensordot, ``reshape(x, [prod(shape(x)[:-1]), d]) @ W`` reshaped back to
+``concat([shape(x)[:-1], [n]])``. TensorFlow's shape inference folds such
+shape arithmetic only when every size in it is known, so in that graph the
+rows are ``[?, ?]`` and everything after them ``[?, ?, n]``: the pass can
+match no layer on them, and the logits lose their class count.
+
+``restore_shapes(traced)`` imports the graph again with every unknown size
+of its arguments pinned to each of ``PROBES`` in turn (one value for all of
+them at a time, so that sizes the graph checks against each other still
+agree) and keeps, per tensor, the sizes that are the same under every probe
+the graph accepts: those do not depend on the run-time sizes (``T = 6`` in
+``[B, T, d]`` does not; ``6 B`` does). It writes them into the GraphDef as the nodes'
+``_output_shapes``, which TensorFlow's importer merges into what it infers,
+so the pass and the graph the runtime re-imports see them both. A size that
+varies between probes stays unknown. A probe the graph rejects (its shape
+inference fails: a batch split in halves rejects an odd one) is a batch it
+cannot run with, and is left out; with fewer than two probes left (a batch
+fixed by a constant reshape) the graph is left as it was. The probes are
+spread far enough that a size clipped or divided by the batch
+(``min(B, 32)``, ``B // 16``) varies between them, and one is odd, so that
+``reshape(x, [B // 2, -1])``'s second size does.
+
+The examples' rows (``passes.example_rows``: ``[k B, d]`` after
+``reshape(h, [-1, d])``, a mixture of experts' tokens, Swin's windows) are
+read from sizes, so with an unknown batch there are none to follow, and a
+dense layer on such rows would take each row for an example.
+``probed_rows(traced, rows_of, g)`` computes them on the graph with the
+batch pinned to each of ``ROW_PROBES`` and keeps those the probes agree on
+(each example's ``k`` rows on one axis), with the batch unknown.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+PROBES = (8, 24, 64, 13)
+ROW_PROBES = (24, 40)
+
+
+def restore_shapes(traced):
+    """``traced`` with its GraphDef's static shapes completed (module
+    docstring); ``traced`` itself when no argument has an unknown size or no
+    shape gains a size."""
+    from passes import frontends  # frontends imports this module's users
+
+    args = {n.name: n for n in traced.graph_def.node if n.name in set(traced.arguments)}
+    if not any(_unknown_sizes(n) for n in args.values()):
+        return traced
+    base = _shapes(frontends.import_graph(traced)[0])
+    probed = [shapes for shapes in (_probe(frontends, traced, args, p) for p in PROBES)
+              if shapes is not None]
+    if len(probed) < 2:
+        return traced
+    gains = {}
+    for name, shapes in base.items():
+        found = [_agreed(s, [p.get(name, (None,) * len(shapes))[k] for p in probed])
+                 for k, s in enumerate(shapes)]
+        if found != list(shapes):
+            gains[name] = found
+    if not gains:
+        return traced
+    graph_def = type(traced.graph_def)()
+    graph_def.CopyFrom(traced.graph_def)
+    for node in graph_def.node:
+        if node.name in gains:
+            node.attr["_output_shapes"].list.Clear()
+            for shape in gains[node.name]:
+                node.attr["_output_shapes"].list.shape.add().CopyFrom(shape.as_proto())
+    return dataclasses.replace(traced, graph_def=graph_def)
+
+
+def probed_rows(traced, rows_of, g) -> dict:
+    """``{node: Rows}`` of ``g`` (the IR of ``traced``, whose batch is
+    unknown), from ``rows_of`` (a traced graph -> its IR's rows) on
+    ``traced`` pinned to each of ``ROW_PROBES``: the rows every probe finds
+    with the same ``k`` and axis, ``Rows.batch`` None. ``{}`` when no
+    argument has an unknown size or a probe cannot be imported."""
+    args = {n.name: n for n in traced.graph_def.node if n.name in set(traced.arguments)}
+    if not any(_unknown_sizes(n) for n in args.values()):
+        return {}
+    try:
+        found = [rows_of(_pinned(traced, args, p)) for p in ROW_PROBES]
+    except Exception:  # noqa: BLE001 - a probe the graph rejects: no rows, as before
+        return {}
+    first, *rest = found
+    agree = lambda r, o: o is not None and (o.per_example, o.axis) == (r.per_example, r.axis)  # noqa: E731
+    return {node: r._replace(batch=None) for node, r in first.items()
+            if node in g and all(agree(r, o.get(node)) for o in rest)}
+
+
+def _probe(frontends, traced, args, probe):
+    """``_shapes`` of ``traced`` imported with its unknown sizes ``probe``, or
+    None when that import fails: the graph cannot run with such sizes."""
+    try:
+        return _shapes(frontends.import_graph(_pinned(traced, args, probe))[0])
+    except Exception:  # noqa: BLE001 - TensorFlow's shape inference raises many types
+        return None
+
+
+def _unknown_sizes(node) -> bool:
+    shape = node.attr["shape"].shape if "shape" in node.attr else None
+    return shape is not None and (shape.unknown_rank or any(d.size < 0 for d in shape.dim))
+
+
+def _pinned(traced, args, probe):
+    """``traced`` with every unknown size of its arguments set to ``probe``."""
+    graph_def = type(traced.graph_def)()
+    graph_def.CopyFrom(traced.graph_def)
+    for node in graph_def.node:
+        if node.name in args and "shape" in node.attr:
+            for d in node.attr["shape"].shape.dim:
+                if d.size < 0:
+                    d.size = probe
+    return dataclasses.replace(traced, graph_def=graph_def)
+
+
+def _shapes(graph) -> dict:
+    """``{op name: [TensorShape per output]}`` of an imported graph."""
+    return {op.name: [t.shape for t in op.outputs] for op in graph.get_operations()}
+
+
+def _agreed(shape: tf.TensorShape, probed) -> tf.TensorShape:
+    """``shape`` with each unknown size the probes all agree on filled in."""
+    if shape.rank is None or any(p is None or p.rank != shape.rank for p in probed):
+        return shape
+    sizes = []
+    for k, size in enumerate(shape.as_list()):
+        seen = {p[k] for p in probed}
+        sizes.append(size if size is not None or len(seen) != 1 else seen.pop())
+    return tf.TensorShape(sizes)

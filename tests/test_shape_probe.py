@@ -1,0 +1,192 @@
+"""Functions whose batch is known only at run time (``passes/shape_probe.py``).
+
+A SavedModel's functions, and any ``tf.function`` with an input signature,
+leave the batch ``None``. TensorFlow then cannot fold the shape arithmetic
+of Keras's Dense on ``[B, T, d]`` (a Tensordot), and the rows
+``reshape(h, [-1, d])`` have no size to follow. Before, such a model's
+K-FAC step stopped at its first layer on sequences, and ``kfac-rewrite``
+of a Keras transformer at save. Checked in float64 against one-example
+tapes, against the same function traced with a static batch, and through
+the rewritten SavedModel."""
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+from kfac_graph import emit
+from passes import frontends, shape_probe
+from per_example_reference import assert_matches_loop
+
+B, T, D, V = 3, 4, 6, 7
+SIGNATURE = [tf.TensorSpec([None, T], tf.int32), tf.TensorSpec([None, T], tf.int32)]
+
+
+def _tokens(seed=0):
+    rng = np.random.default_rng(seed)
+    return (tf.constant(rng.integers(0, V, (B, T)), tf.int32),
+            tf.constant(rng.integers(0, V, (B, T)), tf.int32))
+
+
+def _sequence_model():
+    keras = pytest.importorskip("keras")
+    keras.config.set_floatx("float64")  # conftest restores the dtypes
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((T,), dtype="int32")
+    h = keras.layers.Embedding(V, D)(ids)
+    h = h + keras.layers.Embedding(T, D)(tf.range(T))
+    h = keras.layers.LayerNormalization()(h + keras.layers.MultiHeadAttention(2, 3)(h, h))
+    h = keras.layers.Dense(8, activation="tanh")(h)
+    return keras.Model(ids, keras.layers.Dense(V)(h))
+
+
+def _per_token_loss(model, masked=False):
+    def loss(x, y):
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x))
+        if not masked:
+            return tf.reduce_mean(ce)
+        mask = tf.cast(tf.not_equal(y, 0), ce.dtype)  # class 0 pads
+        return tf.reduce_sum(ce * mask) / tf.reduce_sum(mask)
+    return loss
+
+
+def test_keras_sequence_model_under_an_input_signature():
+    """Keras Dense layers on sequences are dense layers on ``[B, T, d]``, and
+    the per-token logits keep their class count: per-example gradients equal
+    one-example tapes, and K-FAC steps as on the static trace."""
+    model = _sequence_model()
+    plain = _per_token_loss(model)
+    signed = kg.auto_register(tf.function(plain, input_signature=SIGNATURE))
+    args = _tokens()
+    reg = signed.registration(*args)
+    assert not [layer for layer in reg.layers if layer.kind == "generic"], reg.summary()
+    heads = [layer for layer in reg.layers if layer.kind == "dense"
+             and layer.variables[0].shape[0] in (6, 8) and len(layer.variables[0].shape) == 2]
+    assert [layer.use_attrs[0]["input_shape"] for layer in heads] == [(None, T, D), (None, T, 8)]
+    assert_matches_loop(signed, args)
+    static = kg.auto_register(plain)
+    start = [v.numpy() for v in model.trainable_variables]
+    stepped = []
+    for f in (signed, static):  # the same step from the same start
+        for v, value in zip(model.trainable_variables, start):
+            v.assign(value)
+        kg.KFAC(f, estimation_mode="exact").step(*args)
+        stepped.append([v.numpy() for v in model.trainable_variables])
+    for a, b, s in zip(*stepped, start):
+        np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-12)
+    assert any(not np.allclose(a, s) for a, s in zip(stepped[0], start))
+
+
+def _router_loss():
+    """A mixture of experts' router on ``reshape(x, [-1, d])`` rows, never
+    unflattened before the next layer (``tests/test_flattened_rows.py``)."""
+    rng = np.random.RandomState(0)
+    w = tf.Variable(rng.normal(size=(D, 5)), name="router")
+    head = tf.Variable(rng.normal(size=(D, 2)), name="head")
+
+    def loss(x, y):
+        rows = tf.reshape(x, [-1, D])
+        mixed = rows * tf.reduce_sum(tf.nn.softmax(rows @ w), axis=-1, keepdims=True)
+        pooled = tf.reduce_mean(tf.reshape(mixed, [-1, T, D]), axis=1)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, pooled @ head))
+    x = tf.constant(rng.normal(size=(B, T, D)))
+    return loss, (x, tf.constant([0, 1, 1])), [tf.TensorSpec([None, T, D], tf.float64),
+                                                 tf.TensorSpec([None], tf.int32)]
+
+
+def test_rows_are_followed_under_an_unknown_batch():
+    loss, args, signature = _router_loss()
+    signed = kg.auto_register(tf.function(loss, input_signature=signature))
+    reg = signed.registration(*args)
+    assert reg.layers[0].use_attrs[0]["input_shape"] == (None, T, D), reg.summary()
+    assert_matches_loop(signed, args)
+    static = kg.auto_register(loss)
+    a, b = (kg.FisherEstimator(f, estimation_mode="exact") for f in (signed, static))
+    a.update(*args)
+    b.update(*args)
+    for x, y in zip(a.blocks, b.blocks):
+        np.testing.assert_allclose(x.full_matrix(), y.full_matrix(), rtol=1e-10)
+
+
+def _traced(fn, signature):
+    return frontends.trace(tf.function(fn, input_signature=signature), [])
+
+
+def _shape(traced, name):
+    graph = frontends.import_graph(traced)[0]
+    return graph.get_tensor_by_name(name).shape.as_list()
+
+
+def _rows(x, name):
+    shape = tf.shape(x)  # as Tensordot computes it: products TensorFlow does not fold
+    return tf.reshape(x, tf.stack([tf.reduce_prod(shape[:-1]), tf.reduce_prod(shape[-1:])]),
+                      name=name)
+
+
+def test_only_sizes_that_do_not_depend_on_the_batch_are_restored():
+    def fn(x):
+        halves = tf.reshape(x, tf.stack([tf.shape(x)[0] // 2, -1]), name="halves")
+        return tf.reduce_sum(_rows(x, "rows")) + tf.reduce_sum(halves)
+    traced = _traced(fn, [tf.TensorSpec([None, 4, 6])])
+    assert _shape(traced, "rows:0") == [None, None]
+    restored = shape_probe.restore_shapes(traced)
+    assert _shape(restored, "rows:0") == [None, 6]  # 4 B rows: the batch's multiple stays unknown
+    # B // 2, and 24 B / (B // 2): 48 for an even batch, not for an odd one
+    assert _shape(restored, "halves:0") == [None, None]
+
+
+def test_probes_the_graph_rejects_are_left_out():
+    def halved(x):  # an odd batch cannot be split in halves
+        first, second = tf.split(x, 2)
+        return tf.reduce_sum(_rows(first, "rows") * _rows(second, "rows_2"))
+    restored = shape_probe.restore_shapes(_traced(halved, [tf.TensorSpec([None, 4, 6])]))
+    assert _shape(restored, "rows:0") == [None, 6]
+
+    def fixed(x):  # a batch fixed by a constant reshape: no probe fits
+        return tf.reduce_sum(tf.reshape(x, [2, 3]) * _rows(x, "rows"))
+    traced = _traced(fixed, [tf.TensorSpec([None, 3])])
+    assert shape_probe.restore_shapes(traced) is traced
+    static = _traced(fixed, [tf.TensorSpec([2, 3])])
+    assert shape_probe.restore_shapes(static) is static  # nothing unknown: nothing to probe
+
+
+def test_a_function_a_tape_has_differentiated_registers():
+    """Once a tape differentiates a ``tf.function``, its graph also outputs
+    the intermediates the gradient reads; the loss is still what it returns."""
+    loss, args, signature = _router_loss()
+    fn = tf.function(loss, input_signature=signature)
+    with tf.GradientTape() as tape:
+        value = fn(*args)
+    assert tape.gradient(value, tape.watched_variables())[0] is not None
+    assert len(fn.get_concrete_function().graph.outputs) > 1
+    assert_matches_loop(kg.auto_register(fn), args)
+
+
+class _Saved(tf.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.loss = tf.function(_per_token_loss(model, masked=True), input_signature=SIGNATURE)
+
+
+def test_kfac_rewrite_of_a_keras_sequence_model(tmp_path):
+    """A per-token loss with a padding mask: the rewritten SavedModel's
+    per-example gradients equal those of the function traced in process with
+    a static batch, and its K-FAC steps lower the loss."""
+    model = _sequence_model()
+    tf.saved_model.save(_Saved(model), str(tmp_path / "input"))
+    emit.rewrite_saved_model(str(tmp_path / "input"), "loss", str(tmp_path / "out"))
+    loaded = tf.saved_model.load(str(tmp_path / "out"))
+    args = _tokens(1)
+    static = kg.auto_register(_per_token_loss(model, masked=True))
+    want = {v.name.split(":")[0]: g for v, g in zip(static.registration(*args).variables,
+                                                    kg.per_example_gradients(static, *args))}
+    report = json.loads((tmp_path / "out" / emit.REPORT_PATH).read_text())
+    got = dict(zip(report["variables"], loaded.per_example_gradients(*args)))
+    assert sorted(got) == sorted(want)
+    for name, g in got.items():
+        np.testing.assert_allclose(g, want[name], rtol=1e-8, atol=1e-14, err_msg=name)
+    losses = [float(loaded.kfac_step(*args)) for _ in range(4)]
+    assert losses[-1] < losses[0], losses
