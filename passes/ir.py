@@ -5,7 +5,8 @@ Node attributes (all plain Python values):
 - ``op``: the op type (``"MatMul"``); resource placeholders resolved to a
   variable get ``"Variable"``.
 - ``attrs``: the op's attributes as Python values (strings decoded, lists as
-  tuples); small constants also carry ``value`` (a numpy array).
+  tuples); small constants, and integer ConcatV2 and Pack of constants alone,
+  also carry ``value`` (a numpy array).
 - ``inputs``: the data inputs as tensor names ``"node:index"``, in order. This
   is the source of truth; edges mirror it.
 - ``raw_inputs``: the data inputs as they were before any pass rewired them.
@@ -32,7 +33,13 @@ import networkx as nx
 import numpy as np
 import tensorflow as tf
 
+from passes.static_eval import StaticEvaluator
+
 _MAX_CONST_ELEMENTS = 64
+# integer ops of constants alone whose value ``const_value`` reads: a
+# Tensordot's permutation, ``concat([free, axes])``, in a graph traced with
+# an unknown batch (Python folds it where the shapes are static)
+_FOLDED = frozenset({"ConcatV2", "Pack"})
 # ops computing each output element from the same elements of their inputs
 # (numpy broadcasting)
 ELEMENTWISE = frozenset({
@@ -108,6 +115,7 @@ def from_tf_graph(graph: tf.Graph, arguments: Iterable[str], output: str,
     """
     g = nx.DiGraph(variables=dict(variables), arguments=tuple(arguments),
                    output=output, aliases={}, tensor_shapes={})
+    constants = StaticEvaluator(shapes=False)
     for op in graph.get_operations():
         attrs = {k: _attr_value(op.node_def.attr[k]) for k in op.node_def.attr
                  if not k.startswith("_")}
@@ -124,6 +132,10 @@ def from_tf_graph(graph: tf.Graph, arguments: Iterable[str], output: str,
             n = int(np.prod([d.size for d in tensor.tensor_shape.dim])) if tensor.tensor_shape.dim else 1
             if n <= _MAX_CONST_ELEMENTS:
                 data["value"] = tf.make_ndarray(tensor)
+        elif op.type in _FOLDED and op.outputs[0].dtype in (tf.int32, tf.int64):
+            value = constants.value(op.outputs[0])
+            if value is not None and np.size(value) <= _MAX_CONST_ELEMENTS:
+                data["value"] = value
         if op.name in placeholder_variables:
             key = placeholder_variables[op.name]
             data.update(op="Variable", variable=key, shapes=(variables[key].shape,),

@@ -25,6 +25,13 @@ spread far enough that a size clipped or divided by the batch
 (``min(B, 32)``, ``B // 16``) varies between them, and one is odd, so that
 ``reshape(x, [B // 2, -1])``'s second size does.
 
+Where the batch stays unknown even under a probe (a recurrent layer's
+outputs stacked from a list whose element shape was traced ``[-1, d]``),
+the Tensordot after it still has rows ``[?, ?]``: then each Reshape's
+target is evaluated element by element (``StaticEvaluator.partial``:
+``[prod(shape(x)[:-1]), prod(shape(x)[-1:])]`` is ``[?, d]``), and the
+graph imported again with what that adds, until nothing does.
+
 The examples' rows (``passes.example_rows``: ``[k B, d]`` after
 ``reshape(h, [-1, d])``, a mixture of experts' tokens, Swin's windows) are
 read from sizes, so with an unknown batch there are none to follow, and a
@@ -37,34 +44,78 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
+
+from passes import frontends
+from passes.static_eval import StaticEvaluator
 
 PROBES = (8, 24, 64, 13)
 ROW_PROBES = (24, 40)
+_ROUNDS = 8
 
 
 def restore_shapes(traced):
     """``traced`` with its GraphDef's static shapes completed (module
     docstring); ``traced`` itself when no argument has an unknown size or no
     shape gains a size."""
-    from passes import frontends  # frontends imports this module's users
-
     args = {n.name: n for n in traced.graph_def.node if n.name in set(traced.arguments)}
     if not any(_unknown_sizes(n) for n in args.values()):
         return traced
-    base = _shapes(frontends.import_graph(traced)[0])
-    probed = [shapes for shapes in (_probe(frontends, traced, args, p) for p in PROBES)
+    base = frontends.import_graph(traced)[0]
+    gains = _probe_gains(traced, args, _shapes(base))
+    graph = frontends.import_graph(_annotated(traced, gains))[0] if gains else base
+    for _ in range(_ROUNDS):
+        more = _reshape_gains(graph)
+        if not more:
+            break
+        gains.update(more)
+        graph = frontends.import_graph(_annotated(traced, gains))[0]
+    return _annotated(traced, gains) if gains else traced
+
+
+def _probe_gains(traced, args, base) -> dict:
+    """``{op name: [TensorShape per output]}``: where the probes the graph
+    accepts (at least two) agree on sizes ``base`` does not know."""
+    probed = [shapes for shapes in (_probe(traced, args, p) for p in PROBES)
               if shapes is not None]
     if len(probed) < 2:
-        return traced
+        return {}
     gains = {}
     for name, shapes in base.items():
         found = [_agreed(s, [p.get(name, (None,) * len(shapes))[k] for p in probed])
                  for k, s in enumerate(shapes)]
-        if found != list(shapes):
+        if [f.as_list() if f.rank is not None else None for f in found] != [
+                s.as_list() if s.rank is not None else None for s in shapes]:
             gains[name] = found
-    if not gains:
-        return traced
+    return gains
+
+
+def _reshape_gains(graph) -> dict:
+    """``{op name: [TensorShape]}``: Reshapes whose target has static
+    elements TensorShape inference did not fold (``[prod(shape(x)[:2]),
+    prod(shape(x)[2:])]`` with the batch unknown: the second is static)."""
+    evaluator = StaticEvaluator()
+    gains = {}
+    for op in graph.get_operations():
+        shape = op.outputs[0].shape if op.type == "Reshape" else None
+        if shape is None or shape.is_fully_defined():
+            continue
+        target = evaluator.partial(op.inputs[1])
+        if target is None or np.ndim(target) != 1:
+            continue
+        sizes = [None if v is None or int(v) < 0 else int(v) for v in np.asarray(target).tolist()]
+        try:
+            merged = shape.merge_with(tf.TensorShape(sizes))
+        except ValueError:
+            continue
+        if merged.as_list() != (shape.as_list() if shape.rank is not None else None):
+            gains[op.name] = [merged]
+    return gains
+
+
+def _annotated(traced, gains):
+    """``traced`` with ``gains`` written as its nodes' ``_output_shapes``."""
     graph_def = type(traced.graph_def)()
     graph_def.CopyFrom(traced.graph_def)
     for node in graph_def.node:
@@ -94,7 +145,7 @@ def probed_rows(traced, rows_of, g) -> dict:
             if node in g and all(agree(r, o.get(node)) for o in rest)}
 
 
-def _probe(frontends, traced, args, probe):
+def _probe(traced, args, probe):
     """``_shapes`` of ``traced`` imported with its unknown sizes ``probe``, or
     None when that import fails: the graph cannot run with such sizes."""
     try:

@@ -8,8 +8,10 @@ absent from ``known`` (a dict tensor name -> value), a variable, an op not
 in the table below. The table is data: op type -> a numpy function of the
 op and its inputs' values. ``Shape`` of a partly known shape gives an object
 array with ``None`` for the unknown axes, which only ``StridedSlice``,
-``Pack`` and the identities pass on (``tf.shape(x)[1]`` is static when axis 1
-is). Values are memoised per evaluator.
+``GatherV2``, ``Pack``, ``ConcatV2`` and the identities pass on
+(``tf.shape(x)[1]`` is static when axis 1 is); ``partial(tensor)`` returns
+such a value (a reshape's target whose batch is unknown). Values are
+memoised per evaluator.
 
 ``strided_slice_index`` turns a ``StridedSlice``'s constant operands into a
 numpy index (also used for slices of variables, ``passes.variable_parts``).
@@ -93,6 +95,8 @@ TABLE: Mapping[str, Callable[..., Any]] = {
     "SelectV2": lambda op, c, x, y: np.where(c, x, y),
     "Select": lambda op, c, x, y: np.where(c, x, y),
     "Range": lambda op, start, limit, delta: np.arange(start, limit, delta),
+    "GatherV2": lambda op, x, indices, axis: np.take(x, indices, axis=int(axis)),
+    "ConcatV2": lambda op, *xs: np.concatenate(xs[:-1], axis=int(xs[-1])),
     **{k: _binary(f) for k, f in {
         "AddV2": np.add, "Add": np.add, "Sub": np.subtract, "Mul": np.multiply,
         "FloorDiv": np.floor_divide, "FloorMod": np.mod, "Maximum": np.maximum,
@@ -105,19 +109,29 @@ TABLE: Mapping[str, Callable[..., Any]] = {
     **{k: _reduce(f) for k, f in {"Max": np.max, "Min": np.min, "Sum": np.sum,
                                   "Prod": np.prod, "All": np.all, "Any": np.any}.items()},
 }
-_PARTIAL = frozenset({"Identity", "Snapshot", "StopGradient", "StridedSlice", "Pack"})
+_PARTIAL = frozenset({"Identity", "Snapshot", "StopGradient", "StridedSlice", "Pack",
+                      "GatherV2", "ConcatV2"})
 
 
 class StaticEvaluator:
     """Numpy values of tensors known when tracing (module docstring)."""
 
-    def __init__(self, known: Mapping[str, Any] | None = None):
+    def __init__(self, known: Mapping[str, Any] | None = None, shapes: bool = True):
+        """``shapes``: whether ``Shape``, ``Size`` and ``Rank`` read static
+        shapes (False: constants alone fold)."""
         self._memo: dict[str, Any] = {k: np.asarray(v) for k, v in (known or {}).items()}
+        self._shapes = shapes
 
     def value(self, tensor: tf.Tensor):
         """``tensor``'s numpy value, or None when it is not static."""
         out = self._partial(tensor)
         return None if out is None or _has_unknown(out) else out
+
+    def partial(self, tensor: tf.Tensor):
+        """``tensor``'s value where only some of its elements are static (an
+        object array, None for the others: ``concat([shape(x)[:2], [n]])``
+        of an ``x`` whose batch is unknown), its value when all are, or None."""
+        return self._partial(tensor)
 
     def _partial(self, tensor):
         name = tensor.name
@@ -132,11 +146,14 @@ class StaticEvaluator:
             value = tf.make_ndarray(op.get_attr("value"))
             return value if value.size <= _MAX_ELEMENTS else None
         if op.type in ("Shape", "Size", "Rank"):
-            return _shape_op(op)
+            return _shape_op(op) if self._shapes else None
         fn = TABLE.get(op.type)
         if fn is None or len(op.outputs) != 1:
             return None
         inputs = [self._partial(t) for t in op.inputs]
+        if op.type == "Pack" and all(t.shape.rank == 0 for t in op.inputs):
+            # a scalar not known: one unknown element (a batch-dependent size)
+            inputs = [np.array(None, dtype=object) if x is None else x for x in inputs]
         if any(x is None for x in inputs):
             return None
         if op.type not in _PARTIAL and any(_has_unknown(x) for x in inputs):

@@ -110,6 +110,40 @@ def test_rows_are_followed_under_an_unknown_batch():
         np.testing.assert_allclose(x.full_matrix(), y.full_matrix(), rtol=1e-10)
 
 
+def _windows(keras):
+    """Windows ``[B T / 2, 2, D]`` through a Keras Dense (a Tensordot whose
+    permutation is computed in the graph), then back to ``[B, T, D]``."""
+    dense, head = keras.layers.Dense(D, activation="tanh"), keras.layers.Dense(2)
+    return lambda x: head(tf.reduce_mean(tf.reshape(dense(tf.reshape(x, [-1, 2, D])),
+                                                    [-1, T, D]), axis=1))
+
+
+def _recurrent(keras):
+    """A GRU's sequence (stacked from a list whose element shape was traced
+    with the batch unknown) under a Dense per step, averaged."""
+    gru, head = keras.layers.GRU(5, return_sequences=True), keras.layers.Dense(2)
+    return lambda x: tf.reduce_mean(head(gru(x)), axis=1)
+
+
+@pytest.mark.parametrize("build", [_windows, _recurrent])
+def test_rows_and_sequences_under_an_input_signature(build):
+    keras = pytest.importorskip("keras")
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(1)
+    logits = build(keras)
+    x = tf.constant(np.random.default_rng(2).normal(size=(B, T, D)))
+    args = (x, tf.constant([0, 1, 1]))
+
+    def loss(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits(x)))
+    loss(*args)  # builds the layers
+    signed = kg.auto_register(tf.function(loss, input_signature=[
+        tf.TensorSpec([None, T, D], tf.float64), tf.TensorSpec([None], tf.int32)]))
+    reg = assert_matches_loop(signed, args)
+    assert not [layer for layer in reg.layers if layer.kind == "generic"], reg.summary()
+
+
 def _traced(fn, signature):
     return frontends.trace(tf.function(fn, input_signature=signature), [])
 
@@ -147,7 +181,9 @@ def test_probes_the_graph_rejects_are_left_out():
     def fixed(x):  # a batch fixed by a constant reshape: no probe fits
         return tf.reduce_sum(tf.reshape(x, [2, 3]) * _rows(x, "rows"))
     traced = _traced(fixed, [tf.TensorSpec([None, 3])])
-    assert shape_probe.restore_shapes(traced) is traced
+    assert _shape(traced, "rows:0") == [None, None]
+    # without probes, the rows' target is still read element by element
+    assert _shape(shape_probe.restore_shapes(traced), "rows:0") == [None, 3]
     static = _traced(fixed, [tf.TensorSpec([2, 3])])
     assert shape_probe.restore_shapes(static) is static  # nothing unknown: nothing to probe
 
