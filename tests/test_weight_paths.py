@@ -31,7 +31,7 @@ from per_example_reference import assert_matches_loop, one_example_loop
 B, T, P, D, C = 3, 4, 5, 3, 2
 
 
-def _relative_model(expand, batch):
+def _relative_model(expand, batch, signature=False):
     """``q = x W + b`` and ``k = R W + b`` with the table ``R`` repeated over
     the batch (``expand``), scores ``q_i . k_i`` per example, a linear head."""
     rng = np.random.RandomState(0)
@@ -50,29 +50,32 @@ def _relative_model(expand, batch):
         scores = tf.einsum("btd,bpd->btp", x @ w + b, r @ w + b)
         return tf.reduce_mean(tf.tanh(scores), axis=1) @ head
 
-    @kg.auto_register
     def loss_fn(x, y):
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             y, logits(params, x)))
 
+    if signature:  # the batch known at run time only
+        loss_fn = tf.function(loss_fn, input_signature=[
+            tf.TensorSpec([None, T, D], tf.float64), tf.TensorSpec([None], tf.int32)])
     x = tf.constant(rng.normal(size=(B, T, D)))
-    return loss_fn, logits, params, (x, tf.constant([0, 1, 1]))
+    return kg.auto_register(loss_fn), logits, params, (x, tf.constant([0, 1, 1]))
 
 
 @pytest.mark.parametrize("expand", ["repeat", "tile", "broadcast"])
-@pytest.mark.parametrize("batch", ["static", "dynamic"])
+@pytest.mark.parametrize("batch", ["static", "dynamic", "signature"])
 def test_weights_repeated_over_the_batch_are_a_second_use(expand, batch):
-    size = {"static": lambda x: x.shape[0], "dynamic": lambda x: tf.shape(x)[0]}[batch]
-    loss_fn, logits, params, args = _relative_model(expand, size)
+    size = lambda x: x.shape[0] if batch == "static" else tf.shape(x)[0]  # noqa: E731
+    loss_fn, logits, params, args = _relative_model(expand, size, batch == "signature")
     reg = assert_matches_loop(loss_fn, args)
     kinds = {tuple(v.name.split(":")[0] for v in layer.variables): (layer.kind, layer.uses)
              for layer in reg.layers}
     assert kinds[("w", "b")] == ("dense", 2), reg.summary()
-    # broadcast, or tiled or repeated by a constant, over the batch: a shift
-    # of zeros on its copies (tests/test_tiled_weights.py); else weights
-    # alone, no example axis
-    tiled = expand == "broadcast" or batch == "static"
-    assert kinds[("rel",)][0] == ("scale_and_shift" if tiled else "generic"), reg.summary()
+    # broadcast, tiled or repeated over the batch: a shift of zeros on its
+    # copies (tests/test_tiled_weights.py); traced with a static batch,
+    # tf.shape(x) is a constant, and the multiples packed from it fold. With
+    # the batch known at run time only: weights alone, no example axis
+    assert kinds[("rel",)][0] == ("generic" if batch == "signature" else "scale_and_shift"), \
+        reg.summary()
     rel, w, b, _ = params
     want = brute_fisher(lambda p, x: logits([rel, p[0], p[1], params[3]], x), [w, b],
                         args[0], softmax_fisher)
