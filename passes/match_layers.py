@@ -219,6 +219,10 @@ def _use(g, pattern: Pattern, roles) -> Use:
     if pattern.kind in _CONV_KINDS:
         attrs["kernel_shape"] = whole_kernel(g, roles["w"], ir.shape_of(g, data["raw_inputs"][1]))
         attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))
+        if (pattern.kind not in _TRANSPOSE_KINDS  # (their output's size is checked)
+                and _spatial(attrs["input_shape"], attrs.get("data_format")) is None):
+            attrs["unsupported"] = ("its input's spatial size is known only at run time, and "
+                                    "a convolution's patches need it")
     if pattern.kind in _TRANSPOSE_KINDS:
         attrs.update(_transpose_attrs(g, data, inputs[0]))
     if "s2b" in roles:
@@ -249,8 +253,21 @@ def _channels(shape, data_format):
     unknown): a grouped Conv2D's kernel reads ``channels / groups`` of them."""
     if not shape or len(shape) not in (4, 5):
         return None
+    return shape[1] if _channels_first(data_format) else shape[-1]
+
+
+def _spatial(shape, data_format):
+    """The spatial sizes of a 4-D or 5-D convolution input, None when one is
+    unknown (a sequence whose length is known at run time only)."""
+    if not shape or len(shape) not in (4, 5):
+        return None
+    spatial = shape[2:] if _channels_first(data_format) else shape[1:-1]
+    return None if None in spatial else tuple(spatial)
+
+
+def _channels_first(data_format) -> bool:
     fmt = data_format.decode() if isinstance(data_format, bytes) else (data_format or "NHWC")
-    return shape[1] if fmt.upper().startswith("NC") else shape[-1]
+    return fmt.upper().startswith("NC")
 
 
 def _resolve_conflicts(g, groups, on_path, readers):

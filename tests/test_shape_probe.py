@@ -144,6 +144,32 @@ def test_rows_and_sequences_under_an_input_signature(build):
     assert not [layer for layer in reg.layers if layer.kind == "generic"], reg.summary()
 
 
+def test_a_convolution_over_a_length_known_at_run_time_is_generic():
+    """A Conv1D on sequences of any length: its patches need the length, so
+    it is generic with that reason (it crashed at its first step), and its
+    per-example gradients are still exact."""
+    keras = pytest.importorskip("keras")
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(1)
+    conv, head = keras.layers.Conv1D(3, 2, activation="tanh"), keras.layers.Dense(2)
+
+    def loss(x, y):
+        logits = head(tf.reduce_mean(conv(x), axis=1))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+    args = (tf.constant(np.random.default_rng(2).normal(size=(B, T, D))), tf.constant([0, 1, 1]))
+    loss(*args)
+    signed = kg.auto_register(tf.function(loss, input_signature=[
+        tf.TensorSpec([None, None, D], tf.float64), tf.TensorSpec([None], tf.int32)]))
+    reg = assert_matches_loop(signed, args)
+    generic = [layer for layer in reg.layers if layer.kind == "generic"]
+    assert [v.name.split(":")[0] for layer in generic for v in layer.variables] == [
+        conv.kernel.path]
+    assert "spatial size is known only at run time" in generic[0].reason
+    # its bias, a shift, and the head stay registered
+    assert [layer.kind for layer in reg.layers] == ["generic", "scale_and_shift", "dense"]
+
+
 def _traced(fn, signature):
     return frontends.trace(tf.function(fn, input_signature=signature), [])
 
