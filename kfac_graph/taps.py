@@ -305,11 +305,16 @@ def layer_operands(registration: Registration, taps: LayerTaps, sources) -> list
         if record.operands is None:
             out.append(None)
             continue
-        out.append([record.operands(layer, use,
-                                    in_variable_dtype(layer, taps.inputs[index][use]),
-                                    in_variable_dtype(layer, [grads[index][use]
-                                                              for grads in sources]))
-                    for use in range(layer.uses)])
+        uses = []
+        for use in range(layer.uses):
+            tensors = in_variable_dtype(layer, taps.inputs[index][use])
+            grads = in_variable_dtype(layer, [grads[index][use] for grads in sources])
+            # rows [k B, ..] whose k is known at run time only: the kind reads
+            # them by the batch (``kind.split_rows``)
+            run_time = "run_time_rows" in layer.use_attrs[use]
+            uses.append(record.operands(layer, use, tensors, grads,
+                                        **({"batch": taps.batch_size} if run_time else {})))
+        out.append(uses)
     return out
 
 

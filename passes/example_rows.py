@@ -30,10 +30,12 @@ class Rows(NamedTuple):
     """``B`` examples, ``k`` rows each, along ``axis`` (``k = 1`` on axis 0:
     batch-leading, as the data arguments are; on another axis: the batch
     moved there, a time-major ``[T, B, d]``'s). ``batch`` is None where the
-    graph's batch is known only at run time (``passes.shape_probe``)."""
+    graph's batch is known only at run time (``passes.shape_probe``), and
+    ``per_example`` None where the rows per example are too (tokens of
+    sequences of any length)."""
 
     batch: int | None
-    per_example: int
+    per_example: int | None
     axis: int
 
 

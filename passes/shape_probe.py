@@ -38,7 +38,10 @@ read from sizes, so with an unknown batch there are none to follow, and a
 dense layer on such rows would take each row for an example.
 ``probed_rows(traced, rows_of, g)`` computes them on the graph with the
 batch pinned to each of ``ROW_PROBES`` and keeps those the probes agree on
-(each example's ``k`` rows on one axis), with the batch unknown.
+(each example's ``k`` rows on one axis), with the batch unknown; where the
+probes agree on the axis but not on ``k`` (tokens of sequences of any
+length: ``k = T``, pinned with the batch), ``k`` is known at run time only
+(``Rows.per_example`` None).
 """
 from __future__ import annotations
 
@@ -140,9 +143,16 @@ def probed_rows(traced, rows_of, g) -> dict:
     except Exception:  # noqa: BLE001 - a probe the graph rejects: no rows, as before
         return {}
     first, *rest = found
-    agree = lambda r, o: o is not None and (o.per_example, o.axis) == (r.per_example, r.axis)  # noqa: E731
-    return {node: r._replace(batch=None) for node, r in first.items()
-            if node in g and all(agree(r, o.get(node)) for o in rest)}
+    out = {}
+    for node, r in first.items():
+        others = [o.get(node) for o in rest]
+        if node not in g or any(o is None or o.axis != r.axis for o in others):
+            continue
+        if all(o.per_example == r.per_example for o in others):
+            out[node] = r._replace(batch=None)
+        elif r.per_example > 1 and all(o.per_example > 1 for o in others):
+            out[node] = r._replace(batch=None, per_example=None)  # k varies with the length
+    return out
 
 
 def _probe(traced, args, probe):

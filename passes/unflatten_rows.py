@@ -30,6 +30,10 @@ def unflatten_rows(groups, rows) -> dict:
     - a lookup added over the batch to ``[k B, ..]`` rows: its gradient
       summed over each example's ``k`` rows (``row_groups``);
     - a grouped dense use: ``[G, k B, d]`` read as ``[G, B, k, d]``;
+    - where ``k`` is known at run time only (a sequence of any length), a
+      dense, scale-and-shift or grouped dense use records the rows' axis
+      (``run_time_rows``) and ``None`` for ``B`` and ``k``; other kinds on
+      such rows are unsupported;
     - any other use on rows is unsupported (the variable is generic, with
       the reason): its kind would read the first axis as the examples. With
       ``T = B`` the shapes alone would pass, and its per-example gradients
@@ -53,26 +57,39 @@ def _recorded(kind, attrs, r):
         return _grouped_attrs(attrs, r)
     if r is None or (r.axis == 0 and r.per_example == 1):
         return attrs
+    if r.per_example is None and kind not in ("dense", "scale_and_shift"):
+        return _unsupported(attrs, r)
     if r.axis == 0 and kind in _UNFLATTEN:
         return _UNFLATTEN[kind](attrs, r)
-    if kind == "dense":
+    if kind == "dense" and r.per_example is not None:
         return _dense_batch_moved(attrs, r)
     return _unsupported(attrs, r)
 
 
 def _unsupported(attrs, r):
-    where = (f"holds each example's {r.per_example} rows on its first axis ([k B, ..])"
+    k = "a run-time number of" if r.per_example is None else r.per_example
+    where = (f"holds each example's {k} rows on its first axis ([k B, ..])"
              if r.axis == 0 else f"holds the examples on axis {r.axis}, not the first "
              "(a transposed, time-major tensor)")
     return {**attrs, "unsupported": f"its input {where}, which its kind does not read"}
 
 
 def _split(shape, r):
-    """``shape`` read as ``[B, k, ..]`` where it leads with ``k B`` (k > 1)."""
+    """``shape`` read as ``[B, k, ..]`` where it leads with ``k B`` (k > 1;
+    both unknown where the rows per example are known at run time only)."""
+    if r.per_example is None:
+        return (None, None, *shape[1:]) if shape and shape[0] is None else shape
     size = None if r.batch is None else r.batch * r.per_example
     if shape and r.per_example > 1 and shape[0] == size:
         return (r.batch, r.per_example, *shape[1:])
     return shape
+
+
+def _dynamic(attrs, r, axis=0):
+    """``attrs`` marked, where the rows per example are known at run time
+    only, with the axis that holds them (``run_time_rows``): the runtime
+    reads them as ``[B, -1]`` there, from its batch."""
+    return attrs if r.per_example is not None else {**attrs, "run_time_rows": axis}
 
 
 def _dense_batch_moved(attrs, r):
@@ -90,15 +107,17 @@ def _dense_batch_moved(attrs, r):
 
 
 def _dense_attrs(attrs, r):
+    if r.per_example is None and ("stacked_rows" in attrs or "lora" in attrs):
+        return _unsupported(attrs, r)
     if not attrs.get("input_shape") or "stacked_rows" in attrs:
         return attrs
-    return {**attrs, "input_shape": _split(attrs["input_shape"], r)}
+    return _dynamic({**attrs, "input_shape": _split(attrs["input_shape"], r)}, r)
 
 
 def _scale_shift_attrs(attrs, r):
     out = {**attrs, **{k: _split(attrs.get(k), r) for k in ("input_shape", "output_shape")}}
     out["operand_shapes"] = tuple(_split(s, r) for s in attrs.get("operand_shapes") or ())
-    return out
+    return _dynamic(out, r)
 
 
 def _grouped_attrs(attrs, r):
@@ -110,7 +129,8 @@ def _grouped_attrs(attrs, r):
         return {**attrs, "unsupported": "a grouped dense input [G, N, d] whose rows N do "
                 "not hold the examples' rows in groups"}
     split = lambda s: (s[0], r.batch, r.per_example, s[2])  # noqa: E731
-    return {**attrs, "input_shape": split(shapes[0]), "output_shape": split(shapes[1])}
+    return _dynamic({**attrs, "input_shape": split(shapes[0]), "output_shape": split(shapes[1])},
+                    r, axis=1)
 
 
 def _embedding_attrs(attrs, r):

@@ -89,18 +89,26 @@ def _router_loss():
     def loss(x, y):
         rows = tf.reshape(x, [-1, D])
         mixed = rows * tf.reduce_sum(tf.nn.softmax(rows @ w), axis=-1, keepdims=True)
-        pooled = tf.reduce_mean(tf.reshape(mixed, [-1, T, D]), axis=1)
+        pooled = tf.reduce_mean(tf.reshape(mixed, tf.shape(x)), axis=1)
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, pooled @ head))
     x = tf.constant(rng.normal(size=(B, T, D)))
     return loss, (x, tf.constant([0, 1, 1])), [tf.TensorSpec([None, T, D], tf.float64),
                                                  tf.TensorSpec([None], tf.int32)]
 
 
-def test_rows_are_followed_under_an_unknown_batch():
+@pytest.mark.parametrize("length", ["static", "run time"])
+def test_rows_are_followed_under_an_unknown_batch(length):
+    """The router's rows ``[T B, D]``: read ``[B, T, D]``; with the length
+    known at run time only too, ``[B, k, D]`` with ``k`` from the rows'
+    size and the batch when the step runs."""
     loss, args, signature = _router_loss()
+    if length == "run time":
+        signature = [tf.TensorSpec([None, None, D], tf.float64), signature[1]]
     signed = kg.auto_register(tf.function(loss, input_signature=signature))
     reg = signed.registration(*args)
-    assert reg.layers[0].use_attrs[0]["input_shape"] == (None, T, D), reg.summary()
+    attrs = reg.layers[0].use_attrs[0]
+    assert (attrs["input_shape"], attrs.get("run_time_rows")) == (
+        ((None, T, D), None) if length == "static" else ((None, None, D), 0)), reg.summary()
     assert_matches_loop(signed, args)
     static = kg.auto_register(loss)
     a, b = (kg.FisherEstimator(f, estimation_mode="exact") for f in (signed, static))
@@ -168,6 +176,44 @@ def test_a_convolution_over_a_length_known_at_run_time_is_generic():
     assert "spatial size is known only at run time" in generic[0].reason
     # its bias, a shift, and the head stay registered
     assert [layer.kind for layer in reg.layers] == ["generic", "scale_and_shift", "dense"]
+
+
+def test_experts_on_tokens_of_any_length():
+    """A mixture of experts' layers on ``reshape(x, [-1, d])`` tokens of
+    sequences of any length: every expert's input kernel (a dense layer
+    whose output lays the experts first, ``"td,edm->etm"``) and output
+    kernel (a grouped dense layer, ``"etm,emd->etd"``), a norm on the rows;
+    each reads its rows ``[B, k, ..]`` with ``k`` known when the step runs.
+    Per-example gradients equal one-example tapes at two lengths, and the
+    exact Fisher's blocks equal the static trace's."""
+    rng = np.random.RandomState(4)
+    w_in = tf.Variable(rng.normal(size=(3, D, 4)), name="w_in")
+    w_out = tf.Variable(rng.normal(size=(3, 4, D)), name="w_out")
+    scale = tf.Variable(1.0 + rng.normal(size=(D,)) * 0.1, name="scale")
+    head = tf.Variable(rng.normal(size=(D, 2)), name="head")
+
+    def loss(x, y):
+        rows = tf.reshape(x, [-1, D])
+        experts = tf.einsum("etm,emd->etd", tf.tanh(tf.einsum("td,edm->etm", rows, w_in)), w_out)
+        mixed = tf.reduce_sum(experts, axis=0) * tf.math.rsqrt(
+            tf.reduce_mean(tf.square(rows), axis=-1, keepdims=True) + 1e-3) * scale
+        pooled = tf.reduce_mean(tf.reshape(mixed, tf.shape(x)), axis=1)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, pooled @ head))
+    signed = kg.auto_register(tf.function(loss, input_signature=[
+        tf.TensorSpec([None, None, D], tf.float64), tf.TensorSpec([None], tf.int32)]))
+    for length in (T, T + 3):
+        args = (tf.constant(rng.normal(size=(B, length, D))), tf.constant([0, 1, 1]))
+        reg = assert_matches_loop(signed, args)
+    kinds = {v.name.split(":")[0]: (layer.kind, layer.use_attrs[0].get("run_time_rows"))
+             for layer in reg.layers for v in layer.variables}
+    assert kinds == {"w_in": ("dense", 0), "w_out": ("grouped_dense", 1),
+                     "scale": ("scale_and_shift", 0), "head": ("dense", None)}, reg.summary()
+    static = kg.auto_register(loss)
+    a, b = (kg.FisherEstimator(f, estimation_mode="exact") for f in (signed, static))
+    a.update(*args)
+    b.update(*args)
+    for x, y in zip(a.blocks, b.blocks):
+        np.testing.assert_allclose(x.full_matrix(), y.full_matrix(), rtol=1e-10)
 
 
 def _traced(fn, signature):

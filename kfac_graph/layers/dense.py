@@ -51,7 +51,7 @@ import tensorflow as tf
 from kfac_graph.layers import lora, norms, parts
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers import xla as xla_lib
-from kfac_graph.layers.kind import LayerKind, reshape_like, variable_shapes
+from kfac_graph.layers.kind import LayerKind, reshape_like, split_rows, variable_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +224,7 @@ def spec(layer, use):
                      kernel_perm=tuple(attrs.get("kernel_perm") or ()))
 
 
-def operands(layer, use, tensors, grads):
+def operands(layer, use, tensors, grads, batch=None):
     """`a` reshaped to the op's static input shape (Conv1D's unit axis, which
     the pass saw through), each `g` to the same positions with `d_out`; for a
     multi-axis kernel `a [B, T, d_in]` and `g [B, T, d_out]` (T: all positions);
@@ -244,7 +244,7 @@ def operands(layer, use, tensors, grads):
         a, grads = applied_operands({**attrs, "kernel_in_axes": attrs["lora"]["kernel_in_axes"]},
                                     kernel, tensors[:1], grads)
         return lora.operands(attrs["lora"], a, grads, tensors[1])
-    a, grads = applied_operands(attrs, applied_kernel_shape(layer, use), tensors, grads)
+    a, grads = applied_operands(attrs, applied_kernel_shape(layer, use), tensors, grads, batch)
     box = parts.part(layer, use, 0)
     if box is not None:
         kernel = [int(d) for d in layer.variables[0].shape]
@@ -254,13 +254,16 @@ def operands(layer, use, tensors, grads):
     return a, list(grads)
 
 
-def applied_operands(attrs, kernel_shape, tensors, grads):
+def applied_operands(attrs, kernel_shape, tensors, grads, batch=None):
     """`operands` of a use with attributes `attrs` of a kernel applied in
-    `kernel_shape`, before a part's padding."""
+    `kernel_shape`, before a part's padding. `batch`: the batch, for rows
+    `[k B, ..]` whose `k` is known at run time only (`run_time_rows`)."""
     shape = attrs.get("input_shape")
     rows = attrs.get("stacked_rows")
     if attrs.get("output_perm"):  # an Einsum's output axes, to positions then outputs
         grads = [tf.transpose(g, attrs["output_perm"]) for g in grads]
+    if "run_time_rows" in attrs:
+        tensors, grads = ([split_rows(t, 0, batch) for t in ts] for ts in (tensors, grads))
     if attrs.get("batch_axis"):  # the examples on a later axis (time-major): moved first
         first = lambda t: tf.transpose(t, _first(attrs["batch_axis"], t.shape.rank))  # noqa: E731
         tensors, grads = [first(t) for t in tensors], [first(g) for g in grads]

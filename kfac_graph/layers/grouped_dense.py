@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from kfac_graph.layers import norms
 from kfac_graph.layers import uses as uses_lib
-from kfac_graph.layers.kind import LayerKind, variable_shapes
+from kfac_graph.layers.kind import LayerKind, split_rows, variable_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,18 +83,23 @@ def spec(layer, use):
     return GroupedDenseSpec(variable_shapes(layer)[0], has_bias=len(layer.variables) == 2)
 
 
-def operands(layer, use, tensors, grads):
+def operands(layer, use, tensors, grads, batch=None):
     """`x [G, B k, d_in]` read as the pass recorded it (`input_shape`,
     `[G, B, k, d_in]`) and moved batch first, `[B, G, k, d_in]`; each output
-    gradient likewise (`output_shape`)."""
+    gradient likewise (`output_shape`). Where `k` is known at run time only
+    (`run_time_rows`), the rows are split by `batch`."""
     attrs = layer.use_attrs[use]
-    return (_batch_first(tensors[0], attrs["input_shape"]),
-            [_batch_first(g, attrs["output_shape"]) for g in grads])
+    first = lambda t, shape: (  # noqa: E731
+        _batch_first(split_rows(t, 1, batch) if "run_time_rows" in attrs else t, shape))
+    return (first(tensors[0], attrs["input_shape"]),
+            [first(g, attrs["output_shape"]) for g in grads])
 
 
 def _batch_first(t, shape):
     groups, _, per_example, width = shape
-    return tf.transpose(tf.reshape(t, [groups, -1, per_example, width]), [1, 0, 2, 3])
+    if t.shape.rank != 4:  # (else already [G, B, k, d])
+        t = tf.reshape(t, [groups, -1, per_example, width])
+    return tf.transpose(t, [1, 0, 2, 3])
 
 
 # -- factor statistics (the Kronecker factors' rows) -------------------------------

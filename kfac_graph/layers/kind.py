@@ -51,10 +51,24 @@ class LayerKind:
 
 def reshape_like(tensor: tf.Tensor, shape) -> tf.Tensor:
     """Reshapes to a static op shape whose batch axis may be unknown (only
-    unit axes differ: the pass sees through them)."""
+    unit axes differ: the pass sees through them). With more than one axis
+    unknown (rows read ``[B, k, ..]``, both known at run time only), a tensor
+    of that rank whose sizes agree is returned as it is."""
     if shape is None or tensor.shape.as_list() == list(shape):
         return tensor
+    if (sum(d is None for d in shape) > 1 and tensor.shape.rank == len(shape)
+            and tensor.shape.is_compatible_with(shape)):
+        return tensor
     return tf.reshape(tensor, [-1 if d is None else d for d in shape])
+
+
+def split_rows(t: tf.Tensor, axis: int, batch) -> tf.Tensor:
+    """``t [.., k B, ..]``, whose axis ``axis`` holds each example's ``k``
+    rows in turn, as ``[.., B, k, ..]``: ``k`` from ``t``'s size and the
+    batch ``B`` (a use's ``run_time_rows``: tokens of sequences whose
+    length is known at run time only)."""
+    sizes = [d if d is not None else tf.shape(t)[i] for i, d in enumerate(t.shape.as_list())]
+    return tf.reshape(t, [*sizes[:axis], batch, -1, *sizes[axis + 1:]])
 
 
 def variable_shapes(layer) -> list:

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from kfac_graph.layers import norms, parts
 from kfac_graph.layers import uses as uses_lib
-from kfac_graph.layers.kind import LayerKind, reshape_like, variable_shapes
+from kfac_graph.layers.kind import LayerKind, reshape_like, split_rows, variable_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +85,10 @@ def spec(layer, use):
     return ScaleShiftSpec(scale_shape=shapes[0], has_shift=len(shapes) == 2)
 
 
-def operands(layer, use, tensors, grads):
+def operands(layer, use, tensors, grads, batch=None):
     """`(xhat, [g, ...])` such that the layer computes `xhat * scale + shift`,
-    laid out `[B, ..., *scale_shape]` for the rule and the blocks.
+    laid out `[B, ..., *scale_shape]` for the rule and the blocks (`batch`:
+    the batch, for rows whose count per example is known at run time only).
 
     Each tensor is first read in the shape the matched op read it
     (`operand_shapes`). `xhat` by the use's `normalizer`: `identity`
@@ -105,6 +106,8 @@ def operands(layer, use, tensors, grads):
     of a box of the variable (`parts.py`: a scale or a shift alone, GRU's
     bias rows) reads them as the box's shape, zero-padded to the variable's."""
     attrs = layer.use_attrs[use]
+    if "run_time_rows" in attrs:  # rows [k B, ..], k known at run time only
+        tensors, grads = ([split_rows(t, 0, batch) for t in ts] for ts in (tensors, grads))
     var_shape = variable_shapes(layer)[0]
     box = parts.part(layer, use, 0)
     shape = parts.box_shape(box) if box is not None else var_shape
