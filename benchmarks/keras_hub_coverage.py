@@ -21,6 +21,7 @@ one example's loss reads other examples (``reg.coupling``, ``passes/coupling.py`
 none in these models).
 
     python benchmarks/keras_hub_coverage.py [--models bert,gpt2,...] [--check]
+        [--signature static|batch|length]
 """
 from __future__ import annotations
 
@@ -183,6 +184,10 @@ VISION = {
 }
 flags.DEFINE_list("models", list(BACKBONES) + list(VISION), "Which backbones.")
 flags.DEFINE_bool("check", False, "Also compare per-example gradients with a loop.")
+flags.DEFINE_enum("signature", "static", ["static", "batch", "length"],
+                  "Trace on the batch (static), or under an input signature whose batch "
+                  "(batch), or batch and sequence length (length), are known at run time only, "
+                  "as a SavedModel's functions are.")
 FLAGS = flags.FLAGS
 
 
@@ -202,14 +207,28 @@ def _build_vision(name):
     shape = [S if d is None else d for d in backbone.inputs[0].shape[1:]]
     x = tf.constant(rng.normal(size=(B, *shape)).astype("float32"))
 
-    @kg.auto_register
     def loss_fn(x, y):
         out = backbone(x)
         if isinstance(out, dict):
             out = out.get("sequence_output", list(out.values())[-1])
         pooled = tf.reduce_mean(out, axis=list(range(1, len(out.shape) - 1)))
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, dense(pooled)))
-    return backbone, loss_fn, (x, tf.constant(rng.randint(0, 3, (B,)))), "classifier"
+    args = (x, tf.constant(rng.randint(0, 3, (B,))))
+    return backbone, _registered(loss_fn, args), args, "classifier"
+
+
+def _registered(loss_fn, args):
+    """``loss_fn`` registered as ``--signature`` says: traced on ``args``
+    (``static``), or as a ``tf.function`` whose input signature leaves the
+    batch (``batch``), or the batch and the sequence length (``length``:
+    a text backbone's tokens, ``[None, None]``), unknown until run time."""
+    if FLAGS.signature == "static":
+        return kg.auto_register(loss_fn)
+    unknown = 2 if FLAGS.signature == "length" and args[0].shape.rank == 2 else 1
+    signature = [tf.TensorSpec([None] * min(unknown, a.shape.rank) + a.shape.as_list()[unknown:],
+                               a.dtype)
+                 for a in args]
+    return kg.auto_register(tf.function(loss_fn, input_signature=signature))
 
 
 def build(name):
@@ -239,10 +258,9 @@ def build(name):
             return dense(tf.reduce_mean(out, axis=1))
         y = tf.constant(rng.randint(0, 3, (B,)))
 
-    @kg.auto_register
     def loss_fn(x, y):
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits(x)))
-    return backbone, loss_fn, (x, y), head
+    return backbone, _registered(loss_fn, (x, y)), (x, y), head
 
 
 def loop_error(loss_fn, reg, args) -> float:

@@ -2,7 +2,8 @@
 patterns first, so a dense layer with a bias is claimed before the bare
 MatMul could be, and a normalisation layer before a bare variable Mul;
 the multi-axis dense forms (``passes.patterns_multiaxis``: EinsumDense,
-position embeddings; ``passes.patterns_relative``: relative-position bias
+position embeddings, and ``passes.patterns_position``'s table sliced to a
+run-time length; ``passes.patterns_relative``: relative-position bias
 tables) before them all, and the grouped dense form
 (``passes.patterns_grouped``: a mixture of experts' output projections),
 then the sums of MatMuls that are one dense layer (``passes.patterns_stacked``:
@@ -13,10 +14,12 @@ from __future__ import annotations
 from passes.patterns import DENSE_AND_CONV_PATTERNS, Pattern
 from passes.patterns_grouped import GROUPED_PATTERNS
 from passes.patterns_multiaxis import MULTIAXIS_PATTERNS
+from passes.patterns_position import POSITION_PATTERNS
 from passes.patterns_relative import RELATIVE_PATTERNS
 from passes.patterns_scale_shift import SCALE_SHIFT_PATTERNS
 from passes.patterns_stacked import STACKED_PATTERNS
 
-LAYER_PATTERNS: tuple[Pattern, ...] = (MULTIAXIS_PATTERNS + RELATIVE_PATTERNS + GROUPED_PATTERNS
+LAYER_PATTERNS: tuple[Pattern, ...] = (MULTIAXIS_PATTERNS + POSITION_PATTERNS + RELATIVE_PATTERNS
+                                       + GROUPED_PATTERNS
                                        + STACKED_PATTERNS
                                        + DENSE_AND_CONV_PATTERNS + SCALE_SHIFT_PATTERNS)

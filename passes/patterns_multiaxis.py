@@ -44,6 +44,7 @@ import re
 
 from passes import ir
 from passes.patterns import ADD, ANY, EMBEDDING, VAR, VAR_PART, Op, Pattern, ops, var_shape
+from passes.patterns_position import table_slice_rows
 
 
 def einsum_dense_form(equation: str) -> tuple[int, tuple, tuple] | None:
@@ -284,9 +285,12 @@ POSITION_EMBEDDING = Pattern(
 
 
 
-def slice_rows(g, m) -> tuple[int, int] | None:
+def slice_rows(g, m) -> tuple[int, int | None] | None:
     """``(start, stop)`` of a slice ``w[start:stop]`` (or ``w[None, start:stop]``)
-    of a ``[V, D]`` table, unit strides, every column; else None."""
+    of a ``[V, D]`` table, unit strides, every column; else None. A ``Slice``
+    op's: ``patterns_position.table_slice_rows``."""
+    if g.nodes[m["slice"]]["op"] == "Slice":
+        return table_slice_rows(g, m)
     data = g.nodes[m["slice"]]
     a, w, out = data["attrs"], var_shape(g, m["w"]), _shape(g, m["slice"])
     begin = ir.const_value(g, data["inputs"][1])

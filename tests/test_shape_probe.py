@@ -216,6 +216,41 @@ def test_experts_on_tokens_of_any_length():
         np.testing.assert_allclose(x.full_matrix(), y.full_matrix(), rtol=1e-10)
 
 
+def test_a_position_table_sliced_to_a_run_time_length():
+    """keras-hub's PositionEmbedding on token embeddings of sequences of any
+    length: ``Slice(table, [0, 0], [T, D])`` broadcast over the batch is a
+    lookup of ids ``range(0, T)``, ``T`` read when the step runs (it was
+    generic). Per-example gradients equal one-example tapes at two lengths;
+    the exact Fisher's blocks equal the static trace's."""
+    keras = pytest.importorskip("keras")
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(3)
+    tokens, positions = keras.layers.Embedding(V, D), keras_hub.layers.PositionEmbedding(8)
+    head = keras.layers.Dense(V)
+
+    def loss(x, y):
+        h = tokens(x)
+        logits = head(tf.tanh(h + positions(h)))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+    signed = kg.auto_register(tf.function(loss, input_signature=[
+        tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None], tf.int32)]))
+    rng = np.random.default_rng(4)
+    for length in (T, T + 3):
+        args = tuple(tf.constant(rng.integers(0, V, (B, length)), tf.int32) for _ in range(2))
+        reg = assert_matches_loop(signed, args)
+    layer = next(layer for layer in reg.layers if layer.variables[0] is positions.weights[0].value)
+    assert (layer.kind, layer.use_attrs[0]["row_range"]) == ("embedding", (0, None))
+    assert not [layer for layer in reg.layers if layer.kind == "generic"], reg.summary()
+    static = kg.auto_register(loss)
+    a, b = (kg.FisherEstimator(f, estimation_mode="exact") for f in (signed, static))
+    a.update(*args)
+    b.update(*args)
+    for x, y in zip(a.blocks, b.blocks):
+        np.testing.assert_allclose(x.full_matrix(), y.full_matrix(), rtol=1e-10)
+
+
 def _traced(fn, signature):
     return frontends.trace(tf.function(fn, input_signature=signature), [])
 

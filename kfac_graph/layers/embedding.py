@@ -177,7 +177,10 @@ def operands(layer, use, tensors, grads):
         grads = [tf.reduce_sum(tf.reshape(g, [-1, k, *g.shape[1:]]), axis=1) for g in grads]
     if attrs.get("grad_perm"):  # a transposed lookup's gradient, back in its layout
         grads = [tf.transpose(g, attrs["grad_perm"]) for g in grads]
-    ids = tf.range(*attrs["row_range"]) if attrs.get("row_range") else tensors[0]
+    ids = tensors[0]
+    if attrs.get("row_range"):  # table rows start..stop; stop None: as many as g has positions
+        start, stop = attrs["row_range"]
+        ids = tf.range(start, start + tf.shape(grads[0])[-2] if stop is None else stop)
     if attrs.get("ids_broadcast"):
         if ids.shape.rank == grads[0].shape.rank - 1:  # [1, T]: the unit axis is the batch's
             ids = tf.reshape(ids, tf.shape(ids)[1:])
