@@ -186,8 +186,8 @@ def _bias_ok(g, m, out_role) -> bool:
     (or with its unit axes squeezed: Keras adds a ``[1, n]`` bias as ``[n]``)."""
     k = kernel_in_axes(g, m)
     bias, out, before = var_shape(g, m["b"]), _shape(g, m["add"]), _shape(g, m[out_role])
-    if k is not None and output_perm(g, m) is not None and bias and out and None not in out:
-        return _permuted_bias_ok(g, m, k, bias, out)
+    if k is not None and output_perm(g, m) is not None and bias and out:
+        return _permuted_bias_ok(g, m, k, bias, out)  # (positions may be known at run time only)
     if (k is None or output_perm(g, m) is not None or not bias or out is None or before is None
             or len(bias) >= len(out)):
         return False

@@ -183,18 +183,21 @@ def test_experts_on_tokens_of_any_length():
     sequences of any length: every expert's input kernel (a dense layer
     whose output lays the experts first, ``"td,edm->etm"``) and output
     kernel (a grouped dense layer, ``"etm,emd->etd"``), a norm on the rows;
+    the input kernels' bias ``b[:, None, :]`` (GPT-OSS's) is their layer's;
     each reads its rows ``[B, k, ..]`` with ``k`` known when the step runs.
     Per-example gradients equal one-example tapes at two lengths, and the
     exact Fisher's blocks equal the static trace's."""
     rng = np.random.RandomState(4)
     w_in = tf.Variable(rng.normal(size=(3, D, 4)), name="w_in")
+    b_in = tf.Variable(rng.normal(size=(3, 4)), name="b_in")
     w_out = tf.Variable(rng.normal(size=(3, 4, D)), name="w_out")
     scale = tf.Variable(1.0 + rng.normal(size=(D,)) * 0.1, name="scale")
     head = tf.Variable(rng.normal(size=(D, 2)), name="head")
 
     def loss(x, y):
         rows = tf.reshape(x, [-1, D])
-        experts = tf.einsum("etm,emd->etd", tf.tanh(tf.einsum("td,edm->etm", rows, w_in)), w_out)
+        hidden = tf.tanh(tf.einsum("td,edm->etm", rows, w_in) + b_in[:, None, :])
+        experts = tf.einsum("etm,emd->etd", hidden, w_out)
         mixed = tf.reduce_sum(experts, axis=0) * tf.math.rsqrt(
             tf.reduce_mean(tf.square(rows), axis=-1, keepdims=True) + 1e-3) * scale
         pooled = tf.reduce_mean(tf.reshape(mixed, tf.shape(x)), axis=1)
@@ -206,7 +209,7 @@ def test_experts_on_tokens_of_any_length():
         reg = assert_matches_loop(signed, args)
     kinds = {v.name.split(":")[0]: (layer.kind, layer.use_attrs[0].get("run_time_rows"))
              for layer in reg.layers for v in layer.variables}
-    assert kinds == {"w_in": ("dense", 0), "w_out": ("grouped_dense", 1),
+    assert kinds == {"w_in": ("dense", 0), "b_in": ("dense", 0), "w_out": ("grouped_dense", 1),
                      "scale": ("scale_and_shift", 0), "head": ("dense", None)}, reg.summary()
     static = kg.auto_register(loss)
     a, b = (kg.FisherEstimator(f, estimation_mode="exact") for f in (signed, static))
