@@ -31,7 +31,9 @@ class Traced:
     ``objects`` maps keys to the ``tf.Variable`` objects where known.
     ``unrolled_loops``: loop name -> its trip count, for the loops
     ``passes.unroll`` copied out; ``kept_loops``: loop name -> why it was
-    not unrolled.
+    not unrolled. ``batch_axes``: op name -> the axes of its output that
+    hold the batch, where the batch is known at run time only
+    (``passes.shape_probe``).
     """
     graph_def: Any
     arguments: tuple[str, ...]
@@ -42,6 +44,7 @@ class Traced:
     name: str = "fn"
     kept_loops: dict = dataclasses.field(default_factory=dict)
     unrolled_loops: dict = dataclasses.field(default_factory=dict)
+    batch_axes: dict = dataclasses.field(default_factory=dict)
 
 
 def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) -> Traced:
@@ -226,6 +229,7 @@ def to_ir(traced: Traced) -> nx.DiGraph:
     graph, holders = import_graph(traced)
     g = ir.from_tf_graph(graph, traced.arguments, traced.output, traced.variables, holders)
     g.graph["loops"] = dict(traced.kept_loops)
+    g.graph["batch_axes"] = dict(traced.batch_axes)
     return g
 
 

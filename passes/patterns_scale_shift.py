@@ -181,11 +181,21 @@ def _over_the_batch(g, m) -> bool:
     if read is not None and out and d["op"] == "BroadcastTo":  # numpy: leading axes added
         read = (1,) * (len(out) - len(read)) + tuple(read)
     lead = tiled_axis(g, m["tile"])
-    if (not out or None in out or lead is None or out[lead] != static_batch(g)
+    if (not out or lead is None or lead >= len(out) or not _batch_sized(g, m["tile"], out, lead)
             or read is None or len(read) != len(out)
             or any(r != 1 for r in read[:lead + 1]) or any(o != 1 for o in out[:lead])):
         return False
     return d["op"] == "Tile" or all(r in (1, o) for r, o in zip(read, out))
+
+
+def _batch_sized(g, node, out, axis) -> bool:
+    """``node``'s output axis ``axis`` has the batch's size: the static batch,
+    or, where that is known at run time only, an axis the probes found
+    holding it (``passes.shape_probe``)."""
+    batch = static_batch(g)
+    if batch is not None:
+        return None not in out and out[axis] == batch
+    return axis in g.graph.get("batch_axes", {}).get(node, ())
 
 
 def tiled_axis(g, node) -> int | None:
@@ -195,10 +205,27 @@ def tiled_axis(g, node) -> int | None:
     if d["op"] == "BroadcastTo":
         return 0
     times = evaluate(g, d["inputs"][1]) if d["op"] == "Tile" else None
+    if times is None and d["op"] == "Tile":  # the batch known at run time only
+        return _run_time_tiled_axis(g, node)
     if times is None:
         return None
     tiled = [i for i, k in enumerate(times) if int(k) != 1]
     return tiled[0] if len(tiled) == 1 else 0 if not tiled else None
+
+
+def _run_time_tiled_axis(g, node) -> int | None:
+    """The axis a Tile whose multiples are packed from scalars copies along,
+    where one multiple, on an axis that holds the batch
+    (``passes.shape_probe``), is known at run time only and the others are 1."""
+    multiples = g.nodes[ir.split_tensor(g.nodes[node]["inputs"][1])[0]]
+    if multiples["op"] != "Pack":
+        return None
+    times = [evaluate(g, t) for t in multiples["inputs"]]
+    unknown = [i for i, t in enumerate(times) if t is None]
+    if (len(unknown) != 1 or any(int(t) != 1 for t in times if t is not None)
+            or unknown[0] not in g.graph.get("batch_axes", {}).get(node, ())):
+        return None
+    return unknown[0]
 
 
 # A variable tiled or broadcast over the batch (a ViT's class and register

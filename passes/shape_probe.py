@@ -55,6 +55,7 @@ from passes.static_eval import StaticEvaluator
 
 PROBES = (8, 24, 64, 13)
 ROW_PROBES = (24, 40)
+BATCH_PROBE = 29
 _ROUNDS = 8
 
 
@@ -74,7 +75,37 @@ def restore_shapes(traced):
             break
         gains.update(more)
         graph = frontends.import_graph(_annotated(traced, gains))[0]
-    return _annotated(traced, gains) if gains else traced
+    restored = _annotated(traced, gains) if gains else traced
+    return dataclasses.replace(restored, batch_axes=_batch_axes(restored, args, _shapes(graph)))
+
+
+def _batch_axes(traced, args, shapes) -> dict:
+    """``{op name: axes}``: the unknown sizes of ``shapes`` that are the
+    batch's, found by pinning the arguments' first axes to ``BATCH_PROBE``
+    and their other unknown sizes to ``PROBES[0]``: a size that is then
+    ``BATCH_PROBE`` (a prime no product of the others makes) is the batch.
+    ``{}`` when the graph rejects that probe (an argument without the batch
+    first)."""
+    graph_def = type(traced.graph_def)()
+    graph_def.CopyFrom(traced.graph_def)
+    for node in graph_def.node:
+        if node.name in args and "shape" in node.attr:
+            for i, d in enumerate(node.attr["shape"].shape.dim):
+                if d.size < 0:
+                    d.size = BATCH_PROBE if i == 0 else PROBES[0]
+    probed = _probe(dataclasses.replace(traced, graph_def=graph_def), {}, None)
+    if probed is None:
+        return {}
+    out = {}
+    for name, base in shapes.items():  # (each op's first output)
+        pinned = probed.get(name)
+        if not base or not pinned or base[0].rank is None or pinned[0].rank != base[0].rank:
+            continue
+        axes = tuple(i for i, (d, p) in enumerate(zip(base[0].as_list(), pinned[0].as_list()))
+                     if d is None and p == BATCH_PROBE)
+        if axes:
+            out[name] = axes
+    return out
 
 
 def _probe_gains(traced, args, base) -> dict:
@@ -156,10 +187,12 @@ def probed_rows(traced, rows_of, g) -> dict:
 
 
 def _probe(traced, args, probe):
-    """``_shapes`` of ``traced`` imported with its unknown sizes ``probe``, or
-    None when that import fails: the graph cannot run with such sizes."""
+    """``_shapes`` of ``traced`` imported with its unknown sizes ``probe``
+    (``probe`` None: as pinned already), or None when that import fails:
+    the graph cannot run with such sizes."""
     try:
-        return _shapes(frontends.import_graph(_pinned(traced, args, probe))[0])
+        pinned = traced if probe is None else _pinned(traced, args, probe)
+        return _shapes(frontends.import_graph(pinned)[0])
     except Exception:  # noqa: BLE001 - TensorFlow's shape inference raises many types
         return None
 

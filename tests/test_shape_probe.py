@@ -254,6 +254,35 @@ def test_a_position_table_sliced_to_a_run_time_length():
         np.testing.assert_allclose(x.full_matrix(), y.full_matrix(), rtol=1e-10)
 
 
+@pytest.mark.parametrize("form", ["tile", "broadcast", "tile over the length"])
+def test_a_token_copied_over_a_run_time_batch(form):
+    """A class token tiled or broadcast over a batch known at run time only
+    (a ViT's, GPT-OSS's attention sinks) is a shift of zeros on its copies,
+    as with a static batch: the probes find the axis that holds the batch
+    (``batch_axes``). One tiled over the sequence's length instead is no
+    such shift, though its size is unknown too."""
+    rng = np.random.RandomState(5)
+    token = tf.Variable(rng.normal(size=(1, 1, D)), name="token")
+    head = tf.Variable(rng.normal(size=(D, 2)), name="head")
+
+    def loss(x, y):
+        n, length = tf.shape(x)[0], tf.shape(x)[1]
+        copies = {"tile": lambda: tf.tile(token, [n, 1, 1]),
+                  "broadcast": lambda: tf.broadcast_to(token, [n, 1, D]),
+                  "tile over the length": lambda: tf.tile(token[0], [length, 1])[None]}[form]()
+        h = tf.tanh(tf.concat([copies, x], axis=1) if form != "tile over the length" else
+                    x + copies)
+        logits = tf.reduce_mean(h, axis=1) @ head
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+    signed = kg.auto_register(tf.function(loss, input_signature=[
+        tf.TensorSpec([None, None, D], tf.float64), tf.TensorSpec([None], tf.int32)]))
+    args = (tf.constant(rng.normal(size=(B, T, D))), tf.constant([0, 1, 1]))
+    reg = assert_matches_loop(signed, args)
+    kind = next(layer.kind for layer in reg.layers if layer.variables[0] is token)
+    assert kind == ("generic" if form == "tile over the length" else "scale_and_shift"), \
+        reg.summary()
+
+
 def _traced(fn, signature):
     return frontends.trace(tf.function(fn, input_signature=signature), [])
 

@@ -72,10 +72,9 @@ def test_weights_repeated_over_the_batch_are_a_second_use(expand, batch):
     assert kinds[("w", "b")] == ("dense", 2), reg.summary()
     # broadcast, tiled or repeated over the batch: a shift of zeros on its
     # copies (tests/test_tiled_weights.py); traced with a static batch,
-    # tf.shape(x) is a constant, and the multiples packed from it fold. With
-    # the batch known at run time only: weights alone, no example axis
-    assert kinds[("rel",)][0] == ("generic" if batch == "signature" else "scale_and_shift"), \
-        reg.summary()
+    # tf.shape(x) is a constant, and the multiples packed from it fold; with
+    # the batch known at run time only, the probes find the axis holding it
+    assert kinds[("rel",)][0] == "scale_and_shift", reg.summary()
     rel, w, b, _ = params
     want = brute_fisher(lambda p, x: logits([rel, p[0], p[1], params[3]], x), [w, b],
                         args[0], softmax_fisher)
