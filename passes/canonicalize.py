@@ -34,7 +34,7 @@ _ELEMENTWISE = frozenset({"Mul", "Add", "AddV2", "Sub"})
 def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
     g = graph.copy()
     g.graph["aliases"] = dict(graph.graph["aliases"])
-    data_nodes = ir.reachable_from(g, g.graph["arguments"])
+    data_nodes = ir.value_dependents(g, g.graph["arguments"])
     for node in list(nx.topological_sort(g)):
         data = g.nodes[node]
         op = data["op"]
@@ -68,9 +68,10 @@ def _only_unit_axes(g: nx.DiGraph, node: str, on_data: bool) -> bool:
     """True when input and output shapes agree once unit axes are dropped.
 
     Unknown dimensions must line up one to one (a ``None`` batch axis kept in
-    place); an unknown rank is never transparent. On data, the leading
-    (batch) axis must stay put: a batch of one reshaped away is not a unit
-    axis."""
+    place; an ExpandDims keeps them all); an unknown rank is never
+    transparent. On data (values computed from the arguments', not from
+    their sizes alone), the leading (batch) axis must stay put: a batch of
+    one reshaped away is not a unit axis."""
     before = ir.shape_of(g, g.nodes[node]["inputs"][0])
     after = g.nodes[node]["shapes"][0]
     if before is None or after is None:
@@ -78,6 +79,8 @@ def _only_unit_axes(g: nx.DiGraph, node: str, on_data: bool) -> bool:
     if on_data and (not before or not after or before[0] != after[0]):
         return False
     squeeze = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
+    if g.nodes[node]["op"] == "ExpandDims":  # one unit axis added, the others kept in order
+        return len(after) == len(before) + 1 and squeeze(before) == squeeze(after)
     return squeeze(before) == squeeze(after) and sum(d is None for d in before) <= 1
 
 

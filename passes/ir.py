@@ -271,6 +271,20 @@ def reachable_from(g: nx.DiGraph, sources: Iterable[str]) -> set[str]:
     return seen
 
 
+def value_dependents(g: nx.DiGraph, sources: Iterable[str]) -> set[str]:
+    """``reachable_from`` without going through ``Shape``, ``Size`` and
+    ``Rank``: the nodes whose values depend on the sources' values, not on
+    their sizes alone (``range(T)`` from ``tf.shape(x)`` carries no example)."""
+    seen = {s for s in sources if s in g}
+    stack = list(seen)
+    while stack:
+        for nxt in g.successors(stack.pop()):
+            if nxt not in seen and g.nodes[nxt]["op"] not in ("Shape", "Size", "Rank"):
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
 def real_tensor(g: nx.DiGraph, tensor: str) -> str:
     """A tensor of the original graph that carries ``tensor``'s value: the
     tensor itself, or for a variable holder (which the front end made up)

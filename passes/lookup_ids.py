@@ -23,16 +23,21 @@ def ids_without_batch(g, groups, data):
     leading axis has the batch's size are per example only where the
     lookup meets the data elementwise, its leading axis on the data's (a
     relative-position table looked up on a ``[q, k]`` grid with ``q = B``
-    and contracted with the queries is no such lookup)."""
+    and contracted with the queries is no such lookup). Where the batch is
+    known at run time only, ids computed from the data's sizes (``range(T)``
+    from ``tf.shape``) depend on the arguments too: their first axis must
+    be one the probes found holding the batch (``passes.shape_probe``)."""
     batch_sizes = {shape[0] for shape in (
         (g.nodes[a]["shapes"] or [None])[0] for a in g.graph["arguments"]) if shape}
+
+    batch_axes = g.graph.get("batch_axes")  # the batch known at run time only
 
     def has_example_axis(use):
         if use.attrs.get("ids_broadcast"):
             return True
         ids = ir.resolve(g, use.inputs[0])
-        if ir.split_tensor(ids)[0] in data:
-            return True
+        if ir.split_tensor(ids)[0] in data:  # (data, or sizes read from it: probed)
+            return not batch_axes or 0 in batch_axes.get(ir.split_tensor(ids)[0], ())
         shape = ir.shape_of(g, ids)
         return (bool(shape) and len(shape) >= 2 and shape[0] in batch_sizes
                 and _meets_data_on_batch(g, ir.split_tensor(use.output)[0], data))

@@ -30,15 +30,23 @@ def grad_perm(g, m) -> tuple | None:
 
 
 def _added_over_the_batch(g, m) -> bool:
-    """The transposed lookup ``[*P]`` (fully known) is added to a ``[B, *P]``
-    activation that is not itself."""
+    """The transposed lookup ``[*P]`` is added to a ``[B, *P]`` activation
+    that is not itself."""
     perm = lookup_perm(g, m)
     rows = (g.nodes[m["op"]]["shapes"] or [None])[0]
     out = (g.nodes[m["add"]]["shapes"] or [None])[0]
-    if (not EMBEDDING.check(g, m) or perm is None or not rows or None in rows or not out
-            or sorted(perm) != list(range(len(rows))) or m["x"] == m["perm"]):
+    if (not EMBEDDING.check(g, m) or perm is None or not rows or not out
+            or sorted(perm) != list(range(len(rows))) or m["x"] == m["perm"]
+            or len(out) != len(rows) + 1):
         return False
-    return tuple(out[1:]) == tuple(rows[p] for p in perm)
+    if None not in rows:
+        return tuple(out[1:]) == tuple(rows[p] for p in perm)
+    # sizes known at run time only (T5's [q, k] under a [None, None] signature): the
+    # probes say the sum leads with the batch and the lookup holds no batch axis
+    axes = g.graph.get("batch_axes", {})
+    return (0 in axes.get(m["add"], ()) and not axes.get(m["op"])
+            and all(a is None or b is None or a == b
+                    for a, b in zip(out[1:], (rows[p] for p in perm))))
 
 
 RELATIVE_POSITION_BIAS = Pattern(

@@ -283,6 +283,33 @@ def test_a_token_copied_over_a_run_time_batch(form):
         reg.summary()
 
 
+def test_a_relative_position_table_under_a_run_time_length():
+    """T5's relative-position bias on sequences of any length: ids from
+    ``range(T)`` (read from ``tf.shape``, so computed from the data's sizes
+    alone), looked up, transposed and expanded, added to every example's
+    scores. A lookup added over the batch (it was taken for one whose ids
+    lead with the examples, and stopped at its first step)."""
+    rng = np.random.RandomState(6)
+    table = tf.Variable(rng.normal(size=(2 * 8 - 1, 2)), name="table")
+    head = tf.Variable(rng.normal(size=(2, 2)), name="head")
+
+    def loss(x, y):
+        positions = tf.range(tf.shape(x)[1])
+        ids = positions[None, :] - positions[:, None] + 7  # [q, k]
+        bias = tf.expand_dims(tf.transpose(tf.gather(table, ids), [2, 0, 1]), 0)
+        scores = tf.einsum("bqd,bkd->bqk", x, x)[:, None] + bias  # [B, 2, q, k]
+        pooled = tf.reduce_mean(tf.nn.softmax(scores, axis=-1), axis=[2, 3])
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, pooled @ head))
+    signed = kg.auto_register(tf.function(loss, input_signature=[
+        tf.TensorSpec([None, None, D], tf.float64), tf.TensorSpec([None], tf.int32)]))
+    for length in (T, T + 2):
+        args = (tf.constant(rng.normal(size=(B, length, D))), tf.constant([0, 1, 1]))
+        reg = assert_matches_loop(signed, args)
+    layer = next(layer for layer in reg.layers if layer.variables[0] is table)
+    assert (layer.kind, layer.use_attrs[0].get("ids_broadcast")) == ("embedding", True), \
+        reg.summary()
+
+
 def _traced(fn, signature):
     return frontends.trace(tf.function(fn, input_signature=signature), [])
 
