@@ -79,8 +79,8 @@ def _only_unit_axes(g: nx.DiGraph, node: str, on_data: bool) -> bool:
     if on_data and (not before or not after or before[0] != after[0]):
         return False
     squeeze = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
-    if g.nodes[node]["op"] == "ExpandDims":  # one unit axis added, the others kept in order
-        return len(after) == len(before) + 1 and squeeze(before) == squeeze(after)
+    if g.nodes[node]["op"] == "ExpandDims":  # unit axes added, the others kept in order
+        return squeeze(before) == squeeze(after)
     return squeeze(before) == squeeze(after) and sum(d is None for d in before) <= 1
 
 
