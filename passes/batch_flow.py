@@ -78,3 +78,9 @@ def static_batch(g):
     (None when none has)."""
     return next((s[0] for a in g.graph["arguments"] if a in g
                  for s in g.nodes[a]["shapes"][:1] if s and s[0] is not None), None)
+
+
+def run_time_batch_axes(g, node) -> tuple:
+    """The axes of ``node``'s output that hold the batch, where the batch is
+    known at run time only (found by ``passes.shape_probe``; ``()`` else)."""
+    return tuple(g.graph.get("batch_axes", {}).get(node, ()))

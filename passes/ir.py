@@ -271,6 +271,11 @@ def reachable_from(g: nx.DiGraph, sources: Iterable[str]) -> set[str]:
     return seen
 
 
+def same_shape(a, b) -> bool:
+    """Static shapes equal, an unknown size matching any."""
+    return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b))
+
+
 def value_dependents(g: nx.DiGraph, sources: Iterable[str]) -> set[str]:
     """``reachable_from`` without going through ``Shape``, ``Size`` and
     ``Rank``: the nodes whose values depend on the sources' values, not on

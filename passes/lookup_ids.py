@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from passes import ir
+from passes.batch_flow import run_time_batch_axes
 from passes.patterns_relative import grad_perm
 
 
@@ -30,14 +31,14 @@ def ids_without_batch(g, groups, data):
     batch_sizes = {shape[0] for shape in (
         (g.nodes[a]["shapes"] or [None])[0] for a in g.graph["arguments"]) if shape}
 
-    batch_axes = g.graph.get("batch_axes")  # the batch known at run time only
+    probed = bool(g.graph.get("batch_axes"))  # the batch known at run time only, probed
 
     def has_example_axis(use):
         if use.attrs.get("ids_broadcast"):
             return True
         ids = ir.resolve(g, use.inputs[0])
         if ir.split_tensor(ids)[0] in data:  # (data, or sizes read from it: probed)
-            return not batch_axes or 0 in batch_axes.get(ir.split_tensor(ids)[0], ())
+            return not probed or 0 in run_time_batch_axes(g, ir.split_tensor(ids)[0])
         shape = ir.shape_of(g, ids)
         return (bool(shape) and len(shape) >= 2 and shape[0] in batch_sizes
                 and _meets_data_on_batch(g, ir.split_tensor(use.output)[0], data))

@@ -87,11 +87,6 @@ def _shape(g, node, index=0):
     return shapes[index] if shapes and index < len(shapes) else None
 
 
-def _same(a, b) -> bool:
-    """Static shapes equal, an unknown dimension matching any."""
-    return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b))
-
-
 def _einsum_form(g, m):
     """``einsum_dense_form`` of a matched Einsum with a kernel of rank > 2, else None."""
     data = g.nodes[m["op"]]
@@ -178,7 +173,7 @@ def _unflat_ok(g, m) -> bool:
     if k is None or before is None or after is None:
         return False
     out = kernel_shape(g, m)[k:]
-    return _same(after, (*before[:-1], *out))
+    return ir.same_shape(after, (*before[:-1], *out))
 
 
 def _bias_ok(g, m, out_role) -> bool:
@@ -193,7 +188,7 @@ def _bias_ok(g, m, out_role) -> bool:
         return False
     if None in out[1:] + before[1:] or math.prod(out[1:]) != math.prod(before[1:]):
         return False  # the sum is no wider than the projection (unit axes aside)
-    if math.prod(bias) != math.prod(kernel_shape(g, m)[k:]) or not _same(out[-len(bias):], bias):
+    if math.prod(bias) != math.prod(kernel_shape(g, m)[k:]) or not ir.same_shape(out[-len(bias):], bias):
         return False
     add = g.nodes[m["add"]]
     if str(add["attrs"].get("data_format", "NHWC")).strip("b'").startswith("NC"):
@@ -202,7 +197,7 @@ def _bias_ok(g, m, out_role) -> bool:
     shape = ir.shape_of(g, raw[0]) if raw else None
     squeeze = lambda dims: tuple(d for d in dims if d != 1)
     return (shape is not None and squeeze(shape) == squeeze(bias) and len(shape) <= len(out)
-            and _same(out[len(out) - len(shape):], tuple(shape)))
+            and ir.same_shape(out[len(out) - len(shape):], tuple(shape)))
 
 
 def _permuted_bias_ok(g, m, k, bias, out) -> bool:
@@ -273,7 +268,7 @@ def _broadcast_over_batch(g, m) -> bool:
     if rows is not None and out is not None and len(rows) == len(out) >= 3 and rows[0] == 1:
         rows = rows[1:]
     return (EMBEDDING.check(g, m) and m["x"] != m["op"] and rows is not None and out is not None
-            and len(out) == len(rows) + 1 and _same(out[1:], rows))
+            and len(out) == len(rows) + 1 and ir.same_shape(out[1:], rows))
 
 
 POSITION_EMBEDDING = Pattern(
@@ -311,7 +306,7 @@ def slice_rows(g, m) -> tuple[int, int | None] | None:
 def _slice_broadcast(g, m) -> bool:
     rows, out = slice_rows(g, m), _shape(g, m["add"])
     return (rows is not None and out is not None and len(out) == 3 and m["x"] != m["slice"]
-            and _same(out[1:], (rows[1] - rows[0], var_shape(g, m["w"])[1])))
+            and ir.same_shape(out[1:], (rows[1] - rows[0], var_shape(g, m["w"])[1])))
 
 
 # A table slice added over the batch: the lookup of ids range(start, stop).
@@ -341,8 +336,8 @@ def _part_broadcast(g, m) -> bool:
     """``BroadcastTo(rows [T, D], [B, T, D])`` added to an activation of that shape."""
     rows, bc, out = part_rows(g, m), _shape(g, m["bc"]), _shape(g, m["add"])
     return (rows is not None and bc is not None and out is not None and len(bc) == 3
-            and m["x"] != m["bc"] and _same(out, bc)
-            and _same(bc[1:], (rows[1] - rows[0], var_shape(g, m["w"])[-1])))
+            and m["x"] != m["bc"] and ir.same_shape(out, bc)
+            and ir.same_shape(bc[1:], (rows[1] - rows[0], var_shape(g, m["w"])[-1])))
 
 
 # keras-hub's PositionEmbedding: table rows broadcast over the batch, then

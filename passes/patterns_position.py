@@ -41,8 +41,7 @@ def _broadcast_over_the_batch(g, m) -> bool:
     if rows is None or not bc or not out or len(bc) != 3 or len(out) != 3 or m["x"] == m["bc"]:
         return False
     length = None if rows[1] is None else rows[1] - rows[0]
-    same = lambda a, b: all(x is None or y is None or x == y for x, y in zip(a, b))  # noqa: E731
-    return same(out, bc) and same(bc[1:], (length, var_shape(g, m["w"])[1]))
+    return ir.same_shape(out, bc) and ir.same_shape(bc[1:], (length, var_shape(g, m["w"])[1]))
 
 
 POSITION_SLICE_BROADCAST = Pattern(

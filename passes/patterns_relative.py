@@ -13,6 +13,7 @@ gradient back in the lookup's layout (``grad_perm``, set by
 from __future__ import annotations
 
 from passes import ir
+from passes.batch_flow import run_time_batch_axes
 from passes.patterns import EMBEDDING, ANY, VAR, Pattern, ops
 
 
@@ -43,10 +44,8 @@ def _added_over_the_batch(g, m) -> bool:
         return tuple(out[1:]) == tuple(rows[p] for p in perm)
     # sizes known at run time only (T5's [q, k] under a [None, None] signature): the
     # probes say the sum leads with the batch and the lookup holds no batch axis
-    axes = g.graph.get("batch_axes", {})
-    return (0 in axes.get(m["add"], ()) and not axes.get(m["op"])
-            and all(a is None or b is None or a == b
-                    for a, b in zip(out[1:], (rows[p] for p in perm))))
+    return (0 in run_time_batch_axes(g, m["add"]) and not run_time_batch_axes(g, m["op"])
+            and ir.same_shape(out[1:], tuple(rows[p] for p in perm)))
 
 
 RELATIVE_POSITION_BIAS = Pattern(

@@ -5,7 +5,7 @@ and/or Add, a variable tiled over the batch), declared as data like
 from __future__ import annotations
 
 from passes import ir
-from passes.batch_flow import static_batch
+from passes.batch_flow import run_time_batch_axes, static_batch
 from passes.loss_constants import evaluate
 from passes.patterns import ADD, ANY, VAR, VAR_PART, Op, Pattern, ops, var_shape
 
@@ -195,7 +195,7 @@ def _batch_sized(g, node, out, axis) -> bool:
     batch = static_batch(g)
     if batch is not None:
         return None not in out and out[axis] == batch
-    return axis in g.graph.get("batch_axes", {}).get(node, ())
+    return axis in run_time_batch_axes(g, node)
 
 
 def tiled_axis(g, node) -> int | None:
@@ -223,7 +223,7 @@ def _run_time_tiled_axis(g, node) -> int | None:
     times = [evaluate(g, t) for t in multiples["inputs"]]
     unknown = [i for i, t in enumerate(times) if t is None]
     if (len(unknown) != 1 or any(int(t) != 1 for t in times if t is not None)
-            or unknown[0] not in g.graph.get("batch_axes", {}).get(node, ())):
+            or unknown[0] not in run_time_batch_axes(g, node)):
         return None
     return unknown[0]
 

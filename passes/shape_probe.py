@@ -63,8 +63,8 @@ def restore_shapes(traced):
     """``traced`` with its GraphDef's static shapes completed (module
     docstring); ``traced`` itself when no argument has an unknown size or no
     shape gains a size."""
-    args = {n.name: n for n in traced.graph_def.node if n.name in set(traced.arguments)}
-    if not any(_unknown_sizes(n) for n in args.values()):
+    args = _unknown_arguments(traced)
+    if not args:
         return traced
     base = frontends.import_graph(traced)[0]
     gains = _probe_gains(traced, args, _shapes(base))
@@ -86,14 +86,7 @@ def _batch_axes(traced, args, shapes) -> dict:
     ``BATCH_PROBE`` (a prime no product of the others makes) is the batch.
     ``{}`` when the graph rejects that probe (an argument without the batch
     first)."""
-    graph_def = type(traced.graph_def)()
-    graph_def.CopyFrom(traced.graph_def)
-    for node in graph_def.node:
-        if node.name in args and "shape" in node.attr:
-            for i, d in enumerate(node.attr["shape"].shape.dim):
-                if d.size < 0:
-                    d.size = BATCH_PROBE if i == 0 else PROBES[0]
-    probed = _probe(dataclasses.replace(traced, graph_def=graph_def), {}, None)
+    probed = _probe(traced, args, PROBES[0], first=BATCH_PROBE)
     if probed is None:
         return {}
     out = {}
@@ -150,14 +143,11 @@ def _reshape_gains(graph) -> dict:
 
 def _annotated(traced, gains):
     """``traced`` with ``gains`` written as its nodes' ``_output_shapes``."""
-    graph_def = type(traced.graph_def)()
-    graph_def.CopyFrom(traced.graph_def)
-    for node in graph_def.node:
-        if node.name in gains:
-            node.attr["_output_shapes"].list.Clear()
-            for shape in gains[node.name]:
-                node.attr["_output_shapes"].list.shape.add().CopyFrom(shape.as_proto())
-    return dataclasses.replace(traced, graph_def=graph_def)
+    def write(node):
+        node.attr["_output_shapes"].list.Clear()
+        for shape in gains[node.name]:
+            node.attr["_output_shapes"].list.shape.add().CopyFrom(shape.as_proto())
+    return _edited(traced, gains, write)
 
 
 def probed_rows(traced, rows_of, g) -> dict:
@@ -166,8 +156,8 @@ def probed_rows(traced, rows_of, g) -> dict:
     ``traced`` pinned to each of ``ROW_PROBES``: the rows every probe finds
     with the same ``k`` and axis, ``Rows.batch`` None. ``{}`` when no
     argument has an unknown size or a probe cannot be imported."""
-    args = {n.name: n for n in traced.graph_def.node if n.name in set(traced.arguments)}
-    if not any(_unknown_sizes(n) for n in args.values()):
+    args = _unknown_arguments(traced)
+    if not args:
         return {}
     try:
         found = [rows_of(_pinned(traced, args, p)) for p in ROW_PROBES]
@@ -186,31 +176,44 @@ def probed_rows(traced, rows_of, g) -> dict:
     return out
 
 
-def _probe(traced, args, probe):
-    """``_shapes`` of ``traced`` imported with its unknown sizes ``probe``
-    (``probe`` None: as pinned already), or None when that import fails:
-    the graph cannot run with such sizes."""
+def _probe(traced, args, probe, first=None):
+    """``_shapes`` of ``_pinned(traced, args, probe, first)`` imported, or
+    None when that import fails: the graph cannot run with such sizes."""
     try:
-        pinned = traced if probe is None else _pinned(traced, args, probe)
-        return _shapes(frontends.import_graph(pinned)[0])
+        return _shapes(frontends.import_graph(_pinned(traced, args, probe, first))[0])
     except Exception:  # noqa: BLE001 - TensorFlow's shape inference raises many types
         return None
 
 
-def _unknown_sizes(node) -> bool:
-    shape = node.attr["shape"].shape if "shape" in node.attr else None
-    return shape is not None and (shape.unknown_rank or any(d.size < 0 for d in shape.dim))
+def _unknown_arguments(traced) -> set:
+    """The argument placeholders of ``traced`` with an unknown size (empty
+    when the graph knows them all: nothing to probe)."""
+    arguments = set(traced.arguments)
+    shapes = {n.name: n.attr["shape"].shape for n in traced.graph_def.node
+              if n.name in arguments and "shape" in n.attr}
+    if not any(s.unknown_rank or any(d.size < 0 for d in s.dim) for s in shapes.values()):
+        return set()
+    return set(shapes)
 
 
-def _pinned(traced, args, probe):
-    """``traced`` with every unknown size of its arguments set to ``probe``."""
+def _pinned(traced, args, probe, first=None):
+    """``traced`` with every unknown size of the arguments ``args`` set to
+    ``probe`` (their first axes' to ``first`` where given)."""
+    def pin(node):
+        for i, d in enumerate(node.attr["shape"].shape.dim):
+            if d.size < 0:
+                d.size = first if i == 0 and first is not None else probe
+    return _edited(traced, args, pin)
+
+
+def _edited(traced, names, edit):
+    """``traced`` with a copy of its GraphDef whose nodes named in ``names``
+    ``edit`` changed in place."""
     graph_def = type(traced.graph_def)()
     graph_def.CopyFrom(traced.graph_def)
     for node in graph_def.node:
-        if node.name in args and "shape" in node.attr:
-            for d in node.attr["shape"].shape.dim:
-                if d.size < 0:
-                    d.size = probe
+        if node.name in names:
+            edit(node)
     return dataclasses.replace(traced, graph_def=graph_def)
 
 

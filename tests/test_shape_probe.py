@@ -29,11 +29,28 @@ def _tokens(seed=0):
             tf.constant(rng.integers(0, V, (B, T)), tf.int32))
 
 
-def _sequence_model():
+def _float64_keras(seed):
+    """Keras computing in float64 (conftest restores the dtypes), seeded."""
     keras = pytest.importorskip("keras")
-    keras.config.set_floatx("float64")  # conftest restores the dtypes
+    keras.config.set_floatx("float64")
     keras.config.set_dtype_policy("float64")
-    keras.utils.set_random_seed(0)
+    keras.utils.set_random_seed(seed)
+    return keras
+
+
+def _assert_fisher_as_static(signed, loss, args):
+    """The exact Fisher's blocks of ``signed`` (``loss`` under an input
+    signature) equal those of ``loss`` traced with a static batch."""
+    a, b = (kg.FisherEstimator(f, estimation_mode="exact")
+            for f in (signed, kg.auto_register(loss)))
+    a.update(*args)
+    b.update(*args)
+    for x, y in zip(a.blocks, b.blocks):
+        np.testing.assert_allclose(x.full_matrix(), y.full_matrix(), rtol=1e-10)
+
+
+def _sequence_model():
+    keras = _float64_keras(0)
     ids = keras.Input((T,), dtype="int32")
     h = keras.layers.Embedding(V, D)(ids)
     h = h + keras.layers.Embedding(T, D)(tf.range(T))
@@ -110,12 +127,7 @@ def test_rows_are_followed_under_an_unknown_batch(length):
     assert (attrs["input_shape"], attrs.get("run_time_rows")) == (
         ((None, T, D), None) if length == "static" else ((None, None, D), 0)), reg.summary()
     assert_matches_loop(signed, args)
-    static = kg.auto_register(loss)
-    a, b = (kg.FisherEstimator(f, estimation_mode="exact") for f in (signed, static))
-    a.update(*args)
-    b.update(*args)
-    for x, y in zip(a.blocks, b.blocks):
-        np.testing.assert_allclose(x.full_matrix(), y.full_matrix(), rtol=1e-10)
+    _assert_fisher_as_static(signed, loss, args)
 
 
 def _windows(keras):
@@ -135,10 +147,7 @@ def _recurrent(keras):
 
 @pytest.mark.parametrize("build", [_windows, _recurrent])
 def test_rows_and_sequences_under_an_input_signature(build):
-    keras = pytest.importorskip("keras")
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    keras.utils.set_random_seed(1)
+    keras = _float64_keras(1)
     logits = build(keras)
     x = tf.constant(np.random.default_rng(2).normal(size=(B, T, D)))
     args = (x, tf.constant([0, 1, 1]))
@@ -156,10 +165,7 @@ def test_a_convolution_over_a_length_known_at_run_time_is_generic():
     """A Conv1D on sequences of any length: its patches need the length, so
     it is generic with that reason (it crashed at its first step), and its
     per-example gradients are still exact."""
-    keras = pytest.importorskip("keras")
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    keras.utils.set_random_seed(1)
+    keras = _float64_keras(1)
     conv, head = keras.layers.Conv1D(3, 2, activation="tanh"), keras.layers.Dense(2)
 
     def loss(x, y):
@@ -211,12 +217,7 @@ def test_experts_on_tokens_of_any_length():
              for layer in reg.layers for v in layer.variables}
     assert kinds == {"w_in": ("dense", 0), "b_in": ("dense", 0), "w_out": ("grouped_dense", 1),
                      "scale": ("scale_and_shift", 0), "head": ("dense", None)}, reg.summary()
-    static = kg.auto_register(loss)
-    a, b = (kg.FisherEstimator(f, estimation_mode="exact") for f in (signed, static))
-    a.update(*args)
-    b.update(*args)
-    for x, y in zip(a.blocks, b.blocks):
-        np.testing.assert_allclose(x.full_matrix(), y.full_matrix(), rtol=1e-10)
+    _assert_fisher_as_static(signed, loss, args)
 
 
 def test_a_position_table_sliced_to_a_run_time_length():
@@ -225,11 +226,8 @@ def test_a_position_table_sliced_to_a_run_time_length():
     lookup of ids ``range(0, T)``, ``T`` read when the step runs (it was
     generic). Per-example gradients equal one-example tapes at two lengths;
     the exact Fisher's blocks equal the static trace's."""
-    keras = pytest.importorskip("keras")
+    keras = _float64_keras(3)
     keras_hub = pytest.importorskip("keras_hub")
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    keras.utils.set_random_seed(3)
     tokens, positions = keras.layers.Embedding(V, D), keras_hub.layers.PositionEmbedding(8)
     head = keras.layers.Dense(V)
 
@@ -246,12 +244,7 @@ def test_a_position_table_sliced_to_a_run_time_length():
     layer = next(layer for layer in reg.layers if layer.variables[0] is positions.weights[0].value)
     assert (layer.kind, layer.use_attrs[0]["row_range"]) == ("embedding", (0, None))
     assert not [layer for layer in reg.layers if layer.kind == "generic"], reg.summary()
-    static = kg.auto_register(loss)
-    a, b = (kg.FisherEstimator(f, estimation_mode="exact") for f in (signed, static))
-    a.update(*args)
-    b.update(*args)
-    for x, y in zip(a.blocks, b.blocks):
-        np.testing.assert_allclose(x.full_matrix(), y.full_matrix(), rtol=1e-10)
+    _assert_fisher_as_static(signed, loss, args)
 
 
 @pytest.mark.parametrize("form", ["tile", "broadcast", "tile over the length"])

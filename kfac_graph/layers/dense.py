@@ -51,7 +51,7 @@ import tensorflow as tf
 from kfac_graph.layers import lora, norms, parts
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers import xla as xla_lib
-from kfac_graph.layers.kind import LayerKind, reshape_like, split_rows, variable_shapes
+from kfac_graph.layers.kind import LayerKind, reshape_like, split_operands, variable_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +263,7 @@ def applied_operands(attrs, kernel_shape, tensors, grads, batch=None):
     if attrs.get("output_perm"):  # an Einsum's output axes, to positions then outputs
         grads = [tf.transpose(g, attrs["output_perm"]) for g in grads]
     if "run_time_rows" in attrs:
-        tensors, grads = ([split_rows(t, 0, batch) for t in ts] for ts in (tensors, grads))
+        tensors, grads = split_operands(tensors, grads, 0, batch)
     if attrs.get("batch_axis"):  # the examples on a later axis (time-major): moved first
         first = lambda t: tf.transpose(t, _first(attrs["batch_axis"], t.shape.rank))  # noqa: E731
         tensors, grads = [first(t) for t in tensors], [first(g) for g in grads]

@@ -71,6 +71,12 @@ def split_rows(t: tf.Tensor, axis: int, batch) -> tf.Tensor:
     return tf.reshape(t, [*sizes[:axis], batch, -1, *sizes[axis + 1:]])
 
 
+def split_operands(tensors, grads, axis, batch):
+    """``split_rows`` of each tensor and each gradient of a use."""
+    return ([split_rows(t, axis, batch) for t in tensors],
+            [split_rows(g, axis, batch) for g in grads])
+
+
 def variable_shapes(layer) -> list:
     """The shapes of ``layer``'s variables, as tuples of ints."""
     return [tuple(int(d) for d in v.shape) for v in layer.variables]

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from kfac_graph.layers import norms, parts
 from kfac_graph.layers import uses as uses_lib
-from kfac_graph.layers.kind import LayerKind, reshape_like, split_rows, variable_shapes
+from kfac_graph.layers.kind import LayerKind, reshape_like, split_operands, variable_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +107,7 @@ def operands(layer, use, tensors, grads, batch=None):
     bias rows) reads them as the box's shape, zero-padded to the variable's."""
     attrs = layer.use_attrs[use]
     if "run_time_rows" in attrs:  # rows [k B, ..], k known at run time only
-        tensors, grads = ([split_rows(t, 0, batch) for t in ts] for ts in (tensors, grads))
+        tensors, grads = split_operands(tensors, grads, 0, batch)
     var_shape = variable_shapes(layer)[0]
     box = parts.part(layer, use, 0)
     shape = parts.box_shape(box) if box is not None else var_shape
