@@ -139,7 +139,7 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                         "per-example gradients work; a Fisher needs a loss the pass reads",
                         lm.terms, lm.reason)
     loss = LossSpec(lm.kind, lm.reduction, lm.output, lm.targets, lm.scale, lm.weights,
-                    lm.divisors, lm.reason)
+                    lm.divisors, lm.reason, lm.penalties)
     placeholders = {node: user_variable(traced.objects[key])
                     for node, key in traced.placeholder_variables.items() if key in traced.objects}
     reads, handles = {}, {}
@@ -154,7 +154,8 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
     return Registration(layers, loss, traced.graph_def, traced.arguments, traced.output,
                         result.graph, dict(result.timings), placeholders,
                         {k: tuple(v) for k, v in reads.items()}, lm.terms, lm.terms_coefficient,
-                        {k: tuple(v) for k, v in handles.items()}, result.coupling)
+                        {k: tuple(v) for k, v in handles.items()}, result.coupling,
+                        lm.extras)
 
 
 # ops that take a variable's handle without reading its value

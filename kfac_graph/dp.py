@@ -6,8 +6,10 @@ with flat clipping:
     g~ = (sum_i g_i * min(1, C / ||g_i||) + N(0, (sigma C)^2 I)) / B
 
 with ``C = l2_norm_clip``, ``sigma = noise_multiplier`` and ``g_i`` example
-i's own gradient (``kg.per_example_gradients``). For a sum loss the division
-by ``B`` is left out. Options (``kfac_graph/privacy``):
+i's own gradient (``kg.per_example_gradients``, less any weight penalty's).
+For a sum loss the division by ``B`` is left out. A weight penalty ``R`` in
+the loss (Keras's ``kernel_regularizer``) reads no example: ``dR`` is added
+to ``g~`` unclipped and without noise. Options (``kfac_graph/privacy``):
 
 - ``clipping``: ``"flat"``, ``"per_layer"`` or named groups of layers, each
   with its threshold; ``automatic_clipping`` normalises instead of clipping

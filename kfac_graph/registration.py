@@ -79,7 +79,11 @@ class LossSpec:
     An ``"opaque"`` loss has no ``output`` or ``targets``: ``l_i`` is example
     ``i``'s own share of the terms the pass read down to (``Registration.
     per_example_loss``), ``scale`` 1, and ``reason`` says where its reading
-    stopped (``no_fisher``)."""
+    stopped (``no_fisher``).
+
+    ``penalties`` names the terms added to the loss that depend on the
+    variables alone (a weight penalty, ``R`` in ``L = ... + R``): they are in
+    every example's gradient, and in no Fisher (``passes.loss_terms``)."""
     kind: str
     reduction: str = "mean"
     output: str | None = None
@@ -88,6 +92,7 @@ class LossSpec:
     weights: tuple[str, ...] = ()
     divisors: tuple[str, ...] = ()
     reason: str = ""
+    penalties: tuple[str, ...] = ()
 
     @property
     def no_fisher(self) -> str:
@@ -98,7 +103,8 @@ class LossSpec:
         if self.output is not None:
             return ""
         if self.kind != "opaque":
-            return f"the loss pass found no model output to take the Fisher at; {LOSS_HOW_TO}"
+            return ("the loss pass found no model output to take the Fisher at"
+                    + (f" ({self.reason})" if self.reason else "") + f"; {LOSS_HOW_TO}")
         return (f"the loss is opaque ({self.reason}): kfac_graph has its per-example terms "
                 "but no predictive distribution, so its Fisher can only be the empirical one "
                 "(estimation_mode=\"empirical\"; kg.KFAC with momentum_type=\"regular\" or "
@@ -118,7 +124,9 @@ class Registration:
     ``variable_placeholders`` (placeholder node -> variable object),
     ``variable_reads`` (placeholder node -> its ReadVariableOp nodes), and
     ``per_example_loss`` with ``per_example_coefficient`` (example i's own
-    loss term is the coefficient times the sum of ``per_example_loss[i]``),
+    loss term is the coefficient times the sum of ``per_example_loss[i]``,
+    plus each of ``per_example_extras``' ``(terms, coefficient)`` read the
+    same way: terms added beside the likelihood's, ``passes.loss_terms``),
     ``handle_readers`` (placeholder node -> the ops on the loss's path that
     take the variable's handle itself rather than a read of it, such as a
     loop the pass did not unroll: reads inside them cannot be replaced),
@@ -139,6 +147,7 @@ class Registration:
     handle_readers: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict,
                                                                       repr=False)
     coupling: tuple[str, ...] = ()
+    per_example_extras: tuple[tuple[str, float], ...] = ()
 
     @property
     def variables(self) -> tuple:
@@ -171,7 +180,10 @@ class Registration:
                    + (f"; output {loss.output}" if loss.output else "")
                    + (f"; targets {loss.targets}" if loss.targets else "")
                    + (f"; weights {', '.join(loss.weights)}" if loss.weights else "")
-                   + (f"; divided by {', '.join(loss.divisors)}" if loss.divisors else ""))
+                   + (f"; divided by {', '.join(loss.divisors)}" if loss.divisors else "")
+                   + (f"; per-example terms added {', '.join(t for t, _ in self.per_example_extras)}"
+                      if self.per_example_extras else "")
+                   + (f"; penalties {', '.join(loss.penalties)}" if loss.penalties else ""))
         for layer in self.layers:
             if layer.reason:
                 out.append(f"{layer.kind} {layer.name}: {layer.reason}")

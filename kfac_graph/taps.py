@@ -24,7 +24,9 @@ output, the vector-Jacobian products ``v_i^T dz_i/ds_i``.
 which every per-example result is checked against (``kfac_graph.invariants``);
 ``per_example_loss`` is ``[B]`` (a per-token loss flattened to ``[B*T]`` is
 summed per example; weighted by the tokens' weights) or None, with
-``per_example_problem`` saying why; ``token_weights``: for a loss with
+``per_example_problem`` saying why; terms added beside the likelihood's
+(``Registration.per_example_extras``) are in it; ``penalties``: the loss's
+weight-penalty terms (``LossSpec.penalties``); ``token_weights``: for a loss with
 data weights (``LossSpec.weighted``), each token's weight ``w_it`` laid out
 like the model output's tokens (``kfac_graph.token_weights``), else None. A
 ``tf.py_function`` in the graph re-runs its Python function for each
@@ -58,6 +60,7 @@ class LayerTaps:
     batch: Any = None
     per_example_problem: str = ""
     token_weights: tf.Tensor | None = None
+    penalties: tuple[tf.Tensor, ...] = ()
 
     @classmethod
     def build(cls, registration: Registration, args: Sequence[Any],
@@ -96,7 +99,8 @@ class LayerTaps:
         names = [reg.output]
         loss_spec = reg.loss
         extra = [loss_spec.output, loss_spec.targets, reg.per_example_loss]
-        names += [t for t in extra if t]
+        names += [t for t in extra if t] + list(loss_spec.penalties)
+        names += [t for t, _ in reg.per_example_extras]
         for layer in reg.layers:
             for use_inputs, output in zip(layer.inputs, layer.outputs):
                 names += list(use_inputs) + [output]
@@ -122,6 +126,11 @@ class LayerTaps:
             per_example, problem = _per_example_terms(terms, batch, model_output)
             if per_example is not None:
                 per_example = per_example * tf.cast(coefficient, per_example.dtype)
+            for name, coefficient in reg.per_example_extras:
+                own, why = _per_example_terms(tensors[name], batch, model_output)
+                per_example, problem = ((None, why) if own is None or per_example is None else
+                                        (per_example + tf.cast(coefficient * own,
+                                                               per_example.dtype), problem))
         return cls(
             registration=reg, loss=tensors[reg.output],
             model_output=model_output,
@@ -131,7 +140,7 @@ class LayerTaps:
                          for layer in reg.layers),
             outputs=tuple(tuple(tensors[t] for t in layer.outputs) for layer in reg.layers),
             variable_reads=reads, batch=batch, per_example_problem=problem,
-            token_weights=weights)
+            token_weights=weights, penalties=tuple(tensors[t] for t in loss_spec.penalties))
 
     @property
     def batch_size(self):

@@ -51,7 +51,7 @@ import dataclasses
 import networkx as nx
 import numpy as np
 
-from passes import ir, loss_weights
+from passes import ir, loss_logits, loss_terms, loss_weights
 from passes.errors import LOSS_HOW_TO, LossNotFoundError
 from passes.loss_constants import const_operand, evaluate, from_shapes
 
@@ -73,6 +73,8 @@ class LossMatch:
     weights: tuple[str, ...] = ()
     divisors: tuple[str, ...] = ()
     reason: str = ""  # an "opaque" loss: where and why the walk stopped
+    penalties: tuple[str, ...] = ()  # added terms of the variables alone (passes.loss_terms)
+    extras: tuple[tuple[str, float], ...] = ()  # (terms, coefficient) added beside l_i
 
 
 def match_loss(g: nx.DiGraph, kind: str | None = None, rows=None) -> LossMatch:
@@ -86,22 +88,24 @@ def match_loss(g: nx.DiGraph, kind: str | None = None, rows=None) -> LossMatch:
             return dataclasses.replace(terms[0], reason=str(e).split("; ")[0])
         if kind is None:
             raise
-        return LossMatch(kind, "mean", None, None)
+        return LossMatch(kind, "mean", None, None, reason=str(e).split("; ")[0])
     if kind is not None and kind != found.kind:
         return dataclasses.replace(found, kind=kind)
     return found
 
 
-def _walk(g: nx.DiGraph, rows, opaque) -> LossMatch:
-    """The loss read from the scalar down; ``opaque`` gets the ``"opaque"``
-    match at the first tensor on the way that holds the examples on its
-    first axis (``_examples_first``), for when the walk fails below it."""
+def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=False
+          ) -> LossMatch:
+    """The loss read from ``tensor`` (the scalar loss) down; ``opaque`` gets
+    the ``"opaque"`` match at the first tensor on the way that holds the
+    examples on its first axis (``_examples_first``), for when the walk fails
+    below it. A sum of several data terms walks down each (``loss_terms``)."""
     data = _data_nodes(g)
     params = _parameter_nodes(g)
     batch = _batch_size(g)
-    tensor = g.graph["output"]
-    coefficient, batch_mean = 1.0, False
+    tensor = tensor or g.graph["output"]
     weights, divisors, weighted_at, reader = [], [], [], None  # reader: the op the walk left
+    penalties = []
     for _ in range(len(g)):
         node, index = ir.split_tensor(tensor)
         d = g.nodes[node]
@@ -110,7 +114,8 @@ def _walk(g: nx.DiGraph, rows, opaque) -> LossMatch:
             opaque.append(LossMatch("opaque", "mean" if batch_mean else "sum", None, None,
                                     terms=_as_read(g, reader, tensor),
                                     terms_coefficient=float(coefficient),
-                                    weights=tuple(weights), divisors=tuple(divisors)))
+                                    weights=tuple(weights), divisors=tuple(divisors),
+                                    penalties=tuple(penalties)))
         reader = node
         op, inputs = d["op"], d["inputs"]
         terminal = _terminal(g, node, params)
@@ -125,7 +130,7 @@ def _walk(g: nx.DiGraph, rows, opaque) -> LossMatch:
                              loss_weights.unmasked(g, _unflatten(g, output), params),
                              targets, float(scale), node,
                              ir.tensor_name(node), float(coefficient),
-                             tuple(weights), tuple(divisors))
+                             tuple(weights), tuple(divisors), penalties=tuple(penalties))
         if op == "Mean":
             axes, shape = _axes(g, node)
             if axes is None:
@@ -176,14 +181,26 @@ def _walk(g: nx.DiGraph, rows, opaque) -> LossMatch:
                 coefficient /= divisor
             tensor = inputs[0]
         elif op in ("AddV2", "Add", "AddN"):
-            terms = [t for t in inputs if ir.split_tensor(t)[0] in data]
-            if len(terms) != 1:
-                raise LossNotFoundError(
-                    f"op {node!r} adds {len(terms)} data-dependent terms; {_HOW_TO}")
-            tensor = terms[0]
+            terms, added = loss_terms.split_sum(g, node, inputs, data, params)
+            penalties += added
+            if len(terms) == 1:
+                tensor = terms[0]
+                continue
+            found = [(t, *_attempt(g, rows, t, coefficient, batch_mean)) for t in terms]
+            match = loss_terms.combine(node, found, bool(weights or divisors))
+            return dataclasses.replace(match, penalties=tuple(penalties) + match.penalties)
         else:
             raise LossNotFoundError(f"cannot read a loss through op {node!r} ({op}); {_HOW_TO}")
     raise LossNotFoundError(f"no loss op found; {_HOW_TO}")
+
+
+def _attempt(g, rows, tensor, coefficient, batch_mean):
+    """``(match, opaque match, error)`` of the walk down one added term."""
+    opaque = [] if rows else [None]
+    try:
+        return _walk(g, rows, opaque, tensor, coefficient, batch_mean), None, None
+    except LossNotFoundError as e:
+        return None, (opaque[0] if opaque else None), e
 
 
 def _as_read(g, reader, tensor):
@@ -209,7 +226,8 @@ def _terminal(g, node, params):
     d = g.nodes[node]
     op, inputs = d["op"], d["inputs"]
     if op in ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"):
-        return "categorical", _logits_of_log_softmax(g, inputs[0]) or inputs[0], inputs[1], 1.0
+        z = loss_logits.logits_of_log_softmax(g, inputs[0]) or inputs[0]
+        return "categorical", z, inputs[1], 1.0
     if op in ("SquaredDifference",):
         return _regression(g, inputs, params)
     if op == "Square":
@@ -223,11 +241,12 @@ def _terminal(g, node, params):
             src = ir.split_tensor(t)[0]
             if g.nodes[src]["op"] == "LogSoftmax":
                 return "categorical", g.nodes[src]["inputs"][0], inputs[1 - k], -1.0
-            z = _logits_of_log_softmax(g, t)
+            z = loss_logits.logits_of_log_softmax(g, t)
             if z is not None:
                 return "categorical", z, inputs[1 - k], -1.0
     if op in ("AddV2", "Add"):
-        return _sigmoid_cross_entropy(g, inputs) or _bernoulli_from_probabilities(g, inputs)
+        return (loss_logits.sigmoid_cross_entropy(g, inputs)
+                or loss_logits.bernoulli_from_probabilities(g, inputs))
     return None
 
 
@@ -238,106 +257,6 @@ def _regression(g, operands, params):
     if a_model == b_model:
         return None
     return ("normal", a, b, 1.0) if a_model else ("normal", b, a, 1.0)
-
-
-def _sigmoid_cross_entropy(g, inputs):
-    """tf.nn.sigmoid_cross_entropy_with_logits:
-    (max(z, 0) - z * y) + log1p(exp(-|z|)), as Select / Mul / Sub / Log1p."""
-    ops = {g.nodes[ir.split_tensor(t)[0]]["op"]: t for t in inputs}
-    if set(ops) != {"Sub", "Log1p"}:
-        return None
-    sub = ir.split_tensor(ops["Sub"])[0]
-    mul = ir.split_tensor(g.nodes[sub]["inputs"][1])[0]
-    if g.nodes[mul]["op"] != "Mul":
-        return None
-    select = ir.split_tensor(g.nodes[sub]["inputs"][0])[0]
-    if g.nodes[select]["op"] not in ("Select", "SelectV2"):
-        return None
-    logits = g.nodes[select]["inputs"][1]
-    z, y = g.nodes[mul]["inputs"]
-    if y == logits:
-        z, y = y, z
-    if z != logits:
-        return None
-    return "bernoulli", z, y, 1.0
-
-
-def _bernoulli_from_probabilities(g, inputs):
-    """``y * log(p) + (1 - y) * log(1 - p)`` with ``p`` a (clipped) sigmoid of
-    ``z``: Keras's binary cross-entropy on probabilities where it cannot
-    recover the logits itself (it negates the sum, hence the sign -1)."""
-    if len(inputs) != 2:
-        return None
-    logs = []
-    for t in inputs:
-        mul = g.nodes[ir.split_tensor(t)[0]]
-        if mul["op"] != "Mul":
-            return None
-        found = [(x, w) for x, w in (mul["inputs"], mul["inputs"][::-1])
-                 if g.nodes[ir.split_tensor(x)[0]]["op"] == "Log"]
-        if len(found) != 1:
-            return None
-        log_tensor, weight = found[0]
-        logs.append((g.nodes[ir.split_tensor(log_tensor)[0]]["inputs"][0], weight))
-    for (p, y), (q, y_complement) in (logs, logs[::-1]):
-        if _one_minus(g, q) == p and _one_minus(g, y_complement) == y:
-            z = _logits_of_sigmoid(g, p)
-            return None if z is None else ("bernoulli", z, y, -1.0)
-    return None
-
-
-def _one_minus(g, tensor):
-    """``x`` when ``tensor`` is ``1 - x``, else None."""
-    node = g.nodes[ir.split_tensor(tensor)[0]]
-    if node["op"] != "Sub":
-        return None
-    one = evaluate(g, node["inputs"][0])
-    if one is None or np.size(one) != 1 or float(np.asarray(one).reshape(())) != 1.0:
-        return None
-    return node["inputs"][1]
-
-
-def _input_of(g, tensor, op, renormalised=False):
-    """The input of the ``op`` node that ``tensor`` reads through casts, a clip
-    to ``[eps, 1 - eps]`` (Minimum / Maximum with constants) and, with
-    ``renormalised``, ``p / sum(p)``; None if it reads anything else."""
-    for _ in range(8):
-        node = g.nodes[ir.split_tensor(tensor)[0]]
-        if node["op"] == op:
-            return node["inputs"][0]
-        if node["op"] in ("Minimum", "Maximum"):
-            _, tensor = const_operand(g, node["inputs"])
-            if tensor is None:
-                return None
-        elif renormalised and node["op"] in ("RealDiv", "Div"):
-            total = g.nodes[ir.split_tensor(node["inputs"][1])[0]]
-            if total["op"] != "Sum" or total["inputs"][0] != node["inputs"][0]:
-                return None
-            tensor = node["inputs"][0]
-        elif node["op"] in _PASS_THROUGH:
-            tensor = node["inputs"][0]
-        else:
-            return None
-    return None
-
-
-def _logits_of_sigmoid(g, tensor):
-    """``z`` when ``tensor`` is ``sigmoid(z)``, seen through casts and a clip."""
-    return _input_of(g, tensor, "Sigmoid")
-
-
-def _logits_of_log_softmax(g, tensor):
-    """``z`` when ``tensor`` is ``log(softmax(z))``, seen through casts, a clip
-    to ``[eps, 1 - eps]`` and a renormalisation ``p / sum(p)``: Keras's
-    (sparse) categorical cross-entropy on probabilities where it cannot recover
-    the logits itself. ``softmax(log p) = p``, so the categorical on ``z`` is
-    the one the loss reads."""
-    node = g.nodes[ir.split_tensor(tensor)[0]]
-    if node["op"] == "LogSoftmax":
-        return node["inputs"][0]
-    if node["op"] != "Log":
-        return None
-    return _input_of(g, node["inputs"][0], "Softmax", renormalised=True)
 
 
 def _through_casts(g, tensor: str | None) -> str | None:

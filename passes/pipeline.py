@@ -75,7 +75,8 @@ def run(traced: frontends.Traced, loss: str | None = None,
     start = time.perf_counter()
     loss_match = match_loss(g, loss, rows)
     _batch_first_output(g, rows, loss_match, traced.name)
-    coupling = coupling_ops(g, rows, loss_match.terms)
+    coupling = tuple(dict.fromkeys(op for terms in (loss_match.terms, *(
+        t for t, _ in loss_match.extras)) for op in coupling_ops(g, rows, terms)))
     timings["match_loss"] = time.perf_counter() - start
     graph_def = split_grouped_conv3d(traced.graph_def, g)
     if graph_def is not traced.graph_def:

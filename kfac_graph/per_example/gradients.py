@@ -9,8 +9,10 @@ per-example gradients ``[B, *variable.shape]`` or ``[B]`` squared norms.
 Generic layers get a vectorised per-example Jacobian of the per-example
 loss terms with respect to their variables' reads.
 
-Entry ``i`` is the gradient of example ``i``'s own loss term: for a mean
-loss the batch gradient is the mean over examples, for a sum loss the sum.
+Entry ``i`` is the gradient of the loss evaluated on example ``i`` alone:
+example ``i``'s own loss term, plus the loss's weight penalty where it has
+one (``penalty_gradients``). For a mean loss the batch gradient is the mean
+over examples; for a sum loss without a penalty, the sum.
 """
 from __future__ import annotations
 
@@ -155,35 +157,63 @@ def generic_context(variable, layer) -> str:
     return f"generic variable {invariants.variable_name(variable)} ({invariants.where(layer)})"
 
 
+def penalty_gradients(reg: Registration, taps: LayerTaps) -> list:
+    """Aligned with ``reg.variables``: ``dR/dv`` of the loss's weight
+    penalties (``LossSpec.penalties``, through the loss's own scaling of
+    them), None where a variable has none. One backward pass from the
+    penalty terms, which read no data: no example is in it."""
+    variables = list(reg.variables)
+    if not taps.penalties:
+        return [None] * len(variables)
+    upstream = tf.gradients(taps.loss, list(taps.penalties))
+    pairs = [(p, u) for p, u in zip(taps.penalties, upstream) if u is not None]
+    if not pairs:
+        return [None] * len(variables)
+    grads = tf.gradients([p for p, _ in pairs], variables, grad_ys=[u for _, u in pairs])
+    return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+
+
 def per_layer_results(reg: Registration, taps: LayerTaps, rules: RuleRegistry,
-                      want: str) -> list:
+                      want: str, penalties: bool = True) -> list:
     """Per layer: its per-example gradients (``want="grads"``, a list),
     their ``[B]`` squared norms (``want="norms"``, by the rule's norm form),
     or both (``want="both"``, a pair; one trace checks the rule's shapes
     once). Inside a tf.function; ``taps`` must read the generic variables
-    (``read_variables``)."""
+    (``read_variables``). With ``penalties`` (the default) each example's
+    gradient holds the loss's weight penalties' gradient too (the gradient of
+    the loss on that example alone; ``penalty_gradients``): a layer with one
+    takes its norms from its gradients."""
     if want not in WANTS:
         raise ValueError(f"want must be one of {WANTS}, got {want!r}")
     batch = taps.batch_size
     jacobians = generic_jacobians(reg, taps, taps.per_example_loss)
     operands = layer_operands(reg, taps, [taps.output_gradients()])
+    penalty = iter(penalty_gradients(reg, taps) if penalties else [None] * len(reg.variables))
     out = []
     for layer, uses in zip(reg.layers, operands):
+        own = [next(penalty) for _ in layer.variables]
+        penalised = any(p is not None for p in own)
         if uses is None:
-            grads = [invariants.to_variable_shape(jacobians[v.ref()], v, batch,
-                                                  generic_context(v, layer))
-                     for v in layer.variables]
+            grads = _with_penalty([invariants.to_variable_shape(
+                jacobians[v.ref()], v, batch, generic_context(v, layer))
+                for v in layer.variables], own)
             results = {"grads": grads, "norms": squared_norms(grads)}
         else:
             uses = [(a, gs[0]) for a, gs in uses]
             results = {}
-            if want != "norms":
-                results["grads"] = layer_gradients(rules, layer, uses, batch)
+            if want != "norms" or penalised:
+                results["grads"] = _with_penalty(layer_gradients(rules, layer, uses, batch), own)
             if want != "grads":
-                results["norms"] = layer_squared_norms(rules, layer, uses, batch,
-                                                       check_shapes=want == "norms")
+                results["norms"] = (squared_norms(results["grads"]) if penalised else
+                                    layer_squared_norms(rules, layer, uses, batch,
+                                                        check_shapes=want == "norms"))
         out.append((results["grads"], results["norms"]) if want == "both" else results[want])
     return out
+
+
+def _with_penalty(grads, penalty) -> list:
+    """Each example's gradient plus the penalty's (the same for every example)."""
+    return [g if p is None else g + tf.cast(p, g.dtype)[None] for g, p in zip(grads, penalty)]
 
 
 def model_norms(per_layer_squared_norms) -> tf.Tensor:

@@ -22,6 +22,11 @@ with the batch folded into another axis, generic layers) get one backward
 pass of ``sum_i stop_gradient(m_i w_{i,k}) l_i`` per clipping group.
 ``"materialize"`` builds the ``[B, ...]`` per-example gradients, takes their
 norms and contracts them with the weights.
+
+A weight penalty in the loss (``LossSpec.penalties``: Keras's
+``kernel_regularizer``) reads no example, so it costs no privacy: its
+gradient ``dR`` is added to ``g~`` as it is, neither clipped nor noised
+(the clipped ``g_{i,k}`` are the examples' own terms').
 """
 from __future__ import annotations
 
@@ -31,7 +36,8 @@ from kfac_graph import invariants
 from kfac_graph import layers as layer_kinds
 from kfac_graph import per_example as pe
 from kfac_graph.per_example.gradients import (generic_jacobians, layer_squared_norms,
-                                              per_layer_results, squared_norms)
+                                              penalty_gradients, per_layer_results,
+                                              squared_norms)
 from kfac_graph.privacy import clipping as clip_lib
 from kfac_graph.privacy import noise as noise_lib
 from kfac_graph.registration import Registration
@@ -64,7 +70,7 @@ def compiled(fn, reg: Registration, method: str, plan: clip_lib.ClipPlan, masked
         if method == "reweight":
             summed = _reweight(reg, taps, registry, plan, group_of_layer, thresholds, mask)
         else:
-            per_layer = per_layer_results(reg, taps, registry, "grads")
+            per_layer = per_layer_results(reg, taps, registry, "grads", penalties=False)
             layer_sq = [squared_norms(grads) for grads in per_layer]
             weights = clip_lib.clip_weights(plan, clip_lib.group_squared_norms(plan, layer_sq),
                                             thresholds, mask)
@@ -72,11 +78,13 @@ def compiled(fn, reg: Registration, method: str, plan: clip_lib.ClipPlan, masked
                       for i, grads in enumerate(per_layer) for g in grads]
         stddev = tf.cast(noise_multiplier, tf.float64) * clip_lib.sensitivity(thresholds)
         noisy = [g + z for g, z in zip(summed, noise_lib.gaussian(summed, stddev, noise_key))]
-        if reg.loss.reduction != "mean":
-            return taps.loss, noisy
-        d = tf.cast(denominator, tf.float64)
-        d = tf.where(d > 0, d, tf.cast(batch, tf.float64))
-        return taps.loss, [g / tf.cast(d, g.dtype) for g in noisy]
+        if reg.loss.reduction == "mean":
+            d = tf.cast(denominator, tf.float64)
+            d = tf.where(d > 0, d, tf.cast(batch, tf.float64))
+            noisy = [g / tf.cast(d, g.dtype) for g in noisy]
+        # a weight penalty reads no example: its gradient joins unclipped and unnoised
+        return taps.loss, [g if p is None else g + tf.cast(p, g.dtype)
+                           for g, p in zip(noisy, penalty_gradients(reg, taps))]
 
     fn.derived[key] = run
     return run
