@@ -174,6 +174,7 @@ class Registration:
         total = sum(layer.num_parameters for layer in self.layers)
         out.append(f"{len(self.layers)} layers, {total:,} parameters")
         loss = self.loss
+        extras = ", ".join(t for t, _ in self.per_example_extras)
         out.append(f"loss: {loss.kind}, {loss.reduction} over the batch"
                    + (f"; per-example terms {self.per_example_loss}" if not loss.output else "")
                    + (f", scale {loss.scale:g}" if loss.scale != 1.0 else "")
@@ -181,8 +182,7 @@ class Registration:
                    + (f"; targets {loss.targets}" if loss.targets else "")
                    + (f"; weights {', '.join(loss.weights)}" if loss.weights else "")
                    + (f"; divided by {', '.join(loss.divisors)}" if loss.divisors else "")
-                   + (f"; per-example terms added {', '.join(t for t, _ in self.per_example_extras)}"
-                      if self.per_example_extras else "")
+                   + (f"; per-example terms added {extras}" if extras else "")
                    + (f"; penalties {', '.join(loss.penalties)}" if loss.penalties else ""))
         for layer in self.layers:
             if layer.reason:
