@@ -65,7 +65,7 @@ import tensorflow as tf
 
 from kfac_graph import keras_train_loop
 from kfac_graph.auto_register import auto_register
-from kfac_graph.keras_loss import as_loss as _as_loss
+from kfac_graph.keras_loss import OutputsLoss, as_loss as _as_loss
 from kfac_graph.keras_optimizer import KFACKerasOptimizer
 from kfac_graph.optimizer.kfac import KFAC
 from kfac_graph.optimizer.qmodel_fallback import after_step as hand_over_when_due
@@ -143,6 +143,8 @@ class KFACModel(keras.Model):
         if self._loss_spec is None:
             _as_loss(None)  # raises
         kwargs.setdefault("jit_compile", False)
+        if getattr(self.model, "output_names", None):  # Keras maps a loss per output by them
+            self.output_names = list(self.model.output_names)
         super().compile(optimizer=self._shim, loss=self._keras_loss, metrics=metrics, **kwargs)
         self._step_function = None
 
@@ -175,12 +177,15 @@ class KFACModel(keras.Model):
 
     # -- training -----------------------------------------------------------------------
     def _make_kfac(self, loss):
-        loss_fn, keras_loss = _as_loss(loss)
         inner = self.model
+        loss_fn, keras_loss = _as_loss(loss, getattr(inner, "output_names", None) or ())
 
         def kfac_loss(x, y, *sample_weight):  # the weights, where fit has them
             y_pred = inner(x, training=True)
-            value = _unscaled(loss_fn, loss_fn(y, y_pred, *sample_weight))
+            if isinstance(loss_fn, OutputsLoss):  # each output's loss as Keras scales it
+                value = tf.add_n([_unscaled(fn, fn(t, p)) for fn, t, p in loss_fn.pairs(y, y_pred)])
+            else:
+                value = _unscaled(loss_fn, loss_fn(y, y_pred, *sample_weight))
             if inner.losses:
                 value = value + tf.add_n([tf.cast(v, value.dtype) for v in inner.losses])
             return value

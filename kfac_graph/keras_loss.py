@@ -18,12 +18,67 @@ class _NamedLoss(keras.losses.Loss):
         return self.fn(y_true, y_pred)
 
 
-def as_loss(loss):
+class OutputsLoss:
+    """One loss per output of a model with several, as ``compile`` takes
+    them: a list or tuple in the outputs' order, or a dict by output name
+    (``output_names``: the model's, for predictions that come as a list).
+    Called, the sum of the outputs' losses; ``pairs(y_true, y_pred)`` gives
+    ``(loss, y_true, y_pred)`` per output and ``per_example`` each example's
+    summed over the outputs."""
+
+    def __init__(self, losses, output_names=()):
+        self.names = list(losses) if isinstance(losses, dict) else None
+        self.fns = [as_loss(loss)[0] for loss in
+                    (losses.values() if isinstance(losses, dict) else losses)]
+        self.output_names = list(output_names)
+
+    def _by_output(self, value, what):
+        if self.names is None:
+            return list(value)
+        if isinstance(value, dict):
+            missing = [n for n in self.names if n not in value]
+            if missing:
+                raise ValueError(f"the loss names output {missing[0]!r}, which the {what} lack")
+            return [value[n] for n in self.names]
+        order = {n: k for k, n in enumerate(self.output_names)}
+        unknown = [n for n in self.names if n not in order]
+        if unknown:
+            raise ValueError(f"the loss names output {unknown[0]!r}, not one of the model's "
+                             f"{self.output_names}")
+        return [list(value)[order[n]] for n in self.names]
+
+    def pairs(self, y_true, y_pred):
+        trues, preds = self._by_output(y_true, "targets"), self._by_output(y_pred, "predictions")
+        if not len(trues) == len(preds) == len(self.fns):
+            raise ValueError(f"{len(self.fns)} losses for {len(preds)} outputs and "
+                             f"{len(trues)} targets")
+        return list(zip(self.fns, trues, preds))
+
+    def __call__(self, y_true, y_pred):
+        return tf.add_n([fn(t, p) for fn, t, p in self.pairs(y_true, y_pred)])
+
+    def per_example(self, y_true, y_pred):
+        """``[B]``: each example's loss summed over the outputs (each output's
+        per-example values averaged over their other axes)."""
+        values = []
+        for fn, t, p in self.pairs(y_true, y_pred):
+            v = tf.convert_to_tensor(fn.call(t, p) if isinstance(fn, keras.losses.Loss)
+                                     else fn(t, p))
+            values.append(tf.reduce_mean(v, axis=list(range(1, v.shape.rank)))
+                          if v.shape.rank > 1 else v)
+        return tf.add_n(values)
+
+
+def as_loss(loss, output_names=()):
     """A callable ``(y_true, y_pred) -> scalar``; returns ``(callable, keras_loss)``
-    where ``keras_loss`` is what ``compile`` passes to Keras (for evaluate)."""
+    where ``keras_loss`` is what ``compile`` passes to Keras (for evaluate).
+    A list, tuple or dict of losses (a model with several outputs) gives an
+    ``OutputsLoss``."""
     if loss is None:
         raise ValueError("the model needs a loss: give loss= to the constructor or to "
                          "compile()")
+    if isinstance(loss, (list, tuple)) or (isinstance(loss, dict) and "class_name" not in loss):
+        return OutputsLoss(loss, output_names), loss
     obj = keras.losses.get(loss) if isinstance(loss, (str, dict)) else loss
     if isinstance(loss, str) and not isinstance(obj, keras.losses.Loss):
         # a loss named as compile() takes it: wrapped as Keras wraps it (a mean

@@ -83,7 +83,9 @@ class LossSpec:
 
     ``penalties`` names the terms added to the loss that depend on the
     variables alone (a weight penalty, ``R`` in ``L = ... + R``): they are in
-    every example's gradient, and in no Fisher (``passes.loss_terms``)."""
+    every example's gradient, and in no Fisher (``passes.loss_terms``);
+    ``summed_penalties``, those of them added to every example's term of a
+    summed loss, are in the batch's loss once per example."""
     kind: str
     reduction: str = "mean"
     output: str | None = None
@@ -93,6 +95,7 @@ class LossSpec:
     divisors: tuple[str, ...] = ()
     reason: str = ""
     penalties: tuple[str, ...] = ()
+    summed_penalties: tuple[str, ...] = ()
 
     @property
     def no_fisher(self) -> str:

@@ -9,7 +9,9 @@ negative log-likelihood's terms ``l_i``
   belong to every batch of one: example ``i``'s gradient, the gradient of the
   loss evaluated on example ``i`` alone, is ``c dl_i + dR`` (the per-example
   engine adds ``dR``; DP-SGD adds it once, after clipping and noise, since it
-  costs no privacy). The Fisher is the likelihood's alone.
+  costs no privacy). The Fisher is the likelihood's alone. A penalty added
+  to every example's term of a summed loss (``sum_i (l_i + R)``) is in the
+  batch's loss ``B`` times and in example ``i``'s once (``summed_penalties``).
 - **extra per-example terms** ``e_i``: data-dependent terms that are not a
   likelihood but are reduced over the examples as the likelihood is (Keras's
   ``activity_regularizer``, ``sum(|h|) / B``; a VAE's KL term). Example
@@ -20,10 +22,12 @@ Contract: ``split_sum(g, node, inputs, data, params) -> (data_terms,
 penalties)`` sorts an ``Add``/``AddN``'s inputs; ``combine(node, found,
 outer)`` builds the loss's match from the walks down each data term
 (``found``: per term, its likelihood match or the examples-first match the
-walk stopped below, or the error). Exactly one term must be a likelihood;
-the others need their own examples-first terms, no weights of their own
-(``outer``: whether weights or divisors were read above the sum) and the
-likelihood's reduction (a mean over the examples, or a sum): otherwise a
+walk stopped below, or the error). One likelihood keeps its Fisher; with
+two (a model with two outputs, each with its loss) or none, the loss is
+``"opaque"``: every term per example, the empirical Fisher only. Every
+other term needs its own examples-first terms, no weights (``outer``:
+whether weights or divisors were read above the sum) and the first's
+reduction (a mean over the examples, or a sum): otherwise a
 ``LossNotFoundError`` names the op.
 """
 from __future__ import annotations
@@ -46,36 +50,41 @@ def split_sum(g, node, inputs, data, params):
 def combine(node, found, outer: bool):
     """The match of a loss that adds several data terms at ``node`` (module
     docstring); ``found``: ``[(tensor, match or None, opaque match or None,
-    error)]``."""
-    likelihoods = [m for _, m, _, _ in found if m is not None and m.kind != "opaque"]
-    if len(likelihoods) != 1:
-        what = ("none is a likelihood the pass reads" if not likelihoods else
-                f"{len(likelihoods)} are likelihoods (a model with several outputs?)")
-        first_error = next((str(e).split("; ")[0] for _, m, _, e in found if e), "")
-        raise LossNotFoundError(
-            f"op {node!r} adds {len(found)} data-dependent terms and {what}"
-            + (f" ({first_error})" if first_error and not likelihoods else "")
-            + f"; {LOSS_HOW_TO}")
-    main = likelihoods[0]
-    extras, penalties = list(main.extras), list(main.penalties)
-    for tensor, match, opaque, error in found:
-        if match is main:
-            continue
-        extra = match if match is not None else opaque
-        if extra is None:
+    error)]``. Where no one term is a likelihood (two outputs' losses, or
+    none the pass reads) the loss is opaque: every term per example, the
+    first's as its terms, no Fisher but the empirical one."""
+    parts = [(tensor, match if match is not None else opaque, error)
+             for tensor, match, opaque, error in found]
+    for tensor, part, error in parts:
+        if part is None:
             raise LossNotFoundError(
-                f"op {node!r} adds to the likelihood a data-dependent term {tensor} that is not "
-                f"a sum or mean of per-example terms ({str(error).split('; ')[0]}); {LOSS_HOW_TO}")
+                f"op {node!r} adds a data-dependent term {tensor} that is not a sum or mean of "
+                f"per-example terms ({str(error).split('; ')[0]}); {LOSS_HOW_TO}")
+    likelihoods = [p for _, p, _ in parts if p.kind != "opaque"]
+    if len(likelihoods) == 1:
+        main = likelihoods[0]
+    else:
+        what = ("none is a likelihood the pass reads" if not likelihoods else
+                f"{len(likelihoods)} are likelihoods (a model with several outputs)")
+        main = dataclasses.replace(
+            parts[0][1], kind="opaque", output=None, targets=None, scale=1.0, op=None,
+            reason=f"op {node!r} adds {len(parts)} data-dependent terms and {what}")
+    extras, penalties, summed = list(main.extras), list(main.penalties), list(main.summed_penalties)
+    for k, (tensor, extra, _) in enumerate(parts):
+        if extra is main or (main.kind == "opaque" and k == 0):
+            continue
         if outer or extra.weights or extra.divisors:
             raise LossNotFoundError(
-                f"op {node!r} adds a weighted term {tensor} to the likelihood: per-example terms "
-                f"beside the likelihood must not be weighted; {LOSS_HOW_TO}")
+                f"op {node!r} adds a weighted term {tensor} beside the loss's first: per-example "
+                f"terms added beside it must not be weighted; {LOSS_HOW_TO}")
         if extra.reduction != main.reduction:
             raise LossNotFoundError(
                 f"op {node!r} adds a term {tensor} reduced over the examples by a "
-                f"{extra.reduction} to a likelihood reduced by a {main.reduction}: example i's "
-                f"own loss would not be a share of the batch's; {LOSS_HOW_TO}")
+                f"{extra.reduction} to one reduced by a {main.reduction}: example i's own loss "
+                f"would not be a share of the batch's; {LOSS_HOW_TO}")
         extras.append((extra.terms, extra.terms_coefficient))
         extras.extend(extra.extras)
         penalties.extend(extra.penalties)
-    return dataclasses.replace(main, extras=tuple(extras), penalties=tuple(penalties))
+        summed.extend(extra.summed_penalties)
+    return dataclasses.replace(main, extras=tuple(extras), penalties=tuple(penalties),
+                               summed_penalties=tuple(summed))

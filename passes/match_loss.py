@@ -74,6 +74,7 @@ class LossMatch:
     divisors: tuple[str, ...] = ()
     reason: str = ""  # an "opaque" loss: where and why the walk stopped
     penalties: tuple[str, ...] = ()  # added terms of the variables alone (passes.loss_terms)
+    summed_penalties: tuple[str, ...] = ()  # those in every example's term of a summed loss
     extras: tuple[tuple[str, float], ...] = ()  # (terms, coefficient) added beside l_i
 
 
@@ -105,7 +106,7 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
     batch = _batch_size(g)
     tensor = tensor or g.graph["output"]
     weights, divisors, weighted_at, reader = [], [], [], None  # reader: the op the walk left
-    penalties = []
+    penalties, summed = [], []
     for _ in range(len(g)):
         node, index = ir.split_tensor(tensor)
         d = g.nodes[node]
@@ -115,7 +116,7 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
                                     terms=_as_read(g, reader, tensor),
                                     terms_coefficient=float(coefficient),
                                     weights=tuple(weights), divisors=tuple(divisors),
-                                    penalties=tuple(penalties)))
+                                    penalties=tuple(penalties), summed_penalties=tuple(summed)))
         reader = node
         op, inputs = d["op"], d["inputs"]
         terminal = _terminal(g, node, params)
@@ -130,7 +131,8 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
                              loss_weights.unmasked(g, _unflatten(g, output), params),
                              targets, float(scale), node,
                              ir.tensor_name(node), float(coefficient),
-                             tuple(weights), tuple(divisors), penalties=tuple(penalties))
+                             tuple(weights), tuple(divisors), penalties=tuple(penalties),
+                             summed_penalties=tuple(summed))
         if op == "Mean":
             axes, shape = _axes(g, node)
             if axes is None:
@@ -183,12 +185,15 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
         elif op in ("AddV2", "Add", "AddN"):
             terms, added = loss_terms.split_sum(g, node, inputs, data, params)
             penalties += added
+            if not batch_mean and _examples_first(d["shapes"][index], rows.get(node), batch):
+                summed += added  # B copies in the batch's loss, one in example i's
             if len(terms) == 1:
                 tensor = terms[0]
                 continue
             found = [(t, *_attempt(g, rows, t, coefficient, batch_mean)) for t in terms]
             match = loss_terms.combine(node, found, bool(weights or divisors))
-            return dataclasses.replace(match, penalties=tuple(penalties) + match.penalties)
+            return dataclasses.replace(match, penalties=tuple(penalties) + match.penalties,
+                                       summed_penalties=tuple(summed) + match.summed_penalties)
         else:
             raise LossNotFoundError(f"cannot read a loss through op {node!r} ({op}); {_HOW_TO}")
     raise LossNotFoundError(f"no loss op found; {_HOW_TO}")

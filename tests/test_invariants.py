@@ -155,7 +155,10 @@ def test_generic_variable_with_a_per_token_loss_equals_the_loop(flatten):
     assert np.isfinite(float(kg.FisherEstimator(fn).update(*args)))
 
 
-def test_generic_variable_outside_the_examples_terms_gets_zeros():
+def test_generic_variable_outside_the_examples_terms_gets_its_penalty_gradient():
+    """A variable the examples' terms do not read, penalised on the reduced
+    loss: each example's gradient is the penalty's (the loss on that example
+    alone holds it)."""
     dense = keras.layers.Dense(3, name="dense")
     dense.build((None, 4))
     penalty = tf.Variable(tf.ones([2]), name="penalty")
@@ -167,7 +170,8 @@ def test_generic_variable_outside_the_examples_terms_gets_zeros():
     args = (tf.random.stateless_normal([4, 4], [5, 6]), tf.constant([0, 1, 2, 0]))
     grads = kg.per_example_gradients(kg.auto_register(loss_fn), *args)
     assert grads[-1].shape == (4, 2)
-    np.testing.assert_array_equal(grads[-1], np.zeros((4, 2)))
+    np.testing.assert_allclose(grads[-1], np.tile(0.1 * np.exp(penalty.numpy()), (4, 1)),
+                               rtol=1e-6)
 
 
 def test_generic_variable_without_per_example_terms_refuses():

@@ -5,7 +5,8 @@ A weight penalty (Keras's `kernel_regularizer` and `bias_regularizer`, or
 the gradient of the loss on example i alone, holds its gradient, and DP-SGD
 adds it once, neither clipped nor noised. A data-dependent term reduced
 over the examples as the likelihood is (Keras's `activity_regularizer`, a
-VAE's KL term) is part of each example's own loss, and of no Fisher. Each
+VAE's KL term) is part of each example's own loss, and of no Fisher; two
+likelihoods (two outputs' losses) make the loss opaque. Each
 is checked against a loop of one-example tapes in float64; before these,
 the penalty was silently left out of every per-example gradient and of
 DP-SGD's update, and the other terms were refused.
@@ -75,7 +76,10 @@ def test_keras_regularisers_are_in_each_examples_gradient(float64):
     assert np.abs(tape.gradient(ce, kernel) - tf.reduce_mean(want[0], 0)).max() > 1e-2
 
 
-def test_a_written_out_penalty_on_a_sum_loss_and_a_generic_variable():
+@pytest.mark.parametrize("where", ["reduced", "each_term"])
+def test_a_written_out_penalty_on_a_sum_loss_and_a_generic_variable(where):
+    """On the reduced loss, or in every example's term (and so ``B`` times in
+    the batch's sum, once in each example's loss)."""
     rng = np.random.default_rng(0)
     w = tf.Variable(rng.normal(size=(4, 2)), name="w")
     t = tf.Variable(rng.normal(size=(2,)), name="temperature")
@@ -83,13 +87,18 @@ def test_a_written_out_penalty_on_a_sum_loss_and_a_generic_variable():
     @kg.auto_register
     def loss(x, y):
         z = (x @ w) * tf.sin(t)  # sin(t): no layer pattern, a generic variable
-        return (tf.reduce_sum(tf.square(z - y)) + 0.3 * tf.reduce_sum(tf.square(w))
-                + 0.2 * tf.reduce_sum(tf.cos(t)))
+        penalty = 0.3 * tf.reduce_sum(tf.square(w)) + 0.2 * tf.reduce_sum(tf.cos(t))
+        if where == "each_term":
+            return tf.reduce_sum(tf.reduce_sum(tf.square(z - y), axis=1) + penalty)
+        return tf.reduce_sum(tf.square(z - y)) + penalty
 
     args = (tf.constant(rng.normal(size=(B, 4))), tf.constant(rng.normal(size=(B, 2))))
     reg = assert_matches_loop(loss, args, rtol=1e-10)
-    assert reg.loss.reduction == "sum" and len(reg.loss.penalties) == 2
-    assert [v.name for v in reg.generic_variables] == ["temperature:0"]
+    assert reg.loss.reduction == "sum" and len(reg.loss.penalties) == 1
+    assert len(reg.loss.summed_penalties) == (where == "each_term")
+    # in every term, the penalty meets the data: its kernel is generic too (test_weight_paths)
+    generic = {"reduced": ["temperature:0"], "each_term": ["w:0", "temperature:0"]}[where]
+    assert [v.name for v in reg.generic_variables] == generic
 
 
 def _vae(latent=2, pixels=12):
@@ -170,10 +179,66 @@ def test_terms_the_pass_cannot_give_each_example_are_refused_in_one_line():
     with pytest.raises(LossNotFoundError, match="reduced over the examples by a sum") as e:
         register(lambda x, y: ce(x @ w) + tf.reduce_sum(tf.abs(x @ w)))
     assert "\n" not in str(e.value)
-    with pytest.raises(LossNotFoundError, match="2 are likelihoods"):
-        register(lambda x, y: ce(x @ w) + ce(tf.tanh(x @ w)))
     # a term of the batch's statistics is read, and flagged as coupling the examples
     z = lambda x: x @ w
     reg = register(lambda x, y: ce(z(x)) + tf.reduce_mean(
         tf.square(z(x) - tf.reduce_mean(z(x), axis=0))))
     assert reg.coupling and len(reg.per_example_extras) == 1
+
+
+def test_two_outputs_losses_are_opaque_with_exact_per_example_gradients():
+    rng = np.random.default_rng(0)
+    w, v = tf.Variable(rng.normal(size=(4, 3))), tf.Variable(rng.normal(size=(3, 2)))
+
+    @kg.auto_register
+    def loss(x, y, t):  # a class head and a regression head on one trunk
+        h = tf.tanh(x @ w)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, h)
+        return tf.reduce_mean(ce) + 0.5 * tf.reduce_mean(tf.square(h @ v - t))
+
+    args = (tf.constant(rng.normal(size=(B, 4))), tf.constant(rng.integers(0, 3, B)),
+            tf.constant(rng.normal(size=(B, 2))))
+    reg = assert_matches_loop(loss, args, rtol=1e-10)
+    assert reg.loss.kind == "opaque" and "2 are likelihoods" in reg.loss.reason
+    with pytest.raises(Exception, match="2 are likelihoods") as e:
+        kg.KFAC(loss).step(*args)
+    assert "\n" not in str(e.value)
+    opt = kg.KFAC(loss, estimation_mode="empirical", momentum_type="regular")
+    losses = [float(opt.step(*args)) for _ in range(5)]
+    assert losses[-1] < losses[0]
+
+
+def _two_output_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    h = keras.layers.Dense(8, activation="tanh")(inputs)
+    return keras.Model(inputs, [keras.layers.Dense(3, name="label")(h),
+                                keras.layers.Dense(2, name="value")(h)])
+
+
+def test_keras_fit_takes_a_loss_per_output():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 5)).astype("float32")
+    labels, values = rng.integers(0, 3, 32), rng.normal(size=(32, 2)).astype("float32")
+    losses = {"label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              "value": "mse"}
+    model = _two_output_model()
+    kmodel = kg.KFACModel(model, loss=losses, estimation_mode="empirical",
+                          momentum_type="regular", learning_rate=0.05)
+    kmodel.compile()
+    targets = {"label": labels, "value": values}
+    before = float(kmodel.evaluate(x, targets, verbose=0)[0])  # [total, per output...]
+    # the registered loss is Keras's own sum of the outputs' losses
+    value = kmodel.loss_fn.tf_function(tf.constant(x), {k: tf.constant(v)
+                                                        for k, v in targets.items()})
+    np.testing.assert_allclose(float(value), before, rtol=1e-5)
+    history = kmodel.fit(x, targets, batch_size=16, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    sampled = kg.KFACModel(_two_output_model(), loss=list(losses.values()))
+    sampled.compile()
+    with pytest.raises(Exception, match="2 are likelihoods"):
+        sampled.fit(x, (labels, values), batch_size=16, epochs=1, verbose=0)
+    dp = kg.DPModel(_two_output_model(), loss=losses, l2_norm_clip=1.0, noise_multiplier=0.5,
+                    num_examples=32, batch_size=16)
+    dp.compile(optimizer=keras.optimizers.SGD(0.1))
+    assert np.isfinite(dp.fit(x, targets, epochs=2, verbose=0).history["loss"]).all()

@@ -166,6 +166,10 @@ def penalty_gradients(reg: Registration, taps: LayerTaps) -> list:
     if not taps.penalties:
         return [None] * len(variables)
     upstream = tf.gradients(taps.loss, list(taps.penalties))
+    # a penalty in every example's term of a summed loss: B copies, one per example
+    summed = set(reg.loss.summed_penalties)
+    upstream = [u / tf.cast(taps.batch_size, u.dtype) if name in summed and u is not None else u
+                for name, u in zip(reg.loss.penalties, upstream)]
     pairs = [(p, u) for p, u in zip(taps.penalties, upstream) if u is not None]
     if not pairs:
         return [None] * len(variables)

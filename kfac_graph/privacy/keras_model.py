@@ -59,7 +59,7 @@ import tensorflow as tf
 from kfac_graph.auto_register import auto_register
 from kfac_graph import keras_train_loop
 from kfac_graph import options
-from kfac_graph.keras_loss import as_loss as _as_loss
+from kfac_graph.keras_loss import OutputsLoss, as_loss as _as_loss
 from kfac_graph.privacy.privatize import OPTIONS, check_clip, privatize
 from kfac_graph.privacy import accounting
 from kfac_graph.privacy.noise import NoiseSource
@@ -126,6 +126,8 @@ class DPModel(keras.Model):
         if self._loss_spec is None:
             _as_loss(None)  # raises: no loss
         kwargs.setdefault("jit_compile", False)
+        if getattr(self.model, "output_names", None):  # Keras maps a loss per output by them
+            self.output_names = list(self.model.output_names)
         super().compile(optimizer=optimizer, loss=self._keras_loss, metrics=metrics, **kwargs)
         self._step_function = None
 
@@ -236,9 +238,10 @@ class DPModel(keras.Model):
 
     # -- training -----------------------------------------------------------------------
     def _set_loss(self, loss):
-        loss_fn, keras_loss = _as_loss(loss)
         inner = self.model
-        per_example = keras_loss.call if isinstance(keras_loss, keras.losses.Loss) else keras_loss
+        loss_fn, keras_loss = _as_loss(loss, getattr(inner, "output_names", None) or ())
+        per_example = (loss_fn.per_example if isinstance(loss_fn, OutputsLoss) else
+                       keras_loss.call if isinstance(keras_loss, keras.losses.Loss) else keras_loss)
 
         def dp_loss(x, y, *sample_weight):  # the weights, where fit has them
             value = loss_fn(y, inner(x, training=True), *sample_weight)
