@@ -128,9 +128,10 @@ class LayerTaps:
                 per_example = per_example * tf.cast(coefficient, per_example.dtype)
             for name, coefficient in reg.per_example_extras:
                 own, why = _per_example_terms(tensors[name], batch, model_output)
-                per_example, problem = ((None, why) if own is None or per_example is None else
-                                        (per_example + tf.cast(coefficient * own,
-                                                               per_example.dtype), problem))
+                if per_example is None or own is None:
+                    per_example, problem = None, problem or why
+                    break
+                per_example = per_example + tf.cast(coefficient * own, per_example.dtype)
         return cls(
             registration=reg, loss=tensors[reg.output],
             model_output=model_output,

@@ -13,7 +13,8 @@ import numpy as np
 from passes import ir
 from passes.loss_constants import const_operand, evaluate
 
-_PASS_THROUGH = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity", "Cast"})
+# ops a loss is read through unchanged (also by passes.match_loss)
+PASS_THROUGH = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity", "Cast"})
 
 
 def sigmoid_cross_entropy(g, inputs):
@@ -90,7 +91,7 @@ def _input_of(g, tensor, op, renormalised=False):
             if total["op"] != "Sum" or total["inputs"][0] != node["inputs"][0]:
                 return None
             tensor = node["inputs"][0]
-        elif node["op"] in _PASS_THROUGH:
+        elif node["op"] in PASS_THROUGH:
             tensor = node["inputs"][0]
         else:
             return None

@@ -60,18 +60,18 @@ def combine(node, found, outer: bool):
             raise LossNotFoundError(
                 f"op {node!r} adds a data-dependent term {tensor} that is not a sum or mean of "
                 f"per-example terms ({str(error).split('; ')[0]}); {LOSS_HOW_TO}")
-    likelihoods = [p for _, p, _ in parts if p.kind != "opaque"]
-    if len(likelihoods) == 1:
-        main = likelihoods[0]
-    else:
+    likelihoods = [k for k, (_, p, _) in enumerate(parts) if p.kind != "opaque"]
+    first = likelihoods[0] if len(likelihoods) == 1 else 0
+    main = parts[first][1]
+    if len(likelihoods) != 1:
         what = ("none is a likelihood the pass reads" if not likelihoods else
                 f"{len(likelihoods)} are likelihoods (a model with several outputs)")
         main = dataclasses.replace(
-            parts[0][1], kind="opaque", output=None, targets=None, scale=1.0, op=None,
+            main, kind="opaque", output=None, targets=None, scale=1.0, op=None,
             reason=f"op {node!r} adds {len(parts)} data-dependent terms and {what}")
     extras, penalties, summed = list(main.extras), list(main.penalties), list(main.summed_penalties)
     for k, (tensor, extra, _) in enumerate(parts):
-        if extra is main or (main.kind == "opaque" and k == 0):
+        if k == first:
             continue
         if outer or extra.weights or extra.divisors:
             raise LossNotFoundError(

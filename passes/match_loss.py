@@ -56,7 +56,7 @@ from passes.errors import LOSS_HOW_TO, LossNotFoundError
 from passes.loss_constants import const_operand, evaluate, from_shapes
 
 KINDS = ("categorical", "bernoulli", "normal")  # and "opaque" (module docstring)
-_PASS_THROUGH = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity", "Cast"})
+_PASS_THROUGH = loss_logits.PASS_THROUGH
 _HOW_TO = LOSS_HOW_TO
 
 
@@ -95,15 +95,15 @@ def match_loss(g: nx.DiGraph, kind: str | None = None, rows=None) -> LossMatch:
     return found
 
 
-def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=False
-          ) -> LossMatch:
+def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=False,
+          nodes=None) -> LossMatch:
     """The loss read from ``tensor`` (the scalar loss) down; ``opaque`` gets
     the ``"opaque"`` match at the first tensor on the way that holds the
     examples on its first axis (``_examples_first``), for when the walk fails
-    below it. A sum of several data terms walks down each (``loss_terms``)."""
-    data = _data_nodes(g)
-    params = _parameter_nodes(g)
-    batch = _batch_size(g)
+    below it. A sum of several data terms walks down each (``loss_terms``).
+    ``nodes``: ``(data, params, batch)`` where a walk above has them."""
+    nodes = nodes or (_data_nodes(g), _parameter_nodes(g), _batch_size(g))
+    data, params, batch = nodes
     tensor = tensor or g.graph["output"]
     weights, divisors, weighted_at, reader = [], [], [], None  # reader: the op the walk left
     penalties, summed = [], []
@@ -190,7 +190,7 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
             if len(terms) == 1:
                 tensor = terms[0]
                 continue
-            found = [(t, *_attempt(g, rows, t, coefficient, batch_mean)) for t in terms]
+            found = [(t, *_attempt(g, rows, t, coefficient, batch_mean, nodes)) for t in terms]
             match = loss_terms.combine(node, found, bool(weights or divisors))
             return dataclasses.replace(match, penalties=tuple(penalties) + match.penalties,
                                        summed_penalties=tuple(summed) + match.summed_penalties)
@@ -199,11 +199,11 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
     raise LossNotFoundError(f"no loss op found; {_HOW_TO}")
 
 
-def _attempt(g, rows, tensor, coefficient, batch_mean):
+def _attempt(g, rows, tensor, coefficient, batch_mean, nodes):
     """``(match, opaque match, error)`` of the walk down one added term."""
     opaque = [] if rows else [None]
     try:
-        return _walk(g, rows, opaque, tensor, coefficient, batch_mean), None, None
+        return _walk(g, rows, opaque, tensor, coefficient, batch_mean, nodes), None, None
     except LossNotFoundError as e:
         return None, (opaque[0] if opaque else None), e
 

@@ -29,6 +29,22 @@ def _tokens(seed=0):
             tf.constant(rng.integers(0, V, (B, T)), tf.int32))
 
 
+def _any_length(loss):
+    """``loss`` registered under the signature ``([None, None, D], [None])``:
+    float64 sequences of any batch and length, integer labels."""
+    return kg.auto_register(tf.function(loss, input_signature=[
+        tf.TensorSpec([None, None, D], tf.float64), tf.TensorSpec([None], tf.int32)]))
+
+
+def _matches_at_lengths(signed, rng, lengths):
+    """``(registration, args)`` of the last length, after checking the
+    per-example gradients against one-example tapes at each length."""
+    for length in lengths:
+        args = (tf.constant(rng.normal(size=(B, length, D))), tf.constant([0, 1, 1]))
+        reg = assert_matches_loop(signed, args)
+    return reg, args
+
+
 def _float64_keras(seed):
     """Keras computing in float64 (conftest restores the dtypes), seeded."""
     keras = pytest.importorskip("keras")
@@ -173,8 +189,7 @@ def test_a_convolution_over_a_length_known_at_run_time_is_generic():
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
     args = (tf.constant(np.random.default_rng(2).normal(size=(B, T, D))), tf.constant([0, 1, 1]))
     loss(*args)
-    signed = kg.auto_register(tf.function(loss, input_signature=[
-        tf.TensorSpec([None, None, D], tf.float64), tf.TensorSpec([None], tf.int32)]))
+    signed = _any_length(loss)
     reg = assert_matches_loop(signed, args)
     generic = [layer for layer in reg.layers if layer.kind == "generic"]
     assert [v.name.split(":")[0] for layer in generic for v in layer.variables] == [
@@ -208,11 +223,8 @@ def test_experts_on_tokens_of_any_length():
             tf.reduce_mean(tf.square(rows), axis=-1, keepdims=True) + 1e-3) * scale
         pooled = tf.reduce_mean(tf.reshape(mixed, tf.shape(x)), axis=1)
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, pooled @ head))
-    signed = kg.auto_register(tf.function(loss, input_signature=[
-        tf.TensorSpec([None, None, D], tf.float64), tf.TensorSpec([None], tf.int32)]))
-    for length in (T, T + 3):
-        args = (tf.constant(rng.normal(size=(B, length, D))), tf.constant([0, 1, 1]))
-        reg = assert_matches_loop(signed, args)
+    signed = _any_length(loss)
+    reg, args = _matches_at_lengths(signed, rng, (T, T + 3))
     kinds = {v.name.split(":")[0]: (layer.kind, layer.use_attrs[0].get("run_time_rows"))
              for layer in reg.layers for v in layer.variables}
     assert kinds == {"w_in": ("dense", 0), "b_in": ("dense", 0), "w_out": ("grouped_dense", 1),
@@ -267,8 +279,7 @@ def test_a_token_copied_over_a_run_time_batch(form):
                     x + copies)
         logits = tf.reduce_mean(h, axis=1) @ head
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-    signed = kg.auto_register(tf.function(loss, input_signature=[
-        tf.TensorSpec([None, None, D], tf.float64), tf.TensorSpec([None], tf.int32)]))
+    signed = _any_length(loss)
     args = (tf.constant(rng.normal(size=(B, T, D))), tf.constant([0, 1, 1]))
     reg = assert_matches_loop(signed, args)
     kind = next(layer.kind for layer in reg.layers if layer.variables[0] is token)
@@ -293,11 +304,8 @@ def test_a_relative_position_table_under_a_run_time_length():
         scores = tf.einsum("bqd,bkd->bqk", x, x)[:, None] + bias  # [B, 2, q, k]
         pooled = tf.reduce_mean(tf.nn.softmax(scores, axis=-1), axis=[2, 3])
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, pooled @ head))
-    signed = kg.auto_register(tf.function(loss, input_signature=[
-        tf.TensorSpec([None, None, D], tf.float64), tf.TensorSpec([None], tf.int32)]))
-    for length in (T, T + 2):
-        args = (tf.constant(rng.normal(size=(B, length, D))), tf.constant([0, 1, 1]))
-        reg = assert_matches_loop(signed, args)
+    signed = _any_length(loss)
+    reg, args = _matches_at_lengths(signed, rng, (T, T + 2))
     layer = next(layer for layer in reg.layers if layer.variables[0] is table)
     assert (layer.kind, layer.use_attrs[0].get("ids_broadcast")) == ("embedding", True), \
         reg.summary()
