@@ -29,8 +29,8 @@ a check passes when ``|got - reference| <= atol + rtol * |reference|``
 (defaults by dtype: float64 1e-8, float32 1e-3, 16-bit 5e-2; the loosest of
 the variables', the loss's, the layers' outputs' (the compute dtype under
 mixed precision) and any narrower float the loss computes in on the way,
-which a note names). The model's variables (moving averages included) are
-restored after the checks.
+which a note names). Every run of ``fn`` starts from the variables' values
+at the call, and they are restored after the checks (``verify_state``).
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ import tensorflow as tf
 
 from kfac_graph import layers
 from kfac_graph import verify_fisher, verify_weights
+from kfac_graph.verify_state import SavedState
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.per_example.gradients import model_norms, per_layer_results
 from kfac_graph.per_example.rules import default_registry
@@ -81,11 +82,11 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
     tol = (default_rtol if rtol is None else rtol, default_atol if atol is None else atol)
     registry = rules or default_registry()
     rng = np.random.default_rng(seed)
-    saved = _snapshot(fn, args)
+    state = SavedState(fn, args)
     try:
         results = _cached(fn, ("verify_results", id(reg), id(rules)),
                           lambda: _per_example_results(reg, registry))
-        pxg, squared, whole = results(*args)
+        pxg, squared, whole = state.run(results, *args)
         pxg = [g.numpy() for g in pxg]
         layer_norms = [np.sqrt(s.numpy()) for s in squared]
         model_norm = whole.numpy()
@@ -94,14 +95,14 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
                                                           replace=False)))
         gradient = _cached(fn, ("verify_gradient", id(reg)), lambda: _gradient_function(fn, reg))
         _trace_relaxed(gradient, args, batch)
-        reference = [g.numpy() for g in gradient(*args)]
+        reference = [g.numpy() for g in state.run(gradient, *args)]
         coupling = coupling_layers(reg) or reg.coupling
         ones, one_note, one_error = {}, "", ""
         if coupling:
             one_note = "couples examples"
         elif picked:
             try:
-                ones = {i: [g.numpy() for g in gradient(*_slice(args, batch, i))]
+                ones = {i: [g.numpy() for g in state.run(gradient, *_slice(args, batch, i))]
                         for i in picked}
                 if reg.loss.weighted:
                     ones, one_error = verify_weights.rescaled(
@@ -113,9 +114,9 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
         fisher = {}
         if estimation_mode is not None:
             fisher = verify_fisher.fisher_checks(fn, reg, args, estimation_mode, directions, rng,
-                                                 fisher_max_params, bool(coupling), tol)
+                                                 fisher_max_params, bool(coupling), tol, state)
     finally:
-        _restore(saved)
+        state.restore()
 
     rows, offset = [], 0
     for index, layer in enumerate(reg.layers):
@@ -353,21 +354,6 @@ def _narrowing(reg):
     widths = [precision.WIDTH.get(tf.as_dtype(v.dtype).name, 0) for v in reg.variables]
     least = min((w for w in widths if w), default=0)
     return tuple(entry for entry in found if precision.WIDTH[entry[2]] < least)
-
-
-def _snapshot(fn, args):
-    """``[(variable, value)]`` of every variable ``fn`` reads (the checks run
-    ``fn``, which may update moving averages)."""
-    try:
-        variables = fn.concrete_function(*args).variables
-    except (AttributeError, TypeError, ValueError):
-        return []
-    return [(v, tf.identity(v.read_value())) for v in variables]
-
-
-def _restore(saved):
-    for variable, value in saved:
-        variable.assign(value)
 
 
 def _notes(reg, coupling, one_error):

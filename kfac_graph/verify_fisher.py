@@ -79,10 +79,12 @@ def skip_reason(reg, layer, coupled: bool, max_params: int, mode: str = "exact")
     return ""
 
 
-def fisher_checks(fn, reg, args, mode, directions, rng, max_params, coupled, tol) -> list:
+def fisher_checks(fn, reg, args, mode, directions, rng, max_params, coupled, tol,
+                  state) -> list:
     """One ``Check("fisher", ...)`` per layer of ``reg``. The estimator and
     the reference are built once per registration, mode and set of checked
-    layers (``fn.derived``); the directions are their arguments."""
+    layers (``fn.derived``); the directions are their arguments. ``state``
+    (``verify_state.SavedState``) runs each from the same variables."""
     reasons = [skip_reason(reg, layer, coupled, max_params, mode) for layer in reg.layers]
     checked = tuple(k for k, r in enumerate(reasons) if not r)
     out = [Check("fisher", "skipped", note=r) for r in reasons]
@@ -101,12 +103,12 @@ def fisher_checks(fn, reg, args, mode, directions, rng, max_params, coupled, tol
                                     position_columns="separate")
         cached = fn.derived[key] = (estimator, _quadratic_forms(reg, mode, checked))
     estimator, forms = cached
-    estimator.update(*args)
+    state.run(estimator.update, *args)
     parts = [[rng.standard_normal((directions, *tuple(v.shape))) for v in reg.layers[k].variables]
              for k in checked]
-    exact = forms(tuple(args), [[tf.constant(p, v.dtype) for p, v in
-                                 zip(layer_parts, reg.layers[k].variables)]
-                                for k, layer_parts in zip(checked, parts)]).numpy()
+    exact = state.run(forms, tuple(args), [[tf.constant(p, v.dtype) for p, v in
+                                            zip(layer_parts, reg.layers[k].variables)]
+                                           for k, layer_parts in zip(checked, parts)]).numpy()
     for row, (k, layer_parts) in enumerate(zip(checked, parts)):
         matrix = estimator.blocks[k].full_matrix().numpy().astype(np.float64)
         worst, ok = 0.0, True
