@@ -155,7 +155,9 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                         result.graph, dict(result.timings), placeholders,
                         {k: tuple(v) for k, v in reads.items()}, lm.terms, lm.terms_coefficient,
                         {k: tuple(v) for k, v in handles.items()}, result.coupling,
-                        lm.extras)
+                        lm.extras, tuple((variable(k), traced.constraints[k])
+                                         for m in result.layers for k in m.variables
+                                         if k in traced.constraints))
 
 
 # ops that take a variable's handle without reading its value

@@ -112,6 +112,7 @@ class DPSGD:
                                 expected_batch_size=expected, owner="kg.DPSGD")
         for v, g in zip(reg.variables, grads):
             v.assign_sub(tf.cast(self.learning_rate, v.dtype) * tf.cast(g, v.dtype))
+        reg.apply_constraints()
         self.iterations.assign_add(1)
         return loss
 

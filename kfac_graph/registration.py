@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import networkx as nx
 import numpy as np
+import tensorflow as tf
 
 from kfac_graph import layers as layer_kinds
 from passes.errors import LOSS_HOW_TO
@@ -151,11 +152,20 @@ class Registration:
                                                                       repr=False)
     coupling: tuple[str, ...] = ()
     per_example_extras: tuple[tuple[str, float], ...] = ()
+    constraints: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
     @property
     def variables(self) -> tuple:
         """Every trainable variable the loss depends on, in layer order."""
         return tuple(v for layer in self.layers for v in layer.variables)
+
+    def apply_constraints(self):
+        """``v.assign(c(v))`` for each variable Keras gave a constraint ``c``
+        (``kernel_constraint=NonNeg()``, ``MaxNorm``, ...), as Keras's
+        optimizers do after every update; ``kg.KFAC`` and ``kg.DPSGD`` call
+        it after theirs. ``constraints``: ``(variable, c)`` pairs."""
+        for v, constraint in self.constraints:
+            v.assign(tf.cast(constraint(tf.convert_to_tensor(v)), v.dtype))
 
     @property
     def generic_variables(self) -> tuple:
@@ -187,6 +197,10 @@ class Registration:
                    + (f"; divided by {', '.join(loss.divisors)}" if loss.divisors else "")
                    + (f"; per-example terms added {extras}" if extras else "")
                    + (f"; penalties {', '.join(loss.penalties)}" if loss.penalties else ""))
+        if self.constraints:
+            out.append("constraints applied after each update: " + ", ".join(
+                f"{v.name} {getattr(c, '__name__', type(c).__name__)}"
+                for v, c in self.constraints))
         for layer in self.layers:
             if layer.reason:
                 out.append(f"{layer.kind} {layer.name}: {layer.reason}")

@@ -33,7 +33,8 @@ class Traced:
     ``passes.unroll`` copied out; ``kept_loops``: loop name -> why it was
     not unrolled. ``batch_axes``: op name -> the axes of its output that
     hold the batch, where the batch is known at run time only
-    (``passes.shape_probe``).
+    (``passes.shape_probe``). ``constraints``: key -> the constraint Keras
+    applies to the variable after each update (``keras_frozen.flags``).
     """
     graph_def: Any
     arguments: tuple[str, ...]
@@ -45,6 +46,7 @@ class Traced:
     kept_loops: dict = dataclasses.field(default_factory=dict)
     unrolled_loops: dict = dataclasses.field(default_factory=dict)
     batch_axes: dict = dataclasses.field(default_factory=dict)
+    constraints: dict = dataclasses.field(default_factory=dict)
 
 
 def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) -> Traced:
@@ -79,7 +81,7 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
     by_handle = {}
     for v in list(getattr(concrete, "variables", ())) + list(graph.variables) + list(extra_variables):
         by_handle.setdefault(id(v.handle), v)
-    placeholders, objects, infos = {}, {}, {}
+    placeholders, objects, infos, constraints = {}, {}, {}, {}
     flags = keras_frozen.flags(by_handle.values())
     for external, internal in graph.captures:
         var = by_handle.get(id(external))
@@ -94,6 +96,8 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
         infos[key] = ir.VariableInfo(key, var.name, tuple(var.shape.as_list()),
                                      var.dtype.name, trainable)
         objects[key] = var
+        if trainable and id(var) in flags.constraints:
+            constraints[key] = flags.constraints[id(var)]
         placeholders[internal.op.name] = key
     n_args = len(graph.inputs) - len(graph.captures)
     arguments = tuple(t.op.name for t in graph.inputs[:n_args])
@@ -105,7 +109,7 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
     else:
         callbacks.refuse_callbacks(graph_def, name, source)
     return Traced(graph_def, arguments, inline.follow(renames, loss.name),
-                  infos, placeholders, objects, name)
+                  infos, placeholders, objects, name, constraints=constraints)
 
 
 def freeze_captured_constants(graph_def, captures):

@@ -15,7 +15,9 @@ is frozen.
 ``flags(variables)`` finds, among captured ``tf.Variable`` objects, those
 that Keras leaves out of ``model.trainable_variables`` in either way, so
 that the pass treats them as constants as Keras does (no layer, no
-per-example gradient, no update).
+per-example gradient, no update); and the constraints Keras's optimizers
+apply after each update (``kernel_constraint=...``), which ``kg.KFAC`` and
+``kg.DPSGD`` apply too (``Registration.apply_constraints``).
 
 Neither the variable nor its Keras variable points back to its owner, so
 the Keras variables and Keras 2 layers alive in the process are looked up
@@ -38,6 +40,7 @@ import tensorflow as tf
 class Flags(NamedTuple):
     frozen: set  # ids of variables Keras leaves out of trainable_variables
     overwritten: set  # ids of variables Keras overwrites with their "gradient"
+    constraints: dict  # id -> the constraint Keras applies after each update
 
 
 @tf.autograph.experimental.do_not_convert  # plain Python, also when traced under autograph
@@ -48,7 +51,9 @@ def flags(variables) -> Flags:
     variable, whether it points back to it or the mirrored variable lists it);
     and of those whose Keras variable ``overwrite_with_gradient`` (float8
     training's scales: the optimizer assigns them what their custom gradient
-    computes, so they are no parameters)."""
+    computes, so they are no parameters); and the constraint (``NonNeg``,
+    ``MaxNorm``, ...) Keras's optimizers apply after each update, where the
+    Keras variable (Keras 3) or the ``tf.Variable`` itself (Keras 2) has one."""
     keras_variable = getattr(sys.modules.get("keras"), "Variable", None)
     legacy_layer = getattr(getattr(sys.modules.get("tf_keras"), "layers", None), "Layer", None)
     ids = {}
@@ -58,7 +63,8 @@ def flags(variables) -> Flags:
             ids[id(v)] = id(v)
             if container is not None:
                 ids[id(container())] = id(v)
-    out = Flags(set(), set())
+    out = Flags(set(), set(), {id(v): v.constraint for v in variables
+                                if v.trainable and getattr(v, "constraint", None) is not None})
     if (keras_variable is None and legacy_layer is None) or not ids:
         return out
     for obj in gc.get_objects():
@@ -68,6 +74,8 @@ def flags(variables) -> Flags:
                 out.frozen.update(held)
             elif getattr(obj, "overwrite_with_gradient", False):
                 out.overwritten.update(held)
+            elif getattr(obj, "constraint", None) is not None:
+                out.constraints.update((i, obj.constraint) for i in held)
         elif legacy_layer is not None and isinstance(obj, legacy_layer) and not obj.trainable:
             out.frozen.update(ids[i] for w in obj.weights for i in _held(w) if i in ids)
     return out

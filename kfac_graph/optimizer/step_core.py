@@ -307,6 +307,7 @@ class StepCore:
             theta_dot_delta = vec.dot(variables, delta) if opt.l2_reg else None
             for v, d in zip(variables, delta):
                 v.assign_add(tf.cast(d, v.dtype))
+            opt.registration.apply_constraints()
             for slot, new in zip(opt.velocities, velocity):
                 slot.assign(new)
             if direction.capped is not None:
