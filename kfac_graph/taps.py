@@ -85,7 +85,7 @@ class LayerTaps:
                      if name in read}  # an argument the loss does not read is not mapped
         graph = tf.compat.v1.get_default_graph()
         for node, variable in reg.variable_placeholders.items():
-            input_map[f"{node}:0"] = graph.capture(variable.handle)
+            input_map[f"{node}:0"] = graph.capture(_handle(variable))
         reads = {}
         wanted = {v.ref() for v in read_variables}
         for node, variable in reg.variable_placeholders.items():
@@ -343,3 +343,17 @@ def in_variable_dtype(layer, tensors) -> list:
         return list(tensors)
     return [tf.cast(t, dtype) if t.dtype.is_floating and t.dtype != dtype else t
             for t in tensors]
+
+
+def _handle(variable):
+    """``variable.handle``; for a variable a ``tf.distribute`` strategy
+    mirrors, read in the strategy's cross-replica context (inside
+    ``strategy.scope()``, not in ``strategy.run``), its first copy's: all
+    copies hold the same value there, and an update assigns them all."""
+    try:
+        return variable.handle
+    except ValueError:
+        values = getattr(variable, "values", None)
+        if not values:
+            raise
+        return values[0].handle

@@ -45,7 +45,9 @@ weights before the update (one extra forward pass in a
 ``keras.StatelessScope``, real examples only): they are *not* private.
 Checkpoints (``ModelCheckpoint``, ``.weights.h5`` or ``.keras``) hold the
 model's and optimizer's variables; the noise generator's state is never
-saved (``privacy/noise.py``). Runs on one device (no ``tf.distribute``).
+saved (``privacy/noise.py``). Runs on one device: ``compile`` refuses a model
+under a ``tf.distribute`` strategy in one line (``fit`` would run the step per
+replica, each with its own noise).
 """
 from __future__ import annotations
 
@@ -125,6 +127,12 @@ class DPModel(keras.Model):
             self._set_loss(loss)
         if self._loss_spec is None:
             _as_loss(None)  # raises: no loss
+        if tf.distribute.has_strategy() or any(
+                isinstance(getattr(v, "value", v), tf.distribute.DistributedValues)
+                for v in self.model.variables):
+            raise ValueError("kg.DPModel runs on one device, and its model is under a "
+                             "tf.distribute strategy: make the model and the DPModel outside "
+                             "strategy.scope() (kg.KFACModel trains under tf.distribute)")
         kwargs.setdefault("jit_compile", False)
         if getattr(self.model, "output_names", None):  # Keras maps a loss per output by them
             self.output_names = list(self.model.output_names)

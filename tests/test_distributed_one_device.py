@@ -1,0 +1,60 @@
+"""Per-example gradients and DP-SGD on a model a ``tf.distribute`` strategy
+mirrors: they run on one device, also inside ``strategy.scope()`` (where a
+mirrored variable has no handle: before, they stopped there with
+TensorFlow's "DistributedVariable.handle is not available"), and an update
+assigns every copy; ``kg.DPModel``, whose ``fit`` would run per replica,
+refuses such a model in one line. In a fresh process with 2 logical CPUs."""
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = r"""
+import json, numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+import kfac_graph as kg
+rng = np.random.default_rng(0)
+x = tf.constant(rng.normal(size=(8, 5))); y = tf.constant(rng.integers(0, 3, 8))
+def make():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((5,), dtype="float64"),
+                             keras.layers.Dense(4, activation="tanh", dtype="float64"),
+                             keras.layers.Dense(3, dtype="float64")])
+def loss_of(model):
+    return kg.auto_register(lambda a, b: tf.reduce_mean(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(b, model(a))))
+plain = make()
+want = [g.numpy() for g in kg.per_example_gradients(loss_of(plain), x, y)]
+kg.DPSGD(loss_of(plain), learning_rate=0.5, l2_norm_clip=1e6, noise_multiplier=0.0).step(x, y)
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    mirrored = make()
+    fn = loss_of(mirrored)
+    got = [g.numpy() for g in kg.per_example_gradients(fn, x, y)]
+    kg.DPSGD(fn, learning_rate=0.5, l2_norm_clip=1e6, noise_multiplier=0.0).step(x, y)
+    try:
+        kg.DPModel(mirrored, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True)).compile(optimizer="sgd")
+        refusal = ""
+    except ValueError as e:
+        refusal = str(e)
+print(json.dumps({
+    "per_example": max(float(np.abs(g - w).max()) for g, w in zip(got, want)),
+    "copies": [max(float(np.abs(c.numpy() - p.numpy()).max()) for c in m.value.values)
+               for m, p in zip(mirrored.trainable_variables, plain.trainable_variables)],
+    "refusal": refusal}))
+"""
+
+
+def test_mirrored_model_on_one_device():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["per_example"] < 1e-12
+    assert len(out["copies"]) == 4 and max(out["copies"]) < 1e-12
+    assert out["refusal"].startswith("kg.DPModel runs on one device")
+    assert "\n" not in out["refusal"]
