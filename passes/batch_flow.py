@@ -11,13 +11,14 @@ among them is a use a layer must claim (else the variable is generic).
 from __future__ import annotations
 
 import networkx as nx
+import numpy as np
 
 from passes import ir
 
 
 def batch_sources(g) -> list:
     """Constants shaped ``[B, ...]`` for the arguments' static batch ``B``
-    (an RNN's zero initial state), and weights or constants tiled or
+    that repeat one row (an RNN's zero initial state), and weights or constants tiled or
     broadcast to ``[B, ...]`` (DeBERTa's relative embeddings, repeated over
     the batch): every row is an example's, so what is computed from them
     and the weights, row by row (the first step of an unrolled loop, the
@@ -27,11 +28,22 @@ def batch_sources(g) -> list:
         return []
     constants = [n for n, d in g.nodes(data=True) if d["op"] in ("Const", "Fill")
                  and d["shapes"] and d["shapes"][0] and len(d["shapes"][0]) >= 2
-                 and d["shapes"][0][0] == batch]
+                 and d["shapes"][0][0] == batch and _same_rows(d)]
     if batch == 1:  # every unit axis would read as the batch's
         return constants
     return constants + [n for n, d in g.nodes(data=True)
                         if d["op"] in ("Tile", "BroadcastTo") and _expands_to(g, d, batch)]
+
+
+def _same_rows(d) -> bool:
+    """Whether a constant ``[B, ...]`` holds one row ``B`` times (a zero
+    initial state): rows that differ are data of something else that
+    happens to number ``B`` (a graph's node features, ``B`` nodes), and a
+    layer on them meets no example."""
+    if d["op"] == "Fill" or d.get("splat"):
+        return True
+    value = d.get("value")
+    return value is not None and bool(np.all(value == value[:1]))
 
 
 def _expands_to(g, d, batch) -> bool:

@@ -20,6 +20,11 @@ per-example ``terms`` (``passes.match_loss``) that
   different rows (one transposed, or broadcast against the other), or the
   same rows where the op reads across them (``row_axes.axis_after`` finds
   none).
+- sum or pick one tensor's examples into other rows (``_mixes_rows``): a
+  product contracting the axis that holds them (a graph network's
+  adjacency ``A @ H``, dense or sparse), a gather along that axis by ids
+  that are not the examples' own (an edge list's ``gather(H, sources)``),
+  a segment reduction of them (messages summed per node).
 
 Only ops that depend on the variables count: a statistic of the data alone
 (the sum of a padding mask a masked mean divides by) scales the terms as a
@@ -40,6 +45,8 @@ from passes.example_rows import example_rows
 
 _MEETS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}) | ir.ELEMENTWISE
 _BATCH_NORMS = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
+_SEGMENTS = frozenset({f"{kind}Segment{r}" for kind in ("", "Unsorted", "Sparse")
+                       for r in ("Sum", "Mean", "Max", "Min", "Prod", "SqrtN")})
 
 
 def coupling_ops(g: nx.DiGraph, rows: dict, terms: str | None) -> tuple[str, ...]:
@@ -63,7 +70,8 @@ def coupling_ops(g: nx.DiGraph, rows: dict, terms: str | None) -> tuple[str, ...
             continue
         d = g.nodes[node]
         sources = [ir.split_tensor(t)[0] for t in d["inputs"]]
-        if _reduces_rows(g, d, sources, rows) or _meets(g, d, sources, lenient, data):
+        if (_reduces_rows(g, d, sources, rows) or _mixes_rows(g, d, sources, rows)
+                or _meets(g, d, sources, lenient, data)):
             out.append(node)
     return tuple(out)
 
@@ -75,8 +83,42 @@ def _reduces_rows(g, d, sources, rows) -> bool:
         d["attrs"].get("is_training", True))
 
 
+def _mixes_rows(g, d, sources, rows) -> bool:
+    """Whether ``d`` sums or picks the examples of one input into other rows
+    (module docstring): the axis it contracts, gathers along or segments is
+    the one that holds them."""
+    op, attrs = d["op"], d["attrs"]
+    held = {i: rows[s].axis for i, s in enumerate(sources) if s in rows}
+    if op in _SEGMENTS:
+        return held.get(0) == 0
+    if op == "GatherV2" and 0 in held and 1 not in held and not attrs.get("batch_dims", 0):
+        axis = ir.const_value(g, d["inputs"][2])
+        return axis is not None and int(axis) == held[0]
+    if op == "SparseTensorDenseMatMul":  # (indices, values, shape, dense)
+        return held.get(3, -1) == (1 if attrs.get("adjoint_b") else 0)
+    if op == "MatMul":
+        contracted = {0: 0 if attrs.get("transpose_a") else 1,
+                      1: 1 if attrs.get("transpose_b") else 0}
+        return any(contracted[i] == a for i, a in held.items())
+    if op in ("BatchMatMulV2", "BatchMatMulV3"):
+        for i, a in held.items():
+            rank = len(ir.shape_of(g, d["inputs"][i]) or ())
+            flipped = attrs.get("adj_x" if i == 0 else "adj_y")
+            if a == rank - (2 if (i == 0) == bool(flipped) else 1):
+                return True
+        return False
+    if op == "Einsum":
+        equation = attrs.get("equation", "").replace(" ", "")
+        if "..." in equation or "->" not in equation:
+            return False
+        ins, out = equation.split("->")
+        specs = ins.split(",")
+        return any(a < len(specs[i]) and specs[i][a] not in out for i, a in held.items())
+    return False
+
+
 def _meets(g, d, sources, rows, data) -> bool:
-    held = [s for s in dict.fromkeys(sources) if s in rows]
+    held = [s for s in sources if s in rows]  # h @ h^T: one tensor on both sides
     if d["op"] not in _MEETS or len(held) < 2:
         return False
     found = {rows[s] for s in held}

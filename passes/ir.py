@@ -27,6 +27,7 @@ stands for it).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sized
 from typing import Any, Iterable
 
 import networkx as nx
@@ -132,6 +133,10 @@ def from_tf_graph(graph: tf.Graph, arguments: Iterable[str], output: str,
             n = int(np.prod([d.size for d in tensor.tensor_shape.dim])) if tensor.tensor_shape.dim else 1
             if n <= _MAX_CONST_ELEMENTS:
                 data["value"] = tf.make_ndarray(tensor)
+            else:  # one value repeated (TensorFlow's splat encoding): tf.zeros([B, d])
+                data["splat"] = not tensor.tensor_content and all(
+                    not isinstance(v, Sized) or len(v) <= 1 for f, v in tensor.ListFields()
+                    if f.name.endswith("_val"))
         elif op.type in _FOLDED and op.outputs[0].dtype in (tf.int32, tf.int64):
             value = constants.value(op.outputs[0])
             if value is not None and np.size(value) <= _MAX_CONST_ELEMENTS:

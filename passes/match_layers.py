@@ -93,12 +93,10 @@ def match_layers(g: nx.DiGraph, rows: dict) -> tuple[LayerMatch, ...]:
     on_path = nx.ancestors(g, output_node) | {output_node}
     data = ir.reachable_from(g, g.graph["arguments"])
     batched = data | ir.reachable_from(g, batch_flow.batch_sources(g))
-    parameters = ir.reachable_from(g, (n for n, d in g.nodes(data=True)
-                                       if d["op"] == "Variable"))
     order = _data_flow_order(g, data)
     undirected = g.to_undirected(as_view=True)
 
-    find = lambda patterns: _find(g, patterns, on_path, batched, parameters, undirected)
+    find = lambda patterns: _find(g, patterns, on_path, batched, undirected)
     grouped = _group(g, find(LAYER_PATTERNS))
     if _stacked_kernels_shared(grouped):
         grouped = _group(g, find(tuple(p for p in LAYER_PATTERNS if p not in STACKED_PATTERNS)))
@@ -117,14 +115,14 @@ def match_layers(g: nx.DiGraph, rows: dict) -> tuple[LayerMatch, ...]:
     owned = {k for layer in layers for k in layer.variables}
     for key in _loss_variables(g, on_path, order):
         if key not in owned:
-            reason = reasons.get(key) or _orphan_reason(g, readers[key], on_path)
+            reason = reasons.get(key) or _orphan_reason(g, readers[key], on_path, batched)
             n_reads = sum(1 for n in readers[key] if n in on_path)
             layers.append(_generic(g, key, reason, max(n_reads, 1)))
     layers.sort(key=lambda layer: _first_position(layer, order, readers))
     return tuple(unique_names(layers))
 
 
-def _find(g, patterns, on_path, batched, parameters, undirected) -> list:
+def _find(g, patterns, on_path, batched, undirected) -> list:
     """``(pattern, roles)`` of every match on the loss's path, ``patterns``
     tried in order, each op claimed by the first that takes it."""
     found = []
@@ -136,8 +134,9 @@ def _find(g, patterns, on_path, batched, parameters, undirected) -> list:
                 continue
             inputs = _inputs(g, pattern, roles) or (ir.tensor_name(roles[pattern.output]),)
             source = ir.split_tensor(ir.resolve(g, inputs[0]))[0]  # (a tiled weight: itself)
-            if source not in batched and source in parameters and pattern.kind != "embedding":
-                continue  # a product of weights (ids held in a variable are ids: CLIP's)
+            if source not in batched and pattern.kind != "embedding":
+                continue  # a product of weights or constants, the same for every example
+                # (ids held in a variable are ids: CLIP's)
             if _leaks(g, pattern, roles, weighted, on_path):
                 continue
             claimed |= {roles[r] for r, spec in pattern.nodes.items() if spec.exclusive}
@@ -338,12 +337,16 @@ def _loss_variables(g, on_path, order):
     return sorted(keys, key=lambda k: (keys[k], k))
 
 
-def _orphan_reason(g, readers, on_path) -> str:
+def _orphan_reason(g, readers, on_path, batched) -> str:
     loop = _loop_reason(g, [n for n in readers if n in on_path])
     if loop:
         return loop
-    ops = sorted({g.nodes[n]["op"] for n in readers if n in on_path})
-    return f"no layer pattern matches its use by {', '.join(ops) or 'the graph'}"
+    used = [n for n in readers if n in on_path]
+    alone = used and not any(ir.split_tensor(t)[0] in batched for n in used
+                             for t in g.nodes[n]["inputs"])
+    ops = ", ".join(sorted({g.nodes[n]["op"] for n in used})) or "the graph"
+    return (f"no layer pattern matches its use by {ops}"
+            + ("; it meets no example there (the same for every example)" if alone else ""))
 
 
 def _loop_reason(g, readers) -> str:

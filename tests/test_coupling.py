@@ -71,8 +71,36 @@ def _batch_norm(training):
                                      keras.layers.BatchNormalization(dtype="float64")])
 
 
-@pytest.mark.parametrize("build, op", [(_contrastive, "matmul"), (_pairwise, "sub"),
-                                       (lambda: _batch_norm(True), "moments")])
+def _graph_network(form):
+    """Node classification: the examples are a graph's nodes, and a layer
+    sums each node's neighbours' features (the adjacency as a dense or a
+    sparse product, or messages along an edge list summed per node), so
+    one node's loss reads other nodes' activations."""
+    rng, x = _data(4)
+    w = tf.Variable(rng.normal(size=(4, 3)), name="node_projection")
+    adjacency = (rng.uniform(size=(B, B)) > 0.5) + np.eye(B)
+    src, dst = (tf.constant(i) for i in np.nonzero(adjacency))
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = tf.tanh(x @ w)
+        if form == "dense":
+            h = tf.constant(adjacency / adjacency.sum(1, keepdims=True)) @ h
+        elif form == "sparse":
+            h = tf.sparse.sparse_dense_matmul(tf.sparse.from_dense(adjacency), h)
+        elif form == "edges":
+            h = tf.math.unsorted_segment_mean(tf.gather(h, src), dst, B)
+        else:  # a Gram matrix of one tensor: every node against every other
+            h = tf.matmul(h, h, transpose_b=True)[:, :3]
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, h))
+    return loss_fn, (x, tf.constant(rng.integers(0, 3, B)))
+
+
+@pytest.mark.parametrize("build, op", [
+    (_contrastive, "matmul"), (_pairwise, "sub"), (lambda: _batch_norm(True), "moments"),
+    (lambda: _graph_network("dense"), "matmul"),
+    (lambda: _graph_network("sparse"), "sparsetensordensematmul"),
+    (lambda: _graph_network("edges"), "gather"), (lambda: _graph_network("gram"), "matmul")])
 def test_coupling_is_listed_and_dp_refuses_it(build, op):
     loss_fn, args = build()
     reg = loss_fn.registration(*args)
@@ -88,6 +116,38 @@ def test_coupling_is_listed_and_dp_refuses_it(build, op):
         loss = loss_fn(*args)
     for g, w in zip(grads, tape.gradient(loss, reg.variables)):
         np.testing.assert_allclose(np.mean(g, 0), w, rtol=1e-8, atol=1e-10)
+
+
+def test_a_layer_that_meets_no_example_is_generic_and_exact():
+    """Keras's graph-network recipe: the examples are node ids, and every
+    layer runs on the whole graph's features (a constant), the same for
+    every example, before each example gathers its node. Such a layer is no
+    dense layer of the examples: with as many ids as nodes, the dense rule
+    read the nodes as the examples (a wrong gradient, silently); now it is
+    generic and each example's gradient is its own."""
+    rng = np.random.default_rng(5)
+    features = tf.constant(rng.normal(size=(B, 4)))
+    src, dst = tf.constant(rng.integers(0, B, 10)), tf.constant(rng.integers(0, B, 10))
+    keras.utils.set_random_seed(0)
+    encode, classify = keras.layers.Dense(5, dtype="float64"), keras.layers.Dense(3, dtype="float64")
+
+    @kg.auto_register
+    def loss_fn(ids, y):
+        h = tf.nn.relu(encode(features))
+        h = h + tf.math.unsorted_segment_mean(tf.gather(h, src), dst, B)
+        logits = tf.gather(classify(h), ids)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    ids, y = tf.constant([5, 0, 3, 3, 1, 2]), tf.constant(rng.integers(0, 3, B))
+    reg = loss_fn.registration(ids, y)
+    assert {layer.kind for layer in reg.layers} == {"generic"}, reg.summary()
+    assert "it meets no example there" in reg.layers[0].reason
+    grads = kg.per_example_gradients(loss_fn, ids, y)
+    for i in range(B):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(ids[i:i + 1], y[i:i + 1])
+        for g, w in zip(grads, tape.gradient(loss, reg.variables)):
+            np.testing.assert_allclose(g[i], w, rtol=1e-10, atol=1e-12)
 
 
 def test_verify_marks_a_contrastive_loss():
