@@ -17,6 +17,7 @@ from tensorflow.python.autograph.core import ag_ctx
 import passes
 import passes.unroll
 from kfac_graph import options
+from kfac_graph.gather_reads import split_gathers
 from kfac_graph.registration import GraphVariable, Layer, LossSpec, Registration
 
 
@@ -142,16 +143,20 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                     lm.divisors, lm.reason, lm.penalties, lm.summed_penalties)
     placeholders = {node: user_variable(traced.objects[key])
                     for node, key in traced.placeholder_variables.items() if key in traced.objects}
+    generic = {k for m in result.layers if m.kind == "generic" for k in m.variables}
+    graph_def = split_gathers(traced.graph_def, {node for node, key in
+                                                 traced.placeholder_variables.items()
+                                                 if key in generic})
     reads, handles = {}, {}
     on_path = nx.ancestors(result.graph, passes.ir.split_tensor(result.graph.graph["output"])[0])
-    for node in traced.graph_def.node:
+    for node in graph_def.node:
         if node.op == "ReadVariableOp" and node.input and node.input[0] in placeholders:
             reads.setdefault(node.input[0], []).append(node.name)
         elif node.op not in _HANDLE_ONLY and node.name in on_path:
             for t in node.input:
                 if t in placeholders:
                     handles.setdefault(t, []).append(node.name)
-    return Registration(layers, loss, traced.graph_def, traced.arguments, traced.output,
+    return Registration(layers, loss, graph_def, traced.arguments, traced.output,
                         result.graph, dict(result.timings), placeholders,
                         {k: tuple(v) for k, v in reads.items()}, lm.terms, lm.terms_coefficient,
                         {k: tuple(v) for k, v in handles.items()}, result.coupling,

@@ -20,6 +20,14 @@ operation ..."); ``differentiable()`` gives the ones made inside it one:
   pixel it copies, a linear map ``R^T``; its own gradient is ``R``, the
   resize itself, to the cotangent's size with the same corner conventions.
   (TensorFlow registers the bilinear one's.)
+- ``SparseSegment{Sum,Mean,SqrtN}Grad`` and their ``V2``: the gradient of a
+  sparse segment reduction (``tf.nn.embedding_lookup_sparse``'s combiner)
+  scatters each segment's cotangent, scaled by ``c_s`` (1, ``1/n_s``,
+  ``1/sqrt(n_s)``), to the rows its ``indices`` name, a linear map ``S^T``
+  whose own gradient is ``S``, the reduction itself: for ``dy`` on the
+  scattered rows, the same reduction of ``dy`` by ``indices`` (V2 returns
+  only the rows named, in sorted unique order: ``indices`` are first
+  mapped to their places there).
 """
 import contextlib
 
@@ -30,13 +38,19 @@ SLICE = "KfacGraphXlaDynamicUpdateSlice"
 RESIZE = "KfacGraphResizeNearestNeighborGrad"
 
 
+_SEGMENT_REDUCTIONS = {"Sum": tf.sparse.segment_sum, "Mean": tf.sparse.segment_mean,
+                       "SqrtN": tf.sparse.segment_sqrt_n}
+SEGMENTS = {f"SparseSegment{kind}Grad{v}": f"KfacGraphSparseSegment{kind}Grad{v}"
+            for kind in _SEGMENT_REDUCTIONS for v in ("", "V2")}
+
+
 @contextlib.contextmanager
 def differentiable():
     """Ops of the module docstring's types made in this block, in the
     default graph, get the gradients it states."""
     graph = tf.compat.v1.get_default_graph()
     with graph.gradient_override_map({"XlaDynamicUpdateSlice": SLICE,
-                                      "ResizeNearestNeighborGrad": RESIZE}):
+                                      "ResizeNearestNeighborGrad": RESIZE, **SEGMENTS}):
         yield
 
 
@@ -55,3 +69,19 @@ def _resize_nearest_grad_gradient(op, dy):
         images=dy, size=tf.shape(grads)[1:3], align_corners=op.get_attr("align_corners"),
         half_pixel_centers=op.get_attr("half_pixel_centers"))
     return tf.cast(resized, grads.dtype), None
+
+
+def _segment_grad_gradient(reduce, v2):
+    def gradient(op, dy, *_):
+        grad, indices, segment_ids = op.inputs[:3]
+        if v2:  # dy holds the rows of sorted unique indices (op.outputs[1]) only
+            indices = tf.searchsorted(op.outputs[1], indices)
+        back = reduce(dy, indices, segment_ids, num_segments=tf.shape(grad)[0])
+        return (back,) + (None,) * (len(op.inputs) - 1)
+    return gradient
+
+
+for _kind, _reduce in _SEGMENT_REDUCTIONS.items():
+    for _v in ("", "V2"):
+        tf.RegisterGradient(SEGMENTS[f"SparseSegment{_kind}Grad{_v}"])(
+            _segment_grad_gradient(_reduce, bool(_v)))

@@ -14,6 +14,12 @@ from passes.batch_flow import run_time_batch_axes
 from passes.patterns_relative import grad_perm
 
 
+_CONSTANT = ("a lookup of ids that do not depend on the data (no example axis), not added "
+             "over the batch")
+_BAG = ("a lookup of ids whose first axis is not the examples' (a sparse or ragged bag's ids, "
+        "combined per example after the lookup)")
+
+
 def ids_without_batch(g, groups, data):
     """A lookup whose ids do not depend on the arguments (``table[range(T)]``)
     and is not a recognised position embedding (added over the batch) has
@@ -27,31 +33,37 @@ def ids_without_batch(g, groups, data):
     and contracted with the queries is no such lookup). Where the batch is
     known at run time only, ids computed from the data's sizes (``range(T)``
     from ``tf.shape``) depend on the arguments too: their first axis must
-    be one the probes found holding the batch (``passes.shape_probe``)."""
+    be one the probes found holding the batch (``passes.shape_probe``).
+    With a static batch, data ids of unknown length (a sparse or ragged
+    bag's ids, ``embedding_lookup_sparse``: N ids for B examples, combined
+    per example by a segment reduction after the lookup) lead with no
+    example either."""
     batch_sizes = {shape[0] for shape in (
         (g.nodes[a]["shapes"] or [None])[0] for a in g.graph["arguments"]) if shape}
 
     probed = bool(g.graph.get("batch_axes"))  # the batch known at run time only, probed
 
-    def has_example_axis(use):
+    def why_not(use) -> str:
         if use.attrs.get("ids_broadcast"):
-            return True
+            return ""
         ids = ir.resolve(g, use.inputs[0])
-        if ir.split_tensor(ids)[0] in data:  # (data, or sizes read from it: probed)
-            return not probed or 0 in run_time_batch_axes(g, ir.split_tensor(ids)[0])
         shape = ir.shape_of(g, ids)
-        return (bool(shape) and len(shape) >= 2 and shape[0] in batch_sizes
-                and _meets_data_on_batch(g, ir.split_tensor(use.output)[0], data))
+        if ir.split_tensor(ids)[0] in data:  # (data, or sizes read from it: probed)
+            if probed:
+                return "" if 0 in run_time_batch_axes(g, ir.split_tensor(ids)[0]) else _CONSTANT
+            return _BAG if shape and shape[0] is None else ""
+        return "" if (bool(shape) and len(shape) >= 2 and shape[0] in batch_sizes
+                      and _meets_data_on_batch(g, ir.split_tensor(use.output)[0], data)
+                      ) else _CONSTANT
 
     out = {}
     for (kind, keys), items in groups.items():
         if kind == "embedding":
             items = [(pattern, roles, _with_grad_perm(g, roles, use)) for pattern, roles, use
                      in items]
-            items = [(pattern, roles, use) if has_example_axis(use)
+            items = [(pattern, roles, use) if not why_not(use)
                      else (pattern, roles, dataclasses.replace(use, attrs={
-                         **use.attrs, "unsupported": "a lookup of ids that do not depend on "
-                         "the data (no example axis), not added over the batch"}))
+                         **use.attrs, "unsupported": why_not(use)}))
                      for pattern, roles, use in items]
         out[(kind, keys)] = items
     return out

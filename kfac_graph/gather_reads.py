@@ -1,0 +1,55 @@
+"""A generic layer's table read by ``ResourceGather``, made replaceable.
+
+``tf.nn.embedding_lookup`` (and ``embedding_lookup_sparse``) on a
+``tf.Variable`` gathers rows straight from the variable's handle:
+``ResourceGather(handle, ids)``. The generic rule takes per-example
+gradients with respect to the variable's value, by replacing its reads
+(``LayerTaps.build(read_variables=...)``), and a read inside an op that
+takes the handle cannot be replaced. ``split_gathers`` writes each such op
+as ``GatherV2(ReadVariableOp(handle), ids, axis=0)`` under the same name, so
+its output, its gradient and every tensor name stay as they were.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+
+
+def split_gathers(graph_def, placeholders) -> graph_pb2.GraphDef:
+    """``graph_def`` with every ``ResourceGather`` of a variable held by one of
+    ``placeholders`` (node names) written as a read, then a ``GatherV2``;
+    ``graph_def`` itself where there is none."""
+    if not any(n.op == "ResourceGather" and n.input and n.input[0] in placeholders
+               for n in graph_def.node):
+        return graph_def
+    out = graph_pb2.GraphDef()
+    out.CopyFrom(graph_def)
+    added = []
+    for node in out.node:
+        if node.op != "ResourceGather" or not node.input or node.input[0] not in placeholders:
+            continue
+        dtype = node.attr["dtype"].type
+        read = _node(f"{node.name}/kfac_read", "ReadVariableOp", [node.input[0]], node.device)
+        read.attr["dtype"].type = dtype
+        axis = _node(f"{node.name}/kfac_axis", "Const", [], node.device)
+        axis.attr["dtype"].type = tf.int32.as_datatype_enum
+        axis.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(0, tf.int32))
+        ids, controls = node.input[1], [t for t in node.input[2:] if t.startswith("^")]
+        node.op = "GatherV2"
+        del node.input[:]
+        node.input.extend([read.name, ids, axis.name] + controls)
+        for stale in ("dtype", "validate_indices"):
+            if stale in node.attr:
+                del node.attr[stale]
+        node.attr["Tparams"].type = dtype
+        node.attr["Taxis"].type = tf.int32.as_datatype_enum
+        added += [read, axis]
+    out.node.extend(added)
+    return out
+
+
+def _node(name, op, inputs, device):
+    node = graph_pb2.GraphDef().node.add()
+    node.name, node.op, node.device = name, op, device
+    node.input.extend(inputs)
+    return node
