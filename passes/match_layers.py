@@ -24,7 +24,7 @@ from passes.atrous import atrous_attrs
 from passes.bias_shift import bias_as_shift, detach_bias, without_bias
 from passes.layer_names import readable, scope_name, unique_names
 from passes.lookup_ids import ids_without_batch
-from passes.matcher import find_matches
+from passes.matcher import find_matches, role_output
 from passes.catalogue import LAYER_PATTERNS
 from passes.unflatten_rows import unflatten_rows
 from passes.patterns import Pattern, einsum_kernel_layout, var_shape, weighted_roles, whole_kernel
@@ -173,7 +173,7 @@ def _inputs(g, pattern: Pattern, roles) -> tuple[str, ...]:
     for role, where, k in pattern.inputs:
         node = roles[role]
         out.append(g.nodes[node]["raw_inputs"][k] if where == "in"
-                   else ir.real_tensor(g, ir.tensor_name(node, k)))
+                   else ir.real_tensor(g, role_output(g, pattern, roles, role, k)))
     return tuple(out)
 
 

@@ -16,6 +16,7 @@ from typing import Iterator
 import networkx as nx
 from networkx.algorithms import isomorphism
 
+from passes import ir
 from passes.patterns import Pattern
 
 _HUB_DEGREE = 24  # the neighbourhood search does not expand through hubs
@@ -109,3 +110,16 @@ def _neighbourhood(undirected, start, radius) -> set[str]:
                 seen[nxt] = depth + 1
                 queue.append(nxt)
     return set(seen)
+
+
+def role_output(g: nx.DiGraph, pattern: Pattern, roles: dict, role: str, k: int = 0) -> str:
+    """The tensor of ``role``'s node that the match reads: the output its
+    edge to the first role consuming it carries (a ``Split``'s second half
+    is ``split:1``), else output ``k``."""
+    node = roles[role]
+    for src, dst, *_ in pattern.edges:
+        if src == role and g.has_edge(node, roles[dst]):
+            indices = {i for i, _ in g.edges[node, roles[dst]]["slots"]}
+            if len(indices) == 1:
+                return ir.tensor_name(node, indices.pop())
+    return ir.tensor_name(node, k)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import networkx as nx
 
 from passes import ir
+from passes.matcher import role_output
 from passes.patterns_scale_shift import tiled_axis
 
 
@@ -72,9 +73,9 @@ def _read_shape(g, pattern, roles, role, where, k):
     if where == "in":
         return ir.shape_of(g, g.nodes[node]["raw_inputs"][k])
     consumers = _consumers(pattern, role)
-    shape = (ir.read_shape(g, roles[consumers[0]], ir.tensor_name(node, k))
-             if consumers else None)
-    return shape if shape is not None else ir.shape_of(g, ir.tensor_name(node, k))
+    tensor = role_output(g, pattern, roles, role, k)
+    shape = ir.read_shape(g, roles[consumers[0]], tensor) if consumers else None
+    return shape if shape is not None else ir.shape_of(g, tensor)
 
 
 def _fused_normalizer(g, node, inputs, attrs):

@@ -310,3 +310,28 @@ def test_scale_varying_along_the_batch_is_no_scale_and_shift():
     assert [layer.kind for layer in reg.layers] == ["generic", "dense"], reg.summary()
     report = kg.verify(loss_fn, *args)
     assert report.passed, report.table()
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_norm_of_one_output_of_a_split_reads_that_output(half):
+    """The Keras gMLP example's spatial gating unit normalises the second
+    half of a split (``u, v = split(x, 2)``; ``u * proj(norm(v))``). The
+    norm's input is ``split:1``: it was recorded as ``split:0``, so its
+    per-example gradients were silently those of the other half (verify's
+    mean check failed by 0.9)."""
+    keras.utils.set_random_seed(0)
+    norm, head = L.LayerNormalization(dtype=F64), L.Dense(3, dtype=F64)
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        parts = tf.split(x, 2, axis=2)
+        gated = parts[1 - half] * norm(parts[half])
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, head(tf.reduce_mean(gated, 1))))
+
+    rng = np.random.default_rng(0)
+    args = (tf.constant(rng.normal(size=(4, 5, 8))), tf.constant(rng.integers(0, 3, 4)))
+    reg = loss_fn.registration(*args)
+    assert reg.layers[0].inputs[0][0] == f"split:{half}"
+    report = kg.verify(loss_fn, *args, estimation_mode="exact")
+    assert report.passed, report.table()
