@@ -162,7 +162,8 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                         {k: tuple(v) for k, v in handles.items()}, result.coupling,
                         lm.extras, tuple((variable(k), traced.constraints[k])
                                          for m in result.layers for k in m.variables
-                                         if k in traced.constraints))
+                                         if k in traced.constraints),
+                        dict(traced.resources))
 
 
 # ops that take a variable's handle without reading its value

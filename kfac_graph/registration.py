@@ -135,7 +135,9 @@ class Registration:
     take the variable's handle itself rather than a read of it, such as a
     loop the pass did not unroll: reads inside them cannot be replaced),
     ``coupling`` (the ops where one example's loss comes to depend on other
-    examples: ``passes.coupling``; DP-SGD refuses such a loss)."""
+    examples: ``passes.coupling``; DP-SGD refuses such a loss), and
+    ``captured_resources`` (placeholder node -> the resource handle it
+    stands for, a lookup table's: the re-run graph captures it)."""
     layers: tuple[Layer, ...]
     loss: LossSpec
     graph_def: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -153,6 +155,8 @@ class Registration:
     coupling: tuple[str, ...] = ()
     per_example_extras: tuple[tuple[str, float], ...] = ()
     constraints: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    captured_resources: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False,
+                                                              compare=False)
 
     @property
     def variables(self) -> tuple:

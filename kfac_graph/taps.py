@@ -86,6 +86,8 @@ class LayerTaps:
         graph = tf.compat.v1.get_default_graph()
         for node, variable in reg.variable_placeholders.items():
             input_map[f"{node}:0"] = graph.capture(_handle(variable))
+        for node, handle in reg.captured_resources.items():  # a lookup table's
+            input_map[f"{node}:0"] = graph.capture(handle)
         reads = {}
         wanted = {v.ref() for v in read_variables}
         for node, variable in reg.variable_placeholders.items():

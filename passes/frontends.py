@@ -35,6 +35,8 @@ class Traced:
     hold the batch, where the batch is known at run time only
     (``passes.shape_probe``). ``constraints``: key -> the constraint Keras
     applies to the variable after each update (``keras_frozen.flags``).
+    ``resources``: placeholder node -> the captured resource handle it
+    stands for, other than a variable's (a lookup table's).
     """
     graph_def: Any
     arguments: tuple[str, ...]
@@ -47,6 +49,7 @@ class Traced:
     unrolled_loops: dict = dataclasses.field(default_factory=dict)
     batch_axes: dict = dataclasses.field(default_factory=dict)
     constraints: dict = dataclasses.field(default_factory=dict)
+    resources: dict = dataclasses.field(default_factory=dict)
 
 
 def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) -> Traced:
@@ -102,6 +105,9 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
     n_args = len(graph.inputs) - len(graph.captures)
     arguments = tuple(t.op.name for t in graph.inputs[:n_args])
     graph_def = freeze_captured_constants(graph.as_graph_def(), graph.captures)
+    resources = {internal.op.name: external for external, internal in graph.captures
+                 if internal.dtype == tf.resource and internal.op.name not in placeholders}
+    keep_resource_shapes(graph_def, graph, set(resources))
     graph_def, renames = inline.inline_calls(graph_def)
     graph_def = custom_gradients.honour(graph_def, inline.follow(renames, loss.name), name)
     if source is None:
@@ -109,7 +115,21 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
     else:
         callbacks.refuse_callbacks(graph_def, name, source)
     return Traced(graph_def, arguments, inline.follow(renames, loss.name),
-                  infos, placeholders, objects, name, constraints=constraints)
+                  infos, placeholders, objects, name, constraints=constraints,
+                  resources=resources)
+
+
+def keep_resource_shapes(graph_def, graph, resources) -> None:
+    """Writes the traced shapes of the ops that read a captured resource
+    other than a variable (a ``StringLookup``'s table) as their
+    ``_output_shapes``: the handle's shape data, from which TensorFlow infers
+    them, does not survive the GraphDef, and the re-imported graph would
+    know no shape from there on."""
+    for node in graph_def.node:
+        if resources.intersection(t.split(":")[0] for t in node.input):
+            shapes = node.attr["_output_shapes"].list.shape
+            for t in graph.get_operation_by_name(node.name).outputs:
+                shapes.add().CopyFrom(t.shape.as_proto())
 
 
 def freeze_captured_constants(graph_def, captures):
