@@ -18,6 +18,7 @@ from google.protobuf import message
 
 from passes import callbacks, custom_gradients, inline, ir, keras_frozen
 from passes.errors import LoadError, TraceError
+from passes.table_shapes import shaped_table_finds
 
 _VARIABLE_PREFIX = "kfac_graph_variable"
 
@@ -107,8 +108,8 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
     graph_def = freeze_captured_constants(graph.as_graph_def(), graph.captures)
     resources = {internal.op.name: external for external, internal in graph.captures
                  if internal.dtype == tf.resource and internal.op.name not in placeholders}
-    keep_resource_shapes(graph_def, graph, set(resources))
     graph_def, renames = inline.inline_calls(graph_def)
+    graph_def = shaped_table_finds(graph_def)
     graph_def = custom_gradients.honour(graph_def, inline.follow(renames, loss.name), name)
     if source is None:
         callbacks.check_live_callbacks(graph_def, name, graph)
@@ -117,19 +118,6 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
     return Traced(graph_def, arguments, inline.follow(renames, loss.name),
                   infos, placeholders, objects, name, constraints=constraints,
                   resources=resources)
-
-
-def keep_resource_shapes(graph_def, graph, resources) -> None:
-    """Writes the traced shapes of the ops that read a captured resource
-    other than a variable (a ``StringLookup``'s table) as their
-    ``_output_shapes``: the handle's shape data, from which TensorFlow infers
-    them, does not survive the GraphDef, and the re-imported graph would
-    know no shape from there on."""
-    for node in graph_def.node:
-        if resources.intersection(t.split(":")[0] for t in node.input):
-            shapes = node.attr["_output_shapes"].list.shape
-            for t in graph.get_operation_by_name(node.name).outputs:
-                shapes.add().CopyFrom(t.shape.as_proto())
 
 
 def freeze_captured_constants(graph_def, captures):
