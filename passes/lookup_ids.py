@@ -34,10 +34,11 @@ def ids_without_batch(g, groups, data):
     known at run time only, ids computed from the data's sizes (``range(T)``
     from ``tf.shape``) depend on the arguments too: their first axis must
     be one the probes found holding the batch (``passes.shape_probe``).
-    With a static batch, data ids of unknown length (a sparse or ragged
-    bag's ids, ``embedding_lookup_sparse``: N ids for B examples, combined
-    per example by a segment reduction after the lookup) lead with no
-    example either."""
+    With a static batch, a vector of data ids of unknown length (a sparse or
+    ragged bag's ids, ``embedding_lookup_sparse``: N ids for B examples,
+    combined per example by a segment reduction after the lookup) leads with
+    no example either (ids ``[?, T]``, as ``TextVectorization`` pads them,
+    are taken to lead with the examples, which the rule checks when run)."""
     batch_sizes = {shape[0] for shape in (
         (g.nodes[a]["shapes"] or [None])[0] for a in g.graph["arguments"]) if shape}
 
@@ -51,7 +52,7 @@ def ids_without_batch(g, groups, data):
         if ir.split_tensor(ids)[0] in data:  # (data, or sizes read from it: probed)
             if probed:
                 return "" if 0 in run_time_batch_axes(g, ir.split_tensor(ids)[0]) else _CONSTANT
-            return _BAG if shape and shape[0] is None else ""
+            return _BAG if shape and len(shape) == 1 and shape[0] is None else ""
         return "" if (bool(shape) and len(shape) >= 2 and shape[0] in batch_sizes
                       and _meets_data_on_batch(g, ir.split_tensor(use.output)[0], data)
                       ) else _CONSTANT

@@ -95,3 +95,25 @@ def test_rewritten_saved_model_with_tables_trains_without_the_library(tmp_path):
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-7)
     losses = [float(loaded.kfac_step(*args)) for _ in range(4)]
     assert losses[-1] < losses[0]
+
+
+def test_text_vectorization_in_the_model():
+    """``TextVectorization`` (string splitting, a table, ragged ids padded to
+    ``output_sequence_length``) on raw text: its ids ``[?, 5]`` lead with the
+    examples (the embedding's kind, not generic), and every check passes."""
+    texts = tf.constant(["the cat sat", "a dog ran far away", "the dog",
+                         "cats and dogs play together now", "sat", "a cat ran"])
+    keras.utils.set_random_seed(0)
+    vectorize = keras.layers.TextVectorization(max_tokens=20, output_sequence_length=5)
+    vectorize.adapt(texts)
+    embed, head = keras.layers.Embedding(20, 4), keras.layers.Dense(2)
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        logits = head(tf.reduce_mean(embed(vectorize(x)), 1))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    args = (texts, tf.constant(LABELS))
+    assert [layer.kind for layer in loss_fn.registration(*args).layers] == ["embedding", "dense"]
+    report = kg.verify(loss_fn, *args, examples=6)
+    assert report.passed, report.table()
