@@ -43,6 +43,7 @@ from tensorflow.python.ops import script_ops
 
 from kfac_graph import grouped_conv_grad, invariants, layers, token_weights
 from kfac_graph.registration import Registration
+from kfac_graph.scalars import as_dtype
 from passes import custom_gradients, inline
 from passes.errors import KfacGraphError
 
@@ -127,7 +128,7 @@ class LayerTaps:
                 coefficient = 1.0
             per_example, problem = _per_example_terms(terms, batch, model_output)
             if per_example is not None:
-                per_example = per_example * tf.cast(coefficient, per_example.dtype)
+                per_example = per_example * as_dtype(coefficient, per_example.dtype)
             for name, coefficient in reg.per_example_extras:
                 own, why = _per_example_terms(tensors[name], batch, model_output)
                 if per_example is None or own is None:

@@ -26,6 +26,7 @@ negative), so a masked token contributes nothing.
 from __future__ import annotations
 
 import tensorflow as tf
+from kfac_graph.scalars import as_dtype
 
 
 def read(reg, loss, terms, model_output, batch):
@@ -42,7 +43,7 @@ def read(reg, loss, terms, model_output, batch):
     weighted_terms = terms * (c * per_batch)
     if model_output is None:
         return None, weighted_terms
-    w = c * per_batch / tf.cast(reg.per_example_coefficient, c.dtype)
+    w = c * per_batch / as_dtype(reg.per_example_coefficient, c.dtype)
     return fisher_layout(w, reg.loss.kind, model_output), weighted_terms
 
 

@@ -138,3 +138,25 @@ def test_float32_model_fed_float64_data_is_not_noted():
     assert loss_fn.registration(*args).ir.graph["narrowing"]  # the input, cast to float32
     report = kg.verify(loss_fn, *args)
     assert report.passed and report.dtype == "float32" and not report.notes, report.table()
+
+
+def test_a_mean_over_tokens_scales_per_example_gradients_in_full_precision():
+    """A mean over 4 x 5 outputs per example gives each example's terms the
+    coefficient 0.05. ``tf.cast(0.05, tf.float64)`` rounds it through
+    float32 (1.5e-8 off), and every generic variable's per-example gradient
+    (the Jacobian of the scaled terms) was off by that much
+    (``scalars.as_dtype``); now they equal one-example tapes to 1e-13."""
+    rng = np.random.default_rng(0)
+    w = tf.Variable(rng.normal(size=(4, 2)))  # "cd,bdh->bch": no layer pattern, generic
+
+    @kg.auto_register
+    def loss_fn(x):
+        return tf.reduce_mean(tf.square(tf.einsum("cd,bdh->bch", w, x) - 1.0))
+
+    x = tf.constant(rng.normal(size=(3, 2, 5)))
+    assert loss_fn.registration(x).layers[0].kind == "generic"
+    grads = kg.per_example_gradients(loss_fn, x)[0]
+    for i in range(3):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(x[i:i + 1])
+        np.testing.assert_allclose(grads[i], tape.gradient(loss, w), rtol=1e-13, atol=0)

@@ -63,6 +63,7 @@ from kfac_graph.fisher.distributions import at_least_float32, make_distribution
 from kfac_graph.per_example import gradients as pe_gradients
 from kfac_graph.per_example.rules import default_registry
 from kfac_graph.taps import LayerTaps, layer_operands
+from kfac_graph.scalars import as_dtype
 from passes.errors import KfacGraphError
 
 MODES = ("sampled", "empirical", "exact")
@@ -203,7 +204,7 @@ class FisherEstimator(tf.Module):
             self._cache.inverses = tf.function(self.refresh_inverses, autograph=False)
         if damping is None:
             return self._cache.inverses()
-        return self._cache.inverses(tf.cast(damping, tf.float64))
+        return self._cache.inverses(as_dtype(damping, tf.float64))
 
     def refresh_inverses(self, damping=None, mask=None):
         """``update_inverses`` inside a ``tf.function`` of the caller's (the

@@ -29,6 +29,7 @@ import math
 import tensorflow as tf
 
 from kfac_graph.layers import uses as uses_lib
+from kfac_graph.scalars import as_dtype
 
 
 def lookup_operands(info, ids, grads, other):
@@ -55,7 +56,7 @@ def operands(info, a, grads, other):
     batch = uses_lib.batch_size(a)
     a = tf.reshape(a, [batch, -1, d_in])
     grads = [tf.reshape(g, [batch, -1, outputs, n]) for g in grads]
-    scale = tf.cast(info["scale"], a.dtype)
+    scale = as_dtype(info["scale"], a.dtype)
     if info["role"] == "a":
         b = tf.reshape(other, [r, n])
         return a, [tf.reshape(scale * tf.einsum("bpln,rn->bplr", g, b), [batch, -1, outputs * r])

@@ -23,6 +23,7 @@ import tensorflow as tf
 from kfac_graph.layers import norms, parts
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers.kind import LayerKind, reshape_like, split_operands, variable_shapes
+from kfac_graph.scalars import as_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +168,7 @@ def _normalised(attrs, tensors, broadcast):
         var = var * (n - 1) / tf.maximum(n, 1)
     elif normalizer != "fused_inference":
         raise ValueError(f"unknown normalizer {normalizer!r}")
-    return (x - mean) * tf.math.rsqrt(var + tf.cast(attrs.get("epsilon", 1e-3), x.dtype))
+    return (x - mean) * tf.math.rsqrt(var + as_dtype(attrs.get("epsilon", 1e-3), x.dtype))
 
 
 KIND = LayerKind(

@@ -26,6 +26,7 @@ initial damping) keeps it within four orders of magnitude of the start.
 from __future__ import annotations
 
 import tensorflow as tf
+from kfac_graph.scalars import as_dtype
 
 RELATIVE_MIN_DAMPING = 1e-4
 
@@ -50,6 +51,6 @@ def adapt(damping, loss_change, model_change, omega, min_damping):
     rho = reduction_ratio(loss_change, model_change)
     decrease = (rho > 0.75) | ((loss_change < 0) & (model_change > 0))
     increase = (rho < 0.25) & ~decrease
-    omega = tf.cast(omega, dtype)
+    omega = as_dtype(omega, dtype)
     new = tf.where(decrease, damping * omega, tf.where(increase, damping / omega, damping))
-    return tf.maximum(new, tf.cast(min_damping, dtype)), rho
+    return tf.maximum(new, as_dtype(min_damping, dtype)), rho

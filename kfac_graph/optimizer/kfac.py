@@ -94,6 +94,7 @@ from kfac_graph.optimizer import costs as costs_lib, damping as damping_lib, dis
 from kfac_graph.optimizer import cap_watch, kfac_options, plan, qmodel_fallback, summaries
 from kfac_graph.optimizer.schedule import StepSchedule
 from kfac_graph.optimizer.single_device import SingleDeviceCore
+from kfac_graph.scalars import as_dtype
 
 DEFAULT_COV_UPDATE_PERIOD = 1
 DEFAULT_INVERSE_UPDATE_PERIOD = 10
@@ -274,7 +275,7 @@ class KFAC(tf.Module):
         ``lam = lambda`` (``damping``); the damping rule's undamped model
         passes ``lam = 0``."""
         lam = self.damping if lam is None else lam
-        return (lam + tf.cast(self.l2_reg, self.dtype)) / self.curvature_scale
+        return (lam + as_dtype(self.l2_reg, self.dtype)) / self.curvature_scale
 
     def precondition(self, vectors, damping=None):
         """``(c F~ + (lambda + l2_reg) I)^{-1} vectors`` from the blocks' cached
@@ -282,7 +283,7 @@ class KFAC(tf.Module):
         ``damping``, by default ``blocks_damping()``)."""
         if damping is None:
             damping = self.blocks_damping()
-        out = self._compiled.precondition(list(vectors), tf.cast(damping, self.dtype))
+        out = self._compiled.precondition(list(vectors), as_dtype(damping, self.dtype))
         return [v / tf.cast(self.curvature_scale, v.dtype) for v in out]
 
     def curvature_multiply(self, vectors, damping=None):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from absl import logging
 import tensorflow as tf
+from kfac_graph.scalars import as_dtype
 
 REMEDY = (" (kg.KFAC.step hands over to it itself where it is called eagerly; "
           "qmodel_fallback=False keeps the quadratic model)")
@@ -62,8 +63,8 @@ def hand_over(opt):
     opt.adapt_damping = False
     for velocity in opt.velocities:
         velocity.assign(tf.zeros_like(velocity))
-    opt.learning_rate.assign(tf.cast(opt.initial["learning_rate"], opt.learning_rate.dtype))
-    opt.momentum.assign(tf.cast(opt.initial["momentum"], opt.momentum.dtype))
+    opt.learning_rate.assign(as_dtype(opt.initial["learning_rate"], opt.learning_rate.dtype))
+    opt.momentum.assign(as_dtype(opt.initial["momentum"], opt.momentum.dtype))
     opt.compile_step()
     logging.warning("kg.KFAC: the quadratic model's cap shortened most steps; from step %d "
                     "on the step is momentum_type='regular' (learning_rate %g, momentum %g, "

@@ -67,6 +67,7 @@ from kfac_graph.optimizer import damping as damping_lib
 from kfac_graph.optimizer import update_rules
 from kfac_graph.optimizer import vectors as vec
 from kfac_graph.taps import LayerTaps
+from kfac_graph.scalars import as_dtype
 
 
 class Gradients(NamedTuple):
@@ -235,7 +236,7 @@ class StepCore:
         opt.curvature_scale.assign(out.curvature_scale)
         grads = out.grads
         if opt.l2_reg:
-            grads = [g + tf.cast(opt.l2_reg, g.dtype) * v for g, v in zip(grads, variables)]
+            grads = [g + as_dtype(opt.l2_reg, g.dtype) * v for g, v in zip(grads, variables)]
         statistics_ok = (tf.reduce_all(tf.math.is_finite(out.loss)) & vec.all_finite(grads)
                          & out.statistics_ok)
         applied = self.decide(args, variables, out.loss, grads, statistics_ok, scheduled, state,

@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from kfac_graph.optimizer import qmodel
 from kfac_graph.optimizer import vectors as vec
+from kfac_graph.scalars import as_dtype
 
 
 class Direction(NamedTuple):
@@ -73,7 +74,7 @@ def clip(vectors, preconditioned, lr, norm_constraint):
     sq = lr * lr * tf.cast(vec.dot(vectors, preconditioned), lr.dtype)
     tiny = tf.constant(1e-30, lr.dtype)
     coeff = tf.minimum(tf.ones([], lr.dtype),
-                       tf.sqrt(tf.cast(norm_constraint, lr.dtype) / tf.maximum(sq, tiny)))
+                       tf.sqrt(as_dtype(norm_constraint, lr.dtype) / tf.maximum(sq, tiny)))
     return vec.scale(coeff, preconditioned)
 
 

@@ -42,6 +42,7 @@ from kfac_graph.privacy import clipping as clip_lib
 from kfac_graph.privacy import noise as noise_lib
 from kfac_graph.registration import Registration
 from kfac_graph.taps import LayerTaps, layer_operands
+from kfac_graph.scalars import as_dtype
 
 
 def compiled(fn, reg: Registration, method: str, plan: clip_lib.ClipPlan, masked: bool):
@@ -76,7 +77,7 @@ def compiled(fn, reg: Registration, method: str, plan: clip_lib.ClipPlan, masked
                                             thresholds, mask)
             summed = [tf.tensordot(tf.cast(weights[group_of_layer[i]], g.dtype), g, axes=1)
                       for i, grads in enumerate(per_layer) for g in grads]
-        stddev = tf.cast(noise_multiplier, tf.float64) * clip_lib.sensitivity(thresholds)
+        stddev = as_dtype(noise_multiplier, tf.float64) * clip_lib.sensitivity(thresholds)
         noisy = [g + z for g, z in zip(summed, noise_lib.gaussian(summed, stddev, noise_key))]
         if reg.loss.reduction == "mean":
             d = tf.cast(denominator, tf.float64)
