@@ -38,6 +38,7 @@ import secrets
 import tensorflow as tf
 
 from kfac_graph.layers.xla import in_xla_context
+from kfac_graph.scalars import as_dtype
 
 
 class NoiseSource:
@@ -86,6 +87,6 @@ def standard_normal(shape, key, dtype=tf.float32) -> tf.Tensor:
     half = (n + 1) // 2
     u = tf.random.stateless_uniform(tf.stack([2, half]), seed=key, dtype=dtype, alg="philox")
     radius = tf.sqrt(-2.0 * tf.math.log1p(-u[0]))
-    angle = tf.cast(2.0 * math.pi, dtype) * u[1]
+    angle = as_dtype(2.0 * math.pi, dtype) * u[1]
     z = tf.concat([radius * tf.cos(angle), radius * tf.sin(angle)], 0)[:n]
     return tf.reshape(z, shape)
