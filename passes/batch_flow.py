@@ -35,6 +35,25 @@ def batch_sources(g) -> list:
                         if d["op"] in ("Tile", "BroadcastTo") and _expands_to(g, d, batch)]
 
 
+def batch_copies(g) -> list:
+    """Constants of one value repeated (``tf.ones``) with the static batch's
+    size on some axis: a value multiplied by one is spread over the
+    examples, each a copy (XLNet's position encodings, ``ones([2T, B, d])
+    * pe``), so a layer on it is per example as on a tiled weight."""
+    batch = static_batch(g)
+    if batch is None:
+        return []
+    return [n for n, d in g.nodes(data=True) if d["op"] in ("Const", "Fill")
+            and d["shapes"] and d["shapes"][0] and len(d["shapes"][0]) >= 2
+            and batch in d["shapes"][0] and _uniform(d)]
+
+
+def _uniform(d) -> bool:
+    value = d.get("value")
+    return d["op"] == "Fill" or bool(d.get("splat")) or (
+        value is not None and bool(np.all(value == value.flat[0])))
+
+
 def _same_rows(d) -> bool:
     """Whether a constant ``[B, ...]`` holds one row ``B`` times (a zero
     initial state): rows that differ are data of something else that

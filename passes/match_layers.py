@@ -96,7 +96,8 @@ def match_layers(g: nx.DiGraph, rows: dict) -> tuple[LayerMatch, ...]:
     order = _data_flow_order(g, data)
     undirected = g.to_undirected(as_view=True)
 
-    find = lambda patterns: _find(g, patterns, on_path, batched, undirected)
+    spread = batched | ir.reachable_from(g, batch_flow.batch_copies(g))
+    find = lambda patterns: _find(g, patterns, on_path, spread, undirected)
     grouped = _group(g, find(LAYER_PATTERNS))
     if _stacked_kernels_shared(grouped):
         grouped = _group(g, find(tuple(p for p in LAYER_PATTERNS if p not in STACKED_PATTERNS)))
