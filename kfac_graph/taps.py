@@ -43,7 +43,7 @@ from tensorflow.python.ops import script_ops
 
 from kfac_graph import grouped_conv_grad, invariants, layers, token_weights
 from kfac_graph.registration import Registration
-from kfac_graph.scalars import as_dtype
+from kfac_graph.layers.scalars import as_dtype
 from passes import custom_gradients, inline
 from passes.errors import KfacGraphError
 

@@ -26,7 +26,7 @@ negative), so a masked token contributes nothing.
 from __future__ import annotations
 
 import tensorflow as tf
-from kfac_graph.scalars import as_dtype
+from kfac_graph.layers.scalars import as_dtype
 
 
 def read(reg, loss, terms, model_output, batch):

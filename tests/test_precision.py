@@ -145,7 +145,7 @@ def test_a_mean_over_tokens_scales_per_example_gradients_in_full_precision():
     coefficient 0.05. ``tf.cast(0.05, tf.float64)`` rounds it through
     float32 (1.5e-8 off), and every generic variable's per-example gradient
     (the Jacobian of the scaled terms) was off by that much
-    (``scalars.as_dtype``); now they equal one-example tapes to 1e-13."""
+    (``layers.scalars.as_dtype``); now they equal one-example tapes to 1e-13."""
     rng = np.random.default_rng(0)
     w = tf.Variable(rng.normal(size=(4, 2)))  # "cd,bdh->bch": no layer pattern, generic
 

@@ -38,11 +38,10 @@ vocabulary would otherwise keep a ``50k x 50k`` output factor);
 ``summary()`` says which layers got which, ``memory()`` the bytes of
 parameters, statistics and cached inverses per layer (``report.py``).
 
-Generic layers get per-example gradients of the variable itself (a
-vectorised Jacobian of the per-example ``l_i``, or ``v_i . z_i`` in exact
-mode). Block choice and data layout: ``block_choice.py``. All blocks
-keep debiased moving averages with decay ``cov_ema_decay``, so after the
-first update a block equals that batch's estimate.
+Generic layers get per-example gradients of the variable itself (a vectorised
+Jacobian of the per-example ``l_i``, or ``v_i . z_i`` in exact mode). Block choice and
+data layout: ``block_choice.py``. All blocks keep debiased moving averages with decay
+``cov_ema_decay``, so after the first update a block equals that batch's estimate.
 
 Every tensor a block reads is checked while tracing to have the batch first, and every
 factor's rows the factor's width (``kfac_graph.invariants``): a form the rules do not
@@ -63,7 +62,7 @@ from kfac_graph.fisher.distributions import at_least_float32, make_distribution
 from kfac_graph.per_example import gradients as pe_gradients
 from kfac_graph.per_example.rules import default_registry
 from kfac_graph.taps import LayerTaps, layer_operands
-from kfac_graph.scalars import as_dtype
+from kfac_graph.layers.scalars import as_dtype
 from passes.errors import KfacGraphError
 
 MODES = ("sampled", "empirical", "exact")

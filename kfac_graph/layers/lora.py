@@ -29,7 +29,7 @@ import math
 import tensorflow as tf
 
 from kfac_graph.layers import uses as uses_lib
-from kfac_graph.scalars import as_dtype
+from kfac_graph.layers.scalars import as_dtype
 
 
 def lookup_operands(info, ids, grads, other):

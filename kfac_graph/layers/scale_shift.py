@@ -23,7 +23,7 @@ import tensorflow as tf
 from kfac_graph.layers import norms, parts
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.layers.kind import LayerKind, reshape_like, split_operands, variable_shapes
-from kfac_graph.scalars import as_dtype
+from kfac_graph.layers.scalars import as_dtype
 
 
 @dataclasses.dataclass(frozen=True)

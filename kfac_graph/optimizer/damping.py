@@ -26,7 +26,7 @@ initial damping) keeps it within four orders of magnitude of the start.
 from __future__ import annotations
 
 import tensorflow as tf
-from kfac_graph.scalars import as_dtype
+from kfac_graph.layers.scalars import as_dtype
 
 RELATIVE_MIN_DAMPING = 1e-4
 

@@ -94,7 +94,7 @@ from kfac_graph.optimizer import costs as costs_lib, damping as damping_lib, dis
 from kfac_graph.optimizer import cap_watch, kfac_options, plan, qmodel_fallback, summaries
 from kfac_graph.optimizer.schedule import StepSchedule
 from kfac_graph.optimizer.single_device import SingleDeviceCore
-from kfac_graph.scalars import as_dtype
+from kfac_graph.layers.scalars import as_dtype
 
 DEFAULT_COV_UPDATE_PERIOD = 1
 DEFAULT_INVERSE_UPDATE_PERIOD = 10

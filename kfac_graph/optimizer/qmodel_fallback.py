@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from absl import logging
 import tensorflow as tf
-from kfac_graph.scalars import as_dtype
+from kfac_graph.layers.scalars import as_dtype
 
 REMEDY = (" (kg.KFAC.step hands over to it itself where it is called eagerly; "
           "qmodel_fallback=False keeps the quadratic model)")

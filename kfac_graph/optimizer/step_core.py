@@ -67,7 +67,7 @@ from kfac_graph.optimizer import damping as damping_lib
 from kfac_graph.optimizer import update_rules
 from kfac_graph.optimizer import vectors as vec
 from kfac_graph.taps import LayerTaps
-from kfac_graph.scalars import as_dtype
+from kfac_graph.layers.scalars import as_dtype
 
 
 class Gradients(NamedTuple):

@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from kfac_graph.optimizer import qmodel
 from kfac_graph.optimizer import vectors as vec
-from kfac_graph.scalars import as_dtype
+from kfac_graph.layers.scalars import as_dtype
 
 
 class Direction(NamedTuple):

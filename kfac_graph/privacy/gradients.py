@@ -42,7 +42,7 @@ from kfac_graph.privacy import clipping as clip_lib
 from kfac_graph.privacy import noise as noise_lib
 from kfac_graph.registration import Registration
 from kfac_graph.taps import LayerTaps, layer_operands
-from kfac_graph.scalars import as_dtype
+from kfac_graph.layers.scalars import as_dtype
 
 
 def compiled(fn, reg: Registration, method: str, plan: clip_lib.ClipPlan, masked: bool):

@@ -38,7 +38,7 @@ import secrets
 import tensorflow as tf
 
 from kfac_graph.layers.xla import in_xla_context
-from kfac_graph.scalars import as_dtype
+from kfac_graph.layers.scalars import as_dtype
 
 
 class NoiseSource:
