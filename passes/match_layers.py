@@ -29,7 +29,7 @@ from passes.catalogue import LAYER_PATTERNS
 from passes.unflatten_rows import unflatten_rows
 from passes.patterns import Pattern, einsum_kernel_layout, var_shape, weighted_roles, whole_kernel
 from passes.patterns_stacked import STACKED_PATTERNS
-from passes.patterns_multiaxis import (kernel_in_axes, kernel_perm, output_perm, part_rows,
+from passes.patterns_multiaxis import (einsum_perms, kernel_in_axes, kernel_perm, part_rows,
                                       slice_rows)
 from passes.lora import param_key, split_lora
 from passes.tied_embedding import merge_tied
@@ -204,8 +204,7 @@ def _use(g, pattern: Pattern, roles) -> Use:
         k = kernel_in_axes(g, roles)
         if k is not None:
             attrs["kernel_in_axes"] = k
-        if output_perm(g, roles) is not None:
-            attrs["output_perm"] = output_perm(g, roles)
+        attrs.update(einsum_perms(g, roles, attrs["input_shape"]))
         if "w2" in roles:  # a stacked kernel: the rows each variable gives it
             attrs["stacked_rows"] = tuple(int(var_shape(g, roles[r])[0]) for r in ("w", "w2"))
     if pattern.kind in _KERNEL_KINDS and kernel_perm(g, roles):

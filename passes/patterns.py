@@ -16,12 +16,12 @@ catalogue of all of them in ``passes.catalogue``.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Callable, Mapping
 
 import networkx as nx
 
 from passes import ir
+from passes.einsum_2d import einsum_2d_form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,20 +88,10 @@ def var_shape(g, node) -> tuple:
 # --- dense -----------------------------------------------------------------
 
 def einsum_kernel_layout(equation: str) -> str | None:
-    """For an Einsum ``x,w->y`` that is a dense layer (one letter of ``x``'s
-    last axis contracted with a 2-D ``w``, the output being ``x``'s other
-    axes then ``w``'s other axis), returns ``"io"`` (w is [in, out]) or
-    ``"oi"`` (w is [out, in]); else None."""
-    m = re.fullmatch(r"([a-z.]+),([a-z]{2})->([a-z.]+)", equation.replace(" ", ""))
-    if not m:
-        return None
-    x, w, y = m.groups()
-    if len(set(w)) != 2 or not x or x[-1] not in w:
-        return None
-    other = w.replace(x[-1], "")
-    if y != x[:-1] + other or other in x:
-        return None
-    return "io" if w[0] == x[-1] else "oi"
+    """For an Einsum ``x,w->y`` that applies a 2-D ``w`` as a dense layer
+    (``einsum_2d``), ``"io"`` (w is [in, out]) or ``"oi"`` ([out, in]); else None."""
+    form = einsum_2d_form(equation)
+    return None if form is None else form[0]
 
 
 _MATMUL = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")

@@ -44,6 +44,7 @@ import re
 
 from passes import ir
 from passes.patterns import ADD, ANY, EMBEDDING, VAR, VAR_PART, Op, Pattern, ops, var_shape
+from passes.einsum_2d import einsum_2d_form
 from passes.patterns_position import table_slice_rows
 
 
@@ -115,6 +116,22 @@ def output_perm(g, m) -> tuple | None:
     (``einsum_dense_form``); None when they are in that order."""
     form = _einsum_form(g, m)
     return _unless_identity(None if form is None else form[2])
+
+
+def einsum_perms(g, m, input_shape) -> dict:
+    """A dense use's permutations, where not the identity: ``output_perm``
+    (``einsum_dense_form``, or ``einsum_2d``'s for a 2-D kernel) and, for a
+    2-D kernel contracted on an earlier axis of ``x`` (token mixing),
+    ``input_perm`` with the ``input_shape`` it gives."""
+    data = g.nodes[m["op"]]
+    if data["op"] != "Einsum" or len(var_shape(g, m["w"])) > 2:
+        return {} if output_perm(g, m) is None else {"output_perm": output_perm(g, m)}
+    _, in_perm, out_perm = einsum_2d_form(data["attrs"].get("equation", ""))
+    out = {} if out_perm is None else {"output_perm": out_perm}
+    if in_perm is not None:
+        out["input_perm"] = in_perm
+        out["input_shape"] = None if input_shape is None else tuple(input_shape[p] for p in in_perm)
+    return out
 
 
 def kernel_shape(g, m) -> tuple:
@@ -356,5 +373,6 @@ MULTIAXIS_PATTERNS: tuple[Pattern, ...] = (
     SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE, EINSUM_DENSE_BIAS, EINSUM_DENSE,
     POSITION_EMBEDDING, POSITION_TABLE_SLICE, POSITION_BROADCAST)
 
-__all__ = ["MULTIAXIS_PATTERNS", "einsum_dense_axes", "einsum_dense_form", "kernel_in_axes",
+__all__ = ["MULTIAXIS_PATTERNS", "einsum_dense_axes", "einsum_dense_form", "einsum_perms",
+           "kernel_in_axes",
            "slice_rows", "part_rows", "kernel_perm", "output_perm", "Op"]

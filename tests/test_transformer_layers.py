@@ -307,3 +307,47 @@ def test_einsum_op_forms_per_example_exact(contracted, out, bias, ellipsis):
     first = reg.layers[0]
     assert first.kind == "dense" and len(first.variables) == 1 + bias, reg.summary()
     assert first.attrs.get("kernel_in_axes") == k
+
+
+@pytest.mark.parametrize("equation", ["btc,tm->bmc", "btc,tm->bcm", "btc,mt->bmc", "keras"])
+def test_token_mixing_einsum_is_a_dense_layer(equation):
+    """A 2-D kernel contracted on an earlier axis of its input (MLP-Mixer's
+    and gMLP's token mixing as one einsum; Keras's EinsumDense("abc,bd->adc"),
+    whose bias is a shift of its own): a dense layer on the input with that
+    axis moved last, the other axes rows (before: generic). Per-example
+    gradients equal the loop, and verify passes with the exact Fisher."""
+    rng = np.random.RandomState(4)
+    x = tf.constant(rng.normal(size=(B, T, 3)))
+    head = tf.Variable(rng.normal(size=(3, C)) / 2, name="head")
+    if equation == "keras":
+        keras.utils.set_random_seed(0)
+        mix = keras.layers.EinsumDense("abc,bd->adc", output_shape=(5, 3), bias_axes="d",
+                                       dtype=F64)
+    else:
+        w = tf.Variable(rng.normal(size=(T, 5) if "tm" in equation else (5, T)) / 2, name="mix")
+        mix = lambda h: tf.einsum(equation, h, w)  # noqa: E731
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = tf.tanh(mix(x))
+        pooled = tf.reduce_mean(h, axis=1 if equation in ("keras", "btc,tm->bmc",
+                                                          "btc,mt->bmc") else 2)
+        logits = pooled[:, :3] @ head
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    args = (x, tf.constant([0, 3, 1]))
+    reg = _assert_matches_loop(loss_fn, args)
+    assert reg.layers[0].kind == "dense" and reg.layers[0].attrs["input_perm"] == (0, 2, 1)
+    report = kg.verify(loss_fn, *args, estimation_mode="exact")
+    assert report.passed, report.table()
+
+
+@pytest.mark.parametrize("equation,form", [
+    ("abc,cd->abd", ("io", None, None)), ("abc,dc->abd", ("oi", None, None)),
+    ("...c,cd->...d", ("io", None, None)), ("abc,bd->adc", ("io", (0, 2, 1), (0, 2, 1))),
+    ("abc,cd->adb", ("io", None, (0, 2, 1))),
+    ("bd,bo->do", None),  # contracts the examples' axis: no dense layer
+    ("abc,bc->a", None), ("ab,cd->abd", None)])
+def test_einsum_2d_forms(equation, form):
+    from passes.einsum_2d import einsum_2d_form
+    assert einsum_2d_form(equation) == form

@@ -231,7 +231,9 @@ def operands(layer, use, tensors, grads, batch=None):
     for a use of a box of the kernel (`parts.py`), both zero-padded to the
     whole kernel's `d_in` and `d_out`; for a stacked kernel the use's inputs
     concatenated along their last axis; an Einsum whose output interleaves
-    positions and outputs (``output_perm``) has ``g`` transposed first; an
+    positions and outputs (``output_perm``) has ``g`` transposed first, and
+    one contracting an earlier axis of its input (``input_perm``, a token
+    mixing layer, ``passes/einsum_2d.py``) has ``a`` transposed; an
     input with the examples on a later axis (time-major, ``batch_axis``)
     has that axis moved first in ``a`` and ``g``; a low-rank adapter's A or
     B (``attrs["lora"]``, ``passes/lora.py``) has its kernel's operands
@@ -260,6 +262,8 @@ def applied_operands(attrs, kernel_shape, tensors, grads, batch=None):
     `[k B, ..]` whose `k` is known at run time only (`run_time_rows`)."""
     shape = attrs.get("input_shape")
     rows = attrs.get("stacked_rows")
+    if attrs.get("input_perm"):  # an Einsum contracting an earlier axis: it moved last
+        tensors = [tf.transpose(t, attrs["input_perm"]) for t in tensors]
     if attrs.get("output_perm"):  # an Einsum's output axes, to positions then outputs
         grads = [tf.transpose(g, attrs["output_perm"]) for g in grads]
     if "run_time_rows" in attrs:
