@@ -2,13 +2,13 @@
 
 ``x,w->y`` with ``w`` two letters ``{c, o}``: ``c`` in ``x`` (contracted),
 ``o`` not (the output axis), and ``y`` the letters of ``x`` without ``c``,
-plus ``o``, in any order. ``x``'s first letter holds the examples and is
-never the contracted one (that would sum the examples). With ``c`` last in
-``x`` and ``y = x[:-1] + o`` it is the plain dense form; otherwise (a token
-mixing layer, ``"abc,bd->adc"``: the kernel mixes positions, the channels
-are positions) the layer reads ``x`` with ``c`` moved last (``in_perm``)
-and its output with ``o`` moved last (``out_perm``): rows are the other
-axes of ``x``, in order.
+plus ``o``, in any order. ``x``'s first letter holds the examples: it is
+never the contracted one (that would sum the examples), and ``y`` keeps it
+first. With ``c`` last in ``x`` and ``y = x[:-1] + o`` it is the plain
+dense form; otherwise (a token mixing layer, ``"abc,bd->adc"``: the kernel
+mixes positions, the channels are positions) the layer reads ``x`` with
+``c`` moved last (``in_perm``) and its output with ``o`` moved last
+(``out_perm``): rows are the other axes of ``x``, in order.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def _permuted(x, w, y):
         return None
     c, o = inside[0], w.replace(inside[0], "")
     rows = x.replace(c, "")
-    if x.index(c) == 0 or len(y) != len(set(y)) or sorted(y) != sorted(rows + o):
+    if (x.index(c) == 0 or len(y) != len(set(y)) or sorted(y) != sorted(rows + o)
+            or y[0] != x[0]):  # the examples stay first
         return None
     in_perm = tuple(x.index(a) for a in rows + c)
     out_perm = tuple(y.index(a) for a in rows + o)

@@ -69,7 +69,8 @@ def test_canonicalize_sees_through_unit_reshapes_but_not_others():
 
 @pytest.mark.parametrize("equation, layout", [
     ("ab,bc->ac", "io"), ("abc,cd->abd", "io"), ("abc,dc->abd", "oi"),
-    ("...b,bc->...c", "io"), ("ab,cd->ac", None), ("ab,bc->ca", None), ("abc,bd->acd", None),
+    ("...b,bc->...c", "io"), ("ab,cd->ac", None), ("ab,bc->ca", None),
+    ("abc,bd->acd", "io"),  # token mixing: the input's middle axis contracted (einsum_2d)
 ])
 def test_einsum_kernel_layout(equation, layout):
     assert einsum_kernel_layout(equation) == layout

@@ -347,6 +347,7 @@ def test_token_mixing_einsum_is_a_dense_layer(equation):
     ("...c,cd->...d", ("io", None, None)), ("abc,bd->adc", ("io", (0, 2, 1), (0, 2, 1))),
     ("abc,cd->adb", ("io", None, (0, 2, 1))),
     ("bd,bo->do", None),  # contracts the examples' axis: no dense layer
+    ("abc,bd->dac", None),  # puts the examples' axis elsewhere
     ("abc,bc->a", None), ("ab,cd->abd", None)])
 def test_einsum_2d_forms(equation, form):
     from passes.einsum_2d import einsum_2d_form
