@@ -11,8 +11,9 @@ its output, its gradient and every tensor name stay as they were.
 """
 from __future__ import annotations
 
-import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
+
+from passes.node_defs import INT32, const_int, node as new_node
 
 
 def split_gathers(graph_def, placeholders) -> graph_pb2.GraphDef:
@@ -29,11 +30,9 @@ def split_gathers(graph_def, placeholders) -> graph_pb2.GraphDef:
         if node.op != "ResourceGather" or not node.input or node.input[0] not in placeholders:
             continue
         dtype = node.attr["dtype"].type
-        read = _node(f"{node.name}/kfac_read", "ReadVariableOp", [node.input[0]], node.device)
-        read.attr["dtype"].type = dtype
-        axis = _node(f"{node.name}/kfac_axis", "Const", [], node.device)
-        axis.attr["dtype"].type = tf.int32.as_datatype_enum
-        axis.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(0, tf.int32))
+        read = new_node(f"{node.name}/kfac_read", "ReadVariableOp", [node.input[0]], node.device,
+                        dtype=dtype)
+        axis = const_int(f"{node.name}/kfac_axis", 0, node.device)
         ids, controls = node.input[1], [t for t in node.input[2:] if t.startswith("^")]
         node.op = "GatherV2"
         del node.input[:]
@@ -42,14 +41,8 @@ def split_gathers(graph_def, placeholders) -> graph_pb2.GraphDef:
             if stale in node.attr:
                 del node.attr[stale]
         node.attr["Tparams"].type = dtype
-        node.attr["Taxis"].type = tf.int32.as_datatype_enum
+        node.attr["Taxis"].type = INT32
         added += [read, axis]
     out.node.extend(added)
     return out
 
-
-def _node(name, op, inputs, device):
-    node = graph_pb2.GraphDef().node.add()
-    node.name, node.op, node.device = name, op, device
-    node.input.extend(inputs)
-    return node

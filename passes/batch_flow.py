@@ -26,9 +26,7 @@ def batch_sources(g) -> list:
     batch = static_batch(g)
     if batch is None:
         return []
-    constants = [n for n, d in g.nodes(data=True) if d["op"] in ("Const", "Fill")
-                 and d["shapes"] and d["shapes"][0] and len(d["shapes"][0]) >= 2
-                 and d["shapes"][0][0] == batch and _same_rows(d)]
+    constants = _repeating_constants(g, lambda shape: shape[0] == batch, rows=True)
     if batch == 1:  # every unit axis would read as the batch's
         return constants
     return constants + [n for n, d in g.nodes(data=True)
@@ -43,26 +41,25 @@ def batch_copies(g) -> list:
     batch = static_batch(g)
     if batch is None:
         return []
-    return [n for n, d in g.nodes(data=True) if d["op"] in ("Const", "Fill")
-            and d["shapes"] and d["shapes"][0] and len(d["shapes"][0]) >= 2
-            and batch in d["shapes"][0] and _uniform(d)]
+    return _repeating_constants(g, lambda shape: batch in shape, rows=False)
 
 
-def _uniform(d) -> bool:
-    value = d.get("value")
-    return d["op"] == "Fill" or bool(d.get("splat")) or (
-        value is not None and bool(np.all(value == value.flat[0])))
-
-
-def _same_rows(d) -> bool:
-    """Whether a constant ``[B, ...]`` holds one row ``B`` times (a zero
-    initial state): rows that differ are data of something else that
-    happens to number ``B`` (a graph's node features, ``B`` nodes), and a
-    layer on them meets no example."""
-    if d["op"] == "Fill" or d.get("splat"):
-        return True
-    value = d.get("value")
-    return value is not None and bool(np.all(value == value[:1]))
+def _repeating_constants(g, fits, rows: bool) -> list:
+    """``Const`` and ``Fill`` nodes of rank >= 2 whose shape ``fits`` and that
+    repeat one row (``rows``) or one value: a zero initial state ``[B, d]``
+    holds one row ``B`` times, while rows that differ are data of something
+    else that happens to number ``B`` (a graph's node features, ``B`` nodes),
+    on which a layer meets no example."""
+    out = []
+    for n, d in g.nodes(data=True):
+        shape = d["shapes"][0] if d["op"] in ("Const", "Fill") and d["shapes"] else None
+        if not shape or len(shape) < 2 or not fits(shape):
+            continue
+        value = d.get("value")
+        if d["op"] == "Fill" or d.get("splat") or (value is not None and bool(
+                np.all(value == (value[:1] if rows else value.flat[0])))):
+            out.append(n)
+    return out
 
 
 def _expands_to(g, d, batch) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from passes import ir
+from passes.node_defs import const_int
 
 _PREFIX = "kfac_grouped"
 
@@ -52,13 +53,6 @@ def _groups(g, node) -> int:
 
 def _channels_first(node) -> bool:
     return "data_format" in node.attr and node.attr["data_format"].s.decode().startswith("NC")
-
-
-def _const_int(name, value):
-    node = tf.compat.v1.NodeDef(name=name, op="Const")
-    node.attr["dtype"].type = tf.int32.as_datatype_enum
-    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, tf.int32))
-    return node
 
 
 def _op(name, op, inputs, dtype_attr, device, **ints):
@@ -84,7 +78,7 @@ def _rewrite(node, groups, names):
     first = _channels_first(node)
     out = []
     if first:  # NCDHW -> NDHWC
-        out += [_const_int(f"{base}/to_channels_last", [0, 2, 3, 4, 1]),
+        out += [const_int(f"{base}/to_channels_last", [0, 2, 3, 4, 1]),
                 _op(f"{base}/inputs_channels_last", "Transpose", [x, f"{base}/to_channels_last"]
                     + control, dtype, device, Tperm=0)]
         x = out[-1].name
@@ -98,7 +92,7 @@ def _rewrite(node, groups, names):
                     list=tf.compat.v1.AttrValue.ListValue(i=[v[0], *v[2:], v[1]]))
         attrs["data_format"] = tf.compat.v1.AttrValue(s=b"NDHWC")
     if groups > 1:
-        out += [_const_int(f"{base}/channel_axis", 4),
+        out += [const_int(f"{base}/channel_axis", 4),
                 _op(f"{base}/inputs", "Split", [f"{base}/channel_axis", x] + control, dtype,
                     device, num_split=groups),
                 _op(f"{base}/kernels", "Split", [f"{base}/channel_axis", w] + control, dtype,
@@ -117,7 +111,7 @@ def _rewrite(node, groups, names):
                        [f"{base}/group_{j}" for j in range(groups)] + [f"{base}/channel_axis"],
                        dtype, device, N=groups, Tidx=0))
     if first:  # NDHWC -> NCDHW
-        out += [_const_int(f"{base}/to_channels_first", [0, 4, 1, 2, 3]),
+        out += [const_int(f"{base}/to_channels_first", [0, 4, 1, 2, 3]),
                 _op(f"{base}/channels_first", "Transpose",
                     [out[-1].name, f"{base}/to_channels_first"], dtype, device, Tperm=0)]
     out[-1].name = node.name

@@ -125,7 +125,8 @@ def einsum_perms(g, m, input_shape) -> dict:
     ``input_perm`` with the ``input_shape`` it gives."""
     data = g.nodes[m["op"]]
     if data["op"] != "Einsum" or len(var_shape(g, m["w"])) > 2:
-        return {} if output_perm(g, m) is None else {"output_perm": output_perm(g, m)}
+        perm = output_perm(g, m)
+        return {} if perm is None else {"output_perm": perm}
     _, in_perm, out_perm = einsum_2d_form(data["attrs"].get("equation", ""))
     out = {} if out_perm is None else {"output_perm": out_perm}
     if in_perm is not None:

@@ -13,11 +13,11 @@ reader gets the shape, static where the keys' is, and under shape probes
 """
 from __future__ import annotations
 
-import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
+from passes.node_defs import INT32, const_int, node as new_node
+
 FINDS = ("LookupTableFind", "LookupTableFindV2")  # (table, keys, default value)
-_INT32 = tf.int32.as_datatype_enum
 
 
 def shaped_table_finds(graph_def) -> graph_pb2.GraphDef:
@@ -33,27 +33,18 @@ def shaped_table_finds(graph_def) -> graph_pb2.GraphDef:
             continue
         name, keys, default = node.name, node.input[1], node.input[2]
         node.name = f"{name}/kfac_find"
-        key_shape = _node(f"{name}/kfac_key_shape", "Shape", [keys], node.device,
-                          T=node.attr["Tin"].type, out_type=_INT32)
-        value_shape = _node(f"{name}/kfac_value_shape", "Shape", [default], node.device,
-                            T=node.attr["Tout"].type, out_type=_INT32)
-        axis = _node(f"{name}/kfac_axis", "Const", [], node.device, dtype=_INT32)
-        axis.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(0, tf.int32))
-        shape = _node(f"{name}/kfac_shape", "ConcatV2",
-                      [key_shape.name, value_shape.name, axis.name], node.device,
-                      T=_INT32, Tidx=_INT32)
+        key_shape = new_node(f"{name}/kfac_key_shape", "Shape", [keys], node.device,
+                             T=node.attr["Tin"].type, out_type=INT32)
+        value_shape = new_node(f"{name}/kfac_value_shape", "Shape", [default], node.device,
+                               T=node.attr["Tout"].type, out_type=INT32)
+        axis = const_int(f"{name}/kfac_axis", 0, node.device)
+        shape = new_node(f"{name}/kfac_shape", "ConcatV2",
+                         [key_shape.name, value_shape.name, axis.name], node.device,
+                         T=INT32, Tidx=INT32)
         shape.attr["N"].i = 2
         added += [key_shape, value_shape, axis, shape,
-                  _node(name, "Reshape", [node.name, shape.name], node.device,
-                        T=node.attr["Tout"].type, Tshape=_INT32)]
+                  new_node(name, "Reshape", [node.name, shape.name], node.device,
+                           T=node.attr["Tout"].type, Tshape=INT32)]
     out.node.extend(added)
     return out
 
-
-def _node(name, op, inputs, device, **types):
-    node = graph_pb2.GraphDef().node.add()
-    node.name, node.op, node.device = name, op, device
-    node.input.extend(inputs)
-    for key, value in types.items():
-        node.attr[key].type = value
-    return node
