@@ -77,6 +77,12 @@ class LossSpec:
     derivative by token ``it``'s term (``LayerTaps.token_weights``), and is 1
     when both are empty.
 
+    A ``"ggn"`` loss is no likelihood but has a model output
+    (``passes.loss_output``: Huber, focal, Poisson, KL, cosine): ``l_i`` is
+    example ``i``'s own share of its terms, ``scale`` 1, no ``targets``; its
+    curvature is ``l_i``'s Hessian at ``z`` (``kfac_graph.fisher.ggn``), and
+    ``reason`` says why it is no likelihood the pass reads.
+
     An ``"opaque"`` loss has no ``output`` or ``targets``: ``l_i`` is example
     ``i``'s own share of the terms the pass read down to (``Registration.
     per_example_loss``), ``scale`` 1, and ``reason`` says where its reading
@@ -196,6 +202,7 @@ class Registration:
                    + (f"; per-example terms {self.per_example_loss}" if not loss.output else "")
                    + (f", scale {loss.scale:g}" if loss.scale != 1.0 else "")
                    + (f"; output {loss.output}" if loss.output else "")
+                   + (" (curvature: the loss's Hessian there)" if loss.kind == "ggn" else "")
                    + (f"; targets {loss.targets}" if loss.targets else "")
                    + (f"; weights {', '.join(loss.weights)}" if loss.weights else "")
                    + (f"; divided by {', '.join(loss.divisors)}" if loss.divisors else "")

@@ -41,7 +41,7 @@ def read(reg, loss, terms, model_output, batch):
     c = tf.stop_gradient(tf.convert_to_tensor(c))
     per_batch = tf.cast(batch, c.dtype) if reg.loss.reduction == "mean" else tf.ones([], c.dtype)
     weighted_terms = terms * (c * per_batch)
-    if model_output is None:
+    if model_output is None or reg.loss.kind == "ggn":  # (its Hessian holds the weights)
         return None, weighted_terms
     w = c * per_batch / as_dtype(reg.per_example_coefficient, c.dtype)
     return fisher_layout(w, reg.loss.kind, model_output), weighted_terms

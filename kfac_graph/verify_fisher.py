@@ -27,7 +27,7 @@ import tensorflow as tf
 from kfac_graph import token_weights
 from kfac_graph.fisher.block_choice import ALIASES, PER_EXAMPLE
 from kfac_graph.fisher.blocks_base import FisherBlock
-from kfac_graph.fisher.distributions import make_distribution
+from kfac_graph.fisher.ggn import output_curvature
 from kfac_graph.fisher.estimator import FisherEstimator
 from kfac_graph.taps import LayerTaps
 from kfac_graph.verify_report import Check
@@ -135,10 +135,12 @@ def _quadratic_forms(reg, mode, checked):
         taps = LayerTaps.build(reg, inner)
         z = taps.model_output
         z0 = tf.stop_gradient(z)
-        dist = make_distribution(reg.loss.kind, z0)
+        dist = output_curvature(reg.loss.kind, z0, taps)
         batch = tf.cast(tf.shape(z)[0], z.dtype)
         weights, kind = taps.token_weights, reg.loss.kind
-        if mode == "empirical":
+        if mode == "empirical" and kind == "ggn":  # each example's own loss
+            c = tf.gradients(tf.reduce_sum(taps.per_example_loss), z)[0]
+        elif mode == "empirical":
             y = taps.targets if taps.targets is not None else tf.zeros_like(z0)
             c = tf.gradients(-tf.reduce_sum(dist.log_prob(tf.stop_gradient(y))), z0)[0]
             c = token_weights.scaled(weights, kind, c)
@@ -151,10 +153,10 @@ def _quadratic_forms(reg, mode, checked):
                     fjv = dist.multiply_fisher(jv)
                     if weights is not None:
                         fjv = token_weights.per_output(weights, kind, fjv) * fjv
-                    form = tf.reduce_sum(jv * fjv)
+                    form = tf.reduce_sum(tf.cast(jv, fjv.dtype) * fjv)
                 else:
                     form = tf.reduce_sum(tf.square(tf.reduce_sum(c * jv, axis=-1)))
-                forms.append(tf.cast(form / batch, tf.float64))
+                forms.append(tf.cast(form, tf.float64) / tf.cast(batch, tf.float64))
             rows.append(tf.stack(forms))
         return tf.stack(rows)
 

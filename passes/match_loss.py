@@ -42,7 +42,10 @@ below a tensor that holds the examples on its first axis (a CTC loss's
 ``[B]``, an L1 loss's ``|z - y|``) is kind ``"opaque"``: no output, no
 targets, ``scale`` 1, ``terms`` that tensor, so that example ``i``'s own
 loss ``l_i = k sum(terms[i])`` (weighted as above) still gives per-example
-gradients; its Fisher can only be the empirical one.
+gradients; its Fisher can only be the empirical one. An opaque loss whose
+terms have a model output below them (``passes.loss_output``: a Huber,
+focal, Poisson, KL or cosine loss) is kind ``"ggn"`` with that ``output``:
+its curvature is the Gauss-Newton one, the Hessian of ``l_i`` at ``z``.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ import numpy as np
 from passes import ir, loss_logits, loss_terms, loss_weights
 from passes.errors import LOSS_HOW_TO, LossNotFoundError
 from passes.loss_constants import const_operand, evaluate, from_shapes
+from passes.loss_output import ggn_output
 
 KINDS = ("categorical", "bernoulli", "normal")  # and "opaque" (module docstring)
 _PASS_THROUGH = loss_logits.PASS_THROUGH
@@ -86,13 +90,32 @@ def match_loss(g: nx.DiGraph, kind: str | None = None, rows=None) -> LossMatch:
         found = _walk(g, rows or {}, terms)
     except LossNotFoundError as e:
         if kind is None and terms and terms[0] is not None:
-            return dataclasses.replace(terms[0], reason=str(e).split("; ")[0])
+            return _as_ggn(g, dataclasses.replace(terms[0], reason=str(e).split("; ")[0]), rows)
+        if kind is None and terms == [] and _batch_size(g) is not None:
+            # no tensor of examples met on the way (with the batch known, the walk sees them)
+            raise LossNotFoundError(
+                f"{str(e).split('; ')[0]}, above every tensor that holds the examples on its "
+                "first axis: the loss is no sum of per-example terms (a loss over the whole "
+                f"batch, such as Keras's Dice with axis=None, has none); {_HOW_TO}") from None
         if kind is None:
             raise
         return LossMatch(kind, "mean", None, None, reason=str(e).split("; ")[0])
     if kind is not None and kind != found.kind:
         return dataclasses.replace(found, kind=kind)
     return found
+
+
+def _as_ggn(g, opaque: LossMatch, rows) -> LossMatch:
+    """An opaque loss with a model output (``passes.loss_output``) is kind
+    ``"ggn"``: its curvature is the Gauss-Newton one through that output."""
+    if opaque.extras:
+        return opaque
+    batch = _batch_size(g)
+    z, why = ggn_output(g, opaque.terms, _parameter_nodes(g), lambda node: _examples_first(
+        (g.nodes[node]["shapes"] or [None])[0], rows.get(node), batch))
+    if z is None:
+        return dataclasses.replace(opaque, reason=f"{opaque.reason}; {why}")
+    return dataclasses.replace(opaque, kind="ggn", output=z)
 
 
 def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=False,

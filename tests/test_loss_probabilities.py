@@ -95,12 +95,20 @@ def test_written_out_categorical_cross_entropy_is_categorical(sparse):
             np.testing.assert_allclose(got[i].numpy(), want.numpy(), rtol=1e-5, atol=1e-7)
 
 
-def test_a_log_that_is_not_of_a_softmax_is_refused():
-    w = tf.Variable(tf.ones([4, 3], tf.float64))
+def test_a_log_that_is_not_of_a_softmax_is_no_likelihood():
+    """``-sum(y log(clip(x w)))`` reads no distribution (the log is of no
+    softmax): its curvature is its Hessian at ``z = x w``, ``diag(y / z^2)``
+    inside the clip (kind "ggn", ``tests/test_ggn_loss.py``)."""
+    w = tf.Variable(np.full([4, 3], 0.1))
     fn = kg.auto_register(
         lambda x, y: -tf.reduce_sum(y * tf.math.log(tf.clip_by_value(x @ w, 1e-7, 1.0))))
-    x, y = tf.ones([2, 4], tf.float64), tf.ones([2, 3], tf.float64)
-    # y is data, a weight of the terms; what it weighs is a log of no softmax
-    assert fn.registration(x, y).loss.kind == "opaque"  # its per-example terms only
-    with pytest.raises(kg.KfacGraphError, match=r"cannot read a loss through op 'Log' \(Log\)"):
-        kg.FisherEstimator(fn).update(x, y)
+    x = tf.constant(np.random.default_rng(0).uniform(0.2, 1.0, (2, 4)))
+    y = tf.ones([2, 3], tf.float64)
+    reg = fn.registration(x, y)
+    assert (reg.loss.kind, reg.loss.output, reg.loss.reduction) == ("ggn", "matmul:0", "sum")
+    est = kg.FisherEstimator(fn, estimation_mode="exact", approximations={"dense": "full"})
+    est.update(x, y)
+    z = (x @ w).numpy()
+    # d z_ik / d w_dk = x_id; F = (1/B) sum_i J_i^T diag(1 / z_i^2) J_i, params (d, k) row-major
+    want = sum(np.kron(np.outer(xi, xi), np.diag(1.0 / zi ** 2)) for xi, zi in zip(x.numpy(), z))
+    np.testing.assert_allclose(est.blocks[0].full_matrix().numpy(), want / 2, rtol=1e-10)

@@ -26,6 +26,12 @@ every layer use's output gradient ``g = v^T dz/ds``:
   ``position_columns="separate"`` takes one column per position and
   class, ``T K`` backward passes, and is exact.
 
+A loss that is no likelihood but has a model output (kind ``"ggn"``: Huber,
+focal, Poisson, KL) takes the Hessian ``H_i`` of its per-example loss at
+``z`` for ``F_i`` (the generalised Gauss-Newton matrix; ``ggn.py``): exact
+mode its square root's columns, sampled mode ``S_i eps``
+(``cotangents.py``).
+
 A per-token loss with data weights (a padding mask, ``sample_weight``, a
 masked mean) weighs each token's cotangent by ``sqrt(w_it)``
 (``kfac_graph.token_weights``): ``F = (1/B) sum_i sum_t w_it J_it^T F_it
@@ -53,12 +59,11 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from kfac_graph import invariants, options, token_weights
+from kfac_graph import invariants, options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
-from kfac_graph.fisher import ema, report, shared_kernels
+from kfac_graph.fisher import cotangents, ema, report, shared_kernels
 from kfac_graph.fisher.block_choice import (DEFAULT_MAX_FACTOR_SIZE, PER_EXAMPLE, block_stats,
                                             make_layer_block)
-from kfac_graph.fisher.distributions import at_least_float32, make_distribution
 from kfac_graph.per_example import gradients as pe_gradients
 from kfac_graph.per_example.rules import default_registry
 from kfac_graph.taps import LayerTaps, layer_operands
@@ -293,56 +298,16 @@ class FisherEstimator(tf.Module):
         return taps
 
     def _cotangents(self, reg, taps):
-        """The cotangents at ``z`` and, per source, the ``[B]`` per-example
-        scalars whose parameter gradients are the per-example gradients
-        (``sum z . c`` with the cotangent ``c`` held fixed). Each token's
-        cotangent is scaled by the square root of its weight
-        (``kfac_graph.token_weights``; a masked token contributes nothing).
-        An opaque loss (empirical only): each example's own loss, cotangent None."""
-        if taps.model_output is None:
-            return [None], [taps.per_example_loss]
-        z = at_least_float32(taps.model_output)
-        batch_axes = list(range(1, z.shape.rank - 1))
-        per_example = lambda t: tf.reduce_sum(t, axis=batch_axes) if batch_axes else t
-        z0 = tf.stop_gradient(z)
-        kind, w = reg.loss.kind, taps.token_weights
-        dist0 = make_distribution(kind, z0)
-        if self.estimation_mode == "exact":
-            cotangents = [token_weights.scaled(w, kind, c) for c in self._exact_columns(dist0, z0)]
-        else:
-            if self.estimation_mode == "empirical":
-                y = taps.targets if taps.targets is not None else tf.zeros_like(z0)
-                targets = [tf.stop_gradient(y)]
-            else:
-                # int32 seeds: XLA has no StatelessMultinomial kernel for int64 ones.
-                first = tf.cast(self._counter.read_value() * self.num_samples, tf.int32)
-                seeds = [_per_replica(tf.stack([tf.constant(self.seed, tf.int32), first + s]))
-                         for s in range(self.num_samples)]
-                targets = [tf.stop_gradient(dist0.sample(seed)) for seed in seeds]
-            # S samples, each scaled by 1/sqrt(S): the sums over sources are means
-            weight = tf.constant(len(targets) ** -0.5, z.dtype)
-            cotangents = []
-            for y in targets:
-                c = tf.gradients(-tf.reduce_sum(dist0.log_prob(y)), z0)[0]
-                c = token_weights.scaled(w, kind, c)
-                cotangents.append(c if len(targets) == 1 else weight * c)
-        cotangents = [tf.stop_gradient(c) for c in cotangents]
-        return cotangents, [per_example(tf.reduce_sum(z * c, axis=-1)) for c in cotangents]
-
-    def _exact_columns(self, dist, z):
-        """The Fisher square root's columns at ``z``: ``K`` of them shared by
-        all positions, or with ``position_columns="separate"`` one per
-        position and class (``T K``), each zero outside its position."""
-        columns = dist.sqrt_fisher_columns()
-        if self.position_columns == "shared" or z.shape.rank <= 2:
-            return columns
-        positions = z.shape[1:-1]
-        if not positions.is_fully_defined():
-            raise KfacGraphError(f"exact Fisher with position_columns='separate': the model "
-                                 f"output's positions {positions} are not known when tracing")
-        n = positions.num_elements()
-        return [c * tf.reshape(tf.one_hot(p, n, dtype=c.dtype), [1, *positions.as_list(), 1])
-                for p in range(n) for c in columns]
+        """``cotangents.at_output`` for this estimator's mode; the sampled
+        mode's seeds come from ``seed`` and the update counter."""
+        seeds = ()
+        if self.estimation_mode == "sampled":
+            # int32 seeds: XLA has no StatelessMultinomial kernel for int64 ones.
+            first = tf.cast(self._counter.read_value() * self.num_samples, tf.int32)
+            seeds = [_per_replica(tf.stack([tf.constant(self.seed, tf.int32), first + s]))
+                     for s in range(self.num_samples)]
+        return cotangents.at_output(reg, taps, self.estimation_mode, seeds,
+                                    self.position_columns)
 
 
 def mask_groups(mask, items) -> list:

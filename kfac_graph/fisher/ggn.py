@@ -1,0 +1,92 @@
+"""The Gauss-Newton curvature of a loss that is no likelihood (kind ``"ggn"``).
+
+For a loss read only down to per-example terms ``l_i`` with a model output
+``z`` (``passes.loss_output``: Huber, log-cosh, Poisson, focal, KL, cosine),
+the curvature at ``z`` is the loss's own Hessian, per example and position,
+
+    H_it = d^2 l_i / dz_it^2            ([..., K, K]),
+
+formed by ``K`` backward passes through the loss head (column ``c`` is the
+gradient of ``dl/dz . e_c``, ``e_c`` the unit vector of class ``c`` at every
+position: exact where the head is per position, as the pass checks). The
+generalised Gauss-Newton matrix ``(1/B) sum_i J_i^T H_i J_i`` is then the
+Fisher of the likelihood kinds (their ``-log p`` has Hessian ``F``), and it
+stands in for one here. ``H`` is projected onto the positive semidefinite
+cone (negative eigenvalues set to zero: a non-convex head such as a cosine
+similarity) so that the curvature stays a curvature.
+
+``GGN(H)`` offers the distribution interface the estimator and the exact
+forms use (``fisher``, ``fisher_diagonal``, ``multiply_fisher``,
+``sqrt_fisher``, ``sqrt_fisher_columns``) and, for the sampled mode,
+``sample_cotangent(seed)``: ``S eps`` with ``S S^T = H``, ``eps ~ N(0, I)``,
+whose outer products average to ``H``. There are no targets to sample."""
+
+import tensorflow as tf
+
+from kfac_graph.fisher.distributions import make_distribution
+from passes.errors import KfacGraphError
+
+
+def output_hessian(per_example_loss, z):
+    """``[..., K, K]``: ``H`` at each position of ``z`` (module docstring),
+    in float32 at least, non-finite entries (a step about to be skipped) zero."""
+    grad = tf.gradients(tf.reduce_sum(per_example_loss), z)[0]
+    k = z.shape[-1]
+    if grad is None:
+        return tf.zeros(tf.concat([tf.shape(z), [k]], 0), _float(z.dtype))
+    rows = []
+    for c in range(k):
+        unit = tf.broadcast_to(tf.one_hot(c, k, dtype=grad.dtype), tf.shape(grad))
+        row = tf.gradients(grad, z, grad_ys=unit)[0]
+        rows.append(tf.zeros_like(z) if row is None else row)
+    h = tf.cast(tf.stack(rows, axis=-2), _float(z.dtype))
+    h = tf.where(tf.math.is_finite(h), h, tf.zeros_like(h))
+    return 0.5 * (h + tf.linalg.matrix_transpose(h))
+
+
+def _float(dtype):
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
+class GGN:
+    """The loss Hessian ``H`` at ``z``, made positive semidefinite."""
+
+    kind = "ggn"
+
+    def __init__(self, hessian):
+        values, vectors = tf.linalg.eigh(hessian)
+        self._sqrt = vectors * tf.sqrt(tf.maximum(values, 0.0))[..., None, :]
+
+    def sqrt_fisher(self):
+        return self._sqrt
+
+    def sqrt_fisher_columns(self):
+        return tf.unstack(self._sqrt, axis=-1)
+
+    def fisher(self):
+        return tf.linalg.matmul(self._sqrt, self._sqrt, transpose_b=True)
+
+    def fisher_diagonal(self):
+        return tf.reduce_sum(tf.square(self._sqrt), axis=-1)
+
+    def multiply_fisher(self, v):
+        v = tf.cast(v, self._sqrt.dtype)
+        inner = tf.einsum("...kc,...k->...c", self._sqrt, v)
+        return tf.einsum("...kc,...c->...k", self._sqrt, inner)
+
+    def sample_cotangent(self, seed):
+        shape = tf.shape(self._sqrt)[:-1]
+        eps = tf.random.stateless_normal(shape, seed=seed, dtype=self._sqrt.dtype)
+        return tf.einsum("...kc,...c->...k", self._sqrt, eps)
+
+
+def output_curvature(kind, z, taps):
+    """The curvature at the model output ``z`` (``at_least_float32``, held
+    fixed): the likelihood's distribution, or for ``"ggn"`` the loss head's
+    Hessian taken from the forward pass ``taps``."""
+    if kind != "ggn":
+        return make_distribution(kind, z)
+    if taps.per_example_loss is None:
+        raise KfacGraphError(f"a Gauss-Newton curvature needs each example's own loss: "
+                             f"{taps.per_example_problem}")
+    return GGN(output_hessian(taps.per_example_loss, taps.model_output))

@@ -1,0 +1,158 @@
+"""The model output of a loss that is no likelihood the pass reads: where a
+Gauss-Newton curvature can be taken.
+
+A loss that is not a negative log-likelihood of the kinds ``passes.match_loss``
+reads (Huber, log-cosh, Poisson, focal, a KL divergence, a cosine
+similarity) still has a model output ``z``: the first tensor that every path
+from the trainable variables to the per-example terms passes through (a
+dominator of the terms in the variables' graph) and that holds the examples
+on its first axis, the last layer's output before any activation the loss
+applies. Below it the loss head ``l_i(z_i)`` reads no variable, so the
+generalised Gauss-Newton matrix ``(1/B) sum_i J_i^T H_i J_i`` with
+``H_i = d^2 l_i / dz_i^2`` is the loss's curvature through ``z``
+(``kfac_graph.fisher.ggn``); for the likelihood kinds it equals their Fisher.
+
+Contract: ``ggn_output(g, terms, rows) -> (z, "")`` or ``(None, why not)``.
+Refused, with the reason the loss stays ``"opaque"`` (empirical Fisher):
+
+- no such tensor (heads that meet only in the loss);
+- a head piecewise linear in ``z`` (an L1 or hinge loss: ``H = 0`` almost
+  everywhere, a curvature of damping alone);
+- a head that mixes positions, or examples: ``H`` is formed per position,
+  ``K x K`` over ``z``'s last axis, so the head may hold only elementwise
+  ops (broadcasting against data), softmax, reductions of the last axis and
+  reshapes that keep it;
+- ``K`` unknown, or above ``MAX_CLASSES`` (``H`` takes ``K`` backward passes).
+"""
+from __future__ import annotations
+
+import networkx as nx
+import numpy as np
+
+from passes import ir
+from passes.loss_constants import evaluate
+
+MAX_CLASSES = 256
+# elementwise ops beyond ``ir.ELEMENTWISE`` a loss head may hold
+_COMPARISONS = frozenset({
+    "Less", "LessEqual", "Greater", "GreaterEqual", "Equal", "NotEqual", "LogicalAnd",
+    "LogicalOr", "LogicalNot", "IsFinite", "IsNan", "ZerosLike", "OnesLike"})
+_ELEMENTWISE = ir.ELEMENTWISE | _COMPARISONS | {"Pow", "Xlogy", "Xlog1py", "DivNoNan", "AddN",
+                                                "Select", "Cosh", "Sinh", "Atan"}
+# ops with no curvature in their varying inputs (piecewise linear)
+_PIECEWISE_LINEAR = _COMPARISONS | {
+    "Add", "AddV2", "AddN", "Sub", "Neg", "Abs", "Maximum", "Minimum", "Relu", "Relu6",
+    "LeakyRelu", "Sum", "Mean", "Max", "Min", "Identity", "Cast", "StopGradient", "Reshape",
+    "ExpandDims", "Squeeze", "SelectV2", "Select", "ClipByValue", "Sign", "BiasAdd", "Floor"}
+# ops that are linear where one input alone varies (a divisor must not vary)
+_BILINEAR = frozenset({"Mul", "RealDiv", "DivNoNan"})
+_LAST_AXIS = frozenset({"Softmax", "LogSoftmax"})
+_REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod"})
+_SOURCE = "\x00variables"
+
+
+def ggn_output(g: nx.DiGraph, terms: str, params: set,
+               examples_first) -> tuple[str | None, str]:
+    """``(z, "")``: the model output of the loss whose per-example terms are
+    ``terms`` (module docstring), or ``(None, why not)``. ``params``: the
+    nodes that depend on a trainable variable; ``examples_first(node)``:
+    whether the node's output holds the examples on its first axis. Where the earliest candidate
+    fails a check, a later one (a dominator nearer the loss) may pass: its
+    Gauss-Newton matrix linearises more of the head."""
+    end = ir.split_tensor(ir.resolve(g, terms))[0]
+    reasons = []
+    for z in _dominating_outputs(g, end, params, examples_first):
+        why = _refusal(g, z, _head(g, z, end, params), params)
+        if not why:
+            return z, ""
+        reasons.append(why)
+    return None, reasons[0] if reasons else "no single model output feeds the loss"
+
+
+def _refusal(g, z, head, params) -> str:
+    shape = ir.shape_of(g, z)
+    if not shape or shape[-1] is None:
+        return f"the model output {z}'s class axis has no static size"
+    if shape[-1] > MAX_CLASSES:
+        return (f"the model output {z} has {shape[-1]} classes, beyond the {MAX_CLASSES} "
+                "whose loss Hessian is formed")
+    mixing = _mixing_op(g, z, head)
+    if mixing:
+        return f"op {mixing!r} mixes the positions or examples of the model output {z}"
+    if not any(_curved(g, node, params) for node in head):
+        return f"the loss is piecewise linear in the model output {z} (no curvature)"
+    return ""
+
+
+def _dominating_outputs(g, end, params, examples_first):
+    """The tensors on every path from the variables to ``end`` that hold the
+    examples on their first axis (not ``end`` itself), earliest first."""
+    ancestors = nx.ancestors(g, end) | {end}
+    sub = nx.DiGraph(g.subgraph(ancestors & params).edges)
+    sub.add_node(end)
+    sub.add_edges_from((_SOURCE, n) for n in ancestors & params
+                       if g.nodes[n]["op"] == "Variable")
+    if _SOURCE not in sub or end not in nx.descendants(sub, _SOURCE):
+        return
+    idom = nx.immediate_dominators(sub, _SOURCE)
+    chain, node = [], idom[end]
+    while node != _SOURCE:
+        chain.append(node)
+        node = idom[node]
+    for node in reversed(chain):
+        if g.nodes[node]["op"] == "Variable" or not examples_first(node):
+            continue
+        indices = {i for succ in sub.successors(node)
+                   for i, _ in g.edges[node, succ]["slots"]}
+        if len(indices) == 1:
+            yield ir.tensor_name(node, indices.pop())
+
+
+def _head(g, z, end, params):
+    """The varying nodes from ``z``'s node (excluded) down to ``end`` (included)."""
+    start = ir.split_tensor(z)[0]
+    return (nx.descendants(g, start) & (nx.ancestors(g, end) | {end})) & params
+
+
+def _curved(g, node, params) -> bool:
+    op = g.nodes[node]["op"]
+    if op in _PIECEWISE_LINEAR:
+        return False
+    if op in _BILINEAR:
+        varying = [t for t in g.nodes[node]["inputs"] if ir.split_tensor(t)[0] in params]
+        return len(varying) > 1 or (op != "Mul" and g.nodes[node]["inputs"][1] in varying)
+    return True
+
+
+def _mixing_op(g, z, head) -> str | None:
+    """The first head op that is not per position of ``z`` (module docstring).
+    Each varying tensor either keeps ``z``'s class axis last (``True``) or
+    has lost it to a reduction (``False``): only the former may be reduced,
+    along that axis alone, or go through a softmax."""
+    classes = ir.shape_of(g, z)[-1]
+    last = {ir.split_tensor(z)[0]: True}
+    for node in nx.topological_sort(g.subgraph(head)):
+        d = g.nodes[node]
+        op, inputs = d["op"], d["inputs"]
+        flags = [last[n] for n in (ir.split_tensor(t)[0] for t in inputs) if n in last]
+        has = any(flags)
+        shape = ir.shape_of(g, inputs[0]) if inputs else None
+        if op in _ELEMENTWISE or (op in _LAST_AXIS and has):
+            last[node] = has
+        elif op in _REDUCTIONS and has and shape is not None and _last_axis_only(
+                g, inputs[1], len(shape)):
+            last[node] = bool(d["attrs"].get("keep_dims"))
+        elif op == "Reshape" and shape is not None and (not has or (
+                shape[-1] == classes and (ir.shape_of(g, ir.tensor_name(node)) or [None])[-1]
+                == classes)):
+            last[node] = has
+        elif op in ("ExpandDims", "Squeeze") and not has:
+            last[node] = False
+        else:
+            return node
+    return None
+
+
+def _last_axis_only(g, axes, rank) -> bool:
+    value = evaluate(g, axes)
+    return value is not None and {int(a) % rank for a in np.atleast_1d(value)} == {rank - 1}

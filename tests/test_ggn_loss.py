@@ -1,0 +1,189 @@
+"""Losses that are no likelihood (kind "ggn"): the curvature is the loss's
+Hessian at the model output, the generalised Gauss-Newton matrix.
+
+A Huber, log-cosh, Poisson, focal, KL or cosine loss has a model output the
+pass finds (``passes/loss_output.py``: the first tensor of examples every
+path from the variables to the loss goes through); the Fisher blocks take
+``F = (1/B) sum_i J_i^T H_i J_i`` with ``H_i`` the Hessian of example i's
+own loss at ``z_i``, made positive semidefinite (``kfac_graph/fisher/
+ggn.py``). Checked against a brute-force ``J^T H J`` from GradientTape
+Jacobians and Hessians; a loss with no curvature (L1, hinge), a loss over
+the whole batch (Dice with ``axis=None``) and a head too wide are refused
+or stay opaque, each with its reason.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+import kfac_graph as kg
+from kfac_graph.fisher.ggn import GGN
+from passes.errors import LossNotFoundError
+
+B, T, D, K = 5, 3, 3, 3
+L = keras.losses
+
+
+@pytest.fixture
+def float64():
+    """Keras losses compute in floatx: float64 for the brute-force checks."""
+    keras.config.set_floatx("float64")  # (conftest restores it)
+
+
+def _dense(seed=0):
+    rng = np.random.default_rng(seed)
+    return (tf.Variable(rng.normal(size=(D, K)), name="kernel"),
+            tf.Variable(rng.normal(size=(K,)) * 0.1, name="bias"))
+
+
+def _targets(name, shape, seed=1):
+    rng = np.random.default_rng(seed)
+    if name in ("focal", "kld"):
+        y = np.eye(K)[rng.integers(0, K, shape[:-1])]
+        return tf.constant(y * 0.8 + 0.2 / K if name == "kld" else y)
+    if name == "poisson":
+        return tf.constant(rng.poisson(2.0, size=shape).astype("float64"))
+    return tf.constant(rng.normal(size=shape))
+
+
+# loss(y, z) on the model output z (any activation inside the loss)
+LOSSES = {
+    "huber": lambda y, z: L.Huber(delta=0.5)(y, z),
+    "log_cosh": lambda y, z: L.LogCosh()(y, z),
+    "poisson": lambda y, z: L.Poisson()(y, tf.nn.softplus(z)),
+    "focal": lambda y, z: L.CategoricalFocalCrossentropy(from_logits=True)(y, z),
+    "kld": lambda y, z: L.KLDivergence()(y, tf.nn.softmax(z)),
+    "cosine": lambda y, z: L.CosineSimilarity()(y, z),
+}
+
+
+def _brute_ggn(params, x, y, loss, sample_weight=None):
+    """(1/B) sum_i J_i^T H_i^+ J_i over the parameters, by GradientTape: J_i
+    the Jacobian of z_i, H_i the Hessian of example i's loss (a batch of one)
+    at z_i, its negative eigenvalues set to zero."""
+    total = 0.0
+    for i in range(x.shape[0]):
+        xi, yi = x[i:i + 1], y[i:i + 1]
+        wi = None if sample_weight is None else sample_weight[i:i + 1]
+        with tf.GradientTape(persistent=True) as tape:
+            zi = tf.einsum("...d,dk->...k", xi, params[0]) + params[1]
+        jac = tape.jacobian(zi, params, experimental_use_pfor=False)
+        j = np.concatenate([np.reshape(a.numpy(), [zi.shape.num_elements(), -1])
+                            for a in jac], -1)
+        z0 = tf.Variable(zi)
+        with tf.GradientTape(persistent=True) as outer:
+            with tf.GradientTape() as inner:
+                li = loss(yi, z0) if wi is None else loss(yi, z0, wi)
+            g = inner.gradient(li, z0)
+        h = np.reshape(outer.jacobian(g, z0).numpy(), [j.shape[0], j.shape[0]])
+        values, vectors = np.linalg.eigh(0.5 * (h + h.T))
+        h = (vectors * np.maximum(values, 0.0)) @ vectors.T
+        total = total + j.T @ h @ j
+    return total / x.shape[0]
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_keras_loss_is_ggn_and_its_block_is_brute_force(name, float64):
+    params = _dense()
+    x = tf.constant(np.random.default_rng(3).normal(size=(B, D)))
+    y = _targets(name, (B, K))
+    fn = kg.auto_register(lambda x, y: LOSSES[name](y, x @ params[0] + params[1]))
+    reg = fn.registration(x, y)
+    assert reg.loss.kind == "ggn", reg.loss
+    assert reg.loss.output.split(":")[0] in ("add", "BiasAdd")
+    assert "curvature: the loss's Hessian" in reg.summary()
+    est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
+                             approximations={"dense": "full"})
+    est.update(x, y)
+    want = _brute_ggn(params, x, y, LOSSES[name])
+    np.testing.assert_allclose(est.blocks[0].full_matrix().numpy(), want,
+                               rtol=1e-8, atol=1e-12)
+
+
+def test_per_token_weighted_huber_block_is_brute_force(float64):
+    """A ``[B, T, K]`` output, Huber per token with a ``[B, T]`` sample weight:
+    ``H_i`` is block-diagonal over positions, the weights inside it; one
+    column per position and class gives the exact block."""
+    params = _dense()
+    rng = np.random.default_rng(4)
+    x = tf.constant(rng.normal(size=(B, T, D)))
+    y, w = _targets("huber", (B, T, K)), tf.constant(rng.random((B, T)))
+    huber = lambda y, z, w=None: L.Huber(delta=0.5)(y, z, sample_weight=w)  # noqa: E731
+    fn = kg.auto_register(lambda x, y, w: huber(y, tf.einsum("btd,dk->btk", x, params[0])
+                                                + params[1], w))
+    reg = fn.registration(x, y, w)
+    assert reg.loss.kind == "ggn"
+    est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
+                             position_columns="separate", approximations={"dense": "full"})
+    est.update(x, y, w)
+    want = _brute_ggn(params, x, y, huber, w)
+    np.testing.assert_allclose(est.blocks[0].full_matrix().numpy(), want,
+                               rtol=1e-8, atol=1e-12)
+    report = kg.verify(fn, x, y, w, estimation_mode="exact")
+    assert report.passed, report.table()
+
+
+def test_head_that_mixes_positions_takes_the_output_after_them(float64):
+    """Huber on the mean over positions: the head below the dense output
+    mixes positions, so the model output is the mean (a later dominator)."""
+    params = _dense()
+    x = tf.constant(np.random.default_rng(5).normal(size=(B, T, D)))
+    y = _targets("huber", (B, K))
+    fn = kg.auto_register(lambda x, y: L.Huber()(y, tf.reduce_mean(
+        tf.einsum("btd,dk->btk", x, params[0]) + params[1], axis=1)))
+    reg = fn.registration(x, y)
+    assert reg.loss.kind == "ggn" and reg.loss.output.startswith("Mean")
+    report = kg.verify(fn, x, y, estimation_mode="exact")
+    assert report.passed, report.table()
+
+
+def test_losses_with_no_curvature_or_no_examples_say_why(float64):
+    params = _dense()
+    x = tf.constant(np.random.default_rng(6).normal(size=(B, D)))
+    y = _targets("huber", (B, K))
+    for loss in (L.MeanAbsoluteError(), L.Hinge()):
+        fn = kg.auto_register(lambda x, y: loss(y, x @ params[0] + params[1]))
+        spec = fn.registration(x, y).loss
+        assert spec.kind == "opaque" and "piecewise linear in the model output" in spec.reason
+        with pytest.raises(kg.KfacGraphError, match="the loss is opaque"):
+            kg.FisherEstimator(fn).update(x, y)
+    dice = kg.auto_register(lambda x, y: L.Dice()(y, tf.sigmoid(x @ params[0] + params[1])))
+    with pytest.raises(LossNotFoundError, match="no sum of per-example terms"):
+        dice.registration(x, y)
+    assert kg.auto_register(lambda x, y: L.Dice(axis=1)(
+        y, tf.sigmoid(x @ params[0] + params[1]))).registration(x, y).loss.kind == "ggn"
+    wide = tf.Variable(np.zeros((D, 300)))
+    fn = kg.auto_register(lambda x, y: L.Huber()(y, x @ wide))
+    spec = fn.registration(x, tf.zeros([B, 300], tf.float64)).loss
+    assert spec.kind == "opaque" and "300 classes, beyond the 256" in spec.reason
+
+
+def test_ggn_square_root_and_samples():
+    """``S S^T`` is ``H`` with its negative eigenvalue set to zero; ``S eps``
+    has that covariance."""
+    h = np.array([[2.0, 0.5, 0.0], [0.5, 1.0, 0.3], [0.0, 0.3, -0.5]])
+    values, vectors = np.linalg.eigh(h)
+    want = (vectors * np.maximum(values, 0)) @ vectors.T
+    n = 40000
+    ggn = GGN(tf.constant(np.broadcast_to(h, (n, 3, 3))))
+    np.testing.assert_allclose(ggn.fisher()[0], want, atol=1e-12)
+    v = np.array([1.0, -2.0, 0.5])
+    np.testing.assert_allclose(ggn.multiply_fisher(tf.constant(v[None]))[0], want @ v,
+                               atol=1e-12)
+    samples = ggn.sample_cotangent(tf.constant([1, 2])).numpy()
+    np.testing.assert_allclose(samples.T @ samples / n, want, atol=0.05)
+
+
+@pytest.mark.parametrize("name", ["huber", "focal"])
+def test_kfac_with_defaults_trains_on_a_ggn_loss(name):
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(7)
+    x = tf.constant(rng.normal(size=(32, 6)), tf.float32)
+    y = tf.cast(_targets(name, (32, K)), tf.float32)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(K)])
+    fn = kg.auto_register(lambda x, y: LOSSES[name](y, model(x)))
+    opt = kg.KFAC(fn)
+    losses = [float(opt.step(x, y)) for _ in range(20)]
+    assert all(np.isfinite(losses)) and int(opt.skipped_steps) == 0
+    assert losses[-1] < 0.7 * losses[0]
