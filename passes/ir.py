@@ -48,7 +48,10 @@ ELEMENTWISE = frozenset({
     "Sqrt", "Rsqrt", "Exp", "Log", "Erf", "Sigmoid", "Tanh", "Relu", "Relu6", "Elu", "Selu",
     "Softplus", "LeakyRelu", "Cast", "BiasAdd", "SelectV2", "SquaredDifference", "Identity",
     "StopGradient", "Abs", "Reciprocal", "ClipByValue", "Sin", "Cos", "Sign", "Floor",
-    "Softsign", "Log1p", "Expm1", "Erfc"})
+    "Softsign", "Log1p", "Expm1", "Erfc", "Less", "LessEqual", "Greater", "GreaterEqual",
+    "Equal", "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot", "IsFinite", "IsNan",
+    "ZerosLike", "OnesLike", "Pow", "Xlogy", "Xlog1py", "DivNoNan", "AddN", "Select", "Cosh",
+    "Sinh", "Atan"})
 
 
 @dataclasses.dataclass(frozen=True)

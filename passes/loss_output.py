@@ -33,12 +33,9 @@ from passes import ir
 from passes.loss_constants import evaluate
 
 MAX_CLASSES = 256
-# elementwise ops beyond ``ir.ELEMENTWISE`` a loss head may hold
 _COMPARISONS = frozenset({
     "Less", "LessEqual", "Greater", "GreaterEqual", "Equal", "NotEqual", "LogicalAnd",
     "LogicalOr", "LogicalNot", "IsFinite", "IsNan", "ZerosLike", "OnesLike"})
-_ELEMENTWISE = ir.ELEMENTWISE | _COMPARISONS | {"Pow", "Xlogy", "Xlog1py", "DivNoNan", "AddN",
-                                                "Select", "Cosh", "Sinh", "Atan"}
 # ops with no curvature in their varying inputs (piecewise linear)
 _PIECEWISE_LINEAR = _COMPARISONS | {
     "Add", "AddV2", "AddN", "Sub", "Neg", "Abs", "Maximum", "Minimum", "Relu", "Relu6",
@@ -137,7 +134,7 @@ def _mixing_op(g, z, head) -> str | None:
         flags = [last[n] for n in (ir.split_tensor(t)[0] for t in inputs) if n in last]
         has = any(flags)
         shape = ir.shape_of(g, inputs[0]) if inputs else None
-        if op in _ELEMENTWISE or (op in _LAST_AXIS and has):
+        if op in ir.ELEMENTWISE or (op in _LAST_AXIS and has):
             last[node] = has
         elif op in _REDUCTIONS and has and shape is not None and _last_axis_only(
                 g, inputs[1], len(shape)):

@@ -187,3 +187,32 @@ def test_kfac_with_defaults_trains_on_a_ggn_loss(name):
     losses = [float(opt.step(x, y)) for _ in range(20)]
     assert all(np.isfinite(losses)) and int(opt.skipped_steps) == 0
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_saved_model_with_an_unknown_batch_is_read_and_rewritten(tmp_path):
+    """A SavedModel's loss with a ``None`` batch: the rows follow the Huber
+    loss's comparison and select (``ir.ELEMENTWISE``), so its per-example
+    terms and model output are found without example arguments, and
+    ``kfac-rewrite``'s output trains and gives the in-process per-example
+    gradients."""
+    from tools import kfac_rewrite
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(K)])
+    module = tf.Module()
+    module.model = model
+    module.loss = tf.function(lambda x, y: L.Huber()(y, module.model(x)),
+                              input_signature=[tf.TensorSpec([None, 6]), tf.TensorSpec([None, K])])
+    tf.saved_model.save(module, str(tmp_path / "input"))
+    assert kg.register_saved_model(str(tmp_path / "input"), "loss").loss.kind == "ggn"
+    assert kfac_rewrite.main(["kfac-rewrite", "--input", str(tmp_path / "input"), "--function",
+                              "loss", "--output", str(tmp_path / "out")]) == 0
+    rng = np.random.default_rng(8)
+    x = tf.constant(rng.normal(size=(16, 6)), tf.float32)
+    y = tf.constant(rng.normal(size=(16, K)), tf.float32)
+    rewritten = tf.saved_model.load(str(tmp_path / "out"))
+    fn = kg.auto_register(lambda x, y: L.Huber()(y, model(x)))
+    for got, want in zip(rewritten.per_example_gradients(x, y), kg.per_example_gradients(fn, x, y)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    losses = [float(rewritten.kfac_step(x, y)) for _ in range(5)]
+    assert all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
