@@ -153,3 +153,40 @@ def _mixing_op(g, z, head) -> str | None:
 def _last_axis_only(g, axes, rank) -> bool:
     value = evaluate(g, axes)
     return value is not None and {int(a) % rank for a in np.atleast_1d(value)} == {rank - 1}
+
+
+def joint_outputs(g, heads, params, examples_first) -> tuple[list | None, str]:
+    """``([z_1, ..], "")``: one model output per term of a loss that adds
+    several (``heads``: per term, its terms and its likelihood's output or
+    None; a term with none takes ``ggn_output``'s), distinct, or ``(None,
+    why not)``. Together they must cut every path from the variables to the
+    terms, hold static sizes of one dtype, and at most ``MAX_CLASSES``
+    values per example: the curvature is the Hessian of the examples' summed
+    loss over all of them (``passes.joined_outputs`` joins them into one)."""
+    outputs = []
+    for terms, output in heads:
+        if output is None:
+            output, why = ggn_output(g, terms, params, examples_first)
+            if output is None:
+                return None, why
+        if output not in outputs:
+            outputs.append(output)
+    nodes = {ir.split_tensor(ir.resolve(g, z))[0] for z in outputs}
+    if any(nx.ancestors(g, n) & nodes for n in nodes):
+        return None, f"one of the outputs {', '.join(outputs)} feeds another"
+    ends = {ir.split_tensor(ir.resolve(g, t))[0] for t, _ in heads}
+    cut = g.subgraph(params - nodes)
+    variables = [n for n in cut if g.nodes[n]["op"] == "Variable"]
+    if ir.reachable_from(cut, variables) & ends:
+        return None, f"the outputs {', '.join(outputs)} do not cut the variables from the loss"
+    shapes = [ir.shape_of(g, ir.resolve(g, z)) for z in outputs]
+    if any(not s or None in s[1:] for s in shapes):
+        return None, f"the outputs {', '.join(outputs)} have sizes not known statically"
+    dtypes = {g.nodes[ir.split_tensor(ir.resolve(g, z))[0]]["dtypes"][0] for z in outputs}
+    if len(dtypes) != 1:
+        return None, f"the outputs {', '.join(outputs)} have different dtypes"
+    total = sum(int(np.prod(s[1:])) for s in shapes)
+    if total > MAX_CLASSES:
+        return None, (f"the outputs {', '.join(outputs)} hold {total} values per example, "
+                      f"beyond the {MAX_CLASSES} whose loss Hessian is formed")
+    return outputs, ""

@@ -28,7 +28,9 @@ two (a model with two outputs, each with its loss) or none, the loss is
 other term needs its own examples-first terms, no weights (``outer``:
 whether weights or divisors were read above the sum) and the first's
 reduction (a mean over the examples, or a sum): otherwise a
-``LossNotFoundError`` names the op.
+``LossNotFoundError`` names the op. ``heads`` keeps each term's terms and
+likelihood output, for the Gauss-Newton curvature over all the terms'
+outputs (``passes.loss_output.joint_outputs``).
 """
 from __future__ import annotations
 
@@ -86,5 +88,6 @@ def combine(node, found, outer: bool):
         extras.extend(extra.extras)
         penalties.extend(extra.penalties)
         summed.extend(extra.summed_penalties)
+    heads = tuple((p.terms, p.output if p.kind != "opaque" else None) for _, p, _ in parts)
     return dataclasses.replace(main, extras=tuple(extras), penalties=tuple(penalties),
-                               summed_penalties=tuple(summed))
+                               summed_penalties=tuple(summed), heads=heads)

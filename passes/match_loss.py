@@ -57,7 +57,8 @@ import numpy as np
 from passes import ir, loss_logits, loss_terms, loss_weights
 from passes.errors import LOSS_HOW_TO, LossNotFoundError
 from passes.loss_constants import const_operand, evaluate, from_shapes
-from passes.loss_output import ggn_output
+from passes.joined_outputs import JOINED
+from passes.loss_output import ggn_output, joint_outputs
 
 KINDS = ("categorical", "bernoulli", "normal")  # and "opaque" (module docstring)
 _PASS_THROUGH = loss_logits.PASS_THROUGH
@@ -80,6 +81,9 @@ class LossMatch:
     penalties: tuple[str, ...] = ()  # added terms of the variables alone (passes.loss_terms)
     summed_penalties: tuple[str, ...] = ()  # those in every example's term of a summed loss
     extras: tuple[tuple[str, float], ...] = ()  # (terms, coefficient) added beside l_i
+    # an opaque sum of several terms: (terms, the likelihood's output or None) per term
+    heads: tuple[tuple[str, str | None], ...] = ()
+    joined: tuple[str, ...] = ()  # a "ggn" loss over several outputs: those outputs
 
 
 def match_loss(g: nx.DiGraph, kind: str | None = None, rows=None) -> LossMatch:
@@ -102,17 +106,36 @@ def match_loss(g: nx.DiGraph, kind: str | None = None, rows=None) -> LossMatch:
         return LossMatch(kind, "mean", None, None, reason=str(e).split("; ")[0])
     if kind is not None and kind != found.kind:
         return dataclasses.replace(found, kind=kind)
+    if kind is None and found.heads and rows is not None:
+        return _as_ggn(g, found, rows)  # terms of several outputs
     return found
 
 
 def _as_ggn(g, opaque: LossMatch, rows) -> LossMatch:
-    """An opaque loss with a model output (``passes.loss_output``) is kind
-    ``"ggn"``: its curvature is the Gauss-Newton one through that output."""
+    """An opaque loss with a model output (``passes.loss_output``), or a sum
+    of terms with one output each, is kind ``"ggn"``: its curvature is the
+    Gauss-Newton one through that output (several outputs are joined into
+    one, ``JOINED``, by ``passes.joined_outputs``). A likelihood with other
+    terms beside it stays as it is where the terms have no such outputs."""
+    batch = _batch_size(g)
+    args = (_parameter_nodes(g), lambda node: _examples_first(
+        (g.nodes[node]["shapes"] or [None])[0], rows.get(node), batch))
+    if opaque.heads:
+        outputs, why = joint_outputs(g, opaque.heads, *args)
+        if outputs is None and opaque.kind != "opaque":
+            return opaque  # one likelihood, the other terms in its examples' gradients only
+        if outputs is None:
+            return dataclasses.replace(opaque, reason=f"{opaque.reason}; {why}")
+        opaque = dataclasses.replace(
+            opaque, targets=None, scale=1.0,
+            reason=opaque.reason or f"{len(opaque.heads)} terms, each of its own output")
+        if len(outputs) == 1:
+            return dataclasses.replace(opaque, kind="ggn", output=outputs[0])
+        return dataclasses.replace(opaque, kind="ggn", output=ir.tensor_name(JOINED),
+                                   joined=tuple(outputs))
     if opaque.extras:
         return opaque
-    batch = _batch_size(g)
-    z, why = ggn_output(g, opaque.terms, _parameter_nodes(g), lambda node: _examples_first(
-        (g.nodes[node]["shapes"] or [None])[0], rows.get(node), batch))
+    z, why = ggn_output(g, opaque.terms, *args)
     if z is None:
         return dataclasses.replace(opaque, reason=f"{opaque.reason}; {why}")
     return dataclasses.replace(opaque, kind="ggn", output=z)

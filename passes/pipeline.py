@@ -29,6 +29,7 @@ from passes.example_rows import graph_rows
 from passes.grouped_conv3d import split_grouped_conv3d
 from passes.lora import mark_lora
 from passes.match_layers import LayerMatch, match_layers
+from passes.joined_outputs import join_outputs
 from passes.match_loss import LossMatch, match_loss
 from passes.precision import mark_narrowing
 from passes.batch_flow import static_batch
@@ -79,6 +80,8 @@ def run(traced: frontends.Traced, loss: str | None = None,
         t for t, _ in loss_match.extras)) for op in coupling_ops(g, rows, terms)))
     timings["match_loss"] = time.perf_counter() - start
     graph_def = split_grouped_conv3d(traced.graph_def, g)
+    if loss_match.joined:
+        graph_def = join_outputs(graph_def, g, loss_match.joined)
     if graph_def is not traced.graph_def:
         traced = dataclasses.replace(traced, graph_def=graph_def)
     return PassResult(traced, g, layers, loss_match, timings, coupling)
