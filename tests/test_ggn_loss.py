@@ -27,7 +27,8 @@ L = keras.losses
 @pytest.fixture
 def float64():
     """Keras losses compute in floatx: float64 for the brute-force checks."""
-    keras.config.set_floatx("float64")  # (conftest restores it)
+    keras.config.set_floatx("float64")  # (conftest restores both)
+    keras.config.set_dtype_policy("float64")
 
 
 def _dense(seed=0):

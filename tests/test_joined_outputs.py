@@ -24,7 +24,8 @@ B, D = 6, 4
 
 @pytest.fixture
 def float64():
-    keras.config.set_floatx("float64")  # (conftest restores it)
+    keras.config.set_floatx("float64")  # (conftest restores both)
+    keras.config.set_dtype_policy("float64")
 
 
 def _two_heads(seed=0):

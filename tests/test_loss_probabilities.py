@@ -53,14 +53,19 @@ def test_per_example_gradients_match_a_loop():
             np.testing.assert_allclose(got[i].numpy(), want.numpy(), rtol=1e-5, atol=1e-7)
 
 
-def test_a_probability_that_is_not_a_sigmoid_is_refused():
+def test_a_probability_that_is_not_a_sigmoid_is_no_likelihood():
+    """A cross-entropy on clipped ``x w``, no sigmoid: no Bernoulli the pass
+    reads, so its curvature is its Hessian at ``x w`` (kind "ggn"; zero
+    where the clip holds, as here)."""
     w = tf.Variable(tf.ones([4, 3], tf.float64))
     bce = keras.losses.BinaryCrossentropy(dtype="float32")
     fn = kg.auto_register(lambda x, y: bce(y, tf.clip_by_value(x @ w, 0.0, 1.0)))
     x, y = tf.ones([2, 4], tf.float64), tf.ones([2, 3], tf.float64)
-    assert fn.registration(x, y).loss.kind == "opaque"  # its per-example terms only
-    with pytest.raises(kg.KfacGraphError, match="binary_crossentropy"):
-        kg.FisherEstimator(fn).update(x, y)
+    reg = fn.registration(x, y)
+    assert (reg.loss.kind, reg.loss.output) == ("ggn", "matmul:0")
+    est = kg.FisherEstimator(fn, estimation_mode="exact")
+    est.update(x, y)
+    assert not np.any(est.blocks[0].full_matrix().numpy())
 
 
 def _softmax_problem(sparse):
