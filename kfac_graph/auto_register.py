@@ -135,9 +135,6 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                         "or two tensors of examples combined): a per-example gradient is that "
                         "example's share of the batch gradient, not a batch-of-one gradient",
                         ", ".join(repr(op) for op in result.coupling[:3]))
-    if lm.kind == "ggn":
-        logging.info("kfac_graph: the loss is no likelihood the pass reads (%s); its curvature "
-                     "is its Hessian at the model output %s (Gauss-Newton)", lm.reason, lm.output)
     if lm.kind == "opaque":
         logging.warning("kfac_graph: the loss is read as opaque per-example terms %s (%s): "
                         "per-example gradients work; a Fisher needs a loss the pass reads",

@@ -62,6 +62,8 @@ class LayerTaps:
     per_example_problem: str = ""
     token_weights: tf.Tensor | None = None
     penalties: tuple[tf.Tensor, ...] = ()
+    # what is computed once per forward pass for every caller (the loss's Hessian at z)
+    derived: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, registration: Registration, args: Sequence[Any],

@@ -6,9 +6,10 @@ the curvature at ``z`` is the loss's own Hessian, per example and position,
 
     H_it = d^2 l_i / dz_it^2            ([..., K, K]),
 
-formed by ``K`` backward passes through the loss head (column ``c`` is the
-gradient of ``dl/dz . e_c``, ``e_c`` the unit vector of class ``c`` at every
-position: exact where the head is per position, as the pass checks). The
+formed by ``K`` backward passes through the loss head, vectorised into one
+(``tf.vectorized_map``; row ``c`` is the gradient of ``dl/dz . e_c``,
+``e_c`` the unit vector of class ``c`` at every position: exact where the
+head is per position, as the pass checks). The
 generalised Gauss-Newton matrix ``(1/B) sum_i J_i^T H_i J_i`` is then the
 Fisher of the likelihood kinds (their ``-log p`` has Hessian ``F``), and it
 stands in for one here. ``H`` is projected onto the positive semidefinite
@@ -34,12 +35,13 @@ def output_hessian(per_example_loss, z):
     k = z.shape[-1]
     if grad is None:
         return tf.zeros(tf.concat([tf.shape(z), [k]], 0), _float(z.dtype))
-    rows = []
-    for c in range(k):
-        unit = tf.broadcast_to(tf.one_hot(c, k, dtype=grad.dtype), tf.shape(grad))
-        row = tf.gradients(grad, z, grad_ys=unit)[0]
-        rows.append(tf.zeros_like(z) if row is None else row)
-    h = tf.cast(tf.stack(rows, axis=-2), _float(z.dtype))
+    def row(unit):  # d(grad . e_c)/dz, e_c at every position
+        out = tf.gradients(grad, z, grad_ys=tf.broadcast_to(unit, tf.shape(grad)))[0]
+        return tf.zeros_like(z) if out is None else out
+    # the K backward passes vectorised (pfor): [K, ..., K] -> [..., K, K]
+    rows = tf.vectorized_map(row, tf.eye(k, dtype=grad.dtype))
+    rank = z.shape.rank
+    h = tf.cast(tf.transpose(rows, [*range(1, rank), 0, rank]), _float(z.dtype))
     h = tf.where(tf.math.is_finite(h), h, tf.zeros_like(h))
     return 0.5 * (h + tf.linalg.matrix_transpose(h))
 
@@ -89,4 +91,6 @@ def output_curvature(kind, z, taps):
     if taps.per_example_loss is None:
         raise KfacGraphError(f"a Gauss-Newton curvature needs each example's own loss: "
                              f"{taps.per_example_problem}")
-    return GGN(output_hessian(taps.per_example_loss, taps.model_output))
+    if "ggn" not in taps.derived:  # once per forward pass: the estimator's and the forms'
+        taps.derived["ggn"] = GGN(output_hessian(taps.per_example_loss, taps.model_output))
+    return taps.derived["ggn"]
