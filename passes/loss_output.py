@@ -19,9 +19,10 @@ Refused, with the reason the loss stays ``"opaque"`` (empirical Fisher):
 - a head piecewise linear in ``z`` (an L1 or hinge loss: ``H = 0`` almost
   everywhere, a curvature of damping alone);
 - a head that mixes positions, or examples: ``H`` is formed per position,
-  ``K x K`` over ``z``'s last axis, so the head may hold only elementwise
-  ops (broadcasting against data), softmax, reductions of the last axis and
-  reshapes that keep it;
+  ``K x K`` over ``z``'s last axis (its classes), so the head may hold only
+  elementwise ops (broadcasting against data), transposes that keep the
+  examples first (``tf.nn.log_softmax(axis=1)``), and softmax, reductions
+  and reshapes of the classes' axis alone;
 - ``K`` unknown, or above ``MAX_CLASSES`` (``H`` takes ``K`` backward passes).
 """
 from __future__ import annotations
@@ -123,36 +124,49 @@ def _curved(g, node, params) -> bool:
 
 def _mixing_op(g, z, head) -> str | None:
     """The first head op that is not per position of ``z`` (module docstring).
-    Each varying tensor either keeps ``z``'s class axis last (``True``) or
-    has lost it to a reduction (``False``): only the former may be reduced,
-    along that axis alone, or go through a softmax."""
+    Each varying tensor holds ``z``'s class axis at a place counted from its
+    end (-1: last; a transpose that keeps the examples first moves it), or
+    has lost it to a reduction (None): only a tensor that holds it may be
+    reduced, along that axis alone, or go through a softmax, with it last."""
     classes = ir.shape_of(g, z)[-1]
-    last = {ir.split_tensor(z)[0]: True}
+    where = {ir.split_tensor(z)[0]: -1}
     for node in nx.topological_sort(g.subgraph(head)):
         d = g.nodes[node]
         op, inputs = d["op"], d["inputs"]
-        flags = [last[n] for n in (ir.split_tensor(t)[0] for t in inputs) if n in last]
-        has = any(flags)
+        places = {where[n] for n in (ir.split_tensor(t)[0] for t in inputs) if n in where}
+        held = places - {None}
+        if len(held) > 1:
+            return node
+        place = held.pop() if held else None
         shape = ir.shape_of(g, inputs[0]) if inputs else None
-        if op in ir.ELEMENTWISE or (op in _LAST_AXIS and has):
-            last[node] = has
-        elif op in _REDUCTIONS and has and shape is not None and _last_axis_only(
-                g, inputs[1], len(shape)):
-            last[node] = bool(d["attrs"].get("keep_dims"))
-        elif op == "Reshape" and shape is not None and (not has or (
-                shape[-1] == classes and (ir.shape_of(g, ir.tensor_name(node)) or [None])[-1]
-                == classes)):
-            last[node] = has
-        elif op in ("ExpandDims", "Squeeze") and not has:
-            last[node] = False
+        rank = len(shape) if shape is not None else None
+        if op in ir.ELEMENTWISE or (op in _LAST_AXIS and place == -1):
+            where[node] = place
+        elif op in _REDUCTIONS and place is not None and rank and _only_axis(
+                g, inputs[1], rank, rank + place):
+            where[node] = place if d["attrs"].get("keep_dims") else None
+        elif op == "Transpose" and rank and _keeps_examples_first(g, inputs[1]):
+            perm = [int(p) for p in ir.const_value(g, inputs[1])]
+            where[node] = None if place is None else perm.index(rank + place) - rank
+        elif op == "Reshape" and shape is not None and (place is None or (
+                place == -1 and shape[-1] == classes
+                and (ir.shape_of(g, ir.tensor_name(node)) or [None])[-1] == classes)):
+            where[node] = place
+        elif op in ("ExpandDims", "Squeeze") and place is None:
+            where[node] = None
         else:
             return node
     return None
 
 
-def _last_axis_only(g, axes, rank) -> bool:
+def _only_axis(g, axes, rank, axis) -> bool:
     value = evaluate(g, axes)
-    return value is not None and {int(a) % rank for a in np.atleast_1d(value)} == {rank - 1}
+    return value is not None and {int(a) % rank for a in np.atleast_1d(value)} == {axis}
+
+
+def _keeps_examples_first(g, perm) -> bool:
+    value = ir.const_value(g, perm)
+    return value is not None and int(np.atleast_1d(value)[0]) == 0
 
 
 def joint_outputs(g, heads, params, examples_first) -> tuple[list | None, str]:

@@ -217,3 +217,27 @@ def test_saved_model_with_an_unknown_batch_is_read_and_rewritten(tmp_path):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     losses = [float(rewritten.kfac_step(x, y)) for _ in range(5)]
     assert all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
+
+
+def test_class_axis_moved_by_a_transpose(float64):
+    """A cross-entropy written on ``log_softmax(axis=1)`` of channels-first
+    logits: transposes that keep the examples first move the class axis and
+    the head stays per position, so the output is the dense layer's and the
+    block is the brute-force one (before: opaque, "op 'transpose' mixes")."""
+    params = _dense()
+    rng = np.random.default_rng(9)
+    x = tf.constant(rng.normal(size=(B, T, D)))
+    y = tf.constant(np.transpose(np.eye(K)[rng.integers(0, K, (B, T))], (0, 2, 1)))
+
+    def cross_entropy(y, z):  # z [B, T, K]; y one-hot [B, K, T]
+        logp = tf.nn.log_softmax(tf.transpose(z, (0, 2, 1)), axis=1)
+        return -tf.reduce_mean(tf.reduce_sum(y * logp, axis=1))
+    fn = kg.auto_register(lambda x, y: cross_entropy(
+        y, tf.einsum("btd,dk->btk", x, params[0]) + params[1]))
+    reg = fn.registration(x, y)
+    assert reg.loss.kind == "ggn" and reg.loss.output.startswith("add")
+    est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
+                             position_columns="separate", approximations={"dense": "full"})
+    est.update(x, y)
+    np.testing.assert_allclose(est.blocks[0].full_matrix().numpy(),
+                               _brute_ggn(params, x, y, cross_entropy), rtol=1e-8, atol=1e-12)
