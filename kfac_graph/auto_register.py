@@ -67,7 +67,8 @@ class RegisteredFunction:
         return self._inline(*args)
 
     def concrete_function(self, *args):
-        return self._tf_function.get_concrete_function(*args)
+        with passes.frontends.one_device():
+            return self._tf_function.get_concrete_function(*args)
 
     @tf.autograph.experimental.do_not_convert  # the pass is plain Python, also when traced
     def registration(self, *args) -> Registration:
@@ -182,6 +183,7 @@ def user_variable(variable):
 
 def _concrete(tf_function, args, name):
     try:
-        return tf_function.get_concrete_function(*args)
+        with passes.frontends.one_device():  # Keras's losses: not divided by the replicas
+            return tf_function.get_concrete_function(*args)
     except (TypeError, ValueError) as e:
         raise passes.TraceError(f"could not trace {name}: {passes.frontends.error_line(e)}") from e

@@ -7,6 +7,7 @@ turns a ``Traced`` into the IR of ``passes.ir``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -53,12 +54,36 @@ class Traced:
     resources: dict = dataclasses.field(default_factory=dict)
 
 
+@contextlib.contextmanager
+def one_device():
+    """Functions traced within see no ``tf.distribute`` strategy: the one in
+    scope, or the replica's, is hidden from ``tf.distribute.get_strategy()``
+    (a function graph copies the strategy stack of the graph it is traced
+    from). Keras's losses divide the loss by the number of replicas under a
+    strategy (``scale_loss_for_distribution``), for a sum of the replicas'
+    gradients; a registration is the batch's loss as one device computes
+    it (the distributed step reduces the replicas itself, and per-example
+    gradients are of that loss). Traced so, under 2 replicas, a Keras loss's
+    per-example gradients were half the true ones."""
+    graph = tf.compat.v1.get_default_graph()
+    stack = graph._distribution_strategy_stack  # pylint: disable=protected-access
+    if not stack:
+        yield
+        return
+    graph._distribution_strategy_stack = []  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        graph._distribution_strategy_stack = stack  # pylint: disable=protected-access
+
+
 def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) -> Traced:
     """Traces ``fn(*args, **kwargs)`` with ``tf.function`` (or uses ``fn``'s own
-    if it is one) and returns its graph."""
+    if it is one) as one device (``one_device``) and returns its graph."""
     tf_fn = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
     try:
-        concrete = tf_fn.get_concrete_function(*args, **(kwargs or {}))
+        with one_device():
+            concrete = tf_fn.get_concrete_function(*args, **(kwargs or {}))
     except (TypeError, ValueError) as e:
         raise TraceError(f"could not trace {_name(fn)}: {error_line(e)}") from e
     return from_concrete_function(concrete, name=_name(fn))

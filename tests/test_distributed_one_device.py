@@ -3,7 +3,11 @@ mirrors: they run on one device, also inside ``strategy.scope()`` (where a
 mirrored variable has no handle: before, they stopped there with
 TensorFlow's "DistributedVariable.handle is not available"), and an update
 assigns every copy; ``kg.DPModel``, whose ``fit`` would run per replica,
-refuses such a model in one line. In a fresh process with 2 logical CPUs."""
+refuses such a model in one line. A Keras loss object, which divides
+itself by the replicas when traced under a strategy, is traced as one
+device sees it (``passes.frontends.one_device``): its per-example gradients
+inside the scope, and ``kg.KFAC``'s steps on 2 replicas (a Huber loss, kind
+ggn), equal one device's. In a fresh process with 2 logical CPUs."""
 import json
 import os
 import subprocess
@@ -40,7 +44,26 @@ with strategy.scope():
         refusal = ""
     except ValueError as e:
         refusal = str(e)
+# a Keras loss object divides itself by the replicas when traced under a strategy
+keras_loss = lambda model: kg.auto_register(lambda a, b: keras.losses.SparseCategoricalCrossentropy(
+    from_logits=True)(b, model(a)))
+want_keras = [g.numpy() for g in kg.per_example_gradients(keras_loss(plain), x, y)]
+with strategy.scope():
+    got_keras = [g.numpy() for g in kg.per_example_gradients(keras_loss(mirrored), x, y)]
+t = tf.constant(rng.normal(size=(8, 3)))
+config = dict(estimation_mode="exact", momentum_type="regular", damping=1e-2)
+def kfac_huber(model):
+    opt = kg.KFAC(kg.auto_register(lambda a, b: keras.losses.Huber()(b, model(a))), **config)
+    for _ in range(3):
+        opt.step(x, t)
+    return [v.numpy() for v in model.trainable_variables]
+single = kfac_huber(make())
+with strategy.scope():
+    replicated_model = make()
+replicated = kfac_huber(replicated_model)
 print(json.dumps({
+    "keras_per_example": max(float(np.abs(g - w).max()) for g, w in zip(got_keras, want_keras)),
+    "kfac_keras_loss": max(float(np.abs(a - b).max()) for a, b in zip(single, replicated)),
     "per_example": max(float(np.abs(g - w).max()) for g, w in zip(got, want)),
     "copies": [max(float(np.abs(c.numpy() - p.numpy()).max()) for c in m.value.values)
                for m, p in zip(mirrored.trainable_variables, plain.trainable_variables)],
@@ -55,6 +78,10 @@ def test_mirrored_model_on_one_device():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["per_example"] < 1e-12
+    # a Keras loss traced as one device: before, half the per-example gradients under
+    # 2 replicas, and K-FAC's steps on half the loss
+    assert out["keras_per_example"] < 1e-12
+    assert out["kfac_keras_loss"] < 1e-10
     assert len(out["copies"]) == 4 and max(out["copies"]) < 1e-12
     assert out["refusal"].startswith("kg.DPModel runs on one device")
     assert "\n" not in out["refusal"]
