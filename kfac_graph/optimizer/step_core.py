@@ -173,13 +173,11 @@ def registered_pass(opt, args, variables):
 
 
 def plain_gradients(opt, args, variables):
-    """``(loss, dense gradients)`` of the function's own pass (no statistics),
-    traced inline (``RegisteredFunction.inline``). Under ``tf.distribute``,
-    the registered graph's pass instead: traced inline in a replica, a Keras
-    loss divides itself by the replicas (``frontends.one_device``)."""
+    """``(loss, dense gradients)`` of the function's own pass (no statistics), traced
+    inline (``RegisteredFunction.inline``); under a strategy the registered graph's, as
+    a Keras loss there divides itself by the replicas (``frontends.one_device``)."""
     if tf.distribute.has_strategy():
-        loss, grads, _ = registered_pass(opt, args, variables)
-        return loss, grads
+        return registered_pass(opt, args, variables)[:2]
     with tf.GradientTape() as tape:
         loss = opt.fn.inline(*args)
     grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
