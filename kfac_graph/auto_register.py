@@ -67,8 +67,7 @@ class RegisteredFunction:
         return self._inline(*args)
 
     def concrete_function(self, *args):
-        with passes.frontends.one_device():
-            return self._tf_function.get_concrete_function(*args)
+        return _concrete(self._tf_function, args, self.__name__)
 
     @tf.autograph.experimental.do_not_convert  # the pass is plain Python, also when traced
     def registration(self, *args) -> Registration:

@@ -135,10 +135,11 @@ def _quadratic_forms(reg, mode, checked):
         taps = LayerTaps.build(reg, inner)
         z = taps.model_output
         z0 = tf.stop_gradient(z)
-        dist = output_curvature(reg.loss.kind, z0, taps)
-        batch = tf.cast(tf.shape(z)[0], z.dtype)
         weights, kind = taps.token_weights, reg.loss.kind
-        if mode == "empirical" and kind == "ggn":  # each example's own loss
+        # (a "ggn" loss's empirical Fisher needs no Hessian)
+        dist = None if (mode, kind) == ("empirical", "ggn") else output_curvature(kind, z0, taps)
+        batch = tf.cast(tf.shape(z)[0], z.dtype)
+        if dist is None:  # each example's own loss
             c = tf.gradients(tf.reduce_sum(taps.per_example_loss), z)[0]
         elif mode == "empirical":
             y = taps.targets if taps.targets is not None else tf.zeros_like(z0)

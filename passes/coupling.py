@@ -53,7 +53,7 @@ def coupling_ops(g: nx.DiGraph, rows: dict, terms: str | None) -> tuple[str, ...
     """The coupling ops on the way to ``terms``, in the graph's order (module docstring)."""
     if not terms:
         return ()
-    target = ir.split_tensor(ir.resolve(g, terms))[0]
+    target = ir.node_of(g, terms)
     if target not in g:
         return ()
     before = nx.ancestors(g, target) | {target}

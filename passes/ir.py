@@ -179,6 +179,12 @@ def shape_of(g: nx.DiGraph, tensor: str):
     return shapes[index] if index < len(shapes) else None
 
 
+def dtype_of(g: nx.DiGraph, tensor: str) -> str:
+    """The dtype name of a tensor (``resolve``'s)."""
+    node, index = split_tensor(resolve(g, tensor))
+    return g.nodes[node]["dtypes"][index]
+
+
 def read_shape(g: nx.DiGraph, node: str, tensor: str):
     """The static shape in which ``node`` reads ``tensor`` (one of its inputs
     now): the shape of the original input a pass rewired to ``tensor`` (a
@@ -254,6 +260,11 @@ def _rebuild_in_edges(g: nx.DiGraph, node: str) -> None:
     for src in list(g.predecessors(node)):
         g.remove_edge(src, node)
     _add_input_edges(g, node)
+
+
+def node_of(g: nx.DiGraph, tensor: str) -> str:
+    """The node that produces ``tensor`` now (``resolve``'s)."""
+    return split_tensor(resolve(g, tensor))[0]
 
 
 def resolve(g: nx.DiGraph, tensor: str) -> str:

@@ -33,7 +33,7 @@ def join_outputs(graph_def, g, outputs):
     """``graph_def`` with ``outputs`` joined (module docstring); adds the
     ``JOINED`` node to the IR ``g``."""
     shapes = [ir.shape_of(g, ir.resolve(g, z)) for z in outputs]
-    dtype_name = g.nodes[ir.split_tensor(ir.resolve(g, outputs[0]))[0]]["dtypes"][0]
+    dtype_name = ir.dtype_of(g, outputs[0])
     dtype = tf.as_dtype(dtype_name).as_datatype_enum
     sizes = [int(np.prod(s[1:])) for s in shapes]
     new, rewired = [], {}
@@ -57,21 +57,14 @@ def join_outputs(graph_def, g, outputs):
         new += [node(f"{JOINED}/shape_{k}", "Shape", [z], T=dtype, out_type=INT32),
                 node(out, "Reshape", [f"{parts}:{k}", f"{JOINED}/shape_{k}"], T=dtype,
                      Tshape=INT32)]
-        rewired[_canonical(z)] = out
+        rewired[ir.tensor_name(*ir.split_tensor(z))] = out
     result = type(graph_def)()
-    result.versions.CopyFrom(graph_def.versions)
-    result.library.CopyFrom(graph_def.library)
-    for original in graph_def.node:
-        copy = result.node.add()
-        copy.CopyFrom(original)
-        for i, name in enumerate(copy.input):
-            if not name.startswith("^") and _canonical(name) in rewired:
-                copy.input[i] = rewired[_canonical(name)]
+    result.CopyFrom(graph_def)
+    for reader in result.node:
+        for i, name in enumerate(reader.input):
+            if not name.startswith("^"):
+                reader.input[i] = rewired.get(ir.tensor_name(*ir.split_tensor(name)), name)
     result.node.extend(new)
     g.add_node(JOINED, op="ConcatV2", attrs={}, inputs=[], raw_inputs=[],
                dtypes=[dtype_name], shapes=[(shapes[0][0], sum(sizes))])
     return result
-
-
-def _canonical(name: str) -> str:
-    return name if ":" in name else f"{name}:0"

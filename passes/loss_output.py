@@ -57,7 +57,7 @@ def ggn_output(g: nx.DiGraph, terms: str, params: set,
     whether the node's output holds the examples on its first axis. Where the earliest candidate
     fails a check, a later one (a dominator nearer the loss) may pass: its
     Gauss-Newton matrix linearises more of the head."""
-    end = ir.split_tensor(ir.resolve(g, terms))[0]
+    end = ir.node_of(g, terms)
     reasons = []
     for z in _dominating_outputs(g, end, params, examples_first):
         why = _refusal(g, z, _head(g, z, end, params), params)
@@ -185,10 +185,10 @@ def joint_outputs(g, heads, params, examples_first) -> tuple[list | None, str]:
                 return None, why
         if output not in outputs:
             outputs.append(output)
-    nodes = {ir.split_tensor(ir.resolve(g, z))[0] for z in outputs}
+    nodes = {ir.node_of(g, z) for z in outputs}
     if any(nx.ancestors(g, n) & nodes for n in nodes):
         return None, f"one of the outputs {', '.join(outputs)} feeds another"
-    ends = {ir.split_tensor(ir.resolve(g, t))[0] for t, _ in heads}
+    ends = {ir.node_of(g, t) for t, _ in heads}
     cut = g.subgraph(params - nodes)
     variables = [n for n in cut if g.nodes[n]["op"] == "Variable"]
     if ir.reachable_from(cut, variables) & ends:
@@ -196,7 +196,7 @@ def joint_outputs(g, heads, params, examples_first) -> tuple[list | None, str]:
     shapes = [ir.shape_of(g, ir.resolve(g, z)) for z in outputs]
     if any(not s or None in s[1:] for s in shapes):
         return None, f"the outputs {', '.join(outputs)} have sizes not known statically"
-    dtypes = {g.nodes[ir.split_tensor(ir.resolve(g, z))[0]]["dtypes"][0] for z in outputs}
+    dtypes = {ir.dtype_of(g, z) for z in outputs}
     if len(dtypes) != 1:
         return None, f"the outputs {', '.join(outputs)} have different dtypes"
     total = sum(int(np.prod(s[1:])) for s in shapes)

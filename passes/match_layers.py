@@ -134,7 +134,7 @@ def _find(g, patterns, on_path, batched, undirected) -> list:
             if roles[pattern.output] not in on_path:
                 continue
             inputs = _inputs(g, pattern, roles) or (ir.tensor_name(roles[pattern.output]),)
-            source = ir.split_tensor(ir.resolve(g, inputs[0]))[0]  # (a tiled weight: itself)
+            source = ir.node_of(g, inputs[0])  # (a tiled weight: itself)
             if source not in batched and pattern.kind != "embedding":
                 continue  # a product of weights or constants, the same for every example
                 # (ids held in a variable are ids: CLIP's)

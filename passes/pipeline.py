@@ -102,7 +102,7 @@ def _batch_first_output(g, rows, loss_match, name):
     """The loss's model output must hold the examples on its first axis (the
     per-token Fisher, the per-example loss terms and their normalisation
     read them there): a time-major ``[T, B, C]`` output is refused, one line."""
-    node = ir.split_tensor(ir.resolve(g, loss_match.output))[0] if loss_match.output else None
+    node = ir.node_of(g, loss_match.output) if loss_match.output else None
     axis = rows[node].axis if node in rows else None
     if axis:
         raise KfacGraphError(

@@ -38,7 +38,7 @@ def narrowing_ops(g: nx.DiGraph) -> tuple[tuple[str, str, str], ...]:
     (see the module docstring)."""
     sources = [ir.split_tensor(a)[0] for a in g.graph["arguments"]]
     sources += [n for n, d in g.nodes(data=True) if d["op"] == "Variable"]
-    output = ir.split_tensor(ir.resolve(g, g.graph["output"]))[0]
+    output = ir.node_of(g, g.graph["output"])
     if output not in g:
         return ()
     on_path = ir.reachable_from(g, sources) & (nx.ancestors(g, output) | {output})

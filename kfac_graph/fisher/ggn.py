@@ -35,6 +35,7 @@ def output_hessian(per_example_loss, z):
     k = z.shape[-1]
     if grad is None:
         return tf.zeros(tf.concat([tf.shape(z), [k]], 0), _float(z.dtype))
+
     def row(unit):  # d(grad . e_c)/dz, e_c at every position
         out = tf.gradients(grad, z, grad_ys=tf.broadcast_to(unit, tf.shape(grad)))[0]
         return tf.zeros_like(z) if out is None else out
