@@ -1,9 +1,11 @@
 """Gradients for gradient ops TensorFlow cannot differentiate again.
 
 The quadratic model's Jacobian-vector products (``optimizer/exact_fisher.py``)
-differentiate a backward pass a second time. Two ops a backward pass writes
+differentiate a backward pass a second time. Some ops a backward pass writes
 have no gradient of their own in TensorFlow ("No gradient defined for
-operation ..."); ``differentiable()`` gives the ones made inside it one:
+operation ...", or, worse, one registered as not differentiable, whose
+products are then silently zero); ``differentiable()`` gives the ones made
+inside it one:
 
 - ``XlaDynamicUpdateSlice``: inside an XLA context (``jit_compile=True``, or
   ``"auto"`` on an accelerator) the gradient of ``Slice`` (GPT-2 slices its
@@ -14,12 +16,17 @@ operation ..."); ``differentiable()`` gives the ones made inside it one:
 
   and none for ``i`` (an integer). Outside XLA the slice gradient is a
   ``Pad``, which TensorFlow differentiates itself.
-- ``ResizeNearestNeighborGrad``: the gradient of a nearest-neighbour resize
-  (``keras.layers.Resizing(interpolation="nearest")``, MobileNetV5's
-  multi-scale fusion) sums each output pixel's cotangent into the input
-  pixel it copies, a linear map ``R^T``; its own gradient is ``R``, the
-  resize itself, to the cotangent's size with the same corner conventions.
-  (TensorFlow registers the bilinear one's.)
+- The gradients of the image resizes, ``Resize{NearestNeighbor,Bilinear,
+  Bicubic}Grad`` and ``ScaleAndTranslateGrad`` (``keras.layers.Resizing``
+  and ``UpSampling2D`` with any interpolation, ``tf.image.resize``'s lanczos
+  and gaussian kernels; MobileNetV5's multi-scale fusion, a U-Net's or
+  DeepLab's bilinear upsampling): each sums each output pixel's cotangent
+  into the input pixels it was read from, with that pixel's weights, a
+  linear map ``R^T``; its own gradient is ``R``, the resize itself, to the
+  cotangent's size with the same corner conventions (and scale,
+  translation and kernel). TensorFlow registers ``ResizeBilinearGrad`` as
+  not differentiable, so a Jacobian-vector product through it was silently
+  zero; the others raise "No gradient defined".
 - ``SparseSegment{Sum,Mean,SqrtN}Grad`` and their ``V2``: the gradient of a
   sparse segment reduction (``tf.nn.embedding_lookup_sparse``'s combiner)
   scatters each segment's cotangent, scaled by ``c_s`` (1, ``1/n_s``,
@@ -29,13 +36,19 @@ operation ..."); ``differentiable()`` gives the ones made inside it one:
   only the rows named, in sorted unique order: ``indices`` are first
   mapped to their places there).
 """
+import collections
 import contextlib
 
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+from tensorflow.python.framework import ops as tf_ops
+
+from passes.errors import KfacGraphError
 
 SLICE = "KfacGraphXlaDynamicUpdateSlice"
-RESIZE = "KfacGraphResizeNearestNeighborGrad"
+RESIZES = {f"Resize{kind}Grad": f"KfacGraphResize{kind}Grad"
+           for kind in ("NearestNeighbor", "Bilinear", "Bicubic")}
+RESIZES["ScaleAndTranslateGrad"] = "KfacGraphScaleAndTranslateGrad"
 
 
 _SEGMENT_REDUCTIONS = {"Sum": tf.sparse.segment_sum, "Mean": tf.sparse.segment_mean,
@@ -49,9 +62,74 @@ def differentiable():
     """Ops of the module docstring's types made in this block, in the
     default graph, get the gradients it states."""
     graph = tf.compat.v1.get_default_graph()
-    with graph.gradient_override_map({"XlaDynamicUpdateSlice": SLICE,
-                                      "ResizeNearestNeighborGrad": RESIZE, **SEGMENTS}):
+    with graph.gradient_override_map({"XlaDynamicUpdateSlice": SLICE, **RESIZES,
+                                      **SEGMENTS}):
         yield
+
+
+# registered as not differentiable, but their outputs do not depend on their
+# inputs' values (or stop the gradient on purpose)
+_VALUE_FREE = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike",
+                         "StopGradient", "BroadcastGradientArgs", "ConcatOffset"})
+
+
+def jacobian_products(z, w, variables, vectors):
+    """``[J u for u in vectors]`` (each ``u`` a list aligned with
+    ``variables``; ``J = dz/dtheta``): ``r(w) = J^T w`` by one backward
+    pass from ``z`` with cotangent ``w`` (zeros, a placeholder of ``z``'s
+    shape), then ``J u = d(r . u)/dw``, a second backward pass through the
+    first. An embedding's ``J^T w`` (IndexedSlices, which ``tf.gradients``
+    cannot take as ``ys``) is made dense. Raises ``KfacGraphError`` where
+    the first pass wrote an op TensorFlow registers as not differentiable
+    whose output depends on ``w`` (its products would be silently zero)."""
+    with differentiable():
+        r = tf.gradients(z, list(variables), grad_ys=w)
+    pairs = [(k, tf.convert_to_tensor(g)) for k, g in enumerate(r) if g is not None]
+    _check_differentiable(w, [g for _, g in pairs])
+    out = []
+    for u in vectors:
+        jv = None
+        if pairs:
+            jv = tf.gradients([g for _, g in pairs], w,
+                              grad_ys=[tf.cast(u[k], g.dtype) for k, g in pairs])[0]
+        out.append(tf.zeros_like(z) if jv is None else jv)
+    return out
+
+
+def _check_differentiable(source, results):
+    """Raises on an op between ``source`` and ``results`` with a float output
+    that TensorFlow's gradient registry marks as not differentiable."""
+    after, queue = set(), collections.deque([source.op])
+    while queue:
+        op = queue.popleft()
+        for out in op.outputs:
+            for consumer in out.consumers():
+                if consumer not in after:
+                    after.add(consumer)
+                    queue.append(consumer)
+    before, queue = set(), collections.deque(t.op for t in results)
+    while queue:
+        op = queue.popleft()
+        if op in before or op not in after:
+            continue
+        before.add(op)
+        queue.extend(t.op for t in op.inputs)
+        try:
+            kind = op.get_attr("_gradient_op_type").decode()
+        except ValueError:
+            kind = op.type
+        if kind in _VALUE_FREE or not any(t.dtype.is_floating for t in op.outputs):
+            continue
+        try:
+            if tf_ops._gradient_registry.lookup(kind) is not None:
+                continue
+        except LookupError:  # none registered: tf.gradients says so itself
+            continue
+        raise KfacGraphError(
+            f"op {op.name!r} ({op.type}) of the backward pass has no gradient in TensorFlow "
+            "(registered as not differentiable): the Jacobian-vector products of the "
+            "quadratic model and of the exact Fisher's checks through it would be zero; "
+            "use momentum_type='regular' or 'adam'")
 
 
 @tf.RegisterGradient(SLICE)
@@ -62,13 +140,28 @@ def _dynamic_update_slice_gradient(op, dy):
     return rest, window, None
 
 
-@tf.RegisterGradient(RESIZE)
-def _resize_nearest_grad_gradient(op, dy):
-    grads = op.inputs[0]
-    resized = tf.raw_ops.ResizeNearestNeighbor(
-        images=dy, size=tf.shape(grads)[1:3], align_corners=op.get_attr("align_corners"),
-        half_pixel_centers=op.get_attr("half_pixel_centers"))
-    return tf.cast(resized, grads.dtype), None
+def _resize_grad_gradient(resize):
+    def gradient(op, dy):
+        grads = op.inputs[0]
+        resized = resize(images=dy, size=tf.shape(grads)[1:3],
+                         align_corners=op.get_attr("align_corners"),
+                         half_pixel_centers=op.get_attr("half_pixel_centers"))
+        return tf.cast(resized, grads.dtype), None
+    return gradient
+
+
+for _kind in ("NearestNeighbor", "Bilinear", "Bicubic"):
+    tf.RegisterGradient(RESIZES[f"Resize{_kind}Grad"])(
+        _resize_grad_gradient(getattr(tf.raw_ops, f"Resize{_kind}")))
+
+
+@tf.RegisterGradient(RESIZES["ScaleAndTranslateGrad"])
+def _scale_and_translate_grad_gradient(op, dy):
+    grads, _, scale, translation = op.inputs
+    resized = tf.raw_ops.ScaleAndTranslate(
+        images=dy, size=tf.shape(grads)[1:3], scale=scale, translation=translation,
+        kernel_type=op.get_attr("kernel_type"), antialias=op.get_attr("antialias"))
+    return tf.cast(resized, grads.dtype), None, None, None
 
 
 def _segment_grad_gradient(reduce, v2):

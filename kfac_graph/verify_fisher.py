@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from kfac_graph import token_weights
+from kfac_graph import double_backward, token_weights
 from kfac_graph.fisher.block_choice import ALIASES, PER_EXAMPLE
 from kfac_graph.fisher.blocks_base import FisherBlock
 from kfac_graph.fisher.ggn import output_curvature
@@ -149,7 +149,10 @@ def _quadratic_forms(reg, mode, checked):
         rows = []
         for k, layer_directions in zip(checked, directions):
             forms = []
-            for jv in _jacobian_vector_products(z, w, reg.layers[k].variables, layer_directions):
+            for jv in double_backward.jacobian_products(
+                    z, w, reg.layers[k].variables,
+                    [[u[d] for u in layer_directions]
+                     for d in range(int(layer_directions[0].shape[0]))]):
                 if mode == "exact":
                     fjv = dist.multiply_fisher(jv)
                     if weights is not None:
@@ -162,22 +165,3 @@ def _quadratic_forms(reg, mode, checked):
         return tf.stack(rows)
 
     return run
-
-
-def _jacobian_vector_products(z, w, variables, directions):
-    """``[J u_d]`` over the rows ``d`` of ``directions`` (one ``[D, *shape]``
-    per variable): ``r(w) = J^T w`` by one backward pass from ``z`` with
-    cotangent ``w`` (zeros), then ``J u = d(r . u)/dw``, as
-    ``optimizer.exact_fisher`` takes them, differentiating only this layer's
-    ``r``. An embedding's ``J^T w`` (IndexedSlices, which a second
-    ``tf.gradients`` cannot take as ``ys``) is made dense."""
-    r = tf.gradients(z, list(variables), grad_ys=w)
-    pairs = [(k, tf.convert_to_tensor(g)) for k, g in enumerate(r) if g is not None]
-    out = []
-    for d in range(int(directions[0].shape[0])):
-        jv = None
-        if pairs:
-            jv = tf.gradients([g for _, g in pairs], w,
-                              grad_ys=[tf.cast(directions[k][d], g.dtype) for k, g in pairs])[0]
-        out.append(tf.zeros_like(z) if jv is None else jv)
-    return out

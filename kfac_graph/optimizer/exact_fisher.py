@@ -55,21 +55,6 @@ def _forward(registration, args, taps):
     return LayerTaps.build(registration, inner)
 
 
-def _jacobian_products(variables, z, vectors, w):
-    """``[J u for u in vectors]`` by differentiating ``r(w) = J^T w`` at ``w``
-    (``double_backward``: under XLA, through nearest-neighbour resizes)."""
-    with double_backward.differentiable():
-        r = tf.gradients(z, variables, grad_ys=w)
-    # dense: an embedding's IndexedSlices cannot be differentiated again
-    pairs = [(k, tf.convert_to_tensor(g)) for k, g in enumerate(r) if g is not None]
-    out = []
-    for u in vectors:
-        jv = tf.gradients([g for _, g in pairs], w,
-                          grad_ys=[tf.cast(u[k], g.dtype) for k, g in pairs])[0]
-        out.append(tf.zeros_like(z) if jv is None else jv)
-    return out
-
-
 def _model_output(taps):
     z = taps.model_output
     if z is None:
@@ -82,7 +67,8 @@ def jacobian_vector_products(registration, args, vectors, taps=None):
     ``taps``: a forward pass of ``args`` already in this graph (``LayerTaps``)
     to differentiate, instead of importing the graph again."""
     z = _model_output(_forward(registration, args, taps))
-    return _jacobian_products(list(registration.variables), z, vectors, tf.zeros_like(z)), z
+    return double_backward.jacobian_products(z, tf.zeros_like(z), registration.variables,
+                                               vectors), z
 
 
 def _part(variables, taps, z, jvs, vectors):
@@ -110,7 +96,7 @@ def quadratic_forms(registration, args, vectors, taps=None, with_part=False):
     taps = _forward(registration, args, taps)
     variables = list(registration.variables)
     z = _model_output(taps)
-    jvs = _jacobian_products(variables, z, vectors, tf.zeros_like(z))
+    jvs = double_backward.jacobian_products(z, tf.zeros_like(z), variables, vectors)
     part = _part(variables, taps, z, jvs, vectors) if with_part else None
     jvs, z32 = [at_least_float32(jv) for jv in jvs], at_least_float32(z)
     kind = registration.loss.kind
