@@ -50,24 +50,26 @@ _SOURCE = "\x00variables"
 
 
 def ggn_output(g: nx.DiGraph, terms: str, params: set,
-               examples_first) -> tuple[str | None, str]:
+               examples_first, curved=True) -> tuple[str | None, str]:
     """``(z, "")``: the model output of the loss whose per-example terms are
     ``terms`` (module docstring), or ``(None, why not)``. ``params``: the
     nodes that depend on a trainable variable; ``examples_first(node)``:
     whether the node's output holds the examples on its first axis. Where the earliest candidate
     fails a check, a later one (a dominator nearer the loss) may pass: its
-    Gauss-Newton matrix linearises more of the head."""
+    Gauss-Newton matrix linearises more of the head. ``curved=False``: a
+    head piecewise linear in ``z`` passes too (a term added to a curved one,
+    ``joint_outputs``)."""
     end = ir.node_of(g, terms)
     reasons = []
     for z in _dominating_outputs(g, end, params, examples_first):
-        why = _refusal(g, z, _head(g, z, end, params), params)
+        why = _refusal(g, z, _head(g, z, end, params), params, curved)
         if not why:
             return z, ""
         reasons.append(why)
     return None, reasons[0] if reasons else "no single model output feeds the loss"
 
 
-def _refusal(g, z, head, params) -> str:
+def _refusal(g, z, head, params, curved=True) -> str:
     shape = ir.shape_of(g, z)
     if not shape or shape[-1] is None:
         return f"the model output {z}'s class axis has no static size"
@@ -77,9 +79,13 @@ def _refusal(g, z, head, params) -> str:
     mixing = _mixing_op(g, z, head)
     if mixing:
         return f"op {mixing!r} mixes the positions or examples of the model output {z}"
-    if not any(_curved(g, node, params) for node in head):
-        return f"the loss is piecewise linear in the model output {z} (no curvature)"
+    if curved and not any(_curved(g, node, params) for node in head):
+        return _piecewise_linear(z)
     return ""
+
+
+def _piecewise_linear(z) -> str:
+    return f"the loss is piecewise linear in the model output {z} (no curvature)"
 
 
 def _dominating_outputs(g, end, params, examples_first):
@@ -176,15 +182,24 @@ def joint_outputs(g, heads, params, examples_first) -> tuple[list | None, str]:
     why not)``. Together they must cut every path from the variables to the
     terms, hold static sizes of one dtype, and at most ``MAX_CLASSES``
     values per example: the curvature is the Hessian of the examples' summed
-    loss over all of them (``passes.joined_outputs`` joins them into one)."""
-    outputs = []
+    loss over all of them (``passes.joined_outputs`` joins them into one).
+    A term piecewise linear in its output is taken (its Hessian is zero) if
+    some other term is curved (``tf.nn.weighted_cross_entropy_with_logits``
+    adds ``(1 - y) z`` to a curved term of the same ``z``)."""
+    outputs, curved = [], False
     for terms, output in heads:
+        curved = curved or output is not None  # a likelihood's
         if output is None:
-            output, why = ggn_output(g, terms, params, examples_first)
+            output, why = ggn_output(g, terms, params, examples_first, curved=False)
             if output is None:
                 return None, why
+            end = ir.node_of(g, terms)
+            curved = curved or any(_curved(g, node, params)
+                                   for node in _head(g, output, end, params))
         if output not in outputs:
             outputs.append(output)
+    if not curved:
+        return None, _piecewise_linear(", ".join(outputs))
     nodes = {ir.node_of(g, z) for z in outputs}
     if any(nx.ancestors(g, n) & nodes for n in nodes):
         return None, f"one of the outputs {', '.join(outputs)} feeds another"

@@ -1,7 +1,10 @@
 """Losses that are no likelihood (kind "ggn"): the curvature is the loss's
 Hessian at the model output, the generalised Gauss-Newton matrix.
 
-A Huber, log-cosh, Poisson, focal, KL or cosine loss has a model output the
+A Huber, log-cosh, Poisson, focal, KL or cosine loss, or a cross-entropy
+with a positive weight (``tf.nn.weighted_cross_entropy_with_logits``, a
+linear term of the output beside a curved one: before, the linear term
+made the whole loss read as piecewise linear), has a model output the
 pass finds (``passes/loss_output.py``: the first tensor of examples every
 path from the variables to the loss goes through); the Fisher blocks take
 ``F = (1/B) sum_i J_i^T H_i J_i`` with ``H_i`` the Hessian of example i's
@@ -42,6 +45,8 @@ def _targets(name, shape, seed=1):
     if name in ("focal", "kld"):
         y = np.eye(K)[rng.integers(0, K, shape[:-1])]
         return tf.constant(y * 0.8 + 0.2 / K if name == "kld" else y)
+    if name == "weighted_ce":
+        return tf.constant(rng.integers(0, 2, size=shape).astype("float64"))
     if name == "poisson":
         return tf.constant(rng.poisson(2.0, size=shape).astype("float64"))
     return tf.constant(rng.normal(size=shape))
@@ -55,6 +60,9 @@ LOSSES = {
     "focal": lambda y, z: L.CategoricalFocalCrossentropy(from_logits=True)(y, z),
     "kld": lambda y, z: L.KLDivergence()(y, tf.nn.softmax(z)),
     "cosine": lambda y, z: L.CosineSimilarity()(y, z),
+    # (1 - y) z plus a curved term of z: the linear term joins the curved one
+    "weighted_ce": lambda y, z: tf.reduce_mean(
+        tf.nn.weighted_cross_entropy_with_logits(y, z, pos_weight=3.0)),
 }
 
 
