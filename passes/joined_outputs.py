@@ -11,15 +11,26 @@ keeps one output ``z`` ``[B, N]``, the graph that is run gets
 
 and every op that read ``z_k`` reads ``z_k'`` instead: the same values, and
 every path from the variables to the loss now passes through ``joined``
-(``n_k`` the values of ``z_k`` per example). The IR
+(``n_k`` the values of ``z_k`` per example). An output that feeds another
+(a VAE's encoder output: its KL term reads it, and so does the decoder,
+whose output the reconstruction term reads) has only its loss head (the
+ops from it to the loss's terms that pass no other output) rewired to read
+``z_k'``; the ops of that head that also lead to another output (the
+VAE's slices of ``mu`` and ``log var``) are copied, reading ``z_k``, for
+the ops on the way there. Then ``joined`` depends on ``z_k`` itself, with
+no cycle, and its Jacobian holds each output's own,
+the inner one's dependence included: ``J^T blockdiag(H_k) J`` is the sum
+of each term's Gauss-Newton matrix. The IR
 gets a node ``JOINED`` with the joined shape and dtype (and no edges), for
 the passes that read the output's shape.
 
-Contract: ``join_outputs(graph_def, g, outputs) -> graph_def`` (a new proto;
-the input is left as it is).
+Contract: ``join_outputs(graph_def, g, outputs, terms) -> graph_def`` (a
+new proto; the input is left as it is); ``terms``: the loss's terms, one
+tensor per term.
 """
 from __future__ import annotations
 
+import networkx as nx
 import numpy as np
 import tensorflow as tf
 
@@ -29,7 +40,7 @@ from passes.node_defs import INT32, const_int, node
 JOINED = "kfac_joined_outputs"
 
 
-def join_outputs(graph_def, g, outputs):
+def join_outputs(graph_def, g, outputs, terms):
     """``graph_def`` with ``outputs`` joined (module docstring); adds the
     ``JOINED`` node to the IR ``g``."""
     shapes = [ir.shape_of(g, ir.resolve(g, z)) for z in outputs]
@@ -57,14 +68,54 @@ def join_outputs(graph_def, g, outputs):
         new += [node(f"{JOINED}/shape_{k}", "Shape", [z], T=dtype, out_type=INT32),
                 node(out, "Reshape", [f"{parts}:{k}", f"{JOINED}/shape_{k}"], T=dtype,
                      Tshape=INT32)]
-        rewired[ir.tensor_name(*ir.split_tensor(z))] = out
     result = type(graph_def)()
     result.CopyFrom(graph_def)
-    for reader in result.node:
-        for i, name in enumerate(reader.input):
-            if not name.startswith("^"):
-                reader.input[i] = rewired.get(ir.tensor_name(*ir.split_tensor(name)), name)
+    nodes = [ir.node_of(g, z) for z in outputs]
+    for k, z in enumerate(outputs):
+        out = f"{JOINED}/out_{k}"
+        if any(nodes[k] in nx.ancestors(g, other) for other in nodes):
+            new += _split_head(result, g, z, out, nodes, terms, f"{JOINED}/shared_{k}")
+        else:
+            rewired[ir.tensor_name(*ir.split_tensor(z))] = out
+    _rewire(result.node, rewired)
     result.node.extend(new)
     g.add_node(JOINED, op="ConcatV2", attrs={}, inputs=[], raw_inputs=[],
                dtypes=[dtype_name], shapes=[(shapes[0][0], sum(sizes))])
     return result
+
+
+def _rewire(nodes, rewired):
+    """Every input of ``nodes`` named in ``rewired`` reads its value there."""
+    for reader in nodes:
+        for i, name in enumerate(reader.input):
+            if not name.startswith("^"):
+                reader.input[i] = rewired.get(ir.tensor_name(*ir.split_tensor(name)), name)
+
+
+def _split_head(graph_def, g, z, out, outputs, terms, prefix):
+    """Rewires the ops from ``z`` to ``terms`` that pass no other output (the
+    loss head) to read ``out`` for ``z``; those of them that also lead to
+    another output are copied, under ``prefix``, reading ``z`` itself, for
+    the ops on the way to that output. Returns the copies."""
+    start = ir.node_of(g, z)
+    others = set(outputs) - {start}
+    rest = g.subgraph(set(g) - others)
+    ends = {ir.node_of(g, t) for t in terms} & set(rest)
+    head = (nx.descendants(rest, start) & set().union(
+        *(nx.ancestors(rest, e) | {e} for e in ends)))
+    upstream = set().union(*(nx.ancestors(g, o) for o in others))
+    shared = head & upstream
+    by_name = {n.name: n for n in graph_def.node}
+    to_copies, copies = {}, []
+    for name in shared:
+        copy = type(by_name[name])()
+        copy.CopyFrom(by_name[name])
+        copy.name = f"{prefix}/{name}"
+        copies.append(copy)
+        for index in range(len(g.nodes[name]["dtypes"]) or 1):
+            to_copies[ir.tensor_name(name, index)] = ir.tensor_name(copy.name, index)
+    _rewire(copies, to_copies)
+    _rewire([n for n in graph_def.node if n.name in upstream - head], to_copies)
+    _rewire([n for n in graph_def.node if n.name in head],
+            {ir.tensor_name(*ir.split_tensor(z)): out})
+    return copies

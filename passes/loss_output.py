@@ -21,8 +21,8 @@ Refused, with the reason the loss stays ``"opaque"`` (empirical Fisher):
 - a head that mixes positions, or examples: ``H`` is formed per position,
   ``K x K`` over ``z``'s last axis (its classes), so the head may hold only
   elementwise ops (broadcasting against data), transposes that keep the
-  examples first (``tf.nn.log_softmax(axis=1)``), and softmax, reductions
-  and reshapes of the classes' axis alone;
+  examples first (``tf.nn.log_softmax(axis=1)``), and softmax, reductions,
+  reshapes, slices and splits of the classes' axis alone;
 - ``K`` unknown, or above ``MAX_CLASSES`` (``H`` takes ``K`` backward passes).
 """
 from __future__ import annotations
@@ -46,6 +46,7 @@ _PIECEWISE_LINEAR = _COMPARISONS | {
 _BILINEAR = frozenset({"Mul", "RealDiv", "DivNoNan"})
 _LAST_AXIS = frozenset({"Softmax", "LogSoftmax"})
 _REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod"})
+_SLICES = frozenset({"StridedSlice", "Slice", "Split", "SplitV", "Unpack"})
 _SOURCE = "\x00variables"
 
 
@@ -160,9 +161,37 @@ def _mixing_op(g, z, head) -> str | None:
             where[node] = place
         elif op in ("ExpandDims", "Squeeze") and place is None:
             where[node] = None
+        elif op in _SLICES and rank and place is not None and _slices_only(
+                g, d, rank, rank + place):
+            where[node] = None if op == "Unpack" or _shrinks(g, d, rank + place) else place
         else:
             return node
     return None
+
+
+def _slices_only(g, d, rank, axis) -> bool:
+    """Whether a slice, split or unstack (``_SLICES``) cuts ``axis`` alone
+    and keeps every other axis whole, in place (a VAE's ``h[:, :k]``)."""
+    op, inputs = d["op"], d["inputs"]
+    if op in ("Split", "SplitV"):
+        return _only_axis(g, inputs[0] if op == "Split" else inputs[2], rank, axis)
+    if op == "Unpack":
+        return int(d["attrs"].get("axis", 0)) % rank == axis
+    if op == "Slice":
+        begin, size = (ir.const_value(g, t) for t in inputs[1:3])
+        shape = ir.shape_of(g, inputs[0])
+        return begin is not None and size is not None and all(
+            k == axis or (int(begin[k]) == 0 and (int(size[k]) == -1 or int(size[k]) == shape[k]))
+            for k in range(rank))
+    axes = ir.slice_axes(g, d)
+    if axes is None or len(axes) != rank:
+        return False
+    shift = lambda k: k - (1 if axes[axis][0] is None and k > axis else 0)  # noqa: E731
+    return all(k == axis or (whole and out == shift(k)) for k, (out, whole) in enumerate(axes))
+
+
+def _shrinks(g, d, axis) -> bool:
+    return d["op"] == "StridedSlice" and ir.slice_axes(g, d)[axis][0] is None
 
 
 def _only_axis(g, axes, rank, axis) -> bool:
@@ -180,29 +209,36 @@ def joint_outputs(g, heads, params, examples_first) -> tuple[list | None, str]:
     several (``heads``: per term, its terms and its likelihood's output or
     None; a term with none takes ``ggn_output``'s), distinct, or ``(None,
     why not)``. Together they must cut every path from the variables to the
-    terms, hold static sizes of one dtype, and at most ``MAX_CLASSES``
+    terms, one may feed another (a VAE's encoder output, read by its KL term,
+    feeds the decoder's) but no term may read its output through another's,
+    and they must hold static sizes of one dtype, and at most ``MAX_CLASSES``
     values per example: the curvature is the Hessian of the examples' summed
     loss over all of them (``passes.joined_outputs`` joins them into one).
-    A term piecewise linear in its output is taken (its Hessian is zero) if
-    some other term is curved (``tf.nn.weighted_cross_entropy_with_logits``
-    adds ``(1 - y) z`` to a curved term of the same ``z``)."""
-    outputs, curved = [], False
+    A term piecewise linear in its output adds no output (its Hessian is
+    zero), but the others' must cut it from the variables too
+    (``tf.nn.weighted_cross_entropy_with_logits`` adds ``(1 - y) z`` to a
+    curved term of the same ``z``; an L1 activity penalty on a hidden layer
+    is cut by no output, and stays in no curvature)."""
+    outputs, pairs = [], []
     for terms, output in heads:
-        curved = curved or output is not None  # a likelihood's
+        end = ir.node_of(g, terms)
+        curved = output is not None  # a likelihood's
         if output is None:
             output, why = ggn_output(g, terms, params, examples_first, curved=False)
             if output is None:
                 return None, why
-            end = ir.node_of(g, terms)
-            curved = curved or any(_curved(g, node, params)
-                                   for node in _head(g, output, end, params))
-        if output not in outputs:
+            curved = any(_curved(g, node, params) for node in _head(g, output, end, params))
+        pairs.append((output, end))
+        if curved and output not in outputs:
             outputs.append(output)
-    if not curved:
-        return None, _piecewise_linear(", ".join(outputs))
+    if not outputs:
+        return None, _piecewise_linear(", ".join(dict.fromkeys(z for z, _ in pairs)))
     nodes = {ir.node_of(g, z) for z in outputs}
-    if any(nx.ancestors(g, n) & nodes for n in nodes):
-        return None, f"one of the outputs {', '.join(outputs)} feeds another"
+    for z, end in pairs:
+        through = _head(g, z, end, params) & (nodes - {ir.node_of(g, z)})
+        if through:
+            return None, (f"the loss term {end} reads its output {z} through another output, "
+                          f"{', '.join(sorted(through))}")
     ends = {ir.node_of(g, t) for t, _ in heads}
     cut = g.subgraph(params - nodes)
     variables = [n for n in cut if g.nodes[n]["op"] == "Variable"]

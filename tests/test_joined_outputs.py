@@ -3,13 +3,17 @@ gets the Gauss-Newton curvature of all of them.
 
 The pass finds one output per term (a likelihood's logits, or a Huber
 term's output, ``passes/loss_output.py``), checks that together they cut
-the variables from the loss and that none feeds another, and joins them
-into one ``[B, N]`` tensor the heads read through (``passes/
-joined_outputs.py``). The curvature is the Hessian of each example's summed
+the variables from the loss, and joins them into one ``[B, N]`` tensor the
+heads read through (``passes/joined_outputs.py``). One output may feed
+another: a VAE's encoder output ``[mu, log var]`` is read by the KL term
+and, through the sampled code, by the decoder, whose logits the
+reconstruction term reads. The curvature is the Hessian of each example's summed
 loss over the joined output: checked against a brute-force ``J^T H J`` from
 GradientTape Jacobians and Hessians. Before, such a loss was opaque (the
 empirical Fisher only) or, beside one likelihood, the other head's layers
-got no curvature at all.
+got no curvature at all (a VAE's KL term: its encoder blocks were the
+reconstruction's alone, and K-FAC's default steps jumped from a loss of 5.3
+to 17).
 """
 import keras
 import numpy as np
@@ -51,32 +55,43 @@ def _sum_of_heads(model, second):
     return one
 
 
-def _brute_ggn(model, on_outputs, layer, args):
-    """(1/B) sum_i J_i^T H_i^+ J_i for ``layer``'s variables, z_i both heads'
-    outputs side by side, H_i the Hessian of example i's summed loss."""
-    variables = model.get_layer(layer).trainable_variables
+def _brute_ggn(variables, outputs, on_outputs, args):
+    """(1/B) sum_i J_i^T H_i^+ J_i over ``variables``: ``z_i`` the outputs
+    ``outputs(*args_i)`` of example i, side by side, ``J_i`` their Jacobian
+    (an output that feeds another: the other's Jacobian holds it), ``H_i``
+    the Hessian of example i's loss ``on_outputs(zs, *args_i)`` over them
+    taken as independent, its negative eigenvalues set to zero."""
     total = 0.0
     for i in range(B):
-        xi, yi, ti = (a[i:i + 1] for a in args)
+        one = [a[i:i + 1] for a in args]
         with tf.GradientTape(persistent=True) as tape:
-            z = tf.concat(model(xi), axis=1)
-        j = np.concatenate([np.reshape(a.numpy(), [5, -1]) for a in
+            zs = outputs(*one)
+            z = tf.concat([tf.reshape(t, [1, -1]) for t in zs], axis=1)
+        n = int(z.shape[1])
+        j = np.concatenate([np.reshape(a.numpy(), [n, -1]) for a in
                             tape.jacobian(z, variables, experimental_use_pfor=False)], -1)
         z0 = tf.Variable(z)
         with tf.GradientTape(persistent=True) as outer:
             with tf.GradientTape() as inner:
-                li = on_outputs(z0[:, :3], z0[:, 3:], yi, ti)
+                parts = tf.split(z0, [int(np.prod(t.shape[1:])) for t in zs], axis=1)
+                li = on_outputs([tf.reshape(p, t.shape) for p, t in zip(parts, zs)], *one)
             g = inner.gradient(li, z0)
-        h = np.reshape(outer.jacobian(g, z0).numpy(), [5, 5])
+        h = np.reshape(outer.jacobian(g, z0).numpy(), [n, n])
         values, vectors = np.linalg.eigh(0.5 * (h + h.T))
         total = total + j.T @ ((vectors * np.maximum(values, 0)) @ vectors.T) @ j
     return total / B
 
 
+def _block(reg, est, name):
+    """The estimator's full block of the layer whose name holds ``/name``."""
+    return next(b for layer, b in zip(reg.layers, est.blocks)
+                if f"/{name}" in layer.name).full_matrix().numpy()
+
+
 def _head_loss(second):
     """The summed loss as a function of the two outputs."""
     sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    return lambda a, b, y, t: sce(y, a) + 0.5 * second(t, b)
+    return lambda zs, x, y, t: sce(y, zs[0]) + 0.5 * second(t, zs[1])
 
 
 def test_two_heads_are_joined_and_their_blocks_are_brute_force(float64):
@@ -89,9 +104,10 @@ def test_two_heads_are_joined_and_their_blocks_are_brute_force(float64):
                                  approximations={"dense": "full"})
         est.update(*args)
         for name in ("trunk", "value"):
-            block = next(b for layer, b in zip(reg.layers, est.blocks) if f"/{name}" in layer.name)
-            want = _brute_ggn(model, _head_loss(second), name, args)
-            np.testing.assert_allclose(block.full_matrix().numpy(), want, rtol=1e-8, atol=1e-12)
+            variables = model.get_layer(name).trainable_variables
+            want = _brute_ggn(variables, lambda x, y, t: model(x), _head_loss(second), args)
+            np.testing.assert_allclose(_block(reg, est, name), want, rtol=1e-8,
+                                       atol=1e-12)
         assert kg.verify(fn, *args, estimation_mode="exact").passed
 
 
@@ -110,18 +126,91 @@ def test_keras_fit_with_a_loss_per_output_trains_with_the_defaults():
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0], losses
 
 
-def test_an_output_that_feeds_another_is_not_joined(float64):
-    """Class logits that are also the regression head's input: the heads
-    cannot be split at the outputs, so the loss stays opaque and says why."""
+def _raw_block(reg, est, variable):
+    return next(b for layer, b in zip(reg.layers, est.blocks)
+                if any(v is variable for v in layer.variables)).full_matrix().numpy()
+
+
+def test_an_output_that_feeds_another_is_joined(float64):
+    """Class logits that are also the regression head's input: the
+    cross-entropy's head reads the joined output, the regression layer the
+    logits themselves. Before, the loss was opaque ("feeds another")."""
     rng = np.random.default_rng(0)
     w, v = tf.Variable(rng.normal(size=(D, 3))), tf.Variable(rng.normal(size=(3, 2)))
+    sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-    def loss(x, y, t):
+    def outputs(x, y, t):
         h = tf.tanh(x @ w)
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, h)
-        return tf.reduce_mean(ce) + 0.5 * tf.reduce_mean(tf.square(h @ v - t))
-    spec = kg.auto_register(loss).registration(*_data()).loss
-    assert spec.kind == "opaque" and "feeds another" in spec.reason
+        return [h, h @ v]
+
+    def on_outputs(zs, x, y, t):
+        return sce(y, zs[0]) + 0.5 * tf.reduce_mean(tf.square(zs[1] - t))
+
+    fn = kg.auto_register(lambda x, y, t: on_outputs(outputs(x, y, t), x, y, t))
+    args = _data()
+    reg = assert_matches_loop(fn, args, rtol=1e-10)
+    assert (reg.loss.kind, reg.loss.output) == ("ggn", "kfac_joined_outputs:0"), reg.loss
+    est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
+                             approximations={"dense": "full"})
+    est.update(*args)
+    for variable in (w, v):
+        np.testing.assert_allclose(_raw_block(reg, est, variable),
+                                   _brute_ggn([variable], outputs, on_outputs, args),
+                                   rtol=1e-8, atol=1e-12)
+
+
+def _vae(seed=0):
+    """A variational autoencoder: the encoder's output ``[mu, log var]``
+    feeds the KL term and, through the sampled code, the decoder."""
+    keras.utils.set_random_seed(seed)
+    encoder = keras.Sequential([keras.Input((7,)),
+                                keras.layers.Dense(6, activation="tanh", name="enc_hidden"),
+                                keras.layers.Dense(4, name="enc_out")])
+    decoder = keras.Sequential([keras.Input((2,)),
+                                keras.layers.Dense(6, activation="tanh", name="dec_hidden"),
+                                keras.layers.Dense(7, name="dec_out")])
+
+    def outputs(x, eps):
+        h = encoder(x)
+        code = h[:, :2] + tf.exp(0.5 * h[:, 2:]) * eps
+        return [decoder(code), h]
+
+    def on_outputs(zs, x, eps):
+        logits, h = zs
+        mu, log_var = h[:, :2], h[:, 2:]
+        reconstruction = tf.reduce_sum(tf.nn.sigmoid_cross_entropy_with_logits(x, logits), -1)
+        kl = -0.5 * tf.reduce_sum(1 + log_var - mu ** 2 - tf.exp(log_var), -1)
+        return tf.reduce_mean(reconstruction + kl)
+    rng = np.random.default_rng(seed + 1)
+    args = (tf.constant(rng.uniform(size=(B, 7))), tf.constant(rng.normal(size=(B, 2))))
+    return encoder, decoder, outputs, on_outputs, args
+
+
+def test_vae_kl_term_is_in_the_encoder_blocks(float64):
+    """Before, the KL term's curvature was in no block: the encoder's blocks
+    were the reconstruction's alone (0.70 off the brute force, of 0.75)."""
+    encoder, decoder, outputs, on_outputs, args = _vae()
+    fn = kg.auto_register(lambda x, eps: on_outputs(outputs(x, eps), x, eps))
+    reg = assert_matches_loop(fn, args, rtol=1e-10)
+    assert (reg.loss.kind, reg.loss.output) == ("ggn", "kfac_joined_outputs:0"), reg.loss
+    est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
+                             approximations={"dense": "full"})
+    est.update(*args)
+    for layer in (*encoder.layers, *decoder.layers):
+        want = _brute_ggn(layer.trainable_variables, outputs, on_outputs, args)
+        np.testing.assert_allclose(_block(reg, est, layer.name), want, rtol=1e-8, atol=1e-12)
+    assert kg.verify(fn, *args, estimation_mode="exact").passed
+
+
+def test_vae_trains_with_the_defaults(float64):
+    """The quadratic model saw no KL curvature before: its steps went from
+    a loss of 5.3 up to 17 and 20 on this fixed code noise."""
+    *_, outputs, on_outputs, args = _vae()
+    fn = kg.auto_register(lambda x, eps: on_outputs(outputs(x, eps), x, eps))
+    opt = kg.KFAC(fn)
+    losses = [float(opt.step(*args)) for _ in range(12)]
+    assert int(opt.skipped_steps) == 0 and max(losses) <= losses[0], losses
+    assert losses[-1] < 0.85 * losses[0], losses
 
 
 def test_kfac_under_xla_trains_two_heads():

@@ -5,10 +5,11 @@ A weight penalty (Keras's `kernel_regularizer` and `bias_regularizer`, or
 the gradient of the loss on example i alone, holds its gradient, and DP-SGD
 adds it once, neither clipped nor noised. A data-dependent term reduced
 over the examples as the likelihood is (Keras's `activity_regularizer`, a
-VAE's KL term) is part of each example's own loss, and of no Fisher; two
-likelihoods (two outputs' losses) make the loss opaque where one output
-feeds the other, and are joined (``tests/test_joined_outputs.py``) where
-not. Each
+VAE's KL term) is part of each example's own loss, and its curvature joins
+the likelihood's where it has an output of its own (``tests/
+test_joined_outputs.py``); two likelihoods (two outputs' losses) are
+joined, and make the loss opaque where they cannot be (too many values
+per example). Each
 is checked against a loop of one-example tapes in float64; before these,
 the penalty was silently left out of every per-example gradient and of
 DP-SGD's update, and the other terms were refused.
@@ -62,8 +63,10 @@ def test_keras_regularisers_are_in_each_examples_gradient(float64):
     loss, args = _keras_loss(model), _data()
     reg = assert_matches_loop(loss, args, rtol=1e-10)
     assert not reg.generic_variables
-    assert reg.loss.kind == "categorical" and len(reg.loss.penalties) == 4
-    assert len(reg.per_example_extras) == 1  # the activity regulariser
+    # the activity regulariser, |tanh(a)| of the hidden layer's own output a,
+    # is curved there: its Hessian joins the cross-entropy's
+    assert reg.loss.kind == "ggn" and len(reg.loss.penalties) == 4
+    assert len(reg.per_example_extras) == 1
     summary = reg.summary()
     assert "penalties" in summary and "per-example terms added" in summary
     want = one_example_loop(loss, args, reg.variables)
@@ -132,7 +135,8 @@ def _vae(latent=2, pixels=12):
 def test_a_vae_reads_its_kl_term_beside_the_likelihood(float64):
     loss, args = _vae()
     reg = assert_matches_loop(loss, args, rtol=1e-10)
-    assert reg.loss.kind == "bernoulli" and len(reg.per_example_extras) == 1
+    # the KL term's curvature joins the reconstruction's (test_joined_outputs)
+    assert reg.loss.kind == "ggn" and len(reg.per_example_extras) == 1
     assert not reg.generic_variables and not reg.coupling
     opt = kg.KFAC(loss)
     losses = [float(opt.step(*args)) for _ in range(15)]
@@ -189,8 +193,10 @@ def test_terms_the_pass_cannot_give_each_example_are_refused_in_one_line():
 
 
 def test_two_outputs_losses_are_opaque_with_exact_per_example_gradients():
+    """Two outputs the pass cannot join (302 values per example: their
+    Hessian is not formed), so there is no one distribution."""
     rng = np.random.default_rng(0)
-    w, v = tf.Variable(rng.normal(size=(4, 3))), tf.Variable(rng.normal(size=(3, 2)))
+    w, v = tf.Variable(rng.normal(size=(4, 300))), tf.Variable(rng.normal(size=(300, 2)))
 
     @kg.auto_register
     def loss(x, y, t):  # a class head and a regression head on one trunk
@@ -198,10 +204,11 @@ def test_two_outputs_losses_are_opaque_with_exact_per_example_gradients():
         ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, h)
         return tf.reduce_mean(ce) + 0.5 * tf.reduce_mean(tf.square(h @ v - t))
 
-    args = (tf.constant(rng.normal(size=(B, 4))), tf.constant(rng.integers(0, 3, B)),
+    args = (tf.constant(rng.normal(size=(B, 4))), tf.constant(rng.integers(0, 300, B)),
             tf.constant(rng.normal(size=(B, 2))))
     reg = assert_matches_loop(loss, args, rtol=1e-10)
     assert reg.loss.kind == "opaque" and "2 are likelihoods" in reg.loss.reason
+    assert "302 values per example" in reg.loss.reason
     with pytest.raises(Exception, match="2 are likelihoods") as e:
         kg.KFAC(loss).step(*args)
     assert "\n" not in str(e.value)
