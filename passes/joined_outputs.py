@@ -103,7 +103,7 @@ def _split_head(graph_def, g, z, out, outputs, terms, prefix):
     ends = {ir.node_of(g, t) for t in terms} & set(rest)
     head = (nx.descendants(rest, start) & set().union(
         *(nx.ancestors(rest, e) | {e} for e in ends)))
-    upstream = set().union(*(nx.ancestors(g, o) for o in others))
+    upstream = set().union(*(nx.ancestors(g, o) | {o} for o in others))
     shared = head & upstream
     by_name = {n.name: n for n in graph_def.node}
     to_copies, copies = {}, []

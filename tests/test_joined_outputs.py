@@ -159,6 +159,41 @@ def test_an_output_that_feeds_another_is_joined(float64):
                                    rtol=1e-8, atol=1e-12)
 
 
+def test_a_gaussian_with_a_predicted_scale_is_joined(float64):
+    """``log s + ((y - mu) / s)^2 / 2``, ``s = softplus(o_1)``, ``mu = o_0``:
+    the squared term reads as a normal likelihood of ``(y - mu) / s``,
+    whose divisor ``s`` the log term's head reads too. Before the copies
+    read the output ``(y - mu) / s`` itself, the run stopped on a cycle."""
+    model = keras.Sequential([keras.Input((D,)),
+                              keras.layers.Dense(5, activation="tanh", name="hidden"),
+                              keras.layers.Dense(2, name="out")])
+
+    def scaled(o, t):
+        return (t[:, 0] - o[:, 0]) / (tf.nn.softplus(o[:, 1]) + 1e-3)
+
+    def outputs(x, y, t):
+        o = model(x)
+        return [scaled(o, t), o]
+
+    def on_outputs(zs, x, y, t):
+        return tf.reduce_mean(tf.math.log(tf.nn.softplus(zs[1][:, 1]) + 1e-3)
+                              + 0.5 * tf.square(zs[0]))
+
+    fn = kg.auto_register(lambda x, y, t: on_outputs(outputs(x, y, t), x, y, t))
+    args = _data()
+    reg = assert_matches_loop(fn, args, rtol=1e-10)
+    assert (reg.loss.kind, reg.loss.output) == ("ggn", "kfac_joined_outputs:0"), reg.loss
+    est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
+                             approximations={"dense": "full"})
+    est.update(*args)
+    for layer in model.layers:
+        want = _brute_ggn(layer.trainable_variables, outputs, on_outputs, args)
+        np.testing.assert_allclose(_block(reg, est, layer.name), want, rtol=1e-8, atol=1e-12)
+    opt = kg.KFAC(fn)
+    losses = [float(opt.step(*args)) for _ in range(6)]
+    assert int(opt.skipped_steps) == 0 and losses[-1] < losses[0], losses
+
+
 def _vae(seed=0):
     """A variational autoencoder: the encoder's output ``[mu, log var]``
     feeds the KL term and, through the sampled code, the decoder."""
