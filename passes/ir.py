@@ -53,6 +53,9 @@ ELEMENTWISE = frozenset({
     "ZerosLike", "OnesLike", "Pow", "Xlogy", "Xlog1py", "DivNoNan", "AddN", "Select", "Cosh",
     "Sinh", "Atan"})
 
+# ops whose gradient is zero by construction
+GRADIENT_STOPS = frozenset({"StopGradient", "PreventGradient"})
+
 
 @dataclasses.dataclass(frozen=True)
 class VariableInfo:

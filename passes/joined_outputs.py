@@ -53,9 +53,12 @@ def join_outputs(graph_def, g, outputs, terms):
         new += [const_int(f"{flat}/shape", [-1, n]),
                 node(flat, "Reshape", [z, f"{flat}/shape"], T=dtype, Tshape=INT32)]
     new.append(const_int(f"{JOINED}/axis", 1))
-    joined = node(JOINED, "ConcatV2", [f"{JOINED}/flat_{k}" for k in range(len(outputs))]
-                  + [f"{JOINED}/axis"], T=dtype, Tidx=INT32)
-    joined.attr["N"].i = len(outputs)
+    if len(outputs) == 1:  # a head that mixes an output's positions: joined alone
+        joined = node(JOINED, "Identity", [f"{JOINED}/flat_0"], T=dtype)
+    else:
+        joined = node(JOINED, "ConcatV2", [f"{JOINED}/flat_{k}" for k in range(len(outputs))]
+                      + [f"{JOINED}/axis"], T=dtype, Tidx=INT32)
+        joined.attr["N"].i = len(outputs)
     new.append(joined)
     # a SplitV, not Slices: under XLA a Slice's gradient has no gradient of its own
     parts = f"{JOINED}/parts"

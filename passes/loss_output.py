@@ -31,6 +31,7 @@ import networkx as nx
 import numpy as np
 
 from passes import ir
+from passes.coupling import coupling_ops
 from passes.loss_constants import evaluate
 
 MAX_CLASSES = 256
@@ -47,6 +48,12 @@ _BILINEAR = frozenset({"Mul", "RealDiv", "DivNoNan"})
 _LAST_AXIS = frozenset({"Softmax", "LogSoftmax"})
 _REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod"})
 _SLICES = frozenset({"StridedSlice", "Slice", "Split", "SplitV", "Unpack"})
+# the head below frontier outputs may mix an example's values (its Hessian is
+# formed over all of them) but only with ops TensorFlow differentiates twice
+# as written (not a CTC loss, whose gradient the op computes in its forward)
+_TWICE_DIFFERENTIABLE = (ir.ELEMENTWISE | _LAST_AXIS | _REDUCTIONS | _SLICES | frozenset({
+    "Reshape", "Transpose", "ExpandDims", "Squeeze", "Pack", "ConcatV2", "MatMul",
+    "BatchMatMulV2", "Einsum", "Tile", "BroadcastTo", "GatherV2", "Square", "Shape"}))
 _SOURCE = "\x00variables"
 
 
@@ -68,6 +75,60 @@ def ggn_output(g: nx.DiGraph, terms: str, params: set,
             return z, ""
         reasons.append(why)
     return None, reasons[0] if reasons else "no single model output feeds the loss"
+
+
+def frontier_outputs(g: nx.DiGraph, terms: str, params: set, examples_first,
+                     rows: dict) -> tuple[list | None, str]:
+    """``([z_1, ..], "")``: where no one output dominates the terms (a
+    heteroscedastic regression's mean and log variance, each from its own
+    layer; a VAE's ``z_mean`` and ``z_log_var``), the tensors through which
+    the data-dependent values enter the loss head, the ops below every op
+    that reads a variable's value directly; or ``(None, why not)``. They
+    must hold the examples first, with static sizes, and the head must not
+    couple the examples (``passes.coupling``): its Hessian is formed per
+    example over all of them, joined (``joint_outputs``), so it must hold
+    only ops TensorFlow differentiates twice as written."""
+    end = ir.node_of(g, terms)
+    above = nx.ancestors(g, end) & params
+    data = ir.reachable_from(g, g.graph["arguments"])
+    weights = params - data
+    entries = {n for n in above | {end}
+               if n in data and any(p in weights for p in g.predecessors(n))}
+    below_entries = set().union(*(nx.ancestors(g, e) | {e} for e in entries))
+    head = (above | {end}) - below_entries
+    if end not in head:
+        return None, "no single model output feeds the loss"
+    outputs = []
+    for node in sorted(above - head):
+        slots = {i for succ in g.successors(node) if succ in head
+                 for i, _ in g.edges[node, succ]["slots"]}
+        if not slots:
+            continue
+        if node in weights or len(slots) > 1 or not examples_first(node):
+            return None, "no single model output feeds the loss"
+        outputs.append(ir.tensor_name(node, slots.pop()))
+    unknown = sorted(n for n in head if g.nodes[n]["op"] not in _TWICE_DIFFERENTIABLE)
+    if unknown:
+        return None, (f"op {unknown[0]!r} ({g.nodes[unknown[0]]['op']}) below the outputs "
+                      "is none whose second derivative the pass knows")
+    coupled = set(coupling_ops(g, rows, terms)) & head
+    if coupled:
+        return None, f"op {sorted(coupled)[0]!r} mixes the examples below the outputs"
+    return outputs, ""
+
+
+def per_position(g, z, terms, params) -> bool:
+    """Whether the head from ``z`` to ``terms`` is per position of ``z``
+    (``_mixing_op``), so that its Hessian may be formed over ``z``'s last
+    axis alone; else it is formed per example, over ``z`` joined."""
+    return _mixing_op(g, z, _head(g, z, ir.node_of(g, terms), params)) is None
+
+
+def _through_gradients(g, params) -> set:
+    """The nodes of ``params`` a gradient reaches: not those behind a
+    ``StopGradient`` on every path from the variables."""
+    kept = g.subgraph(n for n in params if g.nodes[n]["op"] not in ir.GRADIENT_STOPS)
+    return ir.reachable_from(kept, (n for n in kept if g.nodes[n]["op"] == "Variable"))
 
 
 def _refusal(g, z, head, params, curved=True) -> str:
@@ -145,7 +206,8 @@ def _mixing_op(g, z, head) -> str | None:
         if len(held) > 1:
             return node
         place = held.pop() if held else None
-        shape = ir.shape_of(g, inputs[0]) if inputs else None
+        value = inputs[1] if op == "Split" else inputs[0] if inputs else None  # (axis, value)
+        shape = ir.shape_of(g, value) if value else None
         rank = len(shape) if shape is not None else None
         if op in ir.ELEMENTWISE or (op in _LAST_AXIS and place == -1):
             where[node] = place
@@ -204,7 +266,7 @@ def _keeps_examples_first(g, perm) -> bool:
     return value is not None and int(np.atleast_1d(value)[0]) == 0
 
 
-def joint_outputs(g, heads, params, examples_first) -> tuple[list | None, str]:
+def joint_outputs(g, heads, params, examples_first, rows) -> tuple[list | None, str]:
     """``([z_1, ..], "")``: one model output per term of a loss that adds
     several (``heads``: per term, its terms and its likelihood's output or
     None; a term with none takes ``ggn_output``'s), distinct, or ``(None,
@@ -219,27 +281,35 @@ def joint_outputs(g, heads, params, examples_first) -> tuple[list | None, str]:
     (``tf.nn.weighted_cross_entropy_with_logits`` adds ``(1 - y) z`` to a
     curved term of the same ``z``; an L1 activity penalty on a hidden layer
     is cut by no output, and stays in no curvature)."""
-    outputs, pairs = [], []
+    outputs, pairs, ends = [], [], set()
+    live = _through_gradients(g, params)
     for terms, output in heads:
         end = ir.node_of(g, terms)
-        curved = output is not None  # a likelihood's
+        if end not in live:  # under a stop_gradient (a log-sum-exp's maximum): a constant
+            continue
+        ends.add(end)
+        found = [output]  # a likelihood's: curved
         if output is None:
-            output, why = ggn_output(g, terms, params, examples_first, curved=False)
-            if output is None:
-                return None, why
-            curved = any(_curved(g, node, params) for node in _head(g, output, end, params))
-        pairs.append((output, end))
-        if curved and output not in outputs:
-            outputs.append(output)
+            output, why = ggn_output(g, terms, params, examples_first)
+            found = [output] if output else frontier_outputs(
+                g, terms, params, examples_first, rows)[0]
+            if found and not any(_curved(g, node, params) for node in set().union(
+                    *(_head(g, z, end, params) for z in found))):
+                found = None
+            if found is None:  # no curvature: the term adds no output
+                if ggn_output(g, terms, params, examples_first, curved=False)[0] is None:
+                    return None, why
+                found = []
+        pairs += [(z, end) for z in found]
+        outputs += [z for z in found if z not in outputs]
     if not outputs:
-        return None, _piecewise_linear(", ".join(dict.fromkeys(z for z, _ in pairs)))
+        return None, "the loss is piecewise linear in its outputs (no curvature)"
     nodes = {ir.node_of(g, z) for z in outputs}
     for z, end in pairs:
         through = _head(g, z, end, params) & (nodes - {ir.node_of(g, z)})
         if through:
             return None, (f"the loss term {end} reads its output {z} through another output, "
                           f"{', '.join(sorted(through))}")
-    ends = {ir.node_of(g, t) for t, _ in heads}
     cut = g.subgraph(params - nodes)
     variables = [n for n in cut if g.nodes[n]["op"] == "Variable"]
     if ir.reachable_from(cut, variables) & ends:

@@ -58,7 +58,7 @@ from passes import ir, loss_logits, loss_terms, loss_weights
 from passes.errors import LOSS_HOW_TO, LossNotFoundError
 from passes.loss_constants import const_operand, evaluate, from_shapes
 from passes.joined_outputs import JOINED
-from passes.loss_output import ggn_output, joint_outputs
+from passes.loss_output import ggn_output, joint_outputs, per_position
 
 KINDS = ("categorical", "bernoulli", "normal")  # and "opaque" (module docstring)
 _PASS_THROUGH = loss_logits.PASS_THROUGH
@@ -120,25 +120,27 @@ def _as_ggn(g, opaque: LossMatch, rows) -> LossMatch:
     batch = _batch_size(g)
     args = (_parameter_nodes(g), lambda node: _examples_first(
         (g.nodes[node]["shapes"] or [None])[0], rows.get(node), batch))
-    if opaque.heads:
-        outputs, why = joint_outputs(g, opaque.heads, *args)
-        if outputs is None and opaque.kind != "opaque":
-            return opaque  # one likelihood, the other terms in its examples' gradients only
-        if outputs is None:
-            return dataclasses.replace(opaque, reason=f"{opaque.reason}; {why}")
-        opaque = dataclasses.replace(
-            opaque, targets=None, scale=1.0,
-            reason=opaque.reason or f"{len(opaque.heads)} terms, each of its own output")
-        if len(outputs) == 1:
-            return dataclasses.replace(opaque, kind="ggn", output=outputs[0])
-        return dataclasses.replace(opaque, kind="ggn", output=ir.tensor_name(JOINED),
-                                   joined=tuple(outputs))
-    if opaque.extras:
+    if not opaque.heads and opaque.extras:
         return opaque
-    z, why = ggn_output(g, opaque.terms, *args)
-    if z is None:
-        return dataclasses.replace(opaque, reason=f"{opaque.reason}; {why}")
-    return dataclasses.replace(opaque, kind="ggn", output=z)
+    if not opaque.heads:
+        z, why = ggn_output(g, opaque.terms, *args)
+        if z is not None:
+            return dataclasses.replace(opaque, kind="ggn", output=z)
+    heads = opaque.heads or ((opaque.terms, None),)
+    outputs, joint_why = joint_outputs(g, heads, *args, rows)
+    if outputs is None and opaque.kind != "opaque":
+        return opaque  # one likelihood, the other terms in its examples' gradients only
+    if outputs is None:
+        return dataclasses.replace(opaque, reason=f"{opaque.reason}; "
+                                   f"{why if not opaque.heads else joint_why}")
+    opaque = dataclasses.replace(
+        opaque, targets=None, scale=1.0,
+        reason=opaque.reason or f"{len(opaque.heads)} terms, each of its own output")
+    if len(outputs) == 1 and all(per_position(g, outputs[0], t, args[0])
+                                 for t, given in heads if given is None):
+        return dataclasses.replace(opaque, kind="ggn", output=outputs[0])
+    return dataclasses.replace(opaque, kind="ggn", output=ir.tensor_name(JOINED),
+                               joined=tuple(outputs), heads=heads)
 
 
 def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=False,

@@ -109,6 +109,35 @@ def test_keras_loss_is_ggn_and_its_block_is_brute_force(name, float64):
                                rtol=1e-8, atol=1e-12)
 
 
+def _mixture_density(y, z):
+    """A mixture density network's loss, 3 components of a 1-D Gaussian."""
+    logits, mean, log_scale = tf.split(z, 3, axis=-1)
+    log_density = -0.5 * tf.square((y - mean) / tf.exp(log_scale)) - log_scale
+    return -tf.reduce_mean(tf.reduce_logsumexp(tf.nn.log_softmax(logits) + log_density, -1))
+
+
+def test_mixture_density_block_is_brute_force(float64):
+    """A mixture density network. Before, ``tf.split``'s output was refused
+    (its rank read from its axis operand), so the output taken was the
+    log-sum-exp's input, where ``-logsumexp`` is concave: its Hessian made
+    positive semidefinite is zero, and so was every block, silently
+    (``kg.verify``'s exact check shares the Hessian, and passed).
+    ``tf.reduce_logsumexp`` adds its maximum back under a ``stop_gradient``:
+    a term of no gradient, which adds no output."""
+    rng = np.random.default_rng(4)
+    params = (tf.Variable(rng.normal(size=(D, 9))), tf.Variable(rng.normal(size=(9,)) * 0.1))
+    x, y = tf.constant(rng.normal(size=(B, D))), tf.constant(rng.normal(size=(B, 1)))
+    fn = kg.auto_register(lambda x, y: _mixture_density(y, x @ params[0] + params[1]))
+    reg = fn.registration(x, y)
+    assert reg.loss.kind == "ggn" and reg.loss.output.split(":")[0] == "add", reg.loss  # xW + b
+    est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
+                             approximations={"dense": "full"})
+    est.update(x, y)
+    np.testing.assert_allclose(est.blocks[0].full_matrix().numpy(),
+                               _brute_ggn(params, x, y, _mixture_density), rtol=1e-8,
+                               atol=1e-12)
+
+
 def test_per_token_weighted_huber_block_is_brute_force(float64):
     """A ``[B, T, K]`` output, Huber per token with a ``[B, T]`` sample weight:
     ``H_i`` is block-diagonal over positions, the weights inside it; one

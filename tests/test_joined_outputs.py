@@ -199,6 +199,98 @@ def test_a_gaussian_with_a_predicted_scale_is_joined(float64):
     assert int(opt.skipped_steps) == 0 and losses[-1] < losses[0], losses
 
 
+def _two_layer_gaussian(seed=0):
+    """A heteroscedastic regression: the mean and the log variance each from
+    a layer of its own, so no one output dominates the loss."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((D,))
+    h = keras.layers.Dense(5, activation="tanh", name="trunk")(inputs)
+    model = keras.Model(inputs, [keras.layers.Dense(1, name="mean")(h),
+                                 keras.layers.Dense(1, name="log_var")(h)])
+
+    def on_outputs(zs, x, y, t):
+        mean, log_var = zs
+        return tf.reduce_mean(0.5 * log_var + 0.5 * tf.square(t[:, :1] - mean)
+                              / tf.exp(log_var))
+    return model, on_outputs
+
+
+def test_outputs_of_two_layers_are_joined(float64):
+    """Before: opaque ("no single model output feeds the loss")."""
+    model, on_outputs = _two_layer_gaussian()
+    fn = kg.auto_register(lambda x, y, t: on_outputs(model(x), x, y, t))
+    args = _data()
+    reg = assert_matches_loop(fn, args, rtol=1e-10)
+    assert (reg.loss.kind, reg.loss.output) == ("ggn", "kfac_joined_outputs:0"), reg.loss
+    est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
+                             approximations={"dense": "full"})
+    est.update(*args)
+    for name in ("trunk", "mean", "log_var"):
+        variables = model.get_layer(name).trainable_variables
+        want = _brute_ggn(variables, lambda x, y, t: model(x), on_outputs, args)
+        np.testing.assert_allclose(_block(reg, est, name), want, rtol=1e-8, atol=1e-12)
+
+
+def test_a_loss_that_falls_below_zero_is_not_capped_at_zero(float64):
+    """The quadratic model's cap shortens a step that promises more than the
+    whole loss, which a likelihood of the pass's kinds cannot lose; a
+    Gaussian with a learned variance can go below zero. Before, its steps
+    were held at a loss of exactly 0.0 (3 of the first 12)."""
+    model, on_outputs = _two_layer_gaussian()
+    fn = kg.auto_register(lambda x, y, t: on_outputs(model(x), x, y, t))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, D))
+    t = np.sin(x[:, :2]) + 0.3 * rng.normal(size=(64, 2))
+    args = (tf.constant(x), tf.zeros(64, tf.int64), tf.constant(t))
+    opt = kg.KFAC(fn)
+    losses = [float(opt.step(*args)) for _ in range(12)]
+    assert sum(abs(v) < 1e-3 for v in losses) <= 1 and min(losses) < -0.5, losses
+
+
+def _keras_vae(seed=0, pixels=6):
+    """The Keras VAE example's shape: ``z_mean`` and ``z_log_var`` each from a
+    layer of its own, the code sampled from them, the decoder's logits."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((pixels,))
+    h = keras.layers.Dense(5, activation="relu", name="enc_hidden")(inputs)
+    encoder = keras.Model(inputs, [keras.layers.Dense(2, name="z_mean")(h),
+                                   keras.layers.Dense(2, name="z_log_var")(h)])
+    decoder = keras.Sequential([keras.Input((2,)),
+                                keras.layers.Dense(5, activation="tanh", name="dec_hidden"),
+                                keras.layers.Dense(pixels, name="dec_out")])
+
+    def outputs(x, eps):
+        z_mean, z_log_var = encoder(x)
+        return [decoder(z_mean + tf.exp(0.5 * z_log_var) * eps), z_mean, z_log_var]
+
+    def on_outputs(zs, x, eps):
+        logits, z_mean, z_log_var = zs
+        reconstruction = tf.reduce_mean(tf.reduce_sum(
+            tf.nn.sigmoid_cross_entropy_with_logits(x, logits), axis=1))
+        kl = -0.5 * (1 + z_log_var - tf.square(z_mean) - tf.exp(z_log_var))
+        return reconstruction + tf.reduce_mean(tf.reduce_sum(kl, axis=1))
+    rng = np.random.default_rng(seed + 1)
+    args = (tf.constant((rng.uniform(size=(B, pixels)) > 0.5).astype("float64")),
+            tf.constant(rng.normal(size=(B, 2))))
+    return encoder, decoder, outputs, on_outputs, args
+
+
+def test_keras_vae_with_a_layer_per_code_statistic(float64):
+    """Before: the KL term had no output (its ``z_mean`` and ``z_log_var``
+    meet only below it), so it was in no curvature."""
+    encoder, decoder, outputs, on_outputs, args = _keras_vae()
+    fn = kg.auto_register(lambda x, eps: on_outputs(outputs(x, eps), x, eps))
+    reg = assert_matches_loop(fn, args, rtol=1e-10)
+    assert (reg.loss.kind, reg.loss.output) == ("ggn", "kfac_joined_outputs:0"), reg.loss
+    est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
+                             approximations={"dense": "full"})
+    est.update(*args)
+    for name in ("enc_hidden", "z_mean", "z_log_var", "dec_hidden", "dec_out"):
+        layer = (encoder if name[0] == "z" or name.startswith("enc") else decoder).get_layer(name)
+        want = _brute_ggn(layer.trainable_variables, outputs, on_outputs, args)
+        np.testing.assert_allclose(_block(reg, est, name), want, rtol=1e-8, atol=1e-12)
+
+
 def _vae(seed=0):
     """A variational autoencoder: the encoder's output ``[mu, log var]``
     feeds the KL term and, through the sampled code, the decoder."""

@@ -19,14 +19,12 @@ into the caller's ``tf.function``; on the schedule of step ``t``
    ``delta`` from ``g`` and the preconditioner
    ``(c F~ + (lambda + l2_reg) I)^{-1}`` (``opt.precondition``) and
    applies it;
-4. with ``adapt_damping``, at ``(k + 1) % damping_adaptation_interval ==
-   0``: the loss at the new parameters on the same batch (``batch_loss``)
-   gives ``rho = (h(theta + delta) - h(theta)) / M(delta)`` and ``lambda``
-   adapts (``damping.py``). ``M(delta)`` uses the quadratic model's own
-   curvature for ``"qmodel"`` (less ``lambda I``), otherwise the K-FAC
-   blocks damped by ``l2_reg`` alone: ``g.delta + 1/2 delta.(c F~_0)delta``
-   (not tensorflow/kfac's ``F~_lambda - lambda I``, which keeps the
-   Kronecker cross terms).
+4. with ``adapt_damping``, every ``damping_adaptation_interval`` steps:
+   the loss at the new parameters on the batch (``batch_loss``) gives
+   ``rho = (h(theta + delta) - h(theta)) / M(delta)`` and ``lambda`` adapts
+   (``damping.py``). ``M(delta)``: the quadratic model's curvature less
+   ``lambda I`` for ``"qmodel"``, else ``g.delta + 1/2 delta.(c F~_0)delta``
+   (not tensorflow/kfac's ``F~_lambda - lambda I``: Kronecker cross terms).
 
 ``F~`` is damped in the blocks' convention (``pi``-split Tikhonov damping of
 each Kronecker factor) by a value the core passes on every call: the
@@ -34,9 +32,8 @@ blocks see ``(lambda + l2_reg) / c`` (``opt.blocks_damping()``), and
 ``l2_reg / c`` for the damping rule's undamped model.
 
 A non-finite loss, gradient, statistic, inverse or update skips the step:
-every variable is put back (the state of ``rollback_state`` from the
-snapshot taken before (1), the rest is not written) and ``skipped_steps``
-counts it; else ``iterations`` counts it.
+every variable is put back (``rollback_state`` from a snapshot before (1),
+the rest unwritten), counted in ``skipped_steps``; else in ``iterations``.
 
 Seams (what an implementation provides; see ``SingleDeviceCore`` and
 ``distributed.ReplicatedCore``):
@@ -53,8 +50,7 @@ Seams (what an implementation provides; see ``SingleDeviceCore`` and
   u_b]]`` with ``F`` the exact Fisher of the batch, and None; or, with
   ``qmodel_batch_fraction < 1``, of its first examples, and their
   ``exact_fisher.Part`` (their estimate of the model's other terms);
-- ``finish(applied, gradients)``: anything left once the step is decided
-  (the replicated core restores the replicas' own statistics).
+- ``finish(applied, gradients)``: what is left once the step is decided.
 """
 from __future__ import annotations
 
@@ -68,6 +64,7 @@ from kfac_graph.optimizer import update_rules
 from kfac_graph.optimizer import vectors as vec
 from kfac_graph.taps import LayerTaps
 from kfac_graph.layers.scalars import as_dtype
+from passes.match_loss import KINDS
 
 
 class Gradients(NamedTuple):
@@ -330,7 +327,10 @@ class StepCore:
         return tf.cond(ok, apply, lambda: tf.constant(False))
 
     def objective(self, loss, variables):
-        """``h = L + l2_reg/2 |theta|^2``, the objective's value before the update."""
+        """``h = L + l2_reg/2 |theta|^2`` before the update; None (no cap) unless the loss
+        is a likelihood of ``KINDS`` alone, ``>= 0`` (a ``ggn`` one may be negative)."""
+        if self.opt.registration.loss.kind not in KINDS or self.opt.registration.per_example_extras:
+            return None
         h = tf.cast(loss, self.opt.dtype)
         if self.opt.l2_reg:
             h += 0.5 * tf.constant(self.opt.l2_reg, h.dtype) * tf.cast(
