@@ -131,12 +131,13 @@ class LayerTaps:
             per_example, problem = _per_example_terms(terms, batch, model_output)
             if per_example is not None:
                 per_example = per_example * as_dtype(coefficient, per_example.dtype)
-            for name, coefficient in reg.per_example_extras:
-                own, why = _per_example_terms(tensors[name], batch, model_output)
+            for name, _ in reg.per_example_extras:  # (their weights read as dL/dterms)
+                own, why = _per_example_terms(token_weights.own_terms(
+                    reg, tensors[reg.output], tensors[name], batch), batch, model_output)
                 if per_example is None or own is None:
                     per_example, problem = None, problem or why
                     break
-                per_example = per_example + tf.cast(coefficient * own, per_example.dtype)
+                per_example = per_example + tf.cast(own, per_example.dtype)
         return cls(
             registration=reg, loss=tensors[reg.output],
             model_output=model_output,

@@ -35,16 +35,29 @@ def read(reg, loss, terms, model_output, batch):
     loss, ``z``'s shape for the elementwise kinds; None without a model
     output), and the loss terms weighted by ``w * k`` (still shaped like
     ``terms``), whose per-example sums are the examples' own loss terms."""
+    c, weighted_terms = _derivative(reg, loss, terms, batch)
+    if model_output is None or reg.loss.kind == "ggn":  # (its Hessian holds the weights)
+        return None, weighted_terms
+    w = c / as_dtype(reg.per_example_coefficient, c.dtype)
+    return fisher_layout(w, reg.loss.kind, model_output), weighted_terms
+
+
+def own_terms(reg, loss, terms, batch):
+    """A loss's terms weighted by ``k dL/dterms`` (``k``: the batch for a mean
+    loss, else 1), whose per-example sums are the examples' own shares: the
+    loss is linear in its terms, so the derivative holds every weight,
+    divisor and coefficient above them (an extra term's, ``taps``)."""
+    return _derivative(reg, loss, terms, batch)[1]
+
+
+def _derivative(reg, loss, terms, batch):
+    """``(k dL/dterms, terms * k dL/dterms)``, held constant."""
     c = tf.gradients(loss, terms)[0]
     if c is None:
         c = tf.zeros_like(terms)
     c = tf.stop_gradient(tf.convert_to_tensor(c))
     per_batch = tf.cast(batch, c.dtype) if reg.loss.reduction == "mean" else tf.ones([], c.dtype)
-    weighted_terms = terms * (c * per_batch)
-    if model_output is None or reg.loss.kind == "ggn":  # (its Hessian holds the weights)
-        return None, weighted_terms
-    w = c * per_batch / as_dtype(reg.per_example_coefficient, c.dtype)
-    return fisher_layout(w, reg.loss.kind, model_output), weighted_terms
+    return c * per_batch, terms * (c * per_batch)
 
 
 def fisher_layout(w, kind, z):

@@ -44,7 +44,9 @@ def ratios(fn, reg, args, one_args: dict, cache: dict, rtol: float):
         cache[key] = token_weights_function(reg)
     batch = cache[key](*args)
     if batch is None:
-        return {}, "the loss's token weights need a model output"
+        return {}, ("the loss's token weights need a model output" if reg.loss.output is None
+                    else "the loss's token weights are held in its Gauss-Newton curvature, "
+                    "not read per token")
     batch = np.reshape(batch.numpy(), (batch.shape[0], -1))
     out = {}
     for i, one in one_args.items():
@@ -82,7 +84,7 @@ def rescaled(fn, reg, args, ones: dict, one_args: dict, tol):
 
 def skip_note(one_error: str) -> str:
     """The report's note when the ratios could not be read ("" otherwise)."""
-    if any(m in one_error for m in (_NOT_A_MULTIPLE, _NOT_FINITE, "token weights need")):
+    if any(m in one_error for m in (_NOT_A_MULTIPLE, _NOT_FINITE, "token weights ")):
         return f"one-example skipped: {one_error}"
     return ""
 

@@ -15,19 +15,22 @@ negative log-likelihood's terms ``l_i``
 - **extra per-example terms** ``e_i``: data-dependent terms that are not a
   likelihood but are reduced over the examples as the likelihood is (Keras's
   ``activity_regularizer``, ``sum(|h|) / B``; a VAE's KL term). Example
-  ``i``'s own loss is ``c l_i + c' e_i``: they enter its gradient, not the
-  Fisher.
+  ``i``'s own loss is ``c l_i + c' e_i``: they enter its gradient, and the
+  Gauss-Newton curvature where they have outputs of their own. They may be
+  weighted, or the sum divided, by data (a detector's box loss masked to
+  its positive anchors, both terms divided by their count): example ``i``'s
+  share of each is read at run time as ``dL/de_i . e_i``
+  (``kfac_graph.token_weights.own_terms``), the loss being linear in them.
 
 Contract: ``split_sum(g, node, inputs, data, params) -> (data_terms,
-penalties)`` sorts an ``Add``/``AddN``'s inputs; ``combine(node, found,
-outer)`` builds the loss's match from the walks down each data term
+penalties)`` sorts an ``Add``/``AddN``'s inputs; ``combine(node, found)``
+builds the loss's match from the walks down each data term
 (``found``: per term, its likelihood match or the examples-first match the
 walk stopped below, or the error). One likelihood keeps its Fisher; with
 two (a model with two outputs, each with its loss) or none, the loss is
 ``"opaque"``: every term per example, the empirical Fisher only. Every
-other term needs its own examples-first terms, no weights (``outer``:
-whether weights or divisors were read above the sum) and the first's
-reduction (a mean over the examples, or a sum): otherwise a
+other term needs its own examples-first terms and the first's reduction
+(a mean over the examples, or a sum): otherwise a
 ``LossNotFoundError`` names the op. ``heads`` keeps each term's terms and
 likelihood output, for the Gauss-Newton curvature over all the terms'
 outputs (``passes.loss_output.joint_outputs``).
@@ -49,7 +52,7 @@ def split_sum(g, node, inputs, data, params):
     return data_terms, [t for t in trained if t not in data_terms]
 
 
-def combine(node, found, outer: bool):
+def combine(node, found):
     """The match of a loss that adds several data terms at ``node`` (module
     docstring); ``found``: ``[(tensor, match or None, opaque match or None,
     error)]``. Where no one term is a likelihood (two outputs' losses, or
@@ -75,10 +78,6 @@ def combine(node, found, outer: bool):
     for k, (tensor, extra, _) in enumerate(parts):
         if k == first:
             continue
-        if outer or extra.weights or extra.divisors:
-            raise LossNotFoundError(
-                f"op {node!r} adds a weighted term {tensor} beside the loss's first: per-example "
-                f"terms added beside it must not be weighted; {LOSS_HOW_TO}")
         if extra.reduction != main.reduction:
             raise LossNotFoundError(
                 f"op {node!r} adds a term {tensor} reduced over the examples by a "

@@ -239,9 +239,11 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
                 tensor = terms[0]
                 continue
             found = [(t, *_attempt(g, rows, t, coefficient, batch_mean, nodes)) for t in terms]
-            match = loss_terms.combine(node, found, bool(weights or divisors))
+            match = loss_terms.combine(node, found)
             return dataclasses.replace(match, penalties=tuple(penalties) + match.penalties,
-                                       summed_penalties=tuple(summed) + match.summed_penalties)
+                                       summed_penalties=tuple(summed) + match.summed_penalties,
+                                       weights=tuple(weights) + match.weights,
+                                       divisors=tuple(divisors) + match.divisors)
         else:
             raise LossNotFoundError(f"cannot read a loss through op {node!r} ({op}); {_HOW_TO}")
     raise LossNotFoundError(f"no loss op found; {_HOW_TO}")

@@ -192,6 +192,77 @@ def test_terms_the_pass_cannot_give_each_example_are_refused_in_one_line():
     assert reg.coupling and len(reg.per_example_extras) == 1
 
 
+def _detector(seed=0, anchors=5, classes=3):
+    """A one-stage detector's head: class logits and box offsets per anchor,
+    a focal loss on every anchor and a smooth L1 loss on the positive ones."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(6, activation="tanh")(inputs)
+    model = keras.Model(inputs, [
+        keras.layers.Reshape((anchors, classes))(keras.layers.Dense(anchors * classes)(h)),
+        keras.layers.Reshape((anchors, 4))(keras.layers.Dense(anchors * 4)(h))])
+
+    def terms(x, labels, boxes):
+        logits, offsets = model(x)
+        onehot = tf.one_hot(labels, classes, dtype=logits.dtype)
+        p = tf.sigmoid(logits)
+        pt = onehot * p + (1 - onehot) * (1 - p)
+        focal = tf.reduce_sum((1 - pt) ** 2 * tf.nn.sigmoid_cross_entropy_with_logits(
+            onehot, logits), -1)
+        diff = tf.abs(offsets - boxes)
+        return focal, tf.reduce_sum(tf.where(diff < 1.0, 0.5 * diff ** 2, diff - 0.5), -1)
+
+    rng = np.random.default_rng(seed + 1)
+    args = (tf.constant(rng.normal(size=(B, 4))),
+            tf.constant(rng.integers(0, classes, (B, anchors))),
+            tf.constant(rng.normal(size=(B, anchors, 4))),
+            tf.constant((rng.uniform(size=(B, anchors)) > 0.5).astype("float64")))
+    return terms, args
+
+
+def test_a_term_weighted_by_data_beside_another(float64):
+    """The box term is masked to the positive anchors, each term a mean over
+    the examples: both outputs' curvature, exact per-example gradients."""
+    terms, args = _detector()
+
+    @kg.auto_register
+    def loss(x, labels, boxes, positive):
+        focal, box = terms(x, labels, boxes)
+        return tf.reduce_mean(focal) + tf.reduce_mean(tf.reduce_sum(box * positive, -1))
+
+    reg = assert_matches_loop(loss, args, rtol=1e-10)
+    assert reg.loss.kind == "ggn" and len(reg.per_example_extras) == 1, reg.loss
+
+
+def test_terms_divided_by_a_count_of_the_batch(float64):
+    """Both terms summed over the batch and divided by its count of positive
+    anchors (a RetinaNet's normaliser): a sum over the examples, example i's
+    own loss its share, read at run time as dL/de_i . e_i. Before, the pass
+    refused the sum under the division ("adds a weighted term beside the
+    loss's first")."""
+    terms, args = _detector()
+
+    @kg.auto_register
+    def loss(x, labels, boxes, positive):
+        focal, box = terms(x, labels, boxes)
+        count = tf.maximum(tf.reduce_sum(positive), 1.0)
+        return (tf.reduce_sum(focal) + tf.reduce_sum(box * positive)) / count
+
+    reg = loss.registration(*args)
+    assert (reg.loss.kind, reg.loss.reduction) == ("ggn", "sum") and reg.loss.divisors
+    focal, box = terms(*args[:3])
+    own = (tf.reduce_sum(focal, -1) + tf.reduce_sum(box * args[3], -1)) / tf.reduce_sum(
+        args[3])
+    from kfac_graph.taps import LayerTaps
+    got = tf.function(lambda *a: LayerTaps.build(reg, a).per_example_loss)(*args)
+    np.testing.assert_allclose(got, own, rtol=1e-12)
+    report = kg.verify(loss, *args, estimation_mode="exact")
+    assert not report.failures, report
+    opt = kg.KFAC(loss)
+    losses = [float(opt.step(*args)) for _ in range(6)]
+    assert int(opt.skipped_steps) == 0 and losses[-1] < losses[0], losses
+
+
 def test_two_outputs_losses_are_opaque_with_exact_per_example_gradients():
     """Two outputs the pass cannot join (302 values per example: their
     Hessian is not formed), so there is no one distribution."""
