@@ -82,6 +82,18 @@ def _brute_ggn(variables, outputs, on_outputs, args):
     return total / B
 
 
+def _brute_blocks(layers, outputs, on_outputs, args):
+    """``_brute_ggn``'s diagonal blocks, one per Keras layer of ``layers``,
+    from one pass over the examples."""
+    variables = [v for layer in layers for v in layer.trainable_variables]
+    full, out, start = _brute_ggn(variables, outputs, on_outputs, args), [], 0
+    for layer in layers:
+        n = sum(int(np.prod(v.shape)) for v in layer.trainable_variables)
+        out.append(full[start:start + n, start:start + n])
+        start += n
+    return out
+
+
 def _block(reg, est, name):
     """The estimator's full block of the layer whose name holds ``/name``."""
     return next(b for layer, b in zip(reg.layers, est.blocks)
@@ -191,8 +203,7 @@ def test_a_gaussian_with_a_predicted_scale_is_joined(float64):
     est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
                              approximations={"dense": "full"})
     est.update(*args)
-    for layer in model.layers:
-        want = _brute_ggn(layer.trainable_variables, outputs, on_outputs, args)
+    for layer, want in zip(model.layers, _brute_blocks(model.layers, outputs, on_outputs, args)):
         np.testing.assert_allclose(_block(reg, est, layer.name), want, rtol=1e-8, atol=1e-12)
     opt = kg.KFAC(fn)
     losses = [float(opt.step(*args)) for _ in range(6)]
@@ -285,10 +296,10 @@ def test_keras_vae_with_a_layer_per_code_statistic(float64):
     est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
                              approximations={"dense": "full"})
     est.update(*args)
-    for name in ("enc_hidden", "z_mean", "z_log_var", "dec_hidden", "dec_out"):
-        layer = (encoder if name[0] == "z" or name.startswith("enc") else decoder).get_layer(name)
-        want = _brute_ggn(layer.trainable_variables, outputs, on_outputs, args)
-        np.testing.assert_allclose(_block(reg, est, name), want, rtol=1e-8, atol=1e-12)
+    layers = [encoder.get_layer(n) for n in ("enc_hidden", "z_mean", "z_log_var")] + [
+        decoder.get_layer(n) for n in ("dec_hidden", "dec_out")]
+    for layer, want in zip(layers, _brute_blocks(layers, outputs, on_outputs, args)):
+        np.testing.assert_allclose(_block(reg, est, layer.name), want, rtol=1e-8, atol=1e-12)
 
 
 def _vae(seed=0):
@@ -328,8 +339,8 @@ def test_vae_kl_term_is_in_the_encoder_blocks(float64):
     est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
                              approximations={"dense": "full"})
     est.update(*args)
-    for layer in (*encoder.layers, *decoder.layers):
-        want = _brute_ggn(layer.trainable_variables, outputs, on_outputs, args)
+    layers = [layer for layer in (*encoder.layers, *decoder.layers) if layer.trainable_variables]
+    for layer, want in zip(layers, _brute_blocks(layers, outputs, on_outputs, args)):
         np.testing.assert_allclose(_block(reg, est, layer.name), want, rtol=1e-8, atol=1e-12)
     assert kg.verify(fn, *args, estimation_mode="exact").passed
 
