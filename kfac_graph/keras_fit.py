@@ -183,7 +183,8 @@ class KFACModel(keras.Model):
         def kfac_loss(x, y, *sample_weight):  # the weights, where fit has them
             y_pred = inner(x, training=True)
             if isinstance(loss_fn, OutputsLoss):  # each output's loss as Keras scales it
-                value = tf.add_n([_unscaled(fn, fn(t, p)) for fn, t, p in loss_fn.pairs(y, y_pred)])
+                value = tf.add_n([_unscaled(fn, v) for fn, v in loss_fn.values(
+                    y, y_pred, *sample_weight)])
             else:
                 value = _unscaled(loss_fn, loss_fn(y, y_pred, *sample_weight))
             if inner.losses:
@@ -193,6 +194,7 @@ class KFACModel(keras.Model):
         kfac_loss.__name__ = f"{inner.name}_loss"
         self._loss_spec = loss
         self._keras_loss = keras_loss
+        self._outputs_loss = loss_fn if isinstance(loss_fn, OutputsLoss) else None
         self.loss_fn = auto_register(kfac_loss, loss=self.loss_kind)
         self._shim.kfac = KFAC(self.loss_fn, **self.kfac_options)
         self._shim.set_model_weights(inner.variables)
@@ -221,7 +223,9 @@ class KFACModel(keras.Model):
         if self.kfac is None:
             _as_loss(None)
         weights = () if sample_weight is None else (sample_weight,)
-        if weights and not isinstance(self._keras_loss, keras.losses.Loss):
+        if weights and not isinstance(self._keras_loss, keras.losses.Loss) and not (
+                self._outputs_loss and all(isinstance(fn, keras.losses.Loss)
+                                           for fn in self._outputs_loss.fns)):
             raise ValueError("KFACModel.fit: sample_weight and class_weight need a "
                              "keras.losses.Loss (a loss given as fn(y_true, y_pred) takes none)")
         if self._kfac_built and self._weighted != bool(weights):

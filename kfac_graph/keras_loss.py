@@ -22,9 +22,10 @@ class OutputsLoss:
     """One loss per output of a model with several, as ``compile`` takes
     them: a list or tuple in the outputs' order, or a dict by output name
     (``output_names``: the model's, for predictions that come as a list).
-    Called, the sum of the outputs' losses; ``pairs(y_true, y_pred)`` gives
-    ``(loss, y_true, y_pred)`` per output and ``per_example`` each example's
-    summed over the outputs."""
+    Called (with sample weights per output, or one array for all), the sum
+    of the outputs' losses; ``pairs(y_true, y_pred)`` gives ``(loss,
+    y_true, y_pred)`` per output and ``per_example`` each example's summed
+    over the outputs."""
 
     def __init__(self, losses, output_names=()):
         self.names = list(losses) if isinstance(losses, dict) else None
@@ -54,19 +55,48 @@ class OutputsLoss:
                              f"{len(trues)} targets")
         return list(zip(self.fns, trues, preds))
 
-    def __call__(self, y_true, y_pred):
-        return tf.add_n([fn(t, p) for fn, t, p in self.pairs(y_true, y_pred)])
+    def values(self, y_true, y_pred, sample_weight=None):
+        """``[(loss, value)]`` per output, each loss given its output's sample
+        weights: ``sample_weight`` a list or dict by output, as Keras's ``fit``
+        takes them, or one array for every output; each loss must then be a
+        ``keras.losses.Loss``."""
+        pairs = self.pairs(y_true, y_pred)
+        if sample_weight is None:
+            return [(fn, fn(t, p)) for fn, t, p in pairs]
+        weights = self._weights(sample_weight, len(pairs))
+        plain = [fn for fn, _, _ in pairs if not isinstance(fn, keras.losses.Loss)]
+        if plain:
+            raise ValueError(f"sample weights need a keras.losses.Loss per output; {plain[0]} "
+                             "takes none")
+        return [(fn, fn(t, p) if w is None else fn(t, p, sample_weight=w))
+                for (fn, t, p), w in zip(pairs, weights)]
 
-    def per_example(self, y_true, y_pred):
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        return tf.add_n([value for _, value in self.values(y_true, y_pred, sample_weight)])
+
+    def per_example(self, y_true, y_pred, sample_weight=None):
         """``[B]``: each example's loss summed over the outputs (each output's
-        per-example values averaged over their other axes)."""
+        per-example values, times its sample weights where given, averaged
+        over their other axes)."""
+        pairs = self.pairs(y_true, y_pred)
         values = []
-        for fn, t, p in self.pairs(y_true, y_pred):
+        for (fn, t, p), w in zip(pairs, self._weights(sample_weight, len(pairs))):
             v = tf.convert_to_tensor(fn.call(t, p) if isinstance(fn, keras.losses.Loss)
                                      else fn(t, p))
+            if w is not None:
+                w = tf.cast(w, v.dtype)
+                v = v * tf.reshape(w, tf.concat([tf.shape(w), tf.ones(
+                    [v.shape.rank - w.shape.rank], tf.int32)], 0))
             values.append(tf.reduce_mean(v, axis=list(range(1, v.shape.rank)))
                           if v.shape.rank > 1 else v)
         return tf.add_n(values)
+
+    def _weights(self, sample_weight, n):
+        if sample_weight is None:
+            return [None] * n
+        if isinstance(sample_weight, (list, tuple, dict)):
+            return self._by_output(sample_weight, "sample weights")
+        return [sample_weight] * n  # one array for every output
 
 
 def as_loss(loss, output_names=()):

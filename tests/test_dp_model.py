@@ -84,6 +84,39 @@ def test_per_token_sample_weights_step_as_the_weighted_loss():
     assert np.isfinite(logs["loss"][0]) and np.isfinite(logs["epsilon"][0])
 
 
+def test_sample_weights_per_output_step_as_the_weighted_loss():
+    """A model with two outputs, ``sample_weight={"label": w1, "value": w2}``:
+    without noise and clipping a step over the whole data set is the
+    optimizer's step on the sum of each output's weighted loss, and the
+    logged loss is that sum. Before, DPModel refused the weights ("needs a
+    keras.losses.Loss")."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    h = keras.layers.Dense(6, activation="tanh")(inputs)
+    model = keras.Model(inputs, [keras.layers.Dense(3, name="label")(h),
+                                 keras.layers.Dense(2, name="value")(h)])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 5)).astype("float32")
+    y = {"label": rng.integers(0, 3, 16), "value": rng.normal(size=(16, 2)).astype("float32")}
+    w = {"label": rng.uniform(size=16).astype("float32"),
+         "value": (rng.uniform(size=16) > 0.4).astype("float32")}
+    losses = {"label": _loss(), "value": keras.losses.Huber()}
+    before = [v.numpy() for v in model.trainable_variables]
+    with tf.GradientTape() as tape:
+        label, value = model(x, training=True)
+        loss = (losses["label"](y["label"], label, sample_weight=w["label"])
+                + losses["value"](y["value"], value, sample_weight=w["value"]))
+    grads = tape.gradient(loss, model.trainable_variables)
+    dp = kg.DPModel(model, loss=losses, l2_norm_clip=1e9, noise_multiplier=0.0,
+                    sampling="fixed")
+    dp.compile(optimizer=keras.optimizers.SGD(0.1))
+    history = dp.fit(x, y, sample_weight=w, batch_size=16, epochs=1, verbose=0)
+    for v, b, g in zip(model.trainable_variables, before, grads):
+        np.testing.assert_allclose(v.numpy(), b - 0.1 * tf.convert_to_tensor(g).numpy(),
+                                   rtol=1e-5, atol=1e-6)
+    assert history.history["loss"][0] == pytest.approx(float(loss), rel=1e-5)
+
+
 def test_poisson_padding_counts_for_nothing_and_the_mean_uses_the_expected_size():
     model, x, y = _small(1)
     batches = kg.privacy.poisson_batches((x, y), 0.25, steps=1, seed=4, pad_multiple=8)

@@ -138,6 +138,35 @@ def test_keras_fit_with_a_loss_per_output_trains_with_the_defaults():
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0], losses
 
 
+def test_keras_fit_with_sample_weights_per_output(float64):
+    """``fit(..., sample_weight={"label": w1, "value": w2})``: each output's
+    loss takes its own weights (before, KFACModel refused sample weights
+    with a loss per output). The registered loss's per-example gradients
+    equal one-example tapes; a value head weighted zero everywhere gets no
+    gradient."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, D))
+    labels, values = rng.integers(0, 3, 32), rng.normal(size=(32, 2))
+    weights = {"label": rng.uniform(size=32), "value": (rng.uniform(size=32) > 0.4) * 1.0}
+    kmodel = kg.KFACModel(_two_heads(), loss={
+        "label": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        "value": keras.losses.Huber()}, momentum_type="regular", learning_rate=0.1)
+    kmodel.compile()
+    losses = kmodel.fit(x, {"label": labels, "value": values}, sample_weight=weights,
+                        batch_size=8, epochs=4, verbose=0).history["loss"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    args = (tf.constant(x[:B]), {"label": tf.constant(labels[:B]),
+                                 "value": tf.constant(values[:B])},
+            {k: tf.constant(w[:B]) for k, w in weights.items()})
+    reg = assert_matches_loop(kmodel.loss_fn, args, rtol=1e-10)
+    assert reg.loss.kind == "ggn" and reg.loss.weighted, reg.loss
+    zero = (*args[:2], {"label": args[2]["label"], "value": tf.zeros(B, tf.float64)})
+    grads = kg.per_example_gradients(kmodel.loss_fn, *zero)
+    head = kmodel.model.get_layer("value").kernel
+    index = next(k for k, v in enumerate(reg.variables) if v is head.value or v is head)
+    assert not np.any(grads[index]) and np.any(grads[0])
+
+
 def _raw_block(reg, est, variable):
     return next(b for layer, b in zip(reg.layers, est.blocks)
                 if any(v is variable for v in layer.variables)).full_matrix().numpy()

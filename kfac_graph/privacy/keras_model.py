@@ -259,6 +259,7 @@ class DPModel(keras.Model):
 
         dp_loss.__name__ = f"{inner.name}_loss"
         self._loss_spec, self._keras_loss, self._per_example_loss = loss, keras_loss, per_example
+        self._outputs_loss = loss_fn if isinstance(loss_fn, OutputsLoss) else None
         self.loss_fn = auto_register(dp_loss, loss=self.loss_kind)
         self._step_function = None
 
@@ -267,7 +268,9 @@ class DPModel(keras.Model):
         weights = ()
         if isinstance(mask, tuple):  # fit's arrays with sample weights: (w,) or (w, mask)
             weights, mask = mask[:1], (mask[1] if len(mask) > 1 else None)
-            if not isinstance(self._keras_loss, keras.losses.Loss):
+            if not isinstance(self._keras_loss, keras.losses.Loss) and not (
+                    self._outputs_loss and all(isinstance(fn, keras.losses.Loss)
+                                               for fn in self._outputs_loss.fns)):
                 raise ValueError("kg.DPModel.fit: sample_weight needs a keras.losses.Loss (a "
                                  "loss given as fn(y_true, y_pred) takes none)")
         if y is None:
@@ -314,8 +317,18 @@ class DPModel(keras.Model):
         return self._step_logs(x, y, y_pred, mask, *weights)
 
     def _step_logs(self, x, y, y_pred, mask, *sample_weight):
-        values = tf.convert_to_tensor(self._per_example_loss(y, y_pred))
-        metric_weight = mask
+        if self._outputs_loss is not None:  # each output's loss times its weights
+            values = self._outputs_loss.per_example(y, y_pred, *sample_weight)
+            metric_weight = sample_weight[0] if sample_weight else mask
+            if sample_weight and mask is not None:
+                live = tf.cast(mask, values.dtype)
+                metric_weight = tf.nest.map_structure(
+                    lambda w: tf.cast(w, live.dtype) * _trailing(live, w.shape.rank),
+                    sample_weight[0])
+            sample_weight = ()
+        else:
+            values = tf.convert_to_tensor(self._per_example_loss(y, y_pred))
+            metric_weight = mask
         if sample_weight:  # per example or per token, as the loss weighs them
             w = tf.cast(sample_weight[0], values.dtype)
             values = values * _trailing(w, values.shape.rank)
