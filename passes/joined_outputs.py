@@ -9,6 +9,8 @@ keeps one output ``z`` ``[B, N]``, the graph that is run gets
     joined = concat_k reshape(z_k, [-1, n_k])                 (axis 1)
     z_k'   = reshape(split(joined, [n_1, n_2, ..], axis 1)[k], shape(z_k))
 
+(in the widest of their dtypes: under mixed precision a float16 code and
+float32 logits are joined in float32, each cast back where it is read)
 and every op that read ``z_k`` reads ``z_k'`` instead: the same values, and
 every path from the variables to the loss now passes through ``joined``
 (``n_k`` the values of ``z_k`` per example). An output that feeds another
@@ -44,20 +46,26 @@ def join_outputs(graph_def, g, outputs, terms):
     """``graph_def`` with ``outputs`` joined (module docstring); adds the
     ``JOINED`` node to the IR ``g``."""
     shapes = [ir.shape_of(g, ir.resolve(g, z)) for z in outputs]
-    dtype_name = ir.dtype_of(g, outputs[0])
-    dtype = tf.as_dtype(dtype_name).as_datatype_enum
+    own = [tf.as_dtype(ir.dtype_of(g, z)) for z in outputs]
+    widest = max(own, key=lambda d: d.size)  # mixed precision: float16 codes, float32 logits
+    dtype, dtype_name = widest.as_datatype_enum, widest.name
     sizes = [int(np.prod(s[1:])) for s in shapes]
     new, rewired = [], {}
     for k, (z, n) in enumerate(zip(outputs, sizes)):
         flat = f"{JOINED}/flat_{k}"
         new += [const_int(f"{flat}/shape", [-1, n]),
-                node(flat, "Reshape", [z, f"{flat}/shape"], T=dtype, Tshape=INT32)]
+                node(flat, "Reshape", [z, f"{flat}/shape"], T=own[k].as_datatype_enum,
+                     Tshape=INT32)]
+        if own[k] != widest:
+            new.append(node(f"{flat}/cast", "Cast", [flat], SrcT=own[k].as_datatype_enum,
+                            DstT=dtype))
     new.append(const_int(f"{JOINED}/axis", 1))
+    flats = [f"{JOINED}/flat_{k}" + ("/cast" if own[k] != widest else "")
+             for k in range(len(outputs))]
     if len(outputs) == 1:  # a head that mixes an output's positions: joined alone
-        joined = node(JOINED, "Identity", [f"{JOINED}/flat_0"], T=dtype)
+        joined = node(JOINED, "Identity", flats, T=dtype)
     else:
-        joined = node(JOINED, "ConcatV2", [f"{JOINED}/flat_{k}" for k in range(len(outputs))]
-                      + [f"{JOINED}/axis"], T=dtype, Tidx=INT32)
+        joined = node(JOINED, "ConcatV2", flats + [f"{JOINED}/axis"], T=dtype, Tidx=INT32)
         joined.attr["N"].i = len(outputs)
     new.append(joined)
     # a SplitV, not Slices: under XLA a Slice's gradient has no gradient of its own
@@ -67,17 +75,22 @@ def join_outputs(graph_def, g, outputs, terms):
     split.attr["num_split"].i = len(outputs)
     new += [const_int(f"{parts}/sizes", sizes), split]
     for k, z in enumerate(outputs):
-        out = f"{JOINED}/out_{k}"
-        new += [node(f"{JOINED}/shape_{k}", "Shape", [z], T=dtype, out_type=INT32),
-                node(out, "Reshape", [f"{parts}:{k}", f"{JOINED}/shape_{k}"], T=dtype,
+        out, part = f"{JOINED}/out_{k}", f"{parts}:{k}"
+        if own[k] != widest:
+            new.append(node(f"{parts}/cast_{k}", "Cast", [part], SrcT=dtype,
+                            DstT=own[k].as_datatype_enum))
+            part = f"{parts}/cast_{k}"
+        new += [node(f"{JOINED}/shape_{k}", "Shape", [z], T=own[k].as_datatype_enum,
+                     out_type=INT32),
+                node(out, "Reshape", [part, f"{JOINED}/shape_{k}"], T=own[k].as_datatype_enum,
                      Tshape=INT32)]
     result = type(graph_def)()
     result.CopyFrom(graph_def)
-    nodes = [ir.node_of(g, z) for z in outputs]
+    nodes, flow = [ir.split_tensor(z)[0] for z in outputs], _flow(result)
     for k, z in enumerate(outputs):
         out = f"{JOINED}/out_{k}"
-        if any(nodes[k] in nx.ancestors(g, other) for other in nodes):
-            new += _split_head(result, g, z, out, nodes, terms, f"{JOINED}/shared_{k}")
+        if any(nodes[k] in nx.ancestors(flow, other) for other in nodes):
+            new += _split_head(result, flow, z, out, nodes, terms, f"{JOINED}/shared_{k}")
         else:
             rewired[ir.tensor_name(*ir.split_tensor(z))] = out
     _rewire(result.node, rewired)
@@ -95,30 +108,49 @@ def _rewire(nodes, rewired):
                 reader.input[i] = rewired.get(ir.tensor_name(*ir.split_tensor(name)), name)
 
 
-def _split_head(graph_def, g, z, out, outputs, terms, prefix):
+def _flow(graph_def) -> nx.DiGraph:
+    """The GraphDef's own data flow (the IR's inputs are canonicalised: they
+    skip casts and identities, which the rewiring must see)."""
+    flow = nx.DiGraph()
+    for n in graph_def.node:
+        flow.add_node(n.name)
+        flow.add_edges_from((ir.split_tensor(t.lstrip("^"))[0], n.name) for t in n.input)
+    return flow
+
+
+def _split_head(graph_def, flow, z, out, outputs, terms, prefix):
     """Rewires the ops from ``z`` to ``terms`` that pass no other output (the
     loss head) to read ``out`` for ``z``; those of them that also lead to
     another output are copied, under ``prefix``, reading ``z`` itself, for
     the ops on the way to that output. Returns the copies."""
-    start = ir.node_of(g, z)
+    start = ir.split_tensor(z)[0]
     others = set(outputs) - {start}
-    rest = g.subgraph(set(g) - others)
-    ends = {ir.node_of(g, t) for t in terms} & set(rest)
+    rest = flow.subgraph(set(flow) - others)
+    ends = {ir.split_tensor(t)[0] for t in terms} & set(rest)
     head = (nx.descendants(rest, start) & set().union(
         *(nx.ancestors(rest, e) | {e} for e in ends)))
-    upstream = set().union(*(nx.ancestors(g, o) | {o} for o in others))
+    upstream = set().union(*(nx.ancestors(flow, o) | {o} for o in others))
     shared = head & upstream
     by_name = {n.name: n for n in graph_def.node}
-    to_copies, copies = {}, []
+    copied, copies = {f"{name}": f"{prefix}/{name}" for name in shared}, []
     for name in shared:
         copy = type(by_name[name])()
         copy.CopyFrom(by_name[name])
-        copy.name = f"{prefix}/{name}"
+        copy.name = copied[name]
         copies.append(copy)
-        for index in range(len(g.nodes[name]["dtypes"]) or 1):
-            to_copies[ir.tensor_name(name, index)] = ir.tensor_name(copy.name, index)
-    _rewire(copies, to_copies)
-    _rewire([n for n in graph_def.node if n.name in upstream - head], to_copies)
+    _rewire_nodes(copies, copied)
+    _rewire_nodes([n for n in graph_def.node if n.name in upstream - head], copied)
     _rewire([n for n in graph_def.node if n.name in head],
             {ir.tensor_name(*ir.split_tensor(z)): out})
     return copies
+
+
+def _rewire_nodes(readers, renamed):
+    """Every input of ``readers`` from a node named in ``renamed`` reads the
+    same output of the node it names."""
+    for reader in readers:
+        for i, name in enumerate(reader.input):
+            node, index = ir.split_tensor(name.lstrip("^"))
+            if node in renamed:
+                reader.input[i] = ("^" + renamed[node] if name.startswith("^")
+                                   else ir.tensor_name(renamed[node], index))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import networkx as nx
 import numpy as np
+import tensorflow as tf
 
 from passes import ir
 from passes.coupling import coupling_ops
@@ -273,7 +274,7 @@ def joint_outputs(g, heads, params, examples_first, rows) -> tuple[list | None, 
     why not)``. Together they must cut every path from the variables to the
     terms, one may feed another (a VAE's encoder output, read by its KL term,
     feeds the decoder's) but no term may read its output through another's,
-    and they must hold static sizes of one dtype, and at most ``MAX_CLASSES``
+    and they must hold static sizes, floating point, and at most ``MAX_CLASSES``
     values per example: the curvature is the Hessian of the examples' summed
     loss over all of them (``passes.joined_outputs`` joins them into one).
     A term piecewise linear in its output adds no output (its Hessian is
@@ -317,9 +318,8 @@ def joint_outputs(g, heads, params, examples_first, rows) -> tuple[list | None, 
     shapes = [ir.shape_of(g, ir.resolve(g, z)) for z in outputs]
     if any(not s or None in s[1:] for s in shapes):
         return None, f"the outputs {', '.join(outputs)} have sizes not known statically"
-    dtypes = {ir.dtype_of(g, z) for z in outputs}
-    if len(dtypes) != 1:
-        return None, f"the outputs {', '.join(outputs)} have different dtypes"
+    if any(not tf.as_dtype(ir.dtype_of(g, z)).is_floating for z in outputs):
+        return None, f"the outputs {', '.join(outputs)} are not all floating point"
     total = sum(int(np.prod(s[1:])) for s in shapes)
     if total > MAX_CLASSES:
         return None, (f"the outputs {', '.join(outputs)} hold {total} values per example, "

@@ -358,6 +358,44 @@ def _vae(seed=0):
     return encoder, decoder, outputs, on_outputs, args
 
 
+def _mixed_vae_traces(policy):
+    """The exact Fisher blocks' traces of a VAE built under ``policy`` (the
+    decoder's logits in float32, the codes cast to float32 by the loss)."""
+    keras.config.set_dtype_policy(policy)  # (conftest restores it)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(5, activation="relu")(inputs)
+    encoder = keras.Model(inputs, [keras.layers.Dense(2)(h), keras.layers.Dense(2)(h)])
+    decoder = keras.Sequential([keras.Input((2,)), keras.layers.Dense(5, activation="tanh"),
+                                keras.layers.Dense(6, dtype="float32")])
+
+    @kg.auto_register
+    def loss(x, eps):
+        z_mean, z_log_var = (tf.cast(t, tf.float32) for t in encoder(x))
+        logits = decoder(z_mean + tf.exp(0.5 * z_log_var) * eps)
+        kl = -0.5 * (1 + z_log_var - tf.square(z_mean) - tf.exp(z_log_var))
+        return tf.reduce_mean(tf.reduce_sum(tf.nn.sigmoid_cross_entropy_with_logits(
+            x, logits), 1)) + tf.reduce_mean(tf.reduce_sum(kl, 1))
+
+    rng = np.random.default_rng(0)
+    args = (tf.constant((rng.uniform(size=(16, 6)) > 0.5).astype("float32")),
+            tf.constant(rng.normal(size=(16, 2)), tf.float32))
+    assert loss.registration(*args).loss.kind == "ggn"
+    est = kg.FisherEstimator(loss, estimation_mode="exact", cov_ema_decay=0.0)
+    est.update(*args)
+    return [float(np.trace(b.full_matrix().numpy())) for b in est.blocks]
+
+
+def test_vae_under_mixed_precision_keeps_the_kl_curvature():
+    """Under ``mixed_float16`` the KL head reads the float16 codes through
+    casts, which the IR's canonical inputs skip; the head was rewired by
+    those, so it kept reading the codes themselves: its Hessian over the
+    joined output was zero and the encoder's blocks a tenth of float32's
+    (K-FAC's defaults then went from a loss of 4.9 to 1e7)."""
+    np.testing.assert_allclose(_mixed_vae_traces("mixed_float16"),
+                               _mixed_vae_traces("float32"), rtol=2e-2)
+
+
 def test_vae_kl_term_is_in_the_encoder_blocks(float64):
     """Before, the KL term's curvature was in no block: the encoder's blocks
     were the reconstruction's alone (0.70 off the brute force, of 0.75)."""
