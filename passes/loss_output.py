@@ -24,6 +24,13 @@ Refused, with the reason the loss stays ``"opaque"`` (empirical Fisher):
   examples first (``tf.nn.log_softmax(axis=1)``), and softmax, reductions,
   reshapes, slices and splits of the classes' axis alone;
 - ``K`` unknown, or above ``MAX_CLASSES`` (``H`` takes ``K`` backward passes).
+
+A loss that adds terms of several outputs (two heads; a VAE's
+reconstruction and KL terms), or a term no one output dominates (a mean and
+a log variance from two layers: ``frontier_outputs``), has one output per
+term or several: ``joint_outputs(g, heads, params, examples_first, rows)``
+gives them all, to be joined (``passes.joined_outputs``), with ``H`` formed
+per example over all their values.
 """
 from __future__ import annotations
 
