@@ -111,10 +111,11 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
             except (tf.errors.OpError, ValueError, TypeError) as e:
                 one_note = "fn fails on a batch of one"
                 one_error = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        fisher = {}
+        fisher, fisher_notes = {}, []
         if estimation_mode is not None:
             fisher = verify_fisher.fisher_checks(fn, reg, args, estimation_mode, directions, rng,
-                                                 fisher_max_params, bool(coupling), tol, state)
+                                                 fisher_max_params, bool(coupling), tol, state,
+                                                 fisher_notes)
     finally:
         state.restore()
 
@@ -136,7 +137,7 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
                                tuple(checks)))
     model = LayerCheck("(whole model)", "", "per_example_gradient_norms",
                        (_norms_check("norms", model_norm, _example_norms(pxg), tol),))
-    notes = _notes(reg, coupling, one_error)
+    notes = _notes(reg, coupling, one_error) + tuple(fisher_notes)
     return VerifyReport(tuple(rows), model, batch, reg.loss.reduction, picked, dtype,
                         tol[0], tol[1], estimation_mode, time.perf_counter() - start, notes)
 

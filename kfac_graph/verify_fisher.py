@@ -80,8 +80,9 @@ def skip_reason(reg, layer, coupled: bool, max_params: int, mode: str = "exact")
 
 
 def fisher_checks(fn, reg, args, mode, directions, rng, max_params, coupled, tol,
-                  state) -> list:
-    """One ``Check("fisher", ...)`` per layer of ``reg``. The estimator and
+                  state, notes) -> list:
+    """One ``Check("fisher", ...)`` per layer of ``reg``; appends to ``notes``
+    when the curvature at the output is zero. The estimator and
     the reference are built once per registration, mode and set of checked
     layers (``fn.derived``); the directions are their arguments. ``state``
     (``verify_state.SavedState``) runs each from the same variables."""
@@ -106,9 +107,10 @@ def fisher_checks(fn, reg, args, mode, directions, rng, max_params, coupled, tol
     state.run(estimator.update, *args)
     parts = [[rng.standard_normal((directions, *tuple(v.shape))) for v in reg.layers[k].variables]
              for k in checked]
-    exact = state.run(forms, tuple(args), [[tf.constant(p, v.dtype) for p, v in
-                                            zip(layer_parts, reg.layers[k].variables)]
-                                           for k, layer_parts in zip(checked, parts)]).numpy()
+    exact, flat = state.run(forms, tuple(args), [[tf.constant(p, v.dtype) for p, v in
+                                                  zip(layer_parts, reg.layers[k].variables)]
+                                                 for k, layer_parts in zip(checked, parts)])
+    exact = exact.numpy()
     for row, (k, layer_parts) in enumerate(zip(checked, parts)):
         matrix = estimator.blocks[k].full_matrix().numpy().astype(np.float64)
         worst, ok = 0.0, True
@@ -120,6 +122,11 @@ def fisher_checks(fn, reg, args, mode, directions, rng, max_params, coupled, tol
             ok = ok and diff <= tol[1] + tol[0] * scale
             worst = max(worst, error)
         out[k] = Check("fisher", "pass" if ok else "fail", worst)
+    if bool(flat):
+        notes.append(f"the loss's Hessian at its output {reg.loss.output}, made positive "
+                     "semidefinite, is zero on every example (the loss is concave or piecewise "
+                     "linear there): every Fisher block is zero, and K-FAC preconditions by the "
+                     "damping alone")
     return out
 
 
@@ -162,6 +169,7 @@ def _quadratic_forms(reg, mode, checked):
                     form = tf.reduce_sum(tf.square(tf.reduce_sum(c * jv, axis=-1)))
                 forms.append(tf.cast(form, tf.float64) / tf.cast(batch, tf.float64))
             rows.append(tf.stack(forms))
-        return tf.stack(rows)
+        flat = dist.flat() if hasattr(dist, "flat") else tf.constant(False)
+        return tf.stack(rows), flat
 
     return run

@@ -278,3 +278,19 @@ def test_class_axis_moved_by_a_transpose(float64):
     est.update(x, y)
     np.testing.assert_allclose(est.blocks[0].full_matrix().numpy(),
                                _brute_ggn(params, x, y, cross_entropy), rtol=1e-8, atol=1e-12)
+
+
+def test_verify_notes_a_loss_with_no_curvature_at_its_output(float64):
+    """``-logsumexp`` of the output is concave: its Hessian made positive
+    semidefinite is zero, every block with it. ``kg.verify``'s exact check
+    shares that Hessian, so it passes; the report says the curvature is
+    zero, which a curved loss's does not."""
+    params = _dense()
+    x = tf.constant(np.random.default_rng(3).normal(size=(B, D)))
+    concave = kg.auto_register(
+        lambda x: -tf.reduce_mean(tf.reduce_logsumexp(x @ params[0] + params[1], -1)))
+    report = kg.verify(concave, x, estimation_mode="exact")
+    assert report.passed and any("is zero on every example" in n for n in report.notes), report
+    huber = kg.auto_register(lambda x, y: LOSSES["huber"](y, x @ params[0] + params[1]))
+    report = kg.verify(huber, x, _targets("huber", (B, K)), estimation_mode="exact")
+    assert report.passed and not any("zero on every example" in n for n in report.notes)

@@ -22,6 +22,7 @@ forms use (``fisher``, ``fisher_diagonal``, ``multiply_fisher``,
 ``sample_cotangent(seed)``: ``S eps`` with ``S S^T = H``, ``eps ~ N(0, I)``,
 whose outer products average to ``H``. There are no targets to sample."""
 
+import numpy as np
 import tensorflow as tf
 
 from kfac_graph.fisher.distributions import make_distribution
@@ -58,7 +59,17 @@ class GGN:
 
     def __init__(self, hessian):
         values, vectors = tf.linalg.eigh(hessian)
+        self._values = values
         self._sqrt = vectors * tf.sqrt(tf.maximum(values, 0.0))[..., None, :]
+
+    def flat(self):
+        """Whether ``H`` made positive semidefinite is zero (up to rounding)
+        at every position: the loss is concave or piecewise linear at ``z``."""
+        top = tf.reduce_max(self._values, axis=-1)
+        scale = tf.reduce_max(tf.abs(self._values), axis=-1)
+        eps = tf.constant(np.finfo(self._values.dtype.as_numpy_dtype).eps ** 0.5,
+                          self._values.dtype)
+        return tf.reduce_all(top <= eps * scale)
 
     def sqrt_fisher(self):
         return self._sqrt
