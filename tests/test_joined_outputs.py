@@ -409,7 +409,6 @@ def test_vae_kl_term_is_in_the_encoder_blocks(float64):
     layers = [layer for layer in (*encoder.layers, *decoder.layers) if layer.trainable_variables]
     for layer, want in zip(layers, _brute_blocks(layers, outputs, on_outputs, args)):
         np.testing.assert_allclose(_block(reg, est, layer.name), want, rtol=1e-8, atol=1e-12)
-    assert kg.verify(fn, *args, estimation_mode="exact").passed
 
 
 def test_vae_trains_with_the_defaults(float64):
