@@ -21,6 +21,7 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
+from joined_reference import block, brute_blocks, brute_ggn
 from per_example_reference import assert_matches_loop
 
 B, D = 6, 4
@@ -55,51 +56,6 @@ def _sum_of_heads(model, second):
     return one
 
 
-def _brute_ggn(variables, outputs, on_outputs, args):
-    """(1/B) sum_i J_i^T H_i^+ J_i over ``variables``: ``z_i`` the outputs
-    ``outputs(*args_i)`` of example i, side by side, ``J_i`` their Jacobian
-    (an output that feeds another: the other's Jacobian holds it), ``H_i``
-    the Hessian of example i's loss ``on_outputs(zs, *args_i)`` over them
-    taken as independent, its negative eigenvalues set to zero."""
-    total = 0.0
-    for i in range(B):
-        one = [a[i:i + 1] for a in args]
-        with tf.GradientTape(persistent=True) as tape:
-            zs = outputs(*one)
-            z = tf.concat([tf.reshape(t, [1, -1]) for t in zs], axis=1)
-        n = int(z.shape[1])
-        j = np.concatenate([np.reshape(a.numpy(), [n, -1]) for a in
-                            tape.jacobian(z, variables, experimental_use_pfor=False)], -1)
-        z0 = tf.Variable(z)
-        with tf.GradientTape(persistent=True) as outer:
-            with tf.GradientTape() as inner:
-                parts = tf.split(z0, [int(np.prod(t.shape[1:])) for t in zs], axis=1)
-                li = on_outputs([tf.reshape(p, t.shape) for p, t in zip(parts, zs)], *one)
-            g = inner.gradient(li, z0)
-        h = np.reshape(outer.jacobian(g, z0).numpy(), [n, n])
-        values, vectors = np.linalg.eigh(0.5 * (h + h.T))
-        total = total + j.T @ ((vectors * np.maximum(values, 0)) @ vectors.T) @ j
-    return total / B
-
-
-def _brute_blocks(layers, outputs, on_outputs, args):
-    """``_brute_ggn``'s diagonal blocks, one per Keras layer of ``layers``,
-    from one pass over the examples."""
-    variables = [v for layer in layers for v in layer.trainable_variables]
-    full, out, start = _brute_ggn(variables, outputs, on_outputs, args), [], 0
-    for layer in layers:
-        n = sum(int(np.prod(v.shape)) for v in layer.trainable_variables)
-        out.append(full[start:start + n, start:start + n])
-        start += n
-    return out
-
-
-def _block(reg, est, name):
-    """The estimator's full block of the layer whose name holds ``/name``."""
-    return next(b for layer, b in zip(reg.layers, est.blocks)
-                if f"/{name}" in layer.name).full_matrix().numpy()
-
-
 def _head_loss(second):
     """The summed loss as a function of the two outputs."""
     sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -117,8 +73,8 @@ def test_two_heads_are_joined_and_their_blocks_are_brute_force(float64):
         est.update(*args)
         for name in ("trunk", "value"):
             variables = model.get_layer(name).trainable_variables
-            want = _brute_ggn(variables, lambda x, y, t: model(x), _head_loss(second), args)
-            np.testing.assert_allclose(_block(reg, est, name), want, rtol=1e-8,
+            want = brute_ggn(variables, lambda x, y, t: model(x), _head_loss(second), args)
+            np.testing.assert_allclose(block(reg, est, name), want, rtol=1e-8,
                                        atol=1e-12)
         assert kg.verify(fn, *args, estimation_mode="exact").passed
 
@@ -167,7 +123,7 @@ def test_keras_fit_with_sample_weights_per_output(float64):
     assert not np.any(grads[index]) and np.any(grads[0])
 
 
-def _raw_block(reg, est, variable):
+def _rawblock(reg, est, variable):
     return next(b for layer, b in zip(reg.layers, est.blocks)
                 if any(v is variable for v in layer.variables)).full_matrix().numpy()
 
@@ -195,8 +151,8 @@ def test_an_output_that_feeds_another_is_joined(float64):
                              approximations={"dense": "full"})
     est.update(*args)
     for variable in (w, v):
-        np.testing.assert_allclose(_raw_block(reg, est, variable),
-                                   _brute_ggn([variable], outputs, on_outputs, args),
+        np.testing.assert_allclose(_rawblock(reg, est, variable),
+                                   brute_ggn([variable], outputs, on_outputs, args),
                                    rtol=1e-8, atol=1e-12)
 
 
@@ -232,8 +188,8 @@ def test_a_gaussian_with_a_predicted_scale_is_joined(float64):
     est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
                              approximations={"dense": "full"})
     est.update(*args)
-    for layer, want in zip(model.layers, _brute_blocks(model.layers, outputs, on_outputs, args)):
-        np.testing.assert_allclose(_block(reg, est, layer.name), want, rtol=1e-8, atol=1e-12)
+    for layer, want in zip(model.layers, brute_blocks(model.layers, outputs, on_outputs, args)):
+        np.testing.assert_allclose(block(reg, est, layer.name), want, rtol=1e-8, atol=1e-12)
     opt = kg.KFAC(fn)
     losses = [float(opt.step(*args)) for _ in range(6)]
     assert int(opt.skipped_steps) == 0 and losses[-1] < losses[0], losses
@@ -267,8 +223,8 @@ def test_outputs_of_two_layers_are_joined(float64):
     est.update(*args)
     for name in ("trunk", "mean", "log_var"):
         variables = model.get_layer(name).trainable_variables
-        want = _brute_ggn(variables, lambda x, y, t: model(x), on_outputs, args)
-        np.testing.assert_allclose(_block(reg, est, name), want, rtol=1e-8, atol=1e-12)
+        want = brute_ggn(variables, lambda x, y, t: model(x), on_outputs, args)
+        np.testing.assert_allclose(block(reg, est, name), want, rtol=1e-8, atol=1e-12)
 
 
 def test_a_loss_that_falls_below_zero_is_not_capped_at_zero(float64):
@@ -285,141 +241,6 @@ def test_a_loss_that_falls_below_zero_is_not_capped_at_zero(float64):
     opt = kg.KFAC(fn)
     losses = [float(opt.step(*args)) for _ in range(12)]
     assert sum(abs(v) < 1e-3 for v in losses) <= 1 and min(losses) < -0.5, losses
-
-
-def _keras_vae(seed=0, pixels=6):
-    """The Keras VAE example's shape: ``z_mean`` and ``z_log_var`` each from a
-    layer of its own, the code sampled from them, the decoder's logits."""
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((pixels,))
-    h = keras.layers.Dense(5, activation="relu", name="enc_hidden")(inputs)
-    encoder = keras.Model(inputs, [keras.layers.Dense(2, name="z_mean")(h),
-                                   keras.layers.Dense(2, name="z_log_var")(h)])
-    decoder = keras.Sequential([keras.Input((2,)),
-                                keras.layers.Dense(5, activation="tanh", name="dec_hidden"),
-                                keras.layers.Dense(pixels, name="dec_out")])
-
-    def outputs(x, eps):
-        z_mean, z_log_var = encoder(x)
-        return [decoder(z_mean + tf.exp(0.5 * z_log_var) * eps), z_mean, z_log_var]
-
-    def on_outputs(zs, x, eps):
-        logits, z_mean, z_log_var = zs
-        reconstruction = tf.reduce_mean(tf.reduce_sum(
-            tf.nn.sigmoid_cross_entropy_with_logits(x, logits), axis=1))
-        kl = -0.5 * (1 + z_log_var - tf.square(z_mean) - tf.exp(z_log_var))
-        return reconstruction + tf.reduce_mean(tf.reduce_sum(kl, axis=1))
-    rng = np.random.default_rng(seed + 1)
-    args = (tf.constant((rng.uniform(size=(B, pixels)) > 0.5).astype("float64")),
-            tf.constant(rng.normal(size=(B, 2))))
-    return encoder, decoder, outputs, on_outputs, args
-
-
-def test_keras_vae_with_a_layer_per_code_statistic(float64):
-    """Before: the KL term had no output (its ``z_mean`` and ``z_log_var``
-    meet only below it), so it was in no curvature."""
-    encoder, decoder, outputs, on_outputs, args = _keras_vae()
-    fn = kg.auto_register(lambda x, eps: on_outputs(outputs(x, eps), x, eps))
-    reg = assert_matches_loop(fn, args, rtol=1e-10)
-    assert (reg.loss.kind, reg.loss.output) == ("ggn", "kfac_joined_outputs:0"), reg.loss
-    est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
-                             approximations={"dense": "full"})
-    est.update(*args)
-    layers = [encoder.get_layer(n) for n in ("enc_hidden", "z_mean", "z_log_var")] + [
-        decoder.get_layer(n) for n in ("dec_hidden", "dec_out")]
-    for layer, want in zip(layers, _brute_blocks(layers, outputs, on_outputs, args)):
-        np.testing.assert_allclose(_block(reg, est, layer.name), want, rtol=1e-8, atol=1e-12)
-
-
-def _vae(seed=0):
-    """A variational autoencoder: the encoder's output ``[mu, log var]``
-    feeds the KL term and, through the sampled code, the decoder."""
-    keras.utils.set_random_seed(seed)
-    encoder = keras.Sequential([keras.Input((7,)),
-                                keras.layers.Dense(6, activation="tanh", name="enc_hidden"),
-                                keras.layers.Dense(4, name="enc_out")])
-    decoder = keras.Sequential([keras.Input((2,)),
-                                keras.layers.Dense(6, activation="tanh", name="dec_hidden"),
-                                keras.layers.Dense(7, name="dec_out")])
-
-    def outputs(x, eps):
-        h = encoder(x)
-        code = h[:, :2] + tf.exp(0.5 * h[:, 2:]) * eps
-        return [decoder(code), h]
-
-    def on_outputs(zs, x, eps):
-        logits, h = zs
-        mu, log_var = h[:, :2], h[:, 2:]
-        reconstruction = tf.reduce_sum(tf.nn.sigmoid_cross_entropy_with_logits(x, logits), -1)
-        kl = -0.5 * tf.reduce_sum(1 + log_var - mu ** 2 - tf.exp(log_var), -1)
-        return tf.reduce_mean(reconstruction + kl)
-    rng = np.random.default_rng(seed + 1)
-    args = (tf.constant(rng.uniform(size=(B, 7))), tf.constant(rng.normal(size=(B, 2))))
-    return encoder, decoder, outputs, on_outputs, args
-
-
-def _mixed_vae_traces(policy):
-    """The exact Fisher blocks' traces of a VAE built under ``policy`` (the
-    decoder's logits in float32, the codes cast to float32 by the loss)."""
-    keras.config.set_dtype_policy(policy)  # (conftest restores it)
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((6,))
-    h = keras.layers.Dense(5, activation="relu")(inputs)
-    encoder = keras.Model(inputs, [keras.layers.Dense(2)(h), keras.layers.Dense(2)(h)])
-    decoder = keras.Sequential([keras.Input((2,)), keras.layers.Dense(5, activation="tanh"),
-                                keras.layers.Dense(6, dtype="float32")])
-
-    @kg.auto_register
-    def loss(x, eps):
-        z_mean, z_log_var = (tf.cast(t, tf.float32) for t in encoder(x))
-        logits = decoder(z_mean + tf.exp(0.5 * z_log_var) * eps)
-        kl = -0.5 * (1 + z_log_var - tf.square(z_mean) - tf.exp(z_log_var))
-        return tf.reduce_mean(tf.reduce_sum(tf.nn.sigmoid_cross_entropy_with_logits(
-            x, logits), 1)) + tf.reduce_mean(tf.reduce_sum(kl, 1))
-
-    rng = np.random.default_rng(0)
-    args = (tf.constant((rng.uniform(size=(16, 6)) > 0.5).astype("float32")),
-            tf.constant(rng.normal(size=(16, 2)), tf.float32))
-    assert loss.registration(*args).loss.kind == "ggn"
-    est = kg.FisherEstimator(loss, estimation_mode="exact", cov_ema_decay=0.0)
-    est.update(*args)
-    return [float(np.trace(b.full_matrix().numpy())) for b in est.blocks]
-
-
-def test_vae_under_mixed_precision_keeps_the_kl_curvature():
-    """Under ``mixed_float16`` the KL head reads the float16 codes through
-    casts, which the IR's canonical inputs skip; the head was rewired by
-    those, so it kept reading the codes themselves: its Hessian over the
-    joined output was zero and the encoder's blocks a tenth of float32's
-    (K-FAC's defaults then went from a loss of 4.9 to 1e7)."""
-    np.testing.assert_allclose(_mixed_vae_traces("mixed_float16"),
-                               _mixed_vae_traces("float32"), rtol=2e-2)
-
-
-def test_vae_kl_term_is_in_the_encoder_blocks(float64):
-    """Before, the KL term's curvature was in no block: the encoder's blocks
-    were the reconstruction's alone (0.70 off the brute force, of 0.75)."""
-    encoder, decoder, outputs, on_outputs, args = _vae()
-    fn = kg.auto_register(lambda x, eps: on_outputs(outputs(x, eps), x, eps))
-    reg = assert_matches_loop(fn, args, rtol=1e-10)
-    assert (reg.loss.kind, reg.loss.output) == ("ggn", "kfac_joined_outputs:0"), reg.loss
-    est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
-                             approximations={"dense": "full"})
-    est.update(*args)
-    layers = [layer for layer in (*encoder.layers, *decoder.layers) if layer.trainable_variables]
-    for layer, want in zip(layers, _brute_blocks(layers, outputs, on_outputs, args)):
-        np.testing.assert_allclose(_block(reg, est, layer.name), want, rtol=1e-8, atol=1e-12)
-
-
-def test_vae_trains_with_the_defaults(float64):
-    """The quadratic model saw no KL curvature before: its steps went from
-    a loss of 5.3 up to 17 and 20 on this fixed code noise."""
-    *_, outputs, on_outputs, args = _vae()
-    fn = kg.auto_register(lambda x, eps: on_outputs(outputs(x, eps), x, eps))
-    opt = kg.KFAC(fn)
-    losses = [float(opt.step(*args)) for _ in range(12)]
-    assert int(opt.skipped_steps) == 0 and max(losses) <= losses[0], losses
-    assert losses[-1] < 0.85 * losses[0], losses
 
 
 def test_kfac_under_xla_trains_two_heads():

@@ -135,7 +135,7 @@ def _vae(latent=2, pixels=12):
 def test_a_vae_reads_its_kl_term_beside_the_likelihood(float64):
     loss, args = _vae()
     reg = assert_matches_loop(loss, args, rtol=1e-10)
-    # the KL term's curvature joins the reconstruction's (test_joined_outputs)
+    # the KL term's curvature joins the reconstruction's (test_joined_vae)
     assert reg.loss.kind == "ggn" and len(reg.per_example_extras) == 1
     assert not reg.generic_variables and not reg.coupling
     opt = kg.KFAC(loss)
