@@ -1,0 +1,82 @@
+"""Sparse and ragged arguments (a Keras ``Input(sparse=True)``, a TF-IDF
+batch) are refused in one line that names the argument and the two ways
+on. Before, the registration read the sparse indices' first axis (the
+nonzeros) as the examples: the first Dense's kernel turned generic with a
+wrong reason, and per-example gradients, ``kg.verify`` and ``kg.DPSGD``
+stopped on a reshape of 8 examples into 49 rows, ``kg.KFAC`` on a
+conversion error. Both ways on the message names are checked here: the
+dense tensor, and the sparse tensor made inside the function."""
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+import kfac_graph as kg
+
+B, D, C = 8, 30, 3
+
+
+@pytest.fixture()
+def problem():
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    rng = np.random.default_rng(0)
+    x = (rng.random((B, D)) < 0.2) * rng.normal(size=(B, D))
+    inputs = keras.Input((D,), sparse=True)
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(C)(hidden))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return model, loss, tf.constant(x), tf.constant(rng.integers(0, C, B))
+
+
+def test_sparse_and_ragged_arguments_are_refused_in_one_line(problem):
+    model, loss, x, y = problem
+    loss_fn = kg.auto_register(lambda x, y: loss(y, model(x)))
+    sparse = tf.sparse.from_dense(x)
+    calls = [lambda: kg.per_example_gradients(loss_fn, sparse, y),
+             lambda: kg.KFAC(loss_fn).step(sparse, y),
+             lambda: kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0,
+                              noise_multiplier=1.0, seed=0).step(sparse, y),
+             lambda: kg.verify(loss_fn, sparse, y)]
+    for call in calls:
+        with pytest.raises(kg.TraceError, match=r"argument 0 is a tf.SparseTensor, .*"
+                                                r"tf.sparse.to_dense\(x\)") as error:
+            call()
+        assert "\n" not in str(error.value)
+    ragged = kg.auto_register(lambda ids, y: tf.reduce_mean(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, model(tf.reduce_sum(tf.one_hot(ids, D, dtype=tf.float64), axis=1)))))
+    ids = tf.ragged.constant([[1, 2], [3], [4, 5, 6], [7], [8], [9], [1], [2, 2]])
+    with pytest.raises(kg.TraceError, match=r"argument 0 is a tf.RaggedTensor"):
+        kg.per_example_gradients(ragged, ids, y)
+
+
+def _assert_exact(loss_fn, x, y):
+    assert kg.verify(loss_fn, x, y).passed
+    grads = kg.per_example_gradients(loss_fn, x, y)
+    variables = loss_fn.registration(x, y).variables
+    for i in range(B):
+        with tf.GradientTape() as tape:
+            value = loss_fn(x[i:i + 1], y[i:i + 1])
+        for g, ref in zip(grads, tape.gradient(value, variables)):
+            np.testing.assert_allclose(g[i], tf.convert_to_tensor(ref), rtol=1e-10, atol=1e-13)
+
+
+def test_the_dense_tensor_gives_the_sparse_models_gradients_and_trains(problem):
+    model, loss, x, y = problem
+    loss_fn = kg.auto_register(lambda x, y: loss(y, model(x)))
+    reg = loss_fn.registration(x, y)
+    assert [layer.kind for layer in reg.layers] == ["dense", "dense"]
+    np.testing.assert_allclose(loss_fn(x, y), loss(y, model(tf.sparse.from_dense(x))), rtol=1e-14)
+    _assert_exact(loss_fn, x, y)
+    opt = kg.KFAC(loss_fn)
+    losses = [float(opt.step(x, y)) for _ in range(4)]
+    assert losses[-1] < 0.5 * losses[0] and int(opt.skipped_steps) == 0
+
+
+def test_a_sparse_tensor_made_inside_the_function_is_exact(problem):
+    model, loss, x, y = problem
+    loss_fn = kg.auto_register(lambda x, y: loss(y, model(tf.sparse.from_dense(x))))
+    _assert_exact(loss_fn, x, y)
+    dp = kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.5, seed=1)
+    assert np.isfinite(float(dp.step(x, y)))
