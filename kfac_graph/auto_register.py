@@ -181,28 +181,10 @@ def user_variable(variable):
 
 
 def _concrete(tf_function, args, name):
-    _check_dense(args, name)
+    passes.frontends.check_dense_arguments(args, name)
     try:
         with passes.frontends.one_device():  # Keras's losses: not divided by the replicas
             return tf_function.get_concrete_function(*args)
     except (TypeError, ValueError) as e:
         raise passes.TraceError(f"could not trace {name}: {passes.frontends.error_line(e)}") from e
 
-
-def _check_dense(args, name):
-    """Sparse and ragged arguments are refused in one line: the pass follows
-    the examples along the first axis of each argument's tensors, and a
-    ``tf.SparseTensor``'s ``indices`` and ``values`` (a ``tf.RaggedTensor``'s
-    ``flat_values``) lead with the nonzeros, not the examples."""
-    for i, arg in enumerate(tf.nest.flatten(args)):
-        if isinstance(arg, (tf.SparseTensor, tf.compat.v1.SparseTensorValue)):
-            raise passes.TraceError(
-                f"{name}: argument {i} is a tf.SparseTensor, whose indices and values lead "
-                "with the nonzeros, not the examples; pass tf.sparse.to_dense(x) (a Keras Dense "
-                "on a sparse Input computes the same on it) or make the sparse tensor inside "
-                "the function (tf.sparse.from_dense)")
-        if isinstance(arg, tf.RaggedTensor):
-            raise passes.TraceError(
-                f"{name}: argument {i} is a tf.RaggedTensor, whose values lead with the items, "
-                "not the examples; pass x.to_tensor() and a mask, or make the ragged tensor "
-                "inside the function (tf.RaggedTensor.from_tensor)")

@@ -204,9 +204,30 @@ def load_saved_model(path: str, function: str, args: Sequence[Any] | None = None
         concrete = concretes[0]
     else:
         concrete = fn
+    check_dense_arguments(getattr(concrete, "structured_input_signature", ()),
+                          f"{function!r} in {path}", LoadError)
     extra = list(getattr(loaded, "variables", ()) or ())
     return from_concrete_function(concrete, name=function, extra_variables=extra,
                                   source=f"the SavedModel at {path}")
+
+
+def check_dense_arguments(args, name, error=TraceError):
+    """Sparse and ragged arguments (values or specs) are refused in one line:
+    the pass follows the examples along the first axis of each argument's
+    tensors, and a ``tf.SparseTensor``'s ``indices`` and ``values`` (a
+    ``tf.RaggedTensor``'s ``flat_values``) lead with the nonzeros."""
+    for i, arg in enumerate(tf.nest.flatten(args)):
+        if isinstance(arg, (tf.SparseTensor, tf.SparseTensorSpec)):
+            raise error(
+                f"{name}: argument {i} is a tf.SparseTensor, whose indices and values lead "
+                "with the nonzeros, not the examples; pass tf.sparse.to_dense(x) (a Keras Dense "
+                "on a sparse Input computes the same on it) or make the sparse tensor inside "
+                "the function (tf.sparse.from_dense)")
+        if isinstance(arg, (tf.RaggedTensor, tf.RaggedTensorSpec)):
+            raise error(
+                f"{name}: argument {i} is a tf.RaggedTensor, whose values lead with the items, "
+                "not the examples; pass x.to_tensor() and a mask, or make the ragged tensor "
+                "inside the function (tf.RaggedTensor.from_tensor)")
 
 
 def load_graph_def(path_or_graph_def, output: str, arguments: Sequence[str] = ()) -> Traced:

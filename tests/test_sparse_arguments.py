@@ -51,6 +51,17 @@ def test_sparse_and_ragged_arguments_are_refused_in_one_line(problem):
         kg.per_example_gradients(ragged, ids, y)
 
 
+def test_a_saved_model_with_a_sparse_signature_is_refused(problem, tmp_path):
+    model, loss, x, y = problem
+    module = tf.Module()
+    module.model = model
+    module.loss = tf.function(lambda x, y: loss(y, model(x)), input_signature=[
+        tf.SparseTensorSpec([None, D], tf.float64), tf.TensorSpec([None], tf.int64)])
+    tf.saved_model.save(module, str(tmp_path))
+    with pytest.raises(kg.LoadError, match=r"'loss' in .*: argument 0 is a tf.SparseTensor"):
+        kg.register_saved_model(str(tmp_path), "loss")
+
+
 def _assert_exact(loss_fn, x, y):
     assert kg.verify(loss_fn, x, y).passed
     grads = kg.per_example_gradients(loss_fn, x, y)
