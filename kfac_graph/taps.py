@@ -77,7 +77,7 @@ class LayerTaps:
         if not reg.variable_placeholders:
             raise ValueError("this registration has no variable objects (a GraphDef "
                              "registration cannot be run); register a function or a SavedModel")
-        flat_args = tf.nest.flatten(args)
+        flat_args = graph_inputs(args)
         if len(flat_args) != len(reg.arguments):
             raise ValueError(f"expected {len(reg.arguments)} argument tensors, got {len(flat_args)}")
         # tf.identity places each argument in the current graph (a tf.cond
@@ -259,6 +259,19 @@ def _callback_gradient(op, *dys):
         g.set_shape(op.inputs[k].shape)
         out[k] = g
     return out
+
+
+def graph_inputs(args) -> list:
+    """The leaves of ``args`` that tracing makes inputs of the graph, in
+    order: tensors, variables and arrays. A Python bool, number, string or
+    None (a ``training`` flag) is a constant of the trace, as
+    ``tf.function`` makes it, and has no placeholder."""
+    return [a for a in tf.nest.flatten(args) if not is_trace_constant(a)]
+
+
+def is_trace_constant(value) -> bool:
+    """Whether ``tf.function`` traces ``value`` as a constant (``graph_inputs``)."""
+    return isinstance(value, (bool, int, float, complex, str, bytes, type(None)))
 
 
 def _check_replaceable(reg: Registration, node: str, variable) -> None:

@@ -67,7 +67,9 @@ import tensorflow as tf
 
 from kfac_graph.optimizer import exact_fisher
 from kfac_graph.optimizer import vectors as vec
+from kfac_graph.optimizer.example_cuts import batch_tensor
 from kfac_graph.optimizer.step_core import Gradients, StepCore, curvature_scale, forward_backward
+from kfac_graph.taps import is_trace_constant
 
 SYNC_MODES = ("lazy", "eager")
 _SUPPORTED = (
@@ -172,6 +174,8 @@ class ReplicatedCore(StepCore):
         )
 
     def _share(self, value, replica):
+        if is_trace_constant(value):  # a training flag: the same on every replica
+            return value
         value = tf.convert_to_tensor(value)
         if value.shape.rank == 0:
             return value
@@ -259,7 +263,7 @@ class ReplicatedCore(StepCore):
         snapshot = [v.read_value() for v in local]
         loss, grads, _ = forward_backward(opt, args, variables, scheduled)
         flagged = 1 - tf.cast(vec.all_finite([v.read_value() for v in local]), opt.dtype)
-        first = tf.convert_to_tensor(tf.nest.flatten(args)[0])
+        first = batch_tensor(args, "kg.KFAC")
         batch = tf.cast(tf.shape(first)[0], opt.dtype)
         packed, unpack = _pack([loss] + list(grads) + [flagged, batch])
         self._gradients_layout = (packed.shape, unpack)

@@ -71,9 +71,10 @@ def cost_options(opt, qmodel_fraction=None) -> costs_lib.StepOptions:
 
 
 def batch_of(args) -> int:
-    """The leading axis of the first argument (a tensor, spec or array; 1 if unknown)."""
-    first = tf.nest.flatten(args)[0]
-    shape = getattr(first, "shape", None)
+    """The leading axis of the first argument with a shape (a tensor, spec or array;
+    1 if unknown)."""
+    shaped = [a for a in tf.nest.flatten(args) if getattr(a, "shape", None) is not None]
+    shape = shaped[0].shape if shaped else None
     shape = tf.TensorShape(None if shape is None else shape)  # numpy shapes are tuples
     if not shape.rank or shape[0] is None:
         return 1

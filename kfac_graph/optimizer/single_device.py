@@ -18,6 +18,7 @@ import tensorflow as tf
 from kfac_graph.optimizer import exact_fisher
 from kfac_graph.optimizer import vectors as vec
 from kfac_graph.optimizer.distributed import is_replica_local
+from kfac_graph.optimizer.example_cuts import batch_tensor
 from kfac_graph.optimizer.step_core import (Gradients, StepCore, curvature_scale,
                                              forms_reuse_forward, forward_backward)
 
@@ -36,7 +37,7 @@ class SingleDeviceCore(StepCore):
     def loss_and_gradients(self, args, registration, scheduled) -> Gradients:
         opt = self.opt
         variables = list(registration.variables)
-        first = tf.convert_to_tensor(tf.nest.flatten(args)[0])
+        first = batch_tensor(args, "kg.KFAC")
         scale = curvature_scale(registration, tf.shape(first)[0], opt.dtype)
         loss, grads, forward = forward_backward(opt, args, variables, scheduled,
                                                 share_forward=forms_reuse_forward(opt))

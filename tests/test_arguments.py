@@ -1,4 +1,12 @@
-"""Sparse and ragged arguments (a Keras ``Input(sparse=True)``, a TF-IDF
+"""Arguments of every form a loss function takes.
+
+Python constants beside the tensors (a ``training`` flag, a scale, None, a
+string; also inside a dict) are constants of the trace, as ``tf.function``
+makes them: per-example gradients, ``kg.verify``, ``kg.KFAC`` (also under
+XLA) and ``kg.DPSGD`` run with them. Before, each stopped on "expected 2
+argument tensors, got 3".
+
+Sparse and ragged arguments (a Keras ``Input(sparse=True)``, a TF-IDF
 batch) are refused in one line that names the argument and the two ways
 on. Before, the registration read the sparse indices' first axis (the
 nonzeros) as the examples: the first Dense's kernel turned generic with a
@@ -91,3 +99,21 @@ def test_a_sparse_tensor_made_inside_the_function_is_exact(problem):
     _assert_exact(loss_fn, x, y)
     dp = kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.5, seed=1)
     assert np.isfinite(float(dp.step(x, y)))
+
+
+@pytest.mark.parametrize("extra", [True, None, "scaled"])
+def test_python_constants_beside_the_tensors(problem, extra):
+    model, loss, x, y = problem
+
+    def loss_fn(inputs, y, extra):
+        value = loss(y, model(inputs["x"]))
+        return value * 2.0 if extra == "scaled" or inputs["flag"] else value
+    loss_fn = kg.auto_register(loss_fn)
+    args = ({"x": x, "flag": extra is True}, y, extra)
+    assert kg.verify(loss_fn, *args).passed
+    for jit_compile in (False, True) if extra is True else (False,):
+        opt = kg.KFAC(loss_fn, jit_compile=jit_compile)
+        losses = [float(opt.step(*args)) for _ in range(3)]
+        assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0
+    dp = kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.5, seed=1)
+    assert np.isfinite(float(dp.step(*args)))
