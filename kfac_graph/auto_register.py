@@ -140,7 +140,7 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                         "per-example gradients work; a Fisher needs a loss the pass reads",
                         lm.terms, lm.reason)
     loss = LossSpec(lm.kind, lm.reduction, lm.output, lm.targets, lm.scale, lm.weights,
-                    lm.divisors, lm.reason, lm.penalties, lm.summed_penalties)
+                    lm.divisors, lm.reason, lm.penalties, lm.summed_penalties, lm.blocks)
     placeholders = {node: user_variable(traced.objects[key])
                     for node, key in traced.placeholder_variables.items() if key in traced.objects}
     generic = {k for m in result.layers if m.kind == "generic" for k in m.variables}

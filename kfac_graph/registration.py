@@ -92,7 +92,11 @@ class LossSpec:
     variables alone (a weight penalty, ``R`` in ``L = ... + R``): they are in
     every example's gradient, and in no Fisher (``passes.loss_terms``);
     ``summed_penalties``, those of them added to every example's term of a
-    summed loss, are in the batch's loss once per example."""
+    summed loss, are in the batch's loss once per example.
+
+    ``blocks``: a ``"ggn"`` loss over joined outputs beyond ``MAX_CLASSES``
+    values per example has a block-diagonal Hessian, ``(n, K)`` per block
+    along ``z``'s columns (``kfac_graph.fisher.ggn_blocks``); empty: whole."""
     kind: str
     reduction: str = "mean"
     output: str | None = None
@@ -103,6 +107,7 @@ class LossSpec:
     reason: str = ""
     penalties: tuple[str, ...] = ()
     summed_penalties: tuple[str, ...] = ()
+    blocks: tuple[tuple[int, int], ...] = ()
 
     @property
     def no_fisher(self) -> str:
@@ -202,7 +207,10 @@ class Registration:
                    + (f"; per-example terms {self.per_example_loss}" if not loss.output else "")
                    + (f", scale {loss.scale:g}" if loss.scale != 1.0 else "")
                    + (f"; output {loss.output}" if loss.output else "")
-                   + (" (curvature: the loss's Hessian there)" if loss.kind == "ggn" else "")
+                   + (" (curvature: the loss's Hessian there" + (
+                       ", in blocks " + ", ".join(f"{n // k}x({k}x{k})" if n != k else f"{n}x{n}"
+                                                  for n, k in loss.blocks) if loss.blocks else "")
+                      + ")" if loss.kind == "ggn" else "")
                    + (f"; targets {loss.targets}" if loss.targets else "")
                    + (f"; weights {', '.join(loss.weights)}" if loss.weights else "")
                    + (f"; divided by {', '.join(loss.divisors)}" if loss.divisors else "")

@@ -27,7 +27,7 @@ import tensorflow as tf
 from kfac_graph import double_backward, token_weights
 from kfac_graph.fisher.block_choice import ALIASES, PER_EXAMPLE
 from kfac_graph.fisher.blocks_base import FisherBlock
-from kfac_graph.fisher.ggn import output_curvature
+from kfac_graph.fisher.curvature import output_curvature
 from kfac_graph.fisher.estimator import FisherEstimator
 from kfac_graph.taps import LayerTaps
 from kfac_graph.verify_report import Check
@@ -70,7 +70,7 @@ def skip_reason(reg, layer, coupled: bool, max_params: int, mode: str = "exact")
     columns = int(np.prod(shape[1:]))
     if len(shape) != 2 and mode != "exact":
         return "output has positions"
-    if len(shape) != 2 and columns > MAX_COLUMNS:
+    if (len(shape) != 2 or reg.loss.blocks) and columns > MAX_COLUMNS:  # blocks: per value
         return f"{columns:,} position columns > {MAX_COLUMNS}"
     if "full" not in ALIASES[layer.kind]:
         return "no full block"
@@ -144,7 +144,8 @@ def _quadratic_forms(reg, mode, checked):
         z0 = tf.stop_gradient(z)
         weights, kind = taps.token_weights, reg.loss.kind
         # (a "ggn" loss's empirical Fisher needs no Hessian)
-        dist = None if (mode, kind) == ("empirical", "ggn") else output_curvature(kind, z0, taps)
+        dist = (None if (mode, kind) == ("empirical", "ggn")
+                else output_curvature(reg.loss, z0, taps))
         batch = tf.cast(tf.shape(z)[0], z.dtype)
         if dist is None:  # each example's own loss
             c = tf.gradients(tf.reduce_sum(taps.per_example_loss), z)[0]

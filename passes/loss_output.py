@@ -54,6 +54,8 @@ _PIECEWISE_LINEAR = _COMPARISONS | {
 # ops that are linear where one input alone varies (a divisor must not vary)
 _BILINEAR = frozenset({"Mul", "RealDiv", "DivNoNan"})
 _LAST_AXIS = frozenset({"Softmax", "LogSoftmax"})
+_LINEAR = frozenset({"Sum", "Mean", "Add", "AddV2", "AddN", "Sub", "Neg", "Identity", "Reshape",
+                     "ExpandDims", "Squeeze", "Cast", "BiasAdd", "StopGradient"})  # in z
 _REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod"})
 _SLICES = frozenset({"StridedSlice", "Slice", "Split", "SplitV", "Unpack"})
 # the head below frontier outputs may mix an example's values (its Hessian is
@@ -274,16 +276,18 @@ def _keeps_examples_first(g, perm) -> bool:
     return value is not None and int(np.atleast_1d(value)[0]) == 0
 
 
-def joint_outputs(g, heads, params, examples_first, rows) -> tuple[list | None, str]:
-    """``([z_1, ..], "")``: one model output per term of a loss that adds
+def joint_outputs(g, heads, params, examples_first, rows) -> tuple[list | None, str, tuple]:
+    """``([z_1, ..], "", blocks)``: one model output per term of a loss that adds
     several (``heads``: per term, its terms and its likelihood's output or
     None; a term with none takes ``ggn_output``'s), distinct, or ``(None,
     why not)``. Together they must cut every path from the variables to the
     terms, one may feed another (a VAE's encoder output, read by its KL term,
     feeds the decoder's) but no term may read its output through another's,
-    and they must hold static sizes, floating point, and at most ``MAX_CLASSES``
-    values per example: the curvature is the Hessian of the examples' summed
-    loss over all of them (``passes.joined_outputs`` joins them into one).
+    and they must hold static sizes and floating point: the curvature is the
+    Hessian of the examples' summed loss over all of them
+    (``passes.joined_outputs`` joins them into one), formed whole where they
+    hold at most ``MAX_CLASSES`` values per example (``blocks`` empty), else
+    block by block (``hessian_blocks``).
     A term piecewise linear in its output adds no output (its Hessian is
     zero), but the others' must cut it from the variables too
     (``tf.nn.weighted_cross_entropy_with_logits`` adds ``(1 - y) z`` to a
@@ -306,29 +310,91 @@ def joint_outputs(g, heads, params, examples_first, rows) -> tuple[list | None, 
                 found = None
             if found is None:  # no curvature: the term adds no output
                 if ggn_output(g, terms, params, examples_first, curved=False)[0] is None:
-                    return None, why
+                    return None, why, ()
                 found = []
         pairs += [(z, end) for z in found]
         outputs += [z for z in found if z not in outputs]
     if not outputs:
-        return None, "the loss is piecewise linear in its outputs (no curvature)"
+        return None, "the loss is piecewise linear in its outputs (no curvature)", ()
     nodes = {ir.node_of(g, z) for z in outputs}
     for z, end in pairs:
         through = _head(g, z, end, params) & (nodes - {ir.node_of(g, z)})
         if through:
             return None, (f"the loss term {end} reads its output {z} through another output, "
-                          f"{', '.join(sorted(through))}")
+                          f"{', '.join(sorted(through))}"), ()
     cut = g.subgraph(params - nodes)
     variables = [n for n in cut if g.nodes[n]["op"] == "Variable"]
     if ir.reachable_from(cut, variables) & ends:
-        return None, f"the outputs {', '.join(outputs)} do not cut the variables from the loss"
+        return (None, f"the outputs {', '.join(outputs)} do not cut the variables from the "
+                "loss", ())
     shapes = [ir.shape_of(g, ir.resolve(g, z)) for z in outputs]
     if any(not s or None in s[1:] for s in shapes):
-        return None, f"the outputs {', '.join(outputs)} have sizes not known statically"
+        return None, f"the outputs {', '.join(outputs)} have sizes not known statically", ()
     if any(not tf.as_dtype(ir.dtype_of(g, z)).is_floating for z in outputs):
-        return None, f"the outputs {', '.join(outputs)} are not all floating point"
+        return None, f"the outputs {', '.join(outputs)} are not all floating point", ()
     total = sum(int(np.prod(s[1:])) for s in shapes)
-    if total > MAX_CLASSES:
+    if total <= MAX_CLASSES:
+        return outputs, "", ()
+    blocks = hessian_blocks(g, outputs, shapes, pairs, params)
+    if blocks is None:
         return None, (f"the outputs {', '.join(outputs)} hold {total} values per example, "
-                      f"beyond the {MAX_CLASSES} whose loss Hessian is formed")
-    return outputs, ""
+                      f"beyond the {MAX_CLASSES} whose loss Hessian is formed, and it has no "
+                      f"blocks within that"), ()
+    return outputs, "", blocks
+
+
+def hessian_blocks(g, outputs, shapes, pairs, params) -> tuple | None:
+    """``((n_1, K_1), ..)``, in the joined output's order: its loss Hessian is
+    block-diagonal, one block per group of outputs read by the same terms
+    (``pairs``: (output, term)), the terms of different groups reading no
+    output in common. A block holds ``n`` values per example, ``K`` classes
+    at each of its ``n / K`` positions: where the group is one output whose
+    every head is ``elementwise_head``, ``K = 1`` (a Bernoulli
+    reconstruction's pixels), else where every head is ``per_position``,
+    ``K x K`` per position, else ``K = n``. Forming it takes
+    ``sum K`` backward passes, at most ``MAX_CLASSES``; None where it would
+    take more, or a group's outputs are not adjacent."""
+    group = {z: {z} for z in outputs}
+    for end in {end for _, end in pairs}:
+        readers = [z for z, e in pairs if e == end]
+        merged = set().union(*(group[z] for z in readers))
+        for z in merged:
+            group[z] = merged
+    blocks, i = [], 0
+    while i < len(outputs):
+        members = group[outputs[i]]
+        if set(outputs[i:i + len(members)]) != members:
+            return None
+        n = sum(int(np.prod(shapes[i + j][1:])) for j in range(len(members)))
+        heads = [(z, end) for z, end in pairs if z == outputs[i]] if len(members) == 1 else []
+        k = n
+        if heads and all(elementwise_head(g, z, end, params) for z, end in heads):
+            k = 1  # a Bernoulli reconstruction's pixels
+        elif heads and all(per_position(g, z, end, params) for z, end in heads):
+            k = shapes[i][-1]
+        blocks.append((n, k))
+        i += len(members)
+    return tuple(blocks) if sum(k for _, k in blocks) <= MAX_CLASSES else None
+
+
+def elementwise_head(g, z, end, params) -> bool:
+    """Whether the head from ``z`` to ``end`` is a sum of functions of one value
+    of ``z`` each, plus terms linear in ``z`` (a diagonal Hessian): elementwise
+    ops, then sums or means, then ops linear in ``z`` alone (``_LINEAR``)."""
+    head = _head(g, z, end, params)
+    varying, reduced = head | {ir.split_tensor(z)[0]}, set()
+    for node in nx.topological_sort(g.subgraph(head)):
+        op, inputs = g.nodes[node]["op"], g.nodes[node]["inputs"]
+        moving = [t for t in inputs if ir.split_tensor(t)[0] in varying]
+        if not any(ir.split_tensor(t)[0] in reduced for t in moving):
+            if op in ("Sum", "Mean"):
+                reduced.add(node)
+            elif op not in ir.ELEMENTWISE:
+                return False
+            continue
+        linear = op in _LINEAR or (op in _BILINEAR and len(moving) == 1 and (
+            op == "Mul" or inputs[0] in moving))
+        if not linear:
+            return False
+        reduced.add(node)
+    return True

@@ -84,6 +84,7 @@ class LossMatch:
     # an opaque sum of several terms: (terms, the likelihood's output or None) per term
     heads: tuple[tuple[str, str | None], ...] = ()
     joined: tuple[str, ...] = ()  # a "ggn" loss over several outputs: those outputs
+    blocks: tuple[tuple[int, int], ...] = ()  # their Hessian's (loss_output.hessian_blocks)
 
 
 def match_loss(g: nx.DiGraph, kind: str | None = None, rows=None) -> LossMatch:
@@ -127,7 +128,7 @@ def _as_ggn(g, opaque: LossMatch, rows) -> LossMatch:
         if z is not None:
             return dataclasses.replace(opaque, kind="ggn", output=z)
     heads = opaque.heads or ((opaque.terms, None),)
-    outputs, joint_why = joint_outputs(g, heads, *args, rows)
+    outputs, joint_why, blocks = joint_outputs(g, heads, *args, rows)
     if outputs is None and opaque.kind != "opaque":
         return opaque  # one likelihood, the other terms in its examples' gradients only
     if outputs is None:
@@ -136,11 +137,11 @@ def _as_ggn(g, opaque: LossMatch, rows) -> LossMatch:
     opaque = dataclasses.replace(
         opaque, targets=None, scale=1.0,
         reason=opaque.reason or f"{len(opaque.heads)} terms, each of its own output")
-    if len(outputs) == 1 and all(per_position(g, outputs[0], t, args[0])
+    if len(outputs) == 1 and not blocks and all(per_position(g, outputs[0], t, args[0])
                                  for t, given in heads if given is None):
         return dataclasses.replace(opaque, kind="ggn", output=outputs[0])
     return dataclasses.replace(opaque, kind="ggn", output=ir.tensor_name(JOINED),
-                               joined=tuple(outputs), heads=heads)
+                               joined=tuple(outputs), heads=heads, blocks=blocks)
 
 
 def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=False,

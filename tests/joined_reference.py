@@ -52,14 +52,14 @@ def block(reg, est, name):
                 if f"/{name}" in layer.name).full_matrix().numpy()
 
 
-def assert_joined_blocks(fn, args, layers, outputs, on_outputs):
+def assert_joined_blocks(fn, args, layers, outputs, on_outputs, **estimator_options):
     """``fn``'s per-example gradients equal one-example tapes, its loss is
     ``ggn`` over the joined outputs, and each of ``layers``' exact full
     blocks equals ``brute_blocks``'. Returns the registration."""
     reg = assert_matches_loop(fn, args, rtol=1e-10)
     assert (reg.loss.kind, reg.loss.output) == ("ggn", "kfac_joined_outputs:0"), reg.loss
     est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
-                             approximations={"dense": "full"})
+                             approximations={"dense": "full"}, **estimator_options)
     est.update(*args)
     for layer, want in zip(layers, brute_blocks(layers, outputs, on_outputs, args)):
         np.testing.assert_allclose(block(reg, est, layer.name), want, rtol=1e-8, atol=1e-12)

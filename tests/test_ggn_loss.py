@@ -190,10 +190,19 @@ def test_losses_with_no_curvature_or_no_examples_say_why(float64):
         dice.registration(x, y)
     assert kg.auto_register(lambda x, y: L.Dice(axis=1)(
         y, tf.sigmoid(x @ params[0] + params[1]))).registration(x, y).loss.kind == "ggn"
-    wide = tf.Variable(np.zeros((D, 300)))
-    fn = kg.auto_register(lambda x, y: L.Huber()(y, x @ wide))
+    wide = tf.Variable(np.random.default_rng(7).normal(size=(D, 300)))
+    fn = kg.auto_register(lambda x, y: L.CategoricalFocalCrossentropy(from_logits=True)(
+        y, x @ wide))
     spec = fn.registration(x, tf.zeros([B, 300], tf.float64)).loss
     assert spec.kind == "opaque" and "300 classes, beyond the 256" in spec.reason
+    # an elementwise head has a diagonal Hessian: one backward pass (ggn_blocks)
+    fn = kg.auto_register(lambda x, y: L.Huber()(y, x @ wide))
+    y = tf.constant(np.random.default_rng(8).normal(size=(B, 300)))
+    spec = fn.registration(x, y).loss
+    assert spec.kind == "ggn" and spec.blocks == ((300, 1),)
+    opt = kg.KFAC(fn)
+    losses = [float(opt.step(x, y)) for _ in range(3)]
+    assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0
 
 
 def test_ggn_square_root_and_samples():

@@ -17,7 +17,8 @@ import tensorflow as tf
 
 from kfac_graph import token_weights
 from kfac_graph.fisher.distributions import at_least_float32
-from kfac_graph.fisher.ggn import output_curvature
+from kfac_graph.fisher.curvature import output_curvature
+from kfac_graph.fisher.ggn_blocks import BlockGGN
 from passes.errors import KfacGraphError
 
 
@@ -29,7 +30,7 @@ def at_output(reg, taps, mode, seeds=(), position_columns="shared"):
         return [None], [taps.per_example_loss]
     z = at_least_float32(taps.model_output)
     z0 = tf.stop_gradient(z)
-    dist0 = output_curvature(kind, z0, taps)
+    dist0 = output_curvature(reg.loss, z0, taps)
     # S samples, each scaled by 1/sqrt(S): the sums over sources are means
     weight = tf.constant(max(len(seeds), 1) ** -0.5, z.dtype)
     if mode == "exact":
@@ -58,6 +59,8 @@ def exact_columns(dist, z, position_columns="shared"):
     """The Fisher square root's columns at ``z``: ``K`` of them shared by
     all positions, or with ``position_columns="separate"`` one per
     position and class (``T K``), each zero outside its position."""
+    if isinstance(dist, BlockGGN):  # joined outputs: the positions are each block's
+        return dist.sqrt_fisher_columns(separate=position_columns == "separate")
     columns = dist.sqrt_fisher_columns()
     if position_columns == "shared" or z.shape.rank <= 2:
         return columns

@@ -25,8 +25,6 @@ whose outer products average to ``H``. There are no targets to sample."""
 import numpy as np
 import tensorflow as tf
 
-from kfac_graph.fisher.distributions import make_distribution
-from passes.errors import KfacGraphError
 
 
 def output_hessian(per_example_loss, z):
@@ -35,7 +33,7 @@ def output_hessian(per_example_loss, z):
     grad = tf.gradients(tf.reduce_sum(per_example_loss), z)[0]
     k = z.shape[-1]
     if grad is None:
-        return tf.zeros(tf.concat([tf.shape(z), [k]], 0), _float(z.dtype))
+        return tf.zeros(tf.concat([tf.shape(z), [k]], 0), at_least_float32_dtype(z.dtype))
 
     def row(unit):  # d(grad . e_c)/dz, e_c at every position
         out = tf.gradients(grad, z, grad_ys=tf.broadcast_to(unit, tf.shape(grad)))[0]
@@ -43,12 +41,12 @@ def output_hessian(per_example_loss, z):
     # the K backward passes vectorised (pfor): [K, ..., K] -> [..., K, K]
     rows = tf.vectorized_map(row, tf.eye(k, dtype=grad.dtype))
     rank = z.shape.rank
-    h = tf.cast(tf.transpose(rows, [*range(1, rank), 0, rank]), _float(z.dtype))
+    h = tf.cast(tf.transpose(rows, [*range(1, rank), 0, rank]), at_least_float32_dtype(z.dtype))
     h = tf.where(tf.math.is_finite(h), h, tf.zeros_like(h))
     return 0.5 * (h + tf.linalg.matrix_transpose(h))
 
 
-def _float(dtype):
+def at_least_float32_dtype(dtype):
     return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
 
 
@@ -93,16 +91,3 @@ class GGN:
         eps = tf.random.stateless_normal(shape, seed=seed, dtype=self._sqrt.dtype)
         return tf.einsum("...kc,...c->...k", self._sqrt, eps)
 
-
-def output_curvature(kind, z, taps):
-    """The curvature at the model output ``z`` (``at_least_float32``, held
-    fixed): the likelihood's distribution, or for ``"ggn"`` the loss head's
-    Hessian taken from the forward pass ``taps``."""
-    if kind != "ggn":
-        return make_distribution(kind, z)
-    if taps.per_example_loss is None:
-        raise KfacGraphError(f"a Gauss-Newton curvature needs each example's own loss: "
-                             f"{taps.per_example_problem}")
-    if "ggn" not in taps.derived:  # once per forward pass: the estimator's and the forms'
-        taps.derived["ggn"] = GGN(output_hessian(taps.per_example_loss, taps.model_output))
-    return taps.derived["ggn"]

@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from kfac_graph import double_backward, token_weights
 from kfac_graph.fisher import at_least_float32
-from kfac_graph.fisher.ggn import output_curvature
+from kfac_graph.fisher.curvature import output_curvature
 from kfac_graph.optimizer.example_cuts import batch_tensor, cut_examples
 from kfac_graph.taps import LayerTaps
 from passes.errors import KfacGraphError
@@ -100,7 +100,7 @@ def quadratic_forms(registration, args, vectors, taps=None, with_part=False):
     part = _part(variables, taps, z, jvs, vectors) if with_part else None
     jvs, z32 = [at_least_float32(jv) for jv in jvs], at_least_float32(z)
     kind = registration.loss.kind
-    dist = output_curvature(kind, tf.stop_gradient(z32), taps)
+    dist = output_curvature(registration.loss, tf.stop_gradient(z32), taps)
     batch = tf.cast(tf.shape(z32)[0], z32.dtype)
     fjvs = [dist.multiply_fisher(jv) for jv in jvs]
     if taps.token_weights is not None:

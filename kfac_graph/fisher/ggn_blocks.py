@@ -1,0 +1,122 @@
+"""The Gauss-Newton curvature of joined outputs, block by block.
+
+A loss over several outputs joined into one ``z`` ``[B, N]``
+(``passes.joined_outputs``) whose Hessian is block-diagonal
+(``passes.loss_output.hessian_blocks``: a VAE's Bernoulli reconstruction
+over 784 pixels beside its KL term over the codes) has blocks ``(n_b, K_b)``
+in order along ``z``'s columns: block ``b`` holds ``n_b`` values per
+example, ``P_b = n_b / K_b`` positions of ``K_b`` classes, and its Hessian
+is ``K_b x K_b`` per position,
+
+    H_b[i, p] = d^2 l_i / dz_{i,b,p}^2           ([B, P_b, K_b, K_b]).
+
+Column ``c`` of every position's ``H_b`` is one backward pass: the gradient
+of ``dl/dz . u_{b,c}``, ``u_{b,c}`` one at class ``c`` of every position of
+block ``b`` and zero elsewhere, read on block ``b``'s columns (exact as the
+pass checked that no term mixes the positions of a block, or two blocks).
+So the ``sum_b K_b`` passes (vectorised into one) give every block, where
+the joined ``N x N`` Hessian would take ``N`` passes and an ``N x N``
+eigendecomposition per example. Each block is made positive semidefinite
+on its own (``ggn.GGN``).
+
+``BlockGGN`` offers ``GGN``'s interface over ``z``: ``multiply_fisher``,
+``fisher_diagonal``, ``sample_cotangent`` (``S_b eps`` per block and
+position) and the square root's columns, ``K_b`` per block, each shared by
+the block's positions as for any output with positions
+(``cotangents.exact_columns``), or with ``separate=True`` one per position
+and class."""
+import numpy as np
+import tensorflow as tf
+
+from kfac_graph.fisher.ggn import GGN, at_least_float32_dtype
+
+
+def block_hessians(per_example_loss, z, blocks):
+    """``[H_b]``, each ``[B, P_b, K_b, K_b]`` (module docstring), in float32 at
+    least, non-finite entries (a step about to be skipped) zero."""
+    dtype = at_least_float32_dtype(z.dtype)
+    batch = tf.shape(z)[0]
+    grad = tf.gradients(tf.reduce_sum(per_example_loss), z)[0]
+    if grad is None:
+        return [tf.zeros([batch, n // k, k, k], dtype) for n, k in blocks]
+    offsets = np.cumsum([0] + [n for n, _ in blocks])
+    units = np.zeros([sum(k for _, k in blocks), z.shape[-1]], grad.dtype.as_numpy_dtype)
+    first = np.cumsum([0] + [k for _, k in blocks])
+    for (n, k), start, row in zip(blocks, offsets, first):
+        for c in range(k):
+            units[row + c, start + c:start + n:k] = 1
+
+    def column(unit):
+        out = tf.gradients(grad, z, grad_ys=tf.broadcast_to(unit, tf.shape(grad)))[0]
+        return tf.zeros_like(z) if out is None else out
+    rows = tf.vectorized_map(column, tf.constant(units))  # [sum K, B, N]
+    hessians = []
+    for (n, k), start, row in zip(blocks, offsets, first):
+        part = tf.reshape(rows[row:row + k, :, start:start + n], [k, batch, n // k, k])
+        h = tf.cast(tf.transpose(part, [1, 2, 3, 0]), dtype)  # [B, P, l, c]
+        h = tf.where(tf.math.is_finite(h), h, tf.zeros_like(h))
+        hessians.append(0.5 * (h + tf.linalg.matrix_transpose(h)))
+    return hessians
+
+
+class BlockGGN:
+    """The joined output's Hessian, block by block, made positive semidefinite."""
+
+    kind = "ggn"
+
+    def __init__(self, hessians, blocks):
+        self._parts = [GGN(h) for h in hessians]
+        self._blocks = tuple(blocks)
+
+    def _join(self, per_block):
+        """``[B, P_b, K_b]`` per block -> ``[B, N]``."""
+        return tf.concat([tf.reshape(t, [tf.shape(t)[0], n])
+                          for t, (n, _) in zip(per_block, self._blocks)], axis=-1)
+
+    def _split(self, v):
+        """``[B, N]`` -> ``[B, P_b, K_b]`` per block."""
+        parts = tf.split(v, [n for n, _ in self._blocks], axis=-1)
+        return [tf.reshape(t, [tf.shape(t)[0], n // k, k])
+                for t, (n, k) in zip(parts, self._blocks)]
+
+    def flat(self):
+        return tf.reduce_all(tf.stack([part.flat() for part in self._parts]))
+
+    def sqrt_fisher_columns(self, separate=False):
+        """Block ``b``'s ``K_b`` columns (``separate``: ``P_b K_b``), each zero
+        outside its block (and, separate, outside its position)."""
+        zeros = [tf.zeros_like(part.fisher_diagonal()) for part in self._parts]
+        columns = []
+        for b, ((n, k), part) in enumerate(zip(self._blocks, self._parts)):
+            for c in part.sqrt_fisher_columns():  # [B, P, K]
+                pieces = [c if j == b else zeros[j] for j in range(len(zeros))]
+                if not separate:
+                    columns.append(self._join(pieces))
+                    continue
+                for p in range(n // k):
+                    at = tf.reshape(tf.one_hot(p, n // k, dtype=c.dtype), [1, n // k, 1])
+                    pieces[b] = c * at
+                    columns.append(self._join(pieces))
+        return columns
+
+    def sqrt_fisher(self):
+        """``S`` ``[B, N, C]`` with ``S S^T`` the block-diagonal ``H`` (one
+        column per position and class)."""
+        return tf.stack(self.sqrt_fisher_columns(separate=True), axis=-1)
+
+    def fisher(self):
+        s = self.sqrt_fisher()
+        return tf.linalg.matmul(s, s, transpose_b=True)
+
+    def fisher_diagonal(self):
+        return self._join([part.fisher_diagonal() for part in self._parts])
+
+    def multiply_fisher(self, v):
+        v = tf.cast(v, self._parts[0].sqrt_fisher().dtype)
+        return self._join([part.multiply_fisher(t)
+                           for part, t in zip(self._parts, self._split(v))])
+
+    def sample_cotangent(self, seed):
+        seeds = tf.random.experimental.stateless_split(seed, len(self._parts))
+        return self._join([part.sample_cotangent(seeds[b])
+                           for b, part in enumerate(self._parts)])
