@@ -6,6 +6,7 @@ callback (print, py_function)."""
 
 import distributed_runner
 import numpy as np
+import pytest
 
 HOST_CALLBACKS = {
     "PrintV2",
@@ -28,6 +29,7 @@ def test_replica_functions_compile_with_xla(tmp_path):
     np.testing.assert_allclose(r["xla"], r["reference"], rtol=1e-6, atol=1e-10)
 
 
+@pytest.mark.slow  # 28 s; test_replica_functions_compile_with_xla is the fast set's
 def test_replicas_xla_step_with_embeddings_and_a_covariance_period(tmp_path):
     """Token and sliced position embeddings, steps without statistics: the
     replicas' XLA-compiled step equals one device's (it failed to build: the

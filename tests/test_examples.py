@@ -11,7 +11,9 @@ pytest.importorskip("sklearn")
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.mark.parametrize("script", ["keras_cnn.py", "custom_loop.py"])
+# keras_cnn.py with -m slow: CI's `python -m kfac_graph` trains the same kind of model
+@pytest.mark.parametrize("script", [pytest.param("keras_cnn.py", marks=pytest.mark.slow),
+                                    "custom_loop.py"])
 def test_example_runs(script):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     result = subprocess.run(

@@ -76,6 +76,7 @@ def _assert_same_end(reference, resumed):
     return ref, res
 
 
+@pytest.mark.slow  # 23 s; test_optimizer's checkpoint resume is the fast set's
 def test_kfac_checkpoint_manager_resumes_bitwise(tmp_path):
     # the uninterrupted run alongside the one that is killed
     ref = _start("kfac", tmp_path / "ref_ckpt", tmp_path / "ref.npz")

@@ -256,7 +256,7 @@ def test_terms_divided_by_a_count_of_the_batch(float64):
     from kfac_graph.taps import LayerTaps
     got = tf.function(lambda *a: LayerTaps.build(reg, a).per_example_loss)(*args)
     np.testing.assert_allclose(got, own, rtol=1e-12)
-    report = kg.verify(loss, *args, estimation_mode="exact")
+    report = kg.verify(loss, *args, examples=2, directions=1, estimation_mode="exact")
     assert not report.failures, report
     opt = kg.KFAC(loss)
     losses = [float(opt.step(*args)) for _ in range(3)]

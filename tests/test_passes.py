@@ -122,6 +122,7 @@ def test_shapes_of_variable_reads_are_known():
     assert ir.shape_of(g, g.nodes[matmul]["inputs"][1]) == (3, 4)
 
 
+@pytest.mark.slow  # test_readme checks the same run's output against README's sample
 def test_command_line_prints_the_table():
     out = subprocess.run([sys.executable, "-m", "kfac_graph"], capture_output=True, text=True,
                          check=True, timeout=300).stdout

@@ -94,7 +94,7 @@ def _sequence_model_losses(layer, fraction, steps=8):
     return losses
 
 
-@pytest.mark.parametrize("layer", ["lstm", "attention"])
+@pytest.mark.parametrize("layer", [pytest.param("lstm", marks=pytest.mark.slow), "attention"])
 def test_a_quarter_of_the_batch_trains_sequence_models_as_the_whole_does(layer):
     quarter, whole = _sequence_model_losses(layer, 0.25), _sequence_model_losses(layer, 1.0)
     assert quarter[-1] < 0.9 * quarter[0], quarter

@@ -189,6 +189,7 @@ FAMILIES = {  # model, input, targets
 }
 
 
+@pytest.mark.slow  # 90 s; the fast set's whole-step XLA tests above take the same path
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_quadratic_model_under_whole_step_xla_matches_the_plain_step(family):
     """The defaults' quadratic model with steps that skip the statistics, the
