@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import script_ops
 
@@ -263,15 +264,15 @@ def _callback_gradient(op, *dys):
 
 def graph_inputs(args) -> list:
     """The leaves of ``args`` that tracing makes inputs of the graph, in
-    order: tensors, variables and arrays. A Python bool, number, string or
-    None (a ``training`` flag) is a constant of the trace, as
-    ``tf.function`` makes it, and has no placeholder."""
+    order: tensors, variables and arrays. Any other leaf (a ``training``
+    flag, a scale, None, a string, the Keras model or a function) is a
+    constant of the trace, as ``tf.function`` makes it, with no placeholder."""
     return [a for a in tf.nest.flatten(args) if not is_trace_constant(a)]
 
 
 def is_trace_constant(value) -> bool:
     """Whether ``tf.function`` traces ``value`` as a constant (``graph_inputs``)."""
-    return isinstance(value, (bool, int, float, complex, str, bytes, type(None)))
+    return not (tf.is_tensor(value) or isinstance(value, (np.ndarray, np.generic, tf.Variable)))
 
 
 def _check_replaceable(reg: Registration, node: str, variable) -> None:

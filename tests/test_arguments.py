@@ -1,10 +1,10 @@
 """Arguments of every form a loss function takes.
 
-Python constants beside the tensors (a ``training`` flag, a scale, None, a
-string; also inside a dict) are constants of the trace, as ``tf.function``
-makes them: per-example gradients, ``kg.verify``, ``kg.KFAC`` (also under
-XLA) and ``kg.DPSGD`` run with them. Before, each stopped on "expected 2
-argument tensors, got 3".
+Python values beside the tensors (a ``training`` flag, a scale, None, a
+string, also inside a dict; the Keras model, a function) are constants of
+the trace, as ``tf.function`` makes them: per-example gradients,
+``kg.verify``, ``kg.KFAC`` (also under XLA) and ``kg.DPSGD`` run with them.
+Before, each stopped on "expected 2 argument tensors, got 3".
 
 Sparse and ragged arguments (a Keras ``Input(sparse=True)``, a TF-IDF
 batch) are refused in one line that names the argument and the two ways
@@ -115,5 +115,19 @@ def test_python_constants_beside_the_tensors(problem, extra):
         opt = kg.KFAC(loss_fn, jit_compile=jit_compile)
         losses = [float(opt.step(*args)) for _ in range(3)]
         assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0
+    dp = kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.5, seed=1)
+    assert np.isfinite(float(dp.step(*args)))
+
+
+def test_the_model_and_a_function_as_arguments(problem):
+    """``loss(model, x, y, activation)``: the model and the function are
+    Python objects, constants of the trace; a NumPy scalar is a tensor."""
+    model, loss, x, y = problem
+    loss_fn = kg.auto_register(lambda model, x, y, f, s: loss(y, f(model(x))) * s)
+    args = (model, x, y, tf.nn.softplus, np.float64(2.0))
+    assert kg.verify(loss_fn, *args).passed
+    opt = kg.KFAC(loss_fn)
+    losses = [float(opt.step(*args)) for _ in range(3)]
+    assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0
     dp = kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.5, seed=1)
     assert np.isfinite(float(dp.step(*args)))
