@@ -53,6 +53,35 @@ def test_without_noise_and_clipping_a_step_is_the_optimizers_step():
     assert history.history["epsilon"] == [np.inf]
 
 
+def test_the_logged_loss_holds_the_models_own_losses():
+    """A layer's ``add_loss`` term and a kernel regularizer: the step and the
+    logged loss are Keras's SGD's (before, the log left them out: 1.28
+    where Keras logged 3.13)."""
+    class Penalised(keras.layers.Layer):
+        def call(self, h):
+            self.add_loss(0.5 * tf.reduce_mean(tf.reduce_sum(tf.square(h), axis=1)))
+            return h
+
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([
+            keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), Penalised(),
+            keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.1))])
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 6)).astype("float32"), rng.integers(0, 3, 32)
+    plain = model()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
+    want = plain.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False).history["loss"]
+    inner = model()
+    dp = kg.DPModel(inner, loss=_loss(), l2_norm_clip=1e9, noise_multiplier=0.0)
+    dp.compile(optimizer=keras.optimizers.SGD(0.1))
+    got = dp.fit(kg.privacy.fixed_size_batches((x, y), 32, steps=1, seed=0), epochs=1,
+                 verbose=0).history["loss"]
+    assert got == pytest.approx(want, rel=1e-5)
+    for a, b in zip(plain.trainable_variables, inner.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_per_token_sample_weights_step_as_the_weighted_loss():
     """``fit(x, y, sample_weight=mask)`` on token sequences (a causal LM's
     padding mask): without noise and clipping, a step over the whole data set

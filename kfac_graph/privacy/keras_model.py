@@ -42,7 +42,9 @@ Sampling and accounting:
 
 The logged ``loss`` and metrics are computed on the training batch at the
 weights before the update (one extra forward pass in a
-``keras.StatelessScope``, real examples only): they are *not* private.
+``keras.StatelessScope``, real examples only): they are *not* private. The
+loss holds the model's own losses (``add_loss`` terms, weight and activity
+regularizers), as Keras logs it and as the gradient holds them.
 Checkpoints (``ModelCheckpoint``, ``.weights.h5`` or ``.keras``) hold the
 model's and optimizer's variables; the noise generator's state is never
 saved (``privacy/noise.py``). Runs on one device: ``compile`` refuses a model
@@ -294,8 +296,11 @@ class DPModel(keras.Model):
 
     def _dp_step(self, x, y, key, mask=None, *weights):
         y_pred = None
-        with keras.StatelessScope():
+        with keras.StatelessScope(collect_losses=True) as scope:  # add_loss terms
             y_pred = self.model(x, training=True)
+        penalties = [tf.cast(v, tf.float32) for v in list(scope.losses) + [
+            v.regularizer(v) for v in self.model.trainable_weights
+            if getattr(v, "regularizer", None) is not None]]
         expected = self.sampling.batch_size if mask is not None else None
         if mask is not None and expected is None:
             raise ValueError("kg.DPModel: padded Poisson batches need the expected batch size "
@@ -314,9 +319,10 @@ class DPModel(keras.Model):
             if g is not None:
                 pairs.append((tf.cast(g, kv.dtype), kv))
         self.optimizer.apply_gradients(pairs)
-        return self._step_logs(x, y, y_pred, mask, *weights)
+        return self._step_logs(x, y, y_pred, mask, *weights,
+                               penalty=tf.add_n(penalties) if penalties else 0.0)
 
-    def _step_logs(self, x, y, y_pred, mask, *sample_weight):
+    def _step_logs(self, x, y, y_pred, mask, *sample_weight, penalty=0.0):
         if self._outputs_loss is not None:  # each output's loss times its weights
             values = self._outputs_loss.per_example(y, y_pred, *sample_weight)
             metric_weight = sample_weight[0] if sample_weight else mask
@@ -339,6 +345,7 @@ class DPModel(keras.Model):
         weights = tf.ones_like(values) if mask is None else tf.cast(mask, values.dtype)
         count = tf.reduce_sum(weights)
         loss = tf.reduce_sum(values * weights) / tf.maximum(count, 1.0)
+        loss += tf.cast(penalty, loss.dtype)  # what the gradient is of, as Keras logs it
         self._loss_tracker.update_state(loss, sample_weight=count)
         return self.compute_metrics(x, y, y_pred, sample_weight=metric_weight)
 
