@@ -101,7 +101,9 @@ class OutputsLoss:
 
 def as_loss(loss, output_names=()):
     """A callable ``(y_true, y_pred) -> scalar``; returns ``(callable, keras_loss)``
-    where ``keras_loss`` is what ``compile`` passes to Keras (for evaluate).
+    where ``keras_loss`` is what ``compile`` passes to Keras (for evaluate). A
+    ``keras.losses.Loss`` with ``reduction=None`` or ``"none"`` is averaged
+    over the batch, as ``fit`` averages it.
     A list, tuple or dict of losses (a model with several outputs) gives an
     ``OutputsLoss``."""
     if loss is None:
@@ -114,6 +116,9 @@ def as_loss(loss, output_names=()):
         # a loss named as compile() takes it: wrapped as Keras wraps it (a mean
         # over every element, taking sample weights)
         obj = _NamedLoss(obj, loss)
+    if isinstance(obj, keras.losses.Loss) and obj.reduction in (None, "none"):
+        # unreduced (TensorFlow Privacy's tutorials ask for it): averaged, as fit averages it
+        obj = type(obj).from_config({**obj.get_config(), "reduction": "sum_over_batch_size"})
     if isinstance(obj, keras.losses.Loss):
         return obj, obj
     if not callable(obj):

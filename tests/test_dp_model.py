@@ -82,6 +82,28 @@ def test_the_logged_loss_holds_the_models_own_losses():
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("reduction", [None, "sum"])
+def test_unreduced_and_summed_losses(reduction):
+    """An unreduced loss (TensorFlow Privacy's tutorials ask for one) trains
+    on the batch mean, its step the default reduction's (before, it was
+    refused as not scalar); a summed one logs the sum, as Keras does (before,
+    the mean: 1.28 where Keras logged 41.0)."""
+    model, x, y = _small()
+    before = [v.numpy() for v in model.trainable_variables]
+    mean = _loss()
+    with tf.GradientTape() as tape:
+        loss = mean(y, model(x, training=True)) * (len(x) if reduction == "sum" else 1)
+    grads = tape.gradient(loss, model.trainable_variables)
+    dp = kg.DPModel(model, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=reduction), l2_norm_clip=1e9, noise_multiplier=0.0)
+    dp.compile(optimizer=keras.optimizers.SGD(0.01))
+    history = dp.fit(kg.privacy.fixed_size_batches((x, y), len(x), steps=1, seed=0),
+                     epochs=1, verbose=0)
+    for v, b, g in zip(model.trainable_variables, before, grads):
+        np.testing.assert_allclose(v.numpy(), b - 0.01 * g.numpy(), rtol=1e-5, atol=1e-6)
+    assert history.history["loss"][0] == pytest.approx(float(loss), rel=1e-5)
+
+
 def test_per_token_sample_weights_step_as_the_weighted_loss():
     """``fit(x, y, sample_weight=mask)`` on token sequences (a causal LM's
     padding mask): without noise and clipping, a step over the whole data set

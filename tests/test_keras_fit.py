@@ -145,3 +145,24 @@ def test_full_model_save_and_load(tmp_path):
     np.testing.assert_allclose(b.evaluate(x, y, verbose=0), a.evaluate(x, y, verbose=0))
     b.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0)
     assert int(b.kfac.iterations.numpy()) == 5
+
+
+def test_an_unreduced_keras_loss_is_averaged():
+    """``reduction=None`` (or ``"none"``, as TensorFlow Privacy's tutorials
+    write it) trains on the batch mean, the steps those of the default
+    reduction. Before: "returns a tensor of shape (32,); it must return a
+    scalar loss"."""
+    x, y = _data(64)
+    runs = []
+    for reduction in (None, "none", "sum_over_batch_size"):
+        keras.utils.set_random_seed(0)
+        inner = keras.Sequential([keras.Input((10,)), keras.layers.Dense(3)])
+        model = kg.KFACModel(inner, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=reduction))
+        model.compile()
+        history = model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+        runs.append((history.history["loss"], [v.numpy() for v in inner.trainable_variables]))
+    for losses, weights in runs[:2]:
+        np.testing.assert_allclose(losses, runs[2][0], rtol=1e-6)
+        for a, b in zip(weights, runs[2][1]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

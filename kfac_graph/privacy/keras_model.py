@@ -344,7 +344,9 @@ class DPModel(keras.Model):
             values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
         weights = tf.ones_like(values) if mask is None else tf.cast(mask, values.dtype)
         count = tf.reduce_sum(weights)
-        loss = tf.reduce_sum(values * weights) / tf.maximum(count, 1.0)
+        loss = tf.reduce_sum(values * weights)
+        if getattr(self._keras_loss, "reduction", None) != "sum":  # as the loss reduces
+            loss = loss / tf.maximum(count, 1.0)
         loss += tf.cast(penalty, loss.dtype)  # what the gradient is of, as Keras logs it
         self._loss_tracker.update_state(loss, sample_weight=count)
         return self.compute_metrics(x, y, y_pred, sample_weight=metric_weight)
