@@ -112,6 +112,7 @@ class KFACModel(keras.Model):
         self._loss_spec = loss
         self._kfac_built = False
         self._step_function = None
+        self._loss_weights = None  # compile()'s, per output
         self._shim = KFACKerasOptimizer(
             learning_rate=kfac_options.get("learning_rate", _kfac_default("learning_rate")))
         if loss is not None:
@@ -135,11 +136,13 @@ class KFACModel(keras.Model):
         if optimizer is not None and not isinstance(optimizer, KFACKerasOptimizer):
             raise ValueError("KFACModel trains with K-FAC: give K-FAC's options to "
                              "KFACModel(...), not an optimizer to compile()")
-        if loss is not None and loss is not self._loss_spec:
+        weights = kwargs.get("loss_weights")
+        if (loss is not None and loss is not self._loss_spec) or weights != self._loss_weights:
             if self.kfac is not None and self._kfac_built:
                 warnings.warn("KFACModel.compile: a new loss starts a new K-FAC optimizer "
                               "(its statistics are lost)", stacklevel=2)
-            self._make_kfac(loss)
+            self._loss_weights = weights
+            self._make_kfac(loss if loss is not None else self._loss_spec)
         if self._loss_spec is None:
             _as_loss(None)  # raises
         kwargs.setdefault("jit_compile", False)
@@ -178,7 +181,8 @@ class KFACModel(keras.Model):
     # -- training -----------------------------------------------------------------------
     def _make_kfac(self, loss):
         inner = self.model
-        loss_fn, keras_loss = _as_loss(loss, getattr(inner, "output_names", None) or ())
+        loss_fn, keras_loss = _as_loss(loss, getattr(inner, "output_names", None) or (),
+                                       self._loss_weights)
 
         def kfac_loss(x, y, *sample_weight):  # the weights, where fit has them
             y_pred = inner(x, training=True)

@@ -104,6 +104,35 @@ def test_unreduced_and_summed_losses(reduction):
     assert history.history["loss"][0] == pytest.approx(float(loss), rel=1e-5)
 
 
+def test_loss_weights_weigh_each_outputs_loss():
+    """``compile(loss_weights=...)``: the step and the logged loss are Keras's
+    SGD's on the weighted sum (before, the plain sum: 3.04 where Keras logged
+    18.9)."""
+    def model():
+        keras.utils.set_random_seed(0)
+        i = keras.Input((6,))
+        h = keras.layers.Dense(8, activation="tanh")(i)
+        return keras.Model(i, {"label": keras.layers.Dense(3, name="label")(h),
+                               "value": keras.layers.Dense(2, name="value")(h)})
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 6)).astype("float32"), rng.integers(0, 3, 32)
+    targets = {"label": y, "value": rng.normal(size=(32, 2)).astype("float32")}
+    losses = {"label": _loss(), "value": keras.losses.MeanSquaredError()}
+    plain = model()
+    plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=losses,
+                  loss_weights={"label": 1.0, "value": 10.0})
+    want = plain.fit(x, targets, batch_size=32, epochs=1, verbose=0,
+                     shuffle=False).history["loss"]
+    inner = model()
+    dp = kg.DPModel(inner, loss=losses, l2_norm_clip=1e9, noise_multiplier=0.0)
+    dp.compile(optimizer=keras.optimizers.SGD(0.01), loss_weights={"label": 1.0, "value": 10.0})
+    got = dp.fit(kg.privacy.fixed_size_batches((x, targets), 32, steps=1, seed=0), epochs=1,
+                 verbose=0).history["loss"]
+    assert got == pytest.approx(want, rel=1e-5)
+    for a, b in zip(plain.trainable_variables, inner.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_per_token_sample_weights_step_as_the_weighted_loss():
     """``fit(x, y, sample_weight=mask)`` on token sequences (a causal LM's
     padding mask): without noise and clipping, a step over the whole data set

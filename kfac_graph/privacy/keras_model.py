@@ -112,6 +112,7 @@ class DPModel(keras.Model):
                                                      batch_size)
         self._step_accountant = None
         self._loss_spec = None
+        self._loss_weights = None  # compile()'s, per output
         self._step_function = None
         if loss is not None:
             self._set_loss(loss)
@@ -125,8 +126,10 @@ class DPModel(keras.Model):
     def compile(self, optimizer="sgd", loss=None, metrics=None, **kwargs):
         """Keras's ``compile``; ``optimizer`` applies the private gradient.
         ``loss`` replaces the constructor's."""
-        if loss is not None:
-            self._set_loss(loss)
+        weights = kwargs.get("loss_weights")
+        if loss is not None or weights != self._loss_weights:
+            self._loss_weights = weights
+            self._set_loss(loss if loss is not None else self._loss_spec)
         if self._loss_spec is None:
             _as_loss(None)  # raises: no loss
         if tf.distribute.has_strategy() or any(
@@ -249,7 +252,8 @@ class DPModel(keras.Model):
     # -- training -----------------------------------------------------------------------
     def _set_loss(self, loss):
         inner = self.model
-        loss_fn, keras_loss = _as_loss(loss, getattr(inner, "output_names", None) or ())
+        loss_fn, keras_loss = _as_loss(loss, getattr(inner, "output_names", None) or (),
+                                       self._loss_weights)
         per_example = (loss_fn.per_example if isinstance(loss_fn, OutputsLoss) else
                        keras_loss.call if isinstance(keras_loss, keras.losses.Loss) else keras_loss)
 
