@@ -133,6 +133,30 @@ def test_loss_weights_weigh_each_outputs_loss():
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_keras_py_dataset_or_a_generator_is_streamed_as_a_dataset():
+    """Batches from a ``keras.utils.PyDataset`` or a generator are taken as
+    they come, the sampler as the constructor states it (before: "needs
+    targets y", the input read as arrays)."""
+    model, x, y = _small()
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return x[10 * i:10 * (i + 1)], y[10 * i:10 * (i + 1)]
+
+    def generator():
+        yield from (Batches()[i] for i in range(4))
+    for data in (Batches(), generator()):
+        dp = kg.DPModel(model, loss=_loss(), l2_norm_clip=1.0, noise_multiplier=1.0,
+                        sampling="fixed", num_examples=40, batch_size=10)
+        dp.compile(optimizer=keras.optimizers.SGD(0.1))
+        history = dp.fit(data, epochs=1, verbose=0).history
+        assert np.isfinite(history["loss"][0]) and np.isfinite(history["epsilon"][0])
+        assert int(dp.optimizer.iterations) == 4
+
+
 def test_per_token_sample_weights_step_as_the_weighted_loss():
     """``fit(x, y, sample_weight=mask)`` on token sequences (a causal LM's
     padding mask): without noise and clipping, a step over the whole data set

@@ -53,6 +53,7 @@ replica, each with its own noise).
 """
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 
@@ -206,12 +207,13 @@ class DPModel(keras.Model):
             validation_split=0.0, validation_data=None, **kwargs):
         """Keras's ``fit`` with DP sampling (module docstring)."""
         weights = kwargs.pop("sample_weight", None)
-        if kwargs.get("class_weight") is not None or (
-                weights is not None and isinstance(x, tf.data.Dataset)):
+        streamed = isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or (
+            inspect.isgenerator(x))  # batches as they come, not arrays to sample from
+        if kwargs.get("class_weight") is not None or (weights is not None and streamed):
             raise ValueError("kg.DPModel.fit: class_weight, and sample_weight with a dataset, "
                              "are not supported (give arrays and sample_weight=, or train with "
                              "kg.DPSGD on a kg.auto_register loss that takes the weights)")
-        if isinstance(x, tf.data.Dataset):
+        if streamed:
             sampling = getattr(x, "privacy_sampling", None)
             if sampling is not None:
                 self._use_sampling(sampling)
