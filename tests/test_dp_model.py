@@ -131,6 +131,9 @@ def test_loss_weights_weigh_each_outputs_loss():
     assert got == pytest.approx(want, rel=1e-5)
     for a, b in zip(plain.trainable_variables, inner.trainable_variables):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+    # targets as a list in the outputs' order, on arrays (the sampler's dataset
+    # returned the list, which tf.data refuses)
+    dp.fit(x, [targets["label"], targets["value"]], batch_size=16, epochs=1, verbose=0)
 
 
 def test_a_keras_py_dataset_or_a_generator_is_streamed_as_a_dataset():

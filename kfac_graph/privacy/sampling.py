@@ -57,8 +57,8 @@ def _in_memory(data):
         if card == 0:
             raise ValueError("a DP sampler needs at least one example (the dataset is empty)")
         tensors = data.batch(2 ** 31 - 1).get_single_element()
-    else:
-        tensors = tf.nest.map_structure(tf.convert_to_tensor, data)
+    else:  # a list (targets of several outputs) as a tuple: tf.data returns no lists
+        tensors = _lists_as_tuples(tf.nest.map_structure(tf.convert_to_tensor, data))
     flat = tf.nest.flatten(tensors)
     sizes = {int(t.shape[0]) for t in flat}
     if len(sizes) != 1:
@@ -82,6 +82,14 @@ def _step_keys(seed, steps):
     """``steps`` fresh stateless keys per pass (``[2]`` int64 each)."""
     return (tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
             .batch(2, drop_remainder=True).take(steps))
+
+
+def _lists_as_tuples(structure):
+    if isinstance(structure, list) or type(structure) is tuple:  # (a namedtuple stays)
+        return tuple(_lists_as_tuples(s) for s in structure)
+    if isinstance(structure, dict):
+        return {k: _lists_as_tuples(s) for k, s in structure.items()}
+    return structure
 
 
 def poisson_batches(data, rate: float, *, steps: int | None = None, seed: int | None = None,
