@@ -30,18 +30,32 @@ import tensorflow as tf
 def output_hessian(per_example_loss, z):
     """``[..., K, K]``: ``H`` at each position of ``z`` (module docstring),
     in float32 at least, non-finite entries (a step about to be skipped) zero."""
-    grad = tf.gradients(tf.reduce_sum(per_example_loss), z)[0]
-    k = z.shape[-1]
-    if grad is None:
+    k, rank = z.shape[-1], z.shape.rank
+    rows = hessian_rows(per_example_loss, z, np.eye(k))  # [K, ..., K]
+    if rows is None:
         return tf.zeros(tf.concat([tf.shape(z), [k]], 0), at_least_float32_dtype(z.dtype))
+    return symmetric_part(tf.transpose(rows, [*range(1, rank), 0, rank]), z.dtype)
 
-    def row(unit):  # d(grad . e_c)/dz, e_c at every position
+
+def hessian_rows(per_example_loss, z, units):
+    """``[C, *shape(z)]``: row ``c`` the gradient of ``dl/dz . u_c``, each
+    unit ``u_c`` (``units`` ``[C, m]``, ``m`` ``z``'s trailing size or sizes)
+    broadcast over ``z``'s leading axes; the ``C`` backward passes vectorised
+    into one (pfor). None where the loss does not read ``z``."""
+    grad = tf.gradients(tf.reduce_sum(per_example_loss), z)[0]
+    if grad is None:
+        return None
+
+    def row(unit):
         out = tf.gradients(grad, z, grad_ys=tf.broadcast_to(unit, tf.shape(grad)))[0]
         return tf.zeros_like(z) if out is None else out
-    # the K backward passes vectorised (pfor): [K, ..., K] -> [..., K, K]
-    rows = tf.vectorized_map(row, tf.eye(k, dtype=grad.dtype))
-    rank = z.shape.rank
-    h = tf.cast(tf.transpose(rows, [*range(1, rank), 0, rank]), at_least_float32_dtype(z.dtype))
+    return tf.vectorized_map(row, tf.constant(units, grad.dtype))
+
+
+def symmetric_part(h, dtype):
+    """``h`` ``[..., K, K]`` in ``at_least_float32_dtype(dtype)``, non-finite
+    entries zero, symmetrised."""
+    h = tf.cast(h, at_least_float32_dtype(dtype))
     h = tf.where(tf.math.is_finite(h), h, tf.zeros_like(h))
     return 0.5 * (h + tf.linalg.matrix_transpose(h))
 

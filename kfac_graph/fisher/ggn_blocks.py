@@ -28,35 +28,26 @@ and class."""
 import numpy as np
 import tensorflow as tf
 
-from kfac_graph.fisher.ggn import GGN, at_least_float32_dtype
+from kfac_graph.fisher.ggn import GGN, at_least_float32_dtype, hessian_rows, symmetric_part
 
 
 def block_hessians(per_example_loss, z, blocks):
     """``[H_b]``, each ``[B, P_b, K_b, K_b]`` (module docstring), in float32 at
     least, non-finite entries (a step about to be skipped) zero."""
-    dtype = at_least_float32_dtype(z.dtype)
     batch = tf.shape(z)[0]
-    grad = tf.gradients(tf.reduce_sum(per_example_loss), z)[0]
-    if grad is None:
-        return [tf.zeros([batch, n // k, k, k], dtype) for n, k in blocks]
     offsets = np.cumsum([0] + [n for n, _ in blocks])
-    units = np.zeros([sum(k for _, k in blocks), z.shape[-1]], grad.dtype.as_numpy_dtype)
     first = np.cumsum([0] + [k for _, k in blocks])
+    units = np.zeros([first[-1], z.shape[-1]])
     for (n, k), start, row in zip(blocks, offsets, first):
         for c in range(k):
             units[row + c, start + c:start + n:k] = 1
-
-    def column(unit):
-        out = tf.gradients(grad, z, grad_ys=tf.broadcast_to(unit, tf.shape(grad)))[0]
-        return tf.zeros_like(z) if out is None else out
-    rows = tf.vectorized_map(column, tf.constant(units))  # [sum K, B, N]
-    hessians = []
-    for (n, k), start, row in zip(blocks, offsets, first):
-        part = tf.reshape(rows[row:row + k, :, start:start + n], [k, batch, n // k, k])
-        h = tf.cast(tf.transpose(part, [1, 2, 3, 0]), dtype)  # [B, P, l, c]
-        h = tf.where(tf.math.is_finite(h), h, tf.zeros_like(h))
-        hessians.append(0.5 * (h + tf.linalg.matrix_transpose(h)))
-    return hessians
+    rows = hessian_rows(per_example_loss, z, units)  # [sum K, B, N]
+    if rows is None:
+        return [tf.zeros([batch, n // k, k, k], at_least_float32_dtype(z.dtype))
+                for n, k in blocks]
+    return [symmetric_part(tf.transpose(tf.reshape(  # [B, P, l, c]
+        rows[row:row + k, :, start:start + n], [k, batch, n // k, k]), [1, 2, 3, 0]), z.dtype)
+        for (n, k), start, row in zip(blocks, offsets, first)]
 
 
 class BlockGGN:
@@ -85,7 +76,7 @@ class BlockGGN:
     def sqrt_fisher_columns(self, separate=False):
         """Block ``b``'s ``K_b`` columns (``separate``: ``P_b K_b``), each zero
         outside its block (and, separate, outside its position)."""
-        zeros = [tf.zeros_like(part.fisher_diagonal()) for part in self._parts]
+        zeros = [tf.zeros_like(part.sqrt_fisher()[..., 0]) for part in self._parts]
         columns = []
         for b, ((n, k), part) in enumerate(zip(self._blocks, self._parts)):
             for c in part.sqrt_fisher_columns():  # [B, P, K]
@@ -111,8 +102,7 @@ class BlockGGN:
     def fisher_diagonal(self):
         return self._join([part.fisher_diagonal() for part in self._parts])
 
-    def multiply_fisher(self, v):
-        v = tf.cast(v, self._parts[0].sqrt_fisher().dtype)
+    def multiply_fisher(self, v):  # (each part casts its share)
         return self._join([part.multiply_fisher(t)
                            for part, t in zip(self._parts, self._split(v))])
 
