@@ -361,10 +361,13 @@ def _notes(reg, coupling, one_error):
     notes = []
     if coupling:
         named = coupling[0] + (f" and {len(coupling) - 1} more" if len(coupling) > 1 else "")
-        notes.append(f"batch normalisation in training mode ({named}) couples "
-                     "the examples: every per-example gradient is the example's contribution "
-                     "to the batch gradient, not a batch-of-one gradient, so one-example is "
-                     "skipped (call the model with training=False to check it)")
+        norm = bool(set(coupling) - set(reg.coupling))  # layers, not the pass's ops
+        where = (f"batch normalisation in training mode ({named})" if norm else
+                 f"the loss at op {named} (batch statistics, or two tensors of examples combined)")
+        notes.append(f"{where} couples the examples: every per-example gradient is the "
+                     "example's contribution to the batch gradient, not a batch-of-one gradient, "
+                     "so one-example is skipped"
+                     + (" (call the model with training=False to check it)" if norm else ""))
     elif one_error:
         notes.append(verify_weights.skip_note(one_error)
                      or f"one-example skipped: fn fails on a batch of one: {one_error}")

@@ -154,6 +154,8 @@ def test_verify_marks_a_contrastive_loss():
     loss_fn, args = _contrastive()
     report = kg.verify(loss_fn, *args)
     assert "couples examples" in report.table()
+    assert any("the loss at op" in n and "couples the examples" in n for n in report.notes)
+    assert not any("batch normalisation" in n for n in report.notes), report.notes
 
 
 def _attention():
@@ -173,9 +175,29 @@ def _attention():
                      tf.constant(rng.integers(0, 3, (B, 5))))
 
 
-@pytest.mark.parametrize("build", [_attention, lambda: _batch_norm(False)])
+def _siamese_dot():
+    """Keras's ``Dot(axes=1, normalize=True)``: each pair's cosine, a batched
+    ``[B, 1, d] @ [B, d, 1]`` whose unit axes the pass sees through. Read
+    as ``[B, d] @ [B, d]``, it was taken for a product over the examples:
+    DP-SGD refused the loss and ``kg.verify`` skipped its one-example check."""
+    keras.utils.set_random_seed(0)
+    rng, x = _data(6)
+    a, b = keras.Input((4,), dtype="float64"), keras.Input((4,), dtype="float64")
+    embed = keras.layers.Dense(3, dtype="float64")
+    cosine = keras.layers.Dot(axes=1, normalize=True, dtype="float64")([embed(a), embed(b)])
+    model = keras.Model([a, b], keras.layers.Dense(2, dtype="float64")(cosine))
+
+    @kg.auto_register
+    def loss_fn(x1, x2, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model([x1, x2])))
+    return loss_fn, (x, tf.constant(rng.normal(size=(B, 4))), tf.constant(rng.integers(0, 2, B)))
+
+
+@pytest.mark.parametrize("build", [_attention, lambda: _batch_norm(False), _siamese_dot])
 def test_no_coupling_where_examples_meet_only_themselves(build):
     loss_fn, args = build()
     assert loss_fn.registration(*args).coupling == ()
     dp = kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0)
     assert np.isfinite(float(dp.step(*args)))
+    report = kg.verify(loss_fn, *args, examples=2, directions=1)
+    assert report.passed and "couples examples" not in report.table(), report.table()

@@ -287,6 +287,9 @@ def applied_operands(attrs, kernel_shape, tensors, grads, batch=None):
     a = reshape_like(tensors[0], shape)
     if shape:
         grads = [reshape_like(g, (*shape[:-1], g.shape[-1])) for g in grads]
+    if a.shape.rank and a.shape[-1] is None:  # a width the trace lost (a bincount's)
+        d_in = kernel_shape[-1] if attrs.get("transpose_kernel") else kernel_shape[0]
+        a = tf.ensure_shape(a, [*a.shape[:-1], d_in])
     return a, list(grads)
 
 
