@@ -163,7 +163,7 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                         lm.extras, tuple((variable(k), traced.constraints[k])
                                          for m in result.layers for k in m.variables
                                          if k in traced.constraints),
-                        dict(traced.resources))
+                        dict(traced.resources), result.batch_statistics)
 
 
 # ops that take a variable's handle without reading its value

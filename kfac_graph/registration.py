@@ -148,7 +148,10 @@ class Registration:
     ``coupling`` (the ops where one example's loss comes to depend on other
     examples: ``passes.coupling``; DP-SGD refuses such a loss), and
     ``captured_resources`` (placeholder node -> the resource handle it
-    stands for, a lookup table's: the re-run graph captures it)."""
+    stands for, a lookup table's: the re-run graph captures it), and
+    ``batch_statistics`` (the ops that reduce the data alone over the
+    examples on the way to the loss, a masked mean's ``sum(mask)``:
+    ``passes.coupling.batch_statistics``; DP-SGD refuses such a loss)."""
     layers: tuple[Layer, ...]
     loss: LossSpec
     graph_def: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -168,6 +171,7 @@ class Registration:
     constraints: tuple = dataclasses.field(default=(), repr=False, compare=False)
     captured_resources: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False,
                                                               compare=False)
+    batch_statistics: tuple[str, ...] = ()
 
     @property
     def variables(self) -> tuple:
@@ -216,6 +220,11 @@ class Registration:
                    + (f"; divided by {', '.join(loss.divisors)}" if loss.divisors else "")
                    + (f"; per-example terms added {extras}" if extras else "")
                    + (f"; penalties {', '.join(loss.penalties)}" if loss.penalties else ""))
+        if self.coupling:
+            out.append(f"examples meet at: {', '.join(self.coupling)} (DP-SGD refuses the loss)")
+        if self.batch_statistics:
+            out.append(f"statistics of the batch's data: {', '.join(self.batch_statistics)} "
+                       "(DP-SGD refuses the loss)")
         if self.constraints:
             out.append("constraints applied after each update: " + ", ".join(
                 f"{v.name} {getattr(c, '__name__', type(c).__name__)}"

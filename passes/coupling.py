@@ -76,6 +76,43 @@ def coupling_ops(g: nx.DiGraph, rows: dict, terms: str | None) -> tuple[str, ...
     return tuple(out)
 
 
+def batch_statistics(g: nx.DiGraph, rows: dict, output: str | None) -> tuple[str, ...]:
+    """The ops on the way to the loss ``output`` that reduce the data alone
+    (no variable above them) along the axis holding the examples: a masked
+    mean's ``sum(mask)`` over the batch, Keras's ``ignore_class`` or masked
+    losses (which divide by the batch's count of valid tokens), inputs
+    standardised by the batch's moments. Each example's term is then scaled
+    or shifted by the other examples' data: per-example gradients are still
+    each example's share of the batch gradient (the statistic a constant
+    for the batch), but clipping them bounds no one example's influence
+    (removing it changes the others' terms), so DP-SGD refuses such a loss.
+    A tensor's size (``Shape``, ``Size``) or a value-free ``OnesLike``
+    carries no example's data."""
+    if not output:
+        return ()
+    target = ir.node_of(g, output)
+    if target not in g:
+        return ()
+    seen = {s for s in g.graph["arguments"] if s in g}
+    stack = list(seen)
+    while stack:  # the nodes whose values carry the data's
+        for nxt in g.successors(stack.pop()):
+            if nxt not in seen and g.nodes[nxt]["op"] not in _VALUE_FREE:
+                seen.add(nxt)
+                stack.append(nxt)
+    weighted = ir.reachable_from(g, (n for n, d in g.nodes(data=True) if d.get("variable")))
+    before = nx.ancestors(g, target) | {target}
+    out = []
+    for node in nx.topological_sort(g.subgraph(before & seen - weighted)):
+        d = g.nodes[node]
+        if _reduces_rows(g, d, [ir.split_tensor(t)[0] for t in d["inputs"]], rows):
+            out.append(node)
+    return tuple(out)
+
+
+_VALUE_FREE = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike"})
+
+
 def _reduces_rows(g, d, sources, rows) -> bool:
     if d["op"] in row_axes.REDUCTIONS and sources[0] in rows:
         return rows[sources[0]].axis in (row_axes.reduced_axes(g, d) or ())

@@ -24,7 +24,7 @@ import networkx as nx
 from passes import frontends, ir
 from passes.canonicalize import canonicalize
 from passes.errors import KfacGraphError, TraceError
-from passes.coupling import coupling_ops
+from passes.coupling import batch_statistics, coupling_ops
 from passes.example_rows import graph_rows
 from passes.grouped_conv3d import split_grouped_conv3d
 from passes.lora import mark_lora
@@ -46,6 +46,7 @@ class PassResult:
     loss: LossMatch
     timings: dict
     coupling: tuple[str, ...] = ()  # ops where the examples meet (passes.coupling)
+    batch_statistics: tuple[str, ...] = ()  # the data's own, on the way to the loss
 
 
 def run(traced: frontends.Traced, loss: str | None = None,
@@ -78,6 +79,7 @@ def run(traced: frontends.Traced, loss: str | None = None,
     _batch_first_output(g, rows, loss_match, traced.name)
     coupling = tuple(dict.fromkeys(op for terms in (loss_match.terms, *(
         t for t, _ in loss_match.extras)) for op in coupling_ops(g, rows, terms)))
+    statistics = batch_statistics(g, rows, g.graph["output"])
     timings["match_loss"] = time.perf_counter() - start
     graph_def = split_grouped_conv3d(traced.graph_def, g)
     if loss_match.joined:
@@ -85,7 +87,7 @@ def run(traced: frontends.Traced, loss: str | None = None,
                                  [t for t, _ in loss_match.heads])
     if graph_def is not traced.graph_def:
         traced = dataclasses.replace(traced, graph_def=graph_def)
-    return PassResult(traced, g, layers, loss_match, timings, coupling)
+    return PassResult(traced, g, layers, loss_match, timings, coupling, statistics)
 
 
 def _prepared(g, timings=None):

@@ -76,6 +76,9 @@ def axis_after(g, d, sources, r, rows, data, rank):
     if op in ("Pad", "PadV2", "MirrorPad") and sources[0] in rows:
         pads = ir.const_value(g, d["inputs"][1])
         return a if pads is not None and not any(pads[a]) else None
+    if op == "OneHot" and sources[0] in rows:  # one axis added, at ``axis`` (-1: last)
+        at = int(d["attrs"].get("axis", -1)) % rank
+        return a + (at <= a)
     if op == "Cumsum" and sources[0] in rows:
         along = ir.const_value(g, d["inputs"][1])
         return a if along is not None and int(along) % rank != a else None

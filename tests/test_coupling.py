@@ -7,9 +7,11 @@ ops (`reg.coupling`) and warns; `kg.DPSGD` and `kg.dp_gradients` refuse the
 loss in one line (clipping an example's share bounds nothing); per-example
 gradients are still each example's share and sum to the batch gradient;
 `kg.verify` marks the one-example comparison `couples examples`.
-Attention (examples meet only themselves), a padding mask's batch sum (a
-statistic of the data alone) and batch normalisation in inference mode
-couple nothing, and DP-SGD runs.
+Attention (examples meet only themselves) and batch normalisation in
+inference mode couple nothing, and DP-SGD runs. A statistic of the data
+alone over the batch (a masked mean's ``sum(mask)``) couples no
+per-example gradient (it is a weight, constant for the batch), but DP-SGD
+refuses it too: removing one example changes the others' terms.
 """
 import keras
 import numpy as np
@@ -167,8 +169,8 @@ def _attention():
     def loss_fn(x, mask, y):
         h = mha(x, x, attention_mask=mask[:, None, :] * mask[:, :, None])
         terms = tf.nn.sparse_softmax_cross_entropy_with_logits(y, head(h))
-        return tf.reduce_sum(terms * tf.cast(mask, terms.dtype)) / tf.reduce_sum(
-            tf.cast(mask, terms.dtype))
+        mask = tf.cast(mask, terms.dtype)  # each example's own masked mean
+        return tf.reduce_mean(tf.reduce_sum(terms * mask, 1) / tf.reduce_sum(mask, 1))
     mask = np.ones((B, 5), "int32")
     mask[0, 3:] = 0
     return loss_fn, (tf.constant(rng.normal(size=(B, 5, 4))), tf.constant(mask),
@@ -201,3 +203,63 @@ def test_no_coupling_where_examples_meet_only_themselves(build):
     assert np.isfinite(float(dp.step(*args)))
     report = kg.verify(loss_fn, *args, examples=2, directions=1)
     assert report.passed and "couples examples" not in report.table(), report.table()
+
+
+def _token_loss(form):
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(7)
+    model = keras.Sequential([keras.layers.Embedding(7, 3, dtype="float64"),
+                              keras.layers.Dense(7, dtype="float64")])
+    mask = np.ones((B, 5))
+    mask[0, 2:], mask[3, 1:] = 0, 0
+
+    @kg.auto_register
+    def loss_fn(ids, y, w):
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(ids))
+        if form == "batch_mean":  # the batch's count of tokens
+            return tf.reduce_sum(ce * w) / tf.reduce_sum(w)
+        if form == "keras_ignore_class":  # the same count, by Keras
+            return keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, ignore_class=0)(y * tf.cast(w, y.dtype), model(ids))
+        if form == "class_balanced":  # each class weighed by its count in the batch
+            counts = tf.reduce_sum(tf.one_hot(y, 7, dtype=ce.dtype), axis=[0, 1])
+            return tf.reduce_mean(ce * tf.gather(1.0 / (counts + 1.0), y))
+        if form == "own_mean":
+            return tf.reduce_mean(tf.reduce_sum(ce * w, 1) / tf.reduce_sum(w, 1))
+        return tf.reduce_sum(ce * w) / 12.0  # a constant divisor
+    ids, y = (tf.constant(rng.integers(1, 7, (B, 5))) for _ in range(2))
+    return loss_fn, (ids, y, tf.constant(mask))
+
+
+@pytest.mark.parametrize("form, op", [("batch_mean", "sum"), ("keras_ignore_class", "sum"),
+                                      ("class_balanced", "sum"), ("own_mean", None),
+                                      ("constant", None)])
+def test_a_statistic_of_the_batch_data_is_refused_by_dp(form, op):
+    """Per-example gradients under a masked mean over the batch's tokens are
+    each example's share, the count a constant for the batch; but drop one
+    example and every other's clipped gradient changes with the count, so
+    the clipped sum moves by more than the clip norm: DP-SGD's sensitivity
+    fails. DP-SGD refuses such a loss in one line; each example's own mean
+    or a constant divisor is fine."""
+    loss_fn, args = _token_loss(form)
+    reg = loss_fn.registration(*args)
+    assert reg.coupling == ()
+    if op is None:
+        assert reg.batch_statistics == ()
+        kg.dp_gradients(loss_fn, *args, l2_norm_clip=1.0, noise_multiplier=1.0)
+        return
+    assert reg.batch_statistics and op in reg.batch_statistics[0].lower(), reg.batch_statistics
+    assert "statistics of the batch's data: " in reg.summary()
+    with pytest.raises(kg.KfacGraphError, match=r"statistic of the whole batch's data at op"):
+        kg.dp_gradients(loss_fn, *args, l2_norm_clip=1.0, noise_multiplier=1.0)
+    if form != "batch_mean":
+        return
+    # no clip reached: the sum of the clipped gradients is the batch's; without
+    # the last example it is not the rest of that sum, as every other term moved
+    def summed(ids, y, w):
+        grads = kg.per_example_gradients(loss_fn, ids, y, w)
+        flat = np.concatenate([np.reshape(g, (len(ids), -1)) for g in grads], axis=1)
+        return np.sum(flat, axis=0), flat[-1]
+    whole, last = summed(*args)
+    rest, _ = summed(*(a[:-1] for a in args))
+    assert np.linalg.norm(whole - rest - last) > 0.1 * np.linalg.norm(last)

@@ -55,6 +55,15 @@ def privatize(fn, *args, l2_norm_clip, noise_multiplier, seed=None, method="auto
             "does not bound its influence on the update, so the noise gives no differential "
             "privacy; use per-example normalisation (LayerNormalization, GroupNormalization) "
             "or batch normalisation in inference mode")
+    if reg.batch_statistics:
+        raise KfacGraphError(
+            f"{owner}: the loss scales each example's term by a statistic of the whole batch's "
+            f"data at op {reg.batch_statistics[0]!r} (a masked mean's sum(mask) over the batch, "
+            "Keras's ignore_class or a masked loss): removing one example changes every other "
+            "example's term, which clipping does not bound, so the noise gives no differential "
+            "privacy; divide by a constant (the expected number of tokens in a batch) or by "
+            "each example's own count (sum(mask, axis=1)), or use a Keras loss with "
+            "reduction='sum'")
     plan = clip_lib.plan(reg, clipping, l2_norm_clip, automatic_clipping)
     if mask is not None and expected_batch_size is None and reg.loss.reduction == "mean":
         raise ValueError(f"{owner}: with a mask (padded Poisson batches) give "
