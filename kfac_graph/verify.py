@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import time
 
-import networkx as nx
 import numpy as np
 import tensorflow as tf
 
@@ -44,6 +43,7 @@ from kfac_graph import layers
 from kfac_graph import verify_fisher, verify_weights
 from kfac_graph.verify_state import SavedState
 from kfac_graph.auto_register import RegisteredFunction, auto_register
+from kfac_graph.normaliser_coupling import coupling_layers
 from kfac_graph.per_example.gradients import model_norms, per_layer_results
 from kfac_graph.per_example.rules import default_registry
 from kfac_graph.registration import GraphVariable
@@ -208,40 +208,6 @@ def _slice(args, batch, i):
             return a[i:i + 1]
         return a
     return tf.nest.map_structure(cut, args)
-
-
-def coupling_layers(reg) -> tuple[str, ...]:
-    """The names of the layers whose normaliser mixes the examples: batch
-    normalisation in training mode (FusedBatchNorm ``fused_training``, or a
-    ``center_scale`` normaliser whose mean is computed from the data without
-    a batch axis, Keras's BatchNormalization(training=True))."""
-    arguments = set(reg.arguments)
-    out = []
-    for layer in reg.layers:
-        if layer.kind != "scale_and_shift":
-            continue
-        for attrs, inputs in zip(layer.use_attrs, layer.inputs):
-            normalizer = attrs.get("normalizer")
-            if normalizer == "fused_training" or (
-                    normalizer == "center_scale" and len(inputs) >= 2
-                    and _batch_statistic(reg, inputs[0], inputs[1], arguments)):
-                out.append(layer.name)
-                break
-    return tuple(out)
-
-
-def _batch_statistic(reg, x, mean, arguments) -> bool:
-    """Whether ``mean`` is computed from the data and has no batch axis."""
-    g = reg.ir
-    node = ir.split_tensor(mean)[0]
-    if g is None or node not in g or not (arguments & nx.ancestors(g, node)):
-        return False
-    x_shape, m_shape = ir.shape_of(g, x), ir.shape_of(g, mean)
-    if x_shape is None or m_shape is None:
-        return True
-    if len(m_shape) < len(x_shape):
-        return True
-    return m_shape[0] == 1 and x_shape[0] != 1
 
 
 # -- the comparisons ---------------------------------------------------------------

@@ -142,7 +142,7 @@ def _mixes_rows(g, d, sources, rows) -> bool:
             # as the op reads it: unit axes the IR saw through count here (Keras's
             # Dot: [B, 1, d] @ [B, d, 1] contracts d, not the examples)
             raw = ir.shape_of(g, d["raw_inputs"][i]) or ()
-            a, rank = _axis_in(ir.shape_of(g, d["inputs"][i]) or (), raw, a), len(raw)
+            a, rank = row_axes.axis_in(ir.shape_of(g, d["inputs"][i]) or (), raw, a), len(raw)
             flipped = attrs.get("adj_x" if i == 0 else "adj_y")
             if a == rank - (2 if (i == 0) == bool(flipped) else 1):
                 return True
@@ -169,14 +169,3 @@ def _meets(g, d, sources, rows, data) -> bool:
     out = d["shapes"][0] if d["shapes"] else None
     (r,) = found
     return row_axes.axis_after(g, d, sources, r, rows, data, len(out or ())) is None
-
-
-def _axis_in(shape, raw, axis) -> int:
-    """``axis`` of ``shape`` where it lies in ``raw``, the same tensor with unit
-    axes added or dropped: the same count of other-than-unit axes before it."""
-    if tuple(shape) == tuple(raw) or axis >= len(shape) or shape[axis] == 1:
-        return axis
-    before = sum(dim != 1 for dim in shape[:axis])
-    kept = [k for k, dim in enumerate(raw) if dim != 1]
-    return kept[before] if before < len(kept) else axis
-

@@ -99,8 +99,9 @@ def _reshaped(g, d, source, out, rows, batched, batch):
     ``prod(out[:a']) = P`` whose size is a multiple of ``B`` cuts each slab
     into ``B`` blocks of the same size, the same examples' blocks in the
     same order: the output holds ``out[a'] / B`` rows per example there
-    (one on a later axis; one on the first axis is a batch-leading tensor,
-    not rows)."""
+    (one on a later axis; one on the first axis is a batch-leading tensor
+    again: ``[k B, d] -> [B, k, d]`` after a Keras Dense on a sequence, or
+    Keras's nearest upsampling's tile and reshape)."""
     src = ir.shape_of(g, d["inputs"][0])
     if not src or None in src:
         return None
@@ -114,7 +115,9 @@ def _reshaped(g, d, source, out, rows, batched, batch):
     prefix = math.prod(src[:r.axis])
     for axis, size in enumerate(out):
         if math.prod(out[:axis]) == prefix and size % batch == 0 and size >= batch:
-            if size == batch and (gained or axis == 0):  # batch-leading: no rows
+            if size == batch and axis == 0:  # batch-leading again ([k B, d] -> [B, k, d])
+                return Rows(batch, 1, 0)
+            if size == batch and gained:
                 return None
             return Rows(batch, size // batch, axis)
         if math.prod(out[:axis]) > prefix:

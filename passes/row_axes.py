@@ -18,7 +18,8 @@ from passes import ir
 REDUCTIONS = frozenset({"Mean", "Sum", "Max", "Min", "Prod"})
 # ops computing each index of their input's first axis on its own (weights aside)
 _PER_LEADING = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "AvgPool",
-                          "MaxPool3D", "AvgPool3D"})
+                          "MaxPool3D", "AvgPool3D", "ResizeBilinear", "ResizeNearestNeighbor",
+                          "ResizeBicubic", "ResizeArea", "ScaleAndTranslate"})
 
 
 def axis_after(g, d, sources, r, rows, data, rank):
@@ -76,6 +77,12 @@ def axis_after(g, d, sources, r, rows, data, rank):
     if op in ("Pad", "PadV2", "MirrorPad") and sources[0] in rows:
         pads = ir.const_value(g, d["inputs"][1])
         return a if pads is not None and not any(pads[a]) else None
+    if op == "Tile" and sources[0] in rows:  # kept where that axis is not repeated
+        multiples = ir.const_value(g, d["inputs"][1])
+        at = axis_in(ir.shape_of(g, d["inputs"][0]) or (), ir.shape_of(
+            g, d["raw_inputs"][0]) or (), a)
+        return a if multiples is not None and at < len(multiples) and int(
+            multiples[at]) == 1 and at == a else None
     if op == "OneHot" and sources[0] in rows:  # one axis added, at ``axis`` (-1: last)
         at = int(d["attrs"].get("axis", -1)) % rank
         return a + (at <= a)
@@ -173,3 +180,14 @@ def _aligned(g, d, sources, r, rows, rank, matrix=False) -> bool:
         if at >= 0 and shape[at] != 1:
             return False
     return True
+
+
+def axis_in(shape, raw, axis) -> int:
+    """``axis`` of ``shape`` where it lies in ``raw``, the same tensor with unit
+    axes added or dropped (the IR sees through them, ``passes.canonicalize``;
+    the op reads ``raw``): the same count of other-than-unit axes before it."""
+    if tuple(shape) == tuple(raw) or axis >= len(shape) or shape[axis] == 1:
+        return axis
+    before = sum(dim != 1 for dim in shape[:axis])
+    kept = [k for k, dim in enumerate(raw) if dim != 1]
+    return kept[before] if before < len(kept) else axis

@@ -98,8 +98,42 @@ def _graph_network(form):
     return loss_fn, (x, tf.constant(rng.integers(0, 3, B)))
 
 
+def _resized_batch_norm(upsample):
+    """Batch normalisation in training mode after an upsampling or a resize
+    (DeepLabV3's and SegFormer's decoders), a dilated convolution, or a Keras
+    Dense on a sequence (``[B T, d] -> [B, T, d]``): the rows were lost there
+    (a ``Tile`` and ``Reshape`` for nearest, ``ResizeBilinear``, the
+    Reshape back to batch-leading), so the moments were not seen as a
+    reduction over the examples and DP-SGD ran on a loss whose examples meet."""
+    rng, x = _data(8)
+    keras.config.set_floatx("float64")  # (conftest restores them)
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    conv = layers.Conv2D(3, 3, padding="same", dilation_rate=2 if upsample == "dilated" else 1)
+    before = {"nearest": [conv, layers.UpSampling2D(2)],
+              "bilinear": [conv, layers.UpSampling2D(2, interpolation="bilinear")],
+              "resizing": [conv, layers.Resizing(6, 6, interpolation="nearest")],
+              "dilated": [conv],  # SpaceToBatchND: the rows are interleaved
+              "dense": [layers.Reshape((16, 2)), layers.Dense(3)]}[upsample]  # [B T, d] rows
+    pool = (layers.GlobalAveragePooling1D() if upsample == "dense"
+            else layers.GlobalAveragePooling2D())
+    model = keras.Sequential([keras.Input((4, 4, 2)), *before, layers.BatchNormalization(), pool,
+                              layers.Dense(3)])
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, model(x, training=True)))
+    x = tf.constant(rng.normal(size=(B, 4, 4, 2)))
+    return loss_fn, (x, tf.constant(rng.integers(0, 3, B)))
+
+
 @pytest.mark.parametrize("build, op", [
     (_contrastive, "matmul"), (_pairwise, "sub"), (lambda: _batch_norm(True), "moments"),
+    (lambda: _resized_batch_norm("nearest"), "moments"),
+    (lambda: _resized_batch_norm("resizing"), "moments"),
+    (lambda: _resized_batch_norm("dense"), "moments"),
     (lambda: _graph_network("dense"), "matmul"),
     (lambda: _graph_network("sparse"), "sparsetensordensematmul"),
     (lambda: _graph_network("edges"), "gather"), (lambda: _graph_network("gram"), "matmul")])
@@ -118,6 +152,20 @@ def test_coupling_is_listed_and_dp_refuses_it(build, op):
         loss = loss_fn(*args)
     for g, w in zip(grads, tape.gradient(loss, reg.variables)):
         np.testing.assert_allclose(np.mean(g, 0), w, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("before", ["bilinear", "dilated"])
+def test_batch_norm_after_a_bilinear_resize_or_a_dilated_conv_is_refused(before):
+    """ResizeBilinear computes in float32 (the shares' sum is the batch
+    gradient to float32's rounding only, so the test above leaves it out);
+    a dilated convolution's SpaceToBatchND interleaves the examples' rows,
+    which the tracker does not follow: DP-SGD refuses from the batch
+    normalisation layer the pass matched (``normaliser_coupling``)."""
+    loss_fn, args = _resized_batch_norm(before)
+    coupling = loss_fn.registration(*args).coupling
+    assert (before == "dilated" or "moments" in coupling[0]), coupling
+    with pytest.raises(kg.KfacGraphError, match="couples the examples"):
+        kg.dp_gradients(loss_fn, *args, l2_norm_clip=1.0, noise_multiplier=1.0)
 
 
 def test_a_layer_that_meets_no_example_is_generic_and_exact():

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from kfac_graph import options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
+from kfac_graph.normaliser_coupling import coupling_layers
 from kfac_graph.privacy import accounting
 from kfac_graph.privacy import clipping as clip_lib
 from kfac_graph.privacy import gradients as grad_lib
@@ -47,9 +48,10 @@ def privatize(fn, *args, l2_norm_clip, noise_multiplier, seed=None, method="auto
         expected_batch_size=expected_batch_size))
     check_clip(owner, clipping, l2_norm_clip)
     fn, reg = registered(fn, args)
-    if reg.coupling:
+    coupling = reg.coupling or coupling_layers(reg)
+    if coupling:
         raise KfacGraphError(
-            f"{owner}: the loss couples the examples at op {reg.coupling[0]!r} (batch "
+            f"{owner}: the loss couples the examples at op {coupling[0]!r} (batch "
             "statistics such as batch normalisation in training mode, or two tensors of "
             "examples combined, as a contrastive loss's a @ b^T): clipping each example's share "
             "does not bound its influence on the update, so the noise gives no differential "
