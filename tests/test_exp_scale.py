@@ -85,3 +85,31 @@ def test_prelu_alpha_is_a_scale(shared_axes):
     reg = assert_matches_loop(loss_fn, args)
     assert [layer.kind for layer in reg.layers] == ["conv2d", "scale_and_shift", "dense"]
     assert reg.layers[1].use_attrs[0]["normalizer"] == "negated"
+
+
+def test_a_vector_scaled_by_a_mask_of_ids():
+    """T5Gemma2's end-of-image embedding, ``m * v + (1 - m) * embed(ids)``
+    with ``m = cast(ids == k)``: the vector is a scale of the mask, which
+    the pass reads through the cast as the comparison's bools, and the rule
+    stopped on ``reduce_sum`` of a bool tensor (per-example gradients,
+    ``kg.verify`` and DP-SGD; K-FAC's statistics cast). Now the mask is
+    cast to the gradient's dtype first."""
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(0)
+    embed, head = keras.layers.Embedding(9, 4), keras.layers.Dense(3)
+    special = tf.Variable(np.random.default_rng(1).normal(size=(4,)), name="special")
+
+    @kg.auto_register
+    def loss_fn(ids, y):
+        mask = tf.cast(tf.equal(ids, 8)[..., None], tf.float64)
+        h = mask * special + (1.0 - mask) * embed(ids)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, head(tf.reduce_mean(h, axis=1))))
+
+    args = (tf.constant([[1, 8, 3, 4], [8, 2, 2, 8], [5, 6, 7, 1]]), tf.constant([0, 1, 2]))
+    reg = assert_matches_loop(loss_fn, args)
+    assert [layer.kind for layer in reg.layers] == ["scale_and_shift", "embedding", "dense"]
+    assert kg.verify(loss_fn, *args, estimation_mode="exact", examples=2, directions=1).passed
+    assert np.isfinite(float(kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0,
+                                      noise_multiplier=1.0).step(*args)))

@@ -119,6 +119,8 @@ def operands(layer, use, tensors, grads, batch=None):
     else:
         shapes = tuple(attrs.get("operand_shapes") or ())
         shapes += (None,) * (len(tensors) - len(shapes))
+        # a mask the pass saw cast to floats (``tf.cast(ids == k, float) * v``) comes as it was
+        tensors = [t if t.dtype.is_floating else tf.cast(t, grads[0].dtype) for t in tensors]
         xhat = _normalised(attrs, [_read_as(t, s) for t, s in zip(tensors, shapes)], broadcast)
         xhat = tf.broadcast_to(xhat, tf.shape(grads[0]))
     lay_out = lambda t: parts.pad_box(_scale_last(t, broadcast, shape), box, var_shape)  # noqa: E731
