@@ -107,9 +107,17 @@ def fisher_checks(fn, reg, args, mode, directions, rng, max_params, coupled, tol
     state.run(estimator.update, *args)
     parts = [[rng.standard_normal((directions, *tuple(v.shape))) for v in reg.layers[k].variables]
              for k in checked]
-    exact, flat = state.run(forms, tuple(args), [[tf.constant(p, v.dtype) for p, v in
-                                                  zip(layer_parts, reg.layers[k].variables)]
-                                                 for k, layer_parts in zip(checked, parts)])
+    tangents = [[tf.constant(p, v.dtype) for p, v in zip(layer_parts, reg.layers[k].variables)]
+                for k, layer_parts in zip(checked, parts)]
+    try:
+        exact, flat = state.run(forms, tuple(args), tangents)
+    except tf.errors.InvalidArgumentError:
+        # TensorFlow's oneDNN rewrites on the CPU break some double backward passes
+        # pruned to one layer (a convolution beside another in a concat: "input depth
+        # must be evenly divisible by filter depth"); through every variable they run
+        whole = fn.derived.setdefault(key + ("whole",), _quadratic_forms(reg, mode, checked,
+                                                                         whole=True))
+        exact, flat = state.run(whole, tuple(args), tangents)
     exact = exact.numpy()
     for row, (k, layer_parts) in enumerate(zip(checked, parts)):
         matrix = estimator.blocks[k].full_matrix().numpy().astype(np.float64)
@@ -130,10 +138,12 @@ def fisher_checks(fn, reg, args, mode, directions, rng, max_params, coupled, tol
     return out
 
 
-def _quadratic_forms(reg, mode, checked):
+def _quadratic_forms(reg, mode, checked, whole=False):
     """A ``tf.function`` of ``(args, directions)``, ``directions[r][j]`` shaped
     ``[D, *variable.shape]`` for variable ``j`` of layer ``checked[r]``:
-    ``[len(checked), D]``, ``v.F v`` for the batch's exact or empirical Fisher."""
+    ``[len(checked), D]``, ``v.F v`` for the batch's exact or empirical Fisher.
+    ``whole``: each layer's ``J v`` through every variable of the loss, the
+    others' directions zero (the same products, a larger graph)."""
 
     @tf.function(autograph=False)
     def run(args, directions):
@@ -157,10 +167,15 @@ def _quadratic_forms(reg, mode, checked):
         rows = []
         for k, layer_directions in zip(checked, directions):
             forms = []
-            for jv in double_backward.jacobian_products(
-                    z, w, reg.layers[k].variables,
-                    [[u[d] for u in layer_directions]
-                     for d in range(int(layer_directions[0].shape[0]))]):
+            variables = reg.layers[k].variables
+            vectors = [[u[d] for u in layer_directions]
+                       for d in range(int(layer_directions[0].shape[0]))]
+            if whole:
+                own = {id(v): j for j, v in enumerate(variables)}
+                vectors = [[u[own[id(v)]] if id(v) in own else tf.zeros(v.shape, v.dtype)
+                            for v in reg.variables] for u in vectors]
+                variables = reg.variables
+            for jv in double_backward.jacobian_products(z, w, variables, vectors):
                 if mode == "exact":
                     fjv = dist.multiply_fisher(jv)
                     if weights is not None:

@@ -314,6 +314,31 @@ def test_kfac_graph_verify_exits_1_on_a_failure(capsys, monkeypatch):
     assert "FAILED" in out and "small_cnn_1/logits_1 (mean" in out
 
 
+def test_exact_fisher_of_convolutions_joined_by_a_concat():
+    """DeepLabV3's pyramid pooling and SegFormer's fusion: convolutions side
+    by side, concatenated, then a 1x1 convolution. TensorFlow's oneDNN
+    rewrites (on by default on the CPU) fail the double backward pass pruned
+    to one branch's kernel ("input depth must be evenly divisible by filter
+    depth"), so the Fisher check raised; it now takes such a layer's
+    products through every variable."""
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    a, b = layers.Conv2D(4, 1, use_bias=False), layers.Conv2D(4, 1, use_bias=False)
+    fuse, head = layers.Conv2D(2, 1, use_bias=False), layers.Dense(3)
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = fuse(tf.concat([a(x), b(x)], -1))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, head(tf.reduce_mean(h, [1, 2]))))
+
+    x = tf.random.stateless_normal([3, 4, 4, 3], seed=[0, 2])
+    report = kg.verify(loss_fn, x, tf.constant([0, 1, 2]), estimation_mode="exact",
+                       examples=2, directions=1)
+    assert report.passed and all(row.check("fisher").status == "pass" for row in report.rows), (
+        report.table())
+
+
 @pytest.mark.slow
 def test_resnet50():
     keras.utils.set_random_seed(0)
