@@ -39,8 +39,9 @@ experts, is no batch statistic).
 from __future__ import annotations
 
 import networkx as nx
+import numpy as np
 
-from passes import batch_flow, ir, row_axes
+from passes import batch_flow, ir, ir_constants, row_axes
 from passes.example_rows import example_rows
 
 _MEETS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}) | ir.ELEMENTWISE
@@ -130,7 +131,8 @@ def _mixes_rows(g, d, sources, rows) -> bool:
         return held.get(0) == 0
     if op == "GatherV2" and 0 in held and 1 not in held and not attrs.get("batch_dims", 0):
         axis = ir.const_value(g, d["inputs"][2])
-        return axis is not None and int(axis) == held[0]
+        return (axis is not None and int(axis) == held[0]
+                and not _own_rows(g, d["inputs"][1], rows[sources[0]]))
     if op == "SparseTensorDenseMatMul":  # (indices, values, shape, dense)
         return held.get(3, -1) == (1 if attrs.get("adjoint_b") else 0)
     if op == "MatMul":
@@ -155,6 +157,19 @@ def _mixes_rows(g, d, sources, rows) -> bool:
         specs = ins.split(",")
         return any(a < len(specs[i]) and specs[i][a] not in out for i, a in held.items())
     return False
+
+
+def _own_rows(g, ids, r) -> bool:
+    """Whether the ids, known when tracing, pick each example's rows from its
+    own: ``n = k B`` ids in order, id ``j`` in example ``j // k``'s block of
+    ``r.per_example`` rows (Gemma3's interleaving takes each example's first
+    token, ``take(flat, arange(B) * T)``)."""
+    value = ir_constants.constant(g, ids)
+    if value is None or r.batch is None or not r.per_example or value.size % r.batch:
+        return False
+    flat = np.ravel(value).astype(np.int64)
+    k = flat.size // r.batch
+    return bool(np.all(flat // r.per_example == np.arange(flat.size) // k))
 
 
 def _meets(g, d, sources, rows, data) -> bool:

@@ -243,7 +243,36 @@ def _siamese_dot():
     return loss_fn, (x, tf.constant(rng.normal(size=(B, 4))), tf.constant(rng.integers(0, 2, B)))
 
 
-@pytest.mark.parametrize("build", [_attention, lambda: _batch_norm(False), _siamese_dot])
+def _first_tokens(ids_of):
+    """Gemma3's (and T5Gemma2's) image interleaving reads each example's first
+    token from the flattened sequence, ``take(flat, arange(B) * T)`` (Keras's
+    ``take`` wraps negative ids with a ``where``): ids known when tracing,
+    each in its own example's rows. It was read as a gather across the
+    examples, and DP-SGD refused the loss. Ids that pick another example's
+    row still couple."""
+    rng = np.random.default_rng(9)
+    keras.utils.set_random_seed(0)
+    embed = keras.layers.Embedding(20, 4, dtype="float64")
+    image, head = keras.layers.Dense(4, dtype="float64"), keras.layers.Dense(3, dtype="float64")
+
+    @kg.auto_register
+    def loss_fn(ids, x, y):
+        text = embed(ids)
+        flat = keras.ops.reshape(text, (B * 5, 4))
+        first = keras.ops.take(flat, ids_of(keras.ops.arange(B, dtype="int32") * 5), axis=0)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, head(first + image(x))))
+    return loss_fn, (tf.constant(rng.integers(0, 20, (B, 5))), tf.constant(rng.normal(size=(B, 2))),
+                     tf.constant(rng.integers(0, 3, B)))
+
+
+def test_a_gather_of_other_examples_rows_by_constant_ids_couples():
+    loss_fn, args = _first_tokens(lambda own: own[::-1])
+    assert "GatherV2" in loss_fn.registration(*args).coupling[0]
+
+
+@pytest.mark.parametrize("build", [_attention, lambda: _batch_norm(False), _siamese_dot,
+                                   lambda: _first_tokens(lambda own: own)])
 def test_no_coupling_where_examples_meet_only_themselves(build):
     loss_fn, args = build()
     assert loss_fn.registration(*args).coupling == ()
