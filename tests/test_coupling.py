@@ -266,13 +266,35 @@ def _first_tokens(ids_of):
                      tf.constant(rng.integers(0, 3, B)))
 
 
+def _stacked_streams():
+    """Gemma3n's AltUp: streams stacked ahead of the batch, ``[N, B, ..]``,
+    mixed per example, then repeated (a Tile) ahead of it again. With as many
+    streams as examples the stacked tensor read as batch-leading, and its
+    products with per-example coefficients as products across the examples
+    (DP-SGD refused the loss); the tracker now follows the stack and the tile."""
+    rng = np.random.default_rng(10)
+    keras.utils.set_random_seed(0)
+    embed, router = keras.layers.Dense(4, dtype="float64"), keras.layers.Dense(B, dtype="float64")
+    head = keras.layers.Dense(3, dtype="float64")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = embed(x)
+        streams = tf.stack([h * (k + 1.0) for k in range(B)], axis=0)  # [N = B, B, 4]
+        mixed = tf.reduce_sum(streams * tf.transpose(router(x))[:, :, None], axis=0)
+        again = keras.ops.repeat(mixed[None], B, axis=0)  # [N, B, 4]
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, head(tf.reduce_mean(again * streams, axis=0))))
+    return loss_fn, (tf.constant(rng.normal(size=(B, 4))), tf.constant(rng.integers(0, 3, B)))
+
+
 def test_a_gather_of_other_examples_rows_by_constant_ids_couples():
     loss_fn, args = _first_tokens(lambda own: own[::-1])
     assert "GatherV2" in loss_fn.registration(*args).coupling[0]
 
 
 @pytest.mark.parametrize("build", [_attention, lambda: _batch_norm(False), _siamese_dot,
-                                   lambda: _first_tokens(lambda own: own)])
+                                   lambda: _first_tokens(lambda own: own), _stacked_streams])
 def test_no_coupling_where_examples_meet_only_themselves(build):
     loss_fn, args = build()
     assert loss_fn.registration(*args).coupling == ()
