@@ -10,7 +10,6 @@ import functools
 from typing import Any, Callable
 
 import networkx as nx
-import numpy as np
 import tensorflow as tf
 from absl import logging
 from tensorflow.python.autograph.core import ag_ctx
@@ -182,37 +181,10 @@ def user_variable(variable):
 
 
 def _concrete(tf_function, args, name):
-    """The concrete function for ``args``. A batch of one is traced with the
-    batch unknown: on a static batch of one the pass cannot tell the batch
-    axis from a unit axis broadcast over it (a position table broadcast to
-    ``[1, T, d]`` read as the same for every example), and a Keras ``fit``'s
-    last batch of one then registered other layers than the batches before."""
     passes.frontends.check_dense_arguments(args, name)
     try:
         with passes.frontends.one_device():  # Keras's losses: not divided by the replicas
-            return tf_function.get_concrete_function(*_batch_of_one_relaxed(args))
+            return tf_function.get_concrete_function(*args)
     except (TypeError, ValueError) as e:
         raise passes.TraceError(f"could not trace {name}: {passes.frontends.error_line(e)}") from e
 
-
-def _batch_of_one_relaxed(args):
-    """``args`` with every tensor whose leading axis is 1 as a spec of an unknown
-    leading axis, where the first tensor's is 1 (a batch of one); else ``args``."""
-    leaves = [a for a in tf.nest.flatten(args) if _shape_of(a) is not None]
-    first = _shape_of(leaves[0]) if leaves else None
-    if not first or first[0] != 1:
-        return args
-
-    def spec(a):
-        shape = _shape_of(a)
-        if shape is None or not shape or shape[0] != 1:
-            return a
-        return tf.TensorSpec([None, *shape[1:]], tf.as_dtype(a.dtype))
-    return tf.nest.map_structure(spec, args)
-
-
-def _shape_of(value):
-    """The static shape of a tensor or array argument, else None."""
-    if isinstance(value, (tf.Tensor, np.ndarray)) and not isinstance(value, tf.Variable):
-        return list(value.shape)
-    return None
