@@ -77,17 +77,15 @@ def axis_after(g, d, sources, r, rows, data, rank):
     if op in ("Pad", "PadV2", "MirrorPad") and sources[0] in rows:
         pads = ir.const_value(g, d["inputs"][1])
         return a if pads is not None and not any(pads[a]) else None
-    if op == "Pack" and all(s in rows for s in sources):  # stacked: one axis added
-        at = int(d["attrs"].get("axis", 0)) % rank
-        return a + (at <= a)
     if op == "Tile" and sources[0] in rows:  # kept where that axis is not repeated
         multiples = ir.const_value(g, d["inputs"][1])
         at = axis_in(ir.shape_of(g, d["inputs"][0]) or (), ir.shape_of(
             g, d["raw_inputs"][0]) or (), a)
         return at if multiples is not None and at < len(multiples) and int(
             multiples[at]) == 1 else None  # (the op's rank is its raw input's)
-    if op == "OneHot" and sources[0] in rows:  # one axis added, at ``axis`` (-1: last)
-        at = int(d["attrs"].get("axis", -1)) % rank
+    if ((op == "Pack" and all(s in rows for s in sources))  # stacked, or one-hot (-1: last):
+            or (op == "OneHot" and sources[0] in rows)):  # one axis added at ``axis``
+        at = int(d["attrs"].get("axis", 0 if op == "Pack" else -1)) % rank
         return a + (at <= a)
     if op == "Cumsum" and sources[0] in rows:
         along = ir.const_value(g, d["inputs"][1])
