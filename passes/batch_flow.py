@@ -20,17 +20,17 @@ def batch_sources(g) -> list:
     """Constants shaped ``[B, ...]`` for the arguments' static batch ``B``
     that repeat one row (an RNN's zero initial state), and weights or constants tiled or
     broadcast to ``[B, ...]`` (DeBERTa's relative embeddings, repeated over
-    the batch): every row is an example's, so what is computed from them
-    and the weights, row by row (the first step of an unrolled loop, the
-    relative embeddings' projections), is per example like the data."""
+    the batch; on a batch of one, those that copy nothing): every row is
+    an example's, so what is computed from them and the weights, row by
+    row (the first step of an unrolled loop, the relative embeddings'
+    projections), is per example like the data."""
     batch = static_batch(g)
     if batch is None:
         return []
     constants = _repeating_constants(g, lambda shape: shape[0] == batch, rows=True)
-    if batch == 1:  # every unit axis would read as the batch's
-        return constants
+    expands = _copies_nothing if batch == 1 else _expands_to
     return constants + [n for n, d in g.nodes(data=True)
-                        if d["op"] in ("Tile", "BroadcastTo") and _expands_to(g, d, batch)]
+                        if d["op"] in ("Tile", "BroadcastTo") and expands(g, d, batch)]
 
 
 def batch_copies(g) -> list:
@@ -73,6 +73,20 @@ def _expands_to(g, d, batch) -> bool:
         if o != 1:
             return o == batch and s == 1
     return False
+
+
+def _copies_nothing(g, d, batch) -> bool:
+    """On a batch of one, where every unit axis would read as the batch's:
+    whether the op copies nothing and leads with a unit axis (``repeat(w,
+    B)`` or ``broadcast_to(w, [B, ..])`` traced with ``B = 1``; a tile by
+    counts that are all one is in the graph for a size that varies, and
+    the batch's is the one that varies between traces)."""
+    out = d["shapes"][0] if d["shapes"] else None
+    src = ir.shape_of(g, d["inputs"][0])
+    if out is None or src is None or len(out) < 2 or len(src) > len(out) or out[0] != batch:
+        return False
+    return all(o is not None and o == s for o, s in
+               zip(out, (1,) * (len(out) - len(src)) + tuple(src)))
 
 
 _NOT_DIFFERENTIABLE = frozenset({"Shape", "ShapeN", "Size", "Rank", "StopGradient"})

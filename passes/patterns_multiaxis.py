@@ -206,7 +206,8 @@ def _bias_ok(g, m, out_role) -> bool:
         return False
     if None in out[1:] + before[1:] or math.prod(out[1:]) != math.prod(before[1:]):
         return False  # the sum is no wider than the projection (unit axes aside)
-    if math.prod(bias) != math.prod(kernel_shape(g, m)[k:]) or not ir.same_shape(out[-len(bias):], bias):
+    if (math.prod(bias) != math.prod(kernel_shape(g, m)[k:])
+            or not ir.same_shape(out[-len(bias):], bias)):
         return False
     add = g.nodes[m["add"]]
     if str(add["attrs"].get("data_format", "NHWC")).strip("b'").startswith("NC"):
@@ -281,9 +282,12 @@ SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE = _with_bias(
 
 def _broadcast_over_batch(g, m) -> bool:
     """The lookup ``[*ids, D]`` is added to a ``[B, *ids, D]`` activation
-    (ids ``[1, T]`` too, their unit axis standing for the batch: ViT's)."""
+    (ids ``[1, T]`` too, their unit axis standing for the batch: ViT's,
+    unless the ids are the data's: a batch of one's token ids)."""
     rows, out = _shape(g, m["op"]), _shape(g, m["add"])
     if rows is not None and out is not None and len(rows) == len(out) >= 3 and rows[0] == 1:
+        if m["ids"] in ir.value_dependents(g, g.graph["arguments"]):
+            return False
         rows = rows[1:]
     return (EMBEDDING.check(g, m) and m["x"] != m["op"] and rows is not None and out is not None
             and len(out) == len(rows) + 1 and ir.same_shape(out[1:], rows))

@@ -173,6 +173,21 @@ def test_backbone_per_example_gradients_float32(family, tied):
     assert reg.layers[0].kind == ("tied_embedding" if tied else "embedding"), reg.summary()
 
 
+@pytest.mark.parametrize("family", ["gpt2", "deberta"])
+def test_a_batch_of_one_registers_the_layers_of_any_other_batch(family):
+    """On a static batch of one every unit axis could be the batch's: GPT-2's
+    token lookup (ids ``[1, T]``) read as a position table's, taking the sum
+    from its position table, and DeBERTa's relative embeddings, ``repeat``-ed
+    once, read as the same for every example, so their query and key
+    projections went generic. A Keras ``fit`` whose last batch was one
+    example then stopped on "these arguments register different layers"."""
+    loss_fn, (x, y), _ = _model(family)
+    layers = [[(layer.kind, tuple(v.name for v in layer.variables))
+               for layer in loss_fn.registration(x[:b], y[:b]).layers] for b in (B, 1)]
+    assert layers[0] == layers[1]
+    assert [kind for kind, _ in layers[0]].count("generic") == (3 if family == "deberta" else 0)
+
+
 def _trains(loss_fn, args, steps=20):
     opt = kg.KFAC(loss_fn)
     losses = [float(opt.step(*args)) for _ in range(steps)]

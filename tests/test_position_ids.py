@@ -66,3 +66,48 @@ def test_position_ids_held_in_a_variable():
     got = kg.per_example_gradients(fn, x, y)
     for g, w in zip(got, one_example_loop(loss, (x, y), reg.variables)):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_a_batch_of_one_registers_as_any_other_batch():
+    """keras-hub's ``PositionEmbedding`` (``broadcast_to(table[:T], shape(h))``
+    added to the token embeddings): on a static batch of one the token
+    lookup's ids ``[1, T]`` read as position ids with a unit axis standing
+    for the batch (ViT's), so it took the sum from the position table,
+    which went generic, and ``KFACModel.fit``'s last batch of one stopped on
+    "these arguments register different layers". Ids that are the data's
+    are no position ids."""
+    keras.utils.set_random_seed(0)
+    steps, vocab = 6, 11
+
+    class Positions(keras.layers.Layer):
+        def build(self, shape):
+            self.table = self.add_weight(shape=(steps, shape[-1]))
+
+        def call(self, h):
+            return h + keras.ops.broadcast_to(self.table[:keras.ops.shape(h)[1]],
+                                              keras.ops.shape(h))
+
+    ids = keras.Input((steps,), dtype="int32")
+    model = keras.Model(ids, keras.layers.Dense(vocab)(
+        Positions()(keras.layers.Embedding(vocab, 4)(ids))))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return loss(y, model(x))
+
+    x = np.random.default_rng(0).integers(0, vocab, (5, steps)).astype("int32")
+    y = np.roll(x, -1, 1)
+    kinds = [[layer.kind for layer in loss_fn.registration(tf.constant(x[:b]),
+                                                           tf.constant(y[:b])).layers]
+             for b in (4, 1)]
+    assert kinds[0] == kinds[1] and "generic" not in kinds[0], kinds
+    got = kg.per_example_gradients(loss_fn, tf.constant(x[:1]), tf.constant(y[:1]))
+    reg = loss_fn.registration(tf.constant(x[:1]), tf.constant(y[:1]))
+    for g, w in zip(got, one_example_loop(loss_fn, (tf.constant(x[:1]), tf.constant(y[:1])),
+                                          reg.variables)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    fitted = kg.KFACModel(model, loss=loss)
+    fitted.compile()
+    history = fitted.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][-1])
