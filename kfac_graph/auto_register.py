@@ -163,7 +163,8 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                         lm.extras, tuple((variable(k), traced.constraints[k])
                                          for m in result.layers for k in m.variables
                                          if k in traced.constraints),
-                        dict(traced.resources), result.batch_statistics)
+                        dict(traced.resources), result.batch_statistics,
+                        result.padded_to_longest)
 
 
 # ops that take a variable's handle without reading its value

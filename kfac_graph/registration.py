@@ -37,8 +37,8 @@ class Layer:
     ``inputs[i]`` the tensors read (the activation; for scale-and-shift the
     tensors its normaliser reads, see ``use_attrs[i]["normalizer"]``; for an
     embedding the ids), ``outputs[i]`` the pre-activation tensor produced,
-    ``use_attrs[i]`` the op's attributes, ``ops[i]`` the matched IR nodes. ``reason`` says why a layer is
-    ``"generic"``.
+    ``use_attrs[i]`` the op's attributes, ``ops[i]`` the matched IR nodes.
+    ``reason`` says why a layer is ``"generic"``.
     """
     name: str
     kind: str
@@ -151,7 +151,10 @@ class Registration:
     stands for, a lookup table's: the re-run graph captures it), and
     ``batch_statistics`` (the ops that reduce the data alone over the
     examples on the way to the loss, a masked mean's ``sum(mask)``:
-    ``passes.coupling.batch_statistics``; DP-SGD refuses such a loss)."""
+    ``passes.coupling.batch_statistics``; DP-SGD refuses such a loss), and
+    ``padded_to_longest`` (the ops that pad ragged data to the batch's
+    longest row, ``passes.coupling.padded_to_longest``; DP-SGD refuses
+    those too)."""
     layers: tuple[Layer, ...]
     loss: LossSpec
     graph_def: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -172,6 +175,7 @@ class Registration:
     captured_resources: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False,
                                                               compare=False)
     batch_statistics: tuple[str, ...] = ()
+    padded_to_longest: tuple[str, ...] = ()
 
     @property
     def variables(self) -> tuple:
@@ -225,6 +229,9 @@ class Registration:
         if self.batch_statistics:
             out.append(f"statistics of the batch's data: {', '.join(self.batch_statistics)} "
                        "(DP-SGD refuses the loss)")
+        if self.padded_to_longest:
+            out.append(f"padded to the batch's longest row: {', '.join(self.padded_to_longest)}"
+                       " (DP-SGD refuses the loss)")
         if self.constraints:
             out.append("constraints applied after each update: " + ", ".join(
                 f"{v.name} {getattr(c, '__name__', type(c).__name__)}"

@@ -111,6 +111,25 @@ def batch_statistics(g: nx.DiGraph, rows: dict, output: str | None) -> tuple[str
     return tuple(out)
 
 
+def padded_to_longest(g: nx.DiGraph, output: str | None) -> tuple[str, ...]:
+    """The ops on the way to the loss ``output`` that pad ragged data to the
+    batch's longest row (``RaggedTensorToTensor`` with a padded axis of
+    unknown size: ``TextVectorization`` without ``output_sequence_length``,
+    ``RaggedTensor.to_tensor()`` without a shape). The padded length is a
+    statistic of the batch's data: where the padding is not masked out (a
+    mean over the positions, an RNN over the padded steps) each example's
+    term depends on the other examples' lengths, so DP-SGD refuses such a
+    loss (which of its uses the padding reaches is not read)."""
+    target = ir.node_of(g, output) if output else None
+    if target not in g:
+        return ()
+    before = nx.ancestors(g, target) & ir.reachable_from(g, g.graph["arguments"])
+    return tuple(n for n in nx.topological_sort(g.subgraph(before))
+                 if g.nodes[n]["op"] == "RaggedTensorToTensor" and any(
+                     shape and len(shape) >= 2 and None in shape[1:]
+                     for shape in g.nodes[n]["shapes"][:1]))
+
+
 _VALUE_FREE = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike"})
 
 

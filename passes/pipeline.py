@@ -24,7 +24,7 @@ import networkx as nx
 from passes import frontends, ir
 from passes.canonicalize import canonicalize
 from passes.errors import KfacGraphError, TraceError
-from passes.coupling import batch_statistics, coupling_ops
+from passes.coupling import batch_statistics, coupling_ops, padded_to_longest
 from passes.example_rows import graph_rows
 from passes.grouped_conv3d import split_grouped_conv3d
 from passes.lora import mark_lora
@@ -47,6 +47,7 @@ class PassResult:
     timings: dict
     coupling: tuple[str, ...] = ()  # ops where the examples meet (passes.coupling)
     batch_statistics: tuple[str, ...] = ()  # the data's own, on the way to the loss
+    padded_to_longest: tuple[str, ...] = ()  # ragged data padded to the batch's longest row
 
 
 def run(traced: frontends.Traced, loss: str | None = None,
@@ -80,6 +81,7 @@ def run(traced: frontends.Traced, loss: str | None = None,
     coupling = tuple(dict.fromkeys(op for terms in (loss_match.terms, *(
         t for t, _ in loss_match.extras)) for op in coupling_ops(g, rows, terms)))
     statistics = batch_statistics(g, rows, g.graph["output"])
+    padded = padded_to_longest(g, g.graph["output"])
     timings["match_loss"] = time.perf_counter() - start
     graph_def = split_grouped_conv3d(traced.graph_def, g)
     if loss_match.joined:
@@ -87,7 +89,7 @@ def run(traced: frontends.Traced, loss: str | None = None,
                                  [t for t, _ in loss_match.heads])
     if graph_def is not traced.graph_def:
         traced = dataclasses.replace(traced, graph_def=graph_def)
-    return PassResult(traced, g, layers, loss_match, timings, coupling, statistics)
+    return PassResult(traced, g, layers, loss_match, timings, coupling, statistics, padded)
 
 
 def _prepared(g, timings=None):

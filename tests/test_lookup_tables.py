@@ -4,10 +4,12 @@ captured resource other than a variable: the re-run graph captures it too
 (before: "You must feed a value for placeholder ... table_handle"), and each
 lookup's value is reshaped as its keys (the handle's shape data does not
 survive the GraphDef: before, every shape after the lookup was unknown and
-the embedding's rule stopped on it, and ``kfac-rewrite`` failed to save). Per-example gradients equal
-one-example tapes, and K-FAC, DP-SGD and ``KFACModel.fit`` train."""
+the embedding's rule stopped on it, and ``kfac-rewrite`` failed to save).
+Per-example gradients equal one-example tapes, and K-FAC, DP-SGD and
+``KFACModel.fit`` train."""
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
@@ -117,3 +119,43 @@ def test_text_vectorization_in_the_model():
     assert [layer.kind for layer in loss_fn.registration(*args).layers] == ["embedding", "dense"]
     report = kg.verify(loss_fn, *args, examples=6)
     assert report.passed, report.table()
+
+
+def test_text_padded_to_the_batchs_longest_is_refused_by_dp_sgd():
+    """``TextVectorization`` without ``output_sequence_length`` pads the ids to
+    the batch's longest text: an unmasked mean over the positions then
+    divides each example's sum by the others' lengths (example 0's gradient
+    alone differs from its gradient in the batch), so clipping bounds no
+    one example's influence. The registration names the padding op and
+    DP-SGD refuses in one line; with a fixed length it runs."""
+    texts = tf.constant(["the cat sat", "a dog ran far away", "the dog",
+                         "cats and dogs play together now", "sat", "a cat ran"])
+    labels = tf.constant(LABELS)
+    for length in (None, 5):
+        keras.utils.set_random_seed(0)
+        vectorize = keras.layers.TextVectorization(max_tokens=20,
+                                                   output_sequence_length=length)
+        vectorize.adapt(texts)
+        embed, head = keras.layers.Embedding(20, 4), keras.layers.Dense(2)
+
+        def loss(x, y):
+            logits = head(tf.reduce_mean(embed(vectorize(x)), 1))
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+        loss_fn = kg.auto_register(loss)
+        reg = loss_fn.registration(texts, labels)
+        in_batch = kg.per_example_gradients(loss_fn, texts, labels)[1][0]
+        alone = kg.per_example_gradients(loss_fn, texts[:1], labels[:1])[1][0]
+        dp = kg.DPSGD(kg.auto_register(loss), learning_rate=0.1, l2_norm_clip=1.0,
+                      noise_multiplier=0.5)
+        if length is None:
+            assert [n.split("/")[-1] for n in reg.padded_to_longest] == ["RaggedTensorToTensor"]
+            assert "padded to the batch's longest row" in reg.summary()
+            assert np.max(np.abs(in_batch - alone)) > 1e-3
+            with pytest.raises(kg.KfacGraphError, match=r"pads each example to the batch's "
+                               r"longest .*output_sequence_length"):
+                dp.step(texts, labels)
+        else:
+            assert reg.padded_to_longest == ()
+            np.testing.assert_allclose(in_batch, alone, rtol=1e-5, atol=1e-7)
+            assert np.isfinite(float(dp.step(texts, labels)))

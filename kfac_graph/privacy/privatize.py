@@ -66,13 +66,22 @@ def privatize(fn, *args, l2_norm_clip, noise_multiplier, seed=None, method="auto
             "privacy; divide by a constant (the expected number of tokens in a batch) or by "
             "each example's own count (sum(mask, axis=1)), or use a Keras loss with "
             "reduction='sum'")
+    if reg.padded_to_longest:
+        raise KfacGraphError(
+            f"{owner}: op {reg.padded_to_longest[0]!r} pads each example to the batch's "
+            "longest (TextVectorization without output_sequence_length, or a ragged "
+            "to_tensor() without a shape): an example's term can then depend on the other "
+            "examples' lengths, which clipping does not bound, so the noise gives no "
+            "differential privacy; give every example one fixed length "
+            "(output_sequence_length=..., to_tensor(shape=[None, length]))")
     plan = clip_lib.plan(reg, clipping, l2_norm_clip, automatic_clipping)
     if mask is not None and expected_batch_size is None and reg.loss.reduction == "mean":
         raise ValueError(f"{owner}: with a mask (padded Poisson batches) give "
                          "expected_batch_size, the sampling rate times the data set size: "
                          "the mean must not divide by the drawn batch size")
     if method == "auto":
-        method = "materialize" if any(l.kind == "generic" for l in reg.layers) else "reweight"
+        generic = any(layer.kind == "generic" for layer in reg.layers)
+        method = "materialize" if generic else "reweight"
     key = noise_lib.fresh_key() if seed is None else tf.convert_to_tensor(seed, tf.int32)
     run = grad_lib.compiled(fn, reg, method, plan, mask is not None)
     mask = tf.zeros([0]) if mask is None else tf.cast(tf.convert_to_tensor(mask), tf.float32)
