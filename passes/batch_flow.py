@@ -56,6 +56,8 @@ def _repeating_constants(g, fits, rows: bool) -> list:
         if not shape or len(shape) < 2 or not fits(shape):
             continue
         value = d.get("value")
+        if value is not None and np.size(value) == 0:  # empty (an accumulator's start): no rows
+            continue
         if d["op"] == "Fill" or d.get("splat") or (value is not None and bool(
                 np.all(value == (value[:1] if rows else value.flat[0])))):
             out.append(n)
