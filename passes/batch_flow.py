@@ -20,7 +20,7 @@ def batch_sources(g) -> list:
     """Constants shaped ``[B, ...]`` for the arguments' static batch ``B``
     that repeat one row (an RNN's zero initial state), and weights or constants tiled or
     broadcast to ``[B, ...]`` (DeBERTa's relative embeddings, repeated over
-    the batch; on a batch of one, those that copy nothing): every row is
+    the batch; on a batch of one, those to a leading unit axis): every row is
     an example's, so what is computed from them and the weights, row by
     row (the first step of an unrolled loop, the relative embeddings'
     projections), is per example like the data."""
@@ -28,7 +28,7 @@ def batch_sources(g) -> list:
     if batch is None:
         return []
     constants = _repeating_constants(g, lambda shape: shape[0] == batch, rows=True)
-    expands = _copies_nothing if batch == 1 else _expands_to
+    expands = _unit_lead if batch == 1 else _expands_to
     return constants + [n for n, d in g.nodes(data=True)
                         if d["op"] in ("Tile", "BroadcastTo") and expands(g, d, batch)]
 
@@ -77,18 +77,17 @@ def _expands_to(g, d, batch) -> bool:
     return False
 
 
-def _copies_nothing(g, d, batch) -> bool:
+def _unit_lead(g, d, batch) -> bool:
     """On a batch of one, where every unit axis would read as the batch's:
-    whether the op copies nothing and leads with a unit axis (``repeat(w,
-    B)`` or ``broadcast_to(w, [B, ..])`` traced with ``B = 1``; a tile by
-    counts that are all one is in the graph for a size that varies, and
-    the batch's is the one that varies between traces)."""
+    whether the op copies its input onto an output that leads with a unit
+    axis the input lacks or has as one (``repeat(w, B)``, ``broadcast_to(w,
+    [B, H, T, 1])``, ``tile(w, [B, 4, 1])`` traced with ``B = 1``). A
+    leading unit axis needs no copying: a model copies a weight explicitly
+    to the data's shape, whose leading axis is the batch's."""
     out = d["shapes"][0] if d["shapes"] else None
     src = ir.shape_of(g, d["inputs"][0])
-    if out is None or src is None or len(out) < 2 or len(src) > len(out) or out[0] != batch:
-        return False
-    return all(o is not None and o == s for o, s in
-               zip(out, (1,) * (len(out) - len(src)) + tuple(src)))
+    return (out is not None and src is not None and len(out) >= 2 and out[0] == batch
+            and (len(src) < len(out) or (len(src) == len(out) and src[0] == 1)))
 
 
 _NOT_DIFFERENTIABLE = frozenset({"Shape", "ShapeN", "Size", "Rank", "StopGradient"})

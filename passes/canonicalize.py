@@ -18,6 +18,13 @@ raw operand's shape (``shape_of`` the removed tensor). Removed tensors are
 recorded in ``g.graph["aliases"]``; node names are unchanged, so every tensor
 left in the IR is a tensor of the original graph. ``StopGradient`` is never
 transparent: it changes the gradient.
+
+A ``BiasAdd`` whose bias is a ``Squeeze`` of a computed tensor is read as
+the ``AddV2`` of that tensor: Keras's ``ops.add(x, y)`` emits
+``bias_add(x, squeeze(y))`` whenever ``y`` squeezes to one axis of ``x``'s
+channels' width, so on a batch of one an LSTM cell's ``x W + h R`` (``[1,
+4u]`` each) came out as a bias add and the cell's sum of products was not
+seen.
 """
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ _ELEMENTWISE = frozenset({"Mul", "Add", "AddV2", "Sub"})
 def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
     g = graph.copy()
     g.graph["aliases"] = dict(graph.graph["aliases"])
+    for node in [n for n, d in g.nodes(data=True) if d["op"] == "BiasAdd"]:
+        _bias_add_of_product(g, node)
     data_nodes = ir.value_dependents(g, g.graph["arguments"])
     for node in list(nx.topological_sort(g)):
         data = g.nodes[node]
@@ -56,6 +65,29 @@ def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
         g.remove_node(node)
     g.graph["output"] = ir.resolve(g, g.graph["output"])
     return g
+
+
+def _bias_add_of_product(g: nx.DiGraph, node: str) -> None:
+    """``BiasAdd(x, Squeeze(y))`` with ``y`` of rank >= 2 computed by an op
+    (not a weight read): ``AddV2(x, y)`` in the IR (module docstring)."""
+    data = g.nodes[node]
+    if len(data["inputs"]) != 2:
+        return
+    name = ir.split_tensor(data["inputs"][1])[0]
+    squeeze = g.nodes[name]
+    if squeeze["op"] != "Squeeze" or not squeeze["inputs"]:
+        return
+    y = squeeze["inputs"][0]
+    shape, source = ir.shape_of(g, y), ir.split_tensor(y)[0]
+    while g.nodes[source]["op"] in _ALWAYS | {"Cast"} and g.nodes[source]["inputs"]:
+        source = ir.split_tensor(g.nodes[source]["inputs"][0])[0]
+    if shape is None or len(shape) < 2 or g.nodes[source]["op"] in ("Variable", "Const"):
+        return
+    data["op"] = "AddV2"
+    data["attrs"] = {k: v for k, v in data["attrs"].items() if k != "data_format"}
+    ir.set_inputs(g, node, (data["inputs"][0], y))
+    if g.out_degree(name) == 0:  # (else the product has another reader)
+        g.remove_node(name)
 
 
 def _cuts_gradient(data) -> bool:

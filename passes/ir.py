@@ -136,7 +136,8 @@ def from_tf_graph(graph: tf.Graph, arguments: Iterable[str], output: str,
             variable=None)
         if op.type == "Const":
             tensor = op.node_def.attr["value"].tensor
-            n = int(np.prod([d.size for d in tensor.tensor_shape.dim])) if tensor.tensor_shape.dim else 1
+            dims = tensor.tensor_shape.dim
+            n = int(np.prod([d.size for d in dims])) if dims else 1
             if n <= _MAX_CONST_ELEMENTS:
                 data["value"] = tf.make_ndarray(tensor)
             else:  # one value repeated (TensorFlow's splat encoding): tf.zeros([B, d])
@@ -257,6 +258,12 @@ def bypass(g: nx.DiGraph, node: str, output: int, replacement: str) -> None:
         g.nodes[dst]["inputs"] = inputs
         _rebuild_in_edges(g, dst)
     g.graph["aliases"][old] = replacement
+
+
+def set_inputs(g: nx.DiGraph, node: str, inputs) -> None:
+    """``node`` reads ``inputs`` now (its edges rebuilt)."""
+    g.nodes[node]["inputs"] = tuple(inputs)
+    _rebuild_in_edges(g, node)
 
 
 def _rebuild_in_edges(g: nx.DiGraph, node: str) -> None:

@@ -171,8 +171,8 @@ SHIFT = Pattern(
 
 
 def _over_the_batch(g, m) -> bool:
-    """A Tile (of the batch axis alone) or BroadcastTo of the variable whose
-    output leads with the batch, the variable read with a unit first axis
+    """A Tile or BroadcastTo of the variable whose output leads with the
+    batch, copying unit axes alone, the variable read with a unit first axis
     (a Tile's batch axis may follow unit axes: ``tf.repeat`` tiles
     ``[1, 1, d]`` to ``[1, B, 1, d]``, then drops the first axis)."""
     d = g.nodes[m["tile"]]
@@ -185,7 +185,7 @@ def _over_the_batch(g, m) -> bool:
             or read is None or len(read) != len(out)
             or any(r != 1 for r in read[:lead + 1]) or any(o != 1 for o in out[:lead])):
         return False
-    return d["op"] == "Tile" or all(r in (1, o) for r, o in zip(read, out))
+    return all(r in (1, o) for r, o in zip(read, out))  # copies of unit axes alone
 
 
 def _batch_sized(g, node, out, axis) -> bool:
@@ -199,8 +199,10 @@ def _batch_sized(g, node, out, axis) -> bool:
 
 
 def tiled_axis(g, node) -> int | None:
-    """The axis a Tile copies along (its one multiple other than 1; the first
-    axis where none is), 0 for a BroadcastTo, None otherwise."""
+    """The axis a Tile copies along the batch (its first multiple other than
+    1, the first axis where none is, or on a batch of one its unit first
+    axis: ``tile(w, [B, 4, 1])`` traced with ``B = 1``), 0 for a
+    BroadcastTo, None otherwise."""
     d = g.nodes[node]
     if d["op"] == "BroadcastTo":
         return 0
@@ -210,7 +212,10 @@ def tiled_axis(g, node) -> int | None:
     if times is None:
         return None
     tiled = [i for i, k in enumerate(times) if int(k) != 1]
-    return tiled[0] if len(tiled) == 1 else 0 if not tiled else None
+    out = (d["shapes"] or [None])[0]
+    if not tiled or (static_batch(g) == 1 and out and out[0] == 1):
+        return 0
+    return tiled[0]
 
 
 def _run_time_tiled_axis(g, node) -> int | None:
