@@ -124,6 +124,27 @@ class KFACModel(keras.Model):
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
 
+    def export(self, filepath, *args, **kwargs):
+        """Keras's ``export`` of the wrapped model, whose ``call`` this is (the
+        artifact serves without kfac_graph)."""
+        return self.model.export(filepath, *args, **kwargs)
+
+    def fit(self, *args, callbacks=None, **kwargs):
+        """Keras's ``fit``. Under ``momentum_type="qmodel"`` the step size is the
+        quadratic model's: a callback that sets the learning rate
+        (``LearningRateScheduler``, ``ReduceLROnPlateau``) changes nothing,
+        and is warned of."""
+        setters = [type(c).__name__ for c in callbacks or () if isinstance(c, (
+            keras.callbacks.LearningRateScheduler, keras.callbacks.ReduceLROnPlateau))]
+        momentum = (self.kfac.momentum_type if self.kfac is not None
+                    else self.kfac_options.get("momentum_type", _kfac_default("momentum_type")))
+        if setters and momentum == "qmodel":
+            warnings.warn(f"KFACModel.fit: {setters[0]} sets a learning rate, which "
+                          "momentum_type='qmodel' does not read (the quadratic model "
+                          "chooses each step's size); use momentum_type='regular' for a "
+                          "schedule", stacklevel=2)
+        return super().fit(*args, callbacks=callbacks, **kwargs)
+
     @property
     def kfac(self):
         """The ``kg.KFAC`` instance (``None`` until a loss is known)."""
@@ -258,7 +279,7 @@ class KFACModel(keras.Model):
         if kfac.strategy is not None:
             return self._distributed_kfac_step(x, y, *weights)
         y_pred = None
-        if self._compile_metrics is not None:
+        if self._compile_metrics is not None or self._outputs_loss is not None:
             with keras.StatelessScope():
                 y_pred = self.model(x, training=True)
         if kfac.momentum_type != "qmodel":
@@ -270,6 +291,7 @@ class KFACModel(keras.Model):
         self._shim.iterations.assign_add(1)
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         self._loss_tracker.update_state(loss, sample_weight=batch)
+        keras_train_loop.log_output_losses(self, y, y_pred, weights[0] if weights else None)
         return self.compute_metrics(x, y, y_pred, sample_weight=weights[0] if weights else None)
 
     def _distributed_kfac_step(self, x, y, *weights):
@@ -277,7 +299,7 @@ class KFACModel(keras.Model):
         updates run per replica (on its share), K-FAC's step on all of them."""
         kfac, strategy = self.kfac, self.kfac.strategy
         y_pred = None
-        if self._compile_metrics is not None:
+        if self._compile_metrics is not None or self._outputs_loss is not None:
             y_pred = strategy.run(self._metric_predictions, args=(x,))
         if kfac.momentum_type != "qmodel":
             kfac.learning_rate.assign(tf.cast(self._shim.learning_rate, kfac.learning_rate.dtype))
@@ -297,6 +319,7 @@ class KFACModel(keras.Model):
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         self._loss_tracker.update_state(loss, sample_weight=batch)
         if y_pred is not None:
+            keras_train_loop.log_output_losses(self, y, y_pred, sample_weight)
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def make_train_function(self, force=False):

@@ -18,3 +18,25 @@ def python_driven(model):
             raise StopIteration
         return logs
     return function
+
+
+def log_output_losses(model, y, y_pred, sample_weight=None, live=None):
+    """Keras logs each output's unweighted loss (``{output}_loss``) beside
+    the total where a model has several, from trackers its compiled loss
+    updates when called. The wrappers' steps take their gradient elsewhere,
+    so they call it on the step's predictions (the ``live`` rows only: a
+    Poisson batch's padding dropped); before, those logs showed 0 or what
+    the last ``evaluate`` left."""
+    compiled = getattr(model, "_compile_loss", None)
+    if compiled is None or y_pred is None or len(tf.nest.flatten(y_pred)) < 2:
+        return
+    if live is not None:
+        keep = tf.cast(live, tf.bool)
+        y, y_pred, sample_weight = tf.nest.map_structure(
+            lambda t: None if t is None else tf.boolean_mask(t, keep), (y, y_pred, sample_weight))
+    names = list(getattr(model, "output_names", None) or ())
+    if isinstance(y_pred, (list, tuple)):  # targets or weights by output name, as fit takes them
+        y, sample_weight = (
+            [t[n] for n in names] if isinstance(t, dict) and set(names) <= set(t) else t
+            for t in (y, sample_weight))
+    compiled(y, y_pred, sample_weight)

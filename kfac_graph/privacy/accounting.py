@@ -95,7 +95,7 @@ def dp_event(noise_multiplier: float, steps: int, sampling: Sampling) -> dpa.DpE
     return dpa.SelfComposedDpEvent(one, int(steps))
 
 
-def _accountant(name: str, sampling: Sampling):
+def make_accountant(name: str, sampling: Sampling):
     if name not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {name!r}")
     if sampling.kind == "fixed":
@@ -130,7 +130,7 @@ def epsilon(noise_multiplier: float, delta: float, *, steps: int | None = None,
         return 0.0
     if noise_multiplier == 0:
         return math.inf
-    acc = _accountant(accountant, s)
+    acc = make_accountant(accountant, s)
     acc.compose(dp_event(float(noise_multiplier), steps, s))
     return float(acc.get_epsilon(delta))
 
@@ -232,7 +232,8 @@ def statement(noise_multiplier: float, delta: float, *, steps: int | None = None
              f"({n_steps * s.rate:.4g} epochs), noise multiplier {noise_multiplier:g}.",
              "The guarantee covers every intermediate model (all checkpoints) as well as "
              "the final one.",
-             f"Example-level DP with {'add-or-remove-one' if s.kind == 'poisson' else 'replace-one'}"
+             "Example-level DP with "
+             f"{'add-or-remove-one' if s.kind == 'poisson' else 'replace-one'}"
              f" adjacency at delta = {delta:g}:"]
     for name in accountants:
         if s.kind == "fixed" and name == "pld":
@@ -272,7 +273,7 @@ class StepAccountant:
                            batch_size=self.sampling.batch_size, sampling=self.sampling.kind,
                            accountant=accountant)
         if self._one_step is None:
-            acc = _accountant("rdp", self.sampling)
+            acc = make_accountant("rdp", self.sampling)
             acc.compose(dp_event(self.noise_multiplier, 1, self.sampling))
             self._one_step = (acc.orders, acc.rdp)
         orders, rdp = self._one_step

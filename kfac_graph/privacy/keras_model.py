@@ -39,6 +39,11 @@ Sampling and accounting:
   ``epsilon`` after every step, so the progress bar, ``History`` and
   ``TensorBoard`` show it; ``accountant="pld"`` logs it at the end of each
   epoch only (each PLD evaluation takes about a second).
+- A ``fit`` whose sampler differs from the last one's (another batch size,
+  another number of examples) starts a phase: epsilon composes every
+  phase's steps at its own rate (``privacy/ledger.py``; saved with the
+  model's config), and a switch between Poisson and fixed-size sampling is
+  refused.
 
 The logged ``loss`` and metrics are computed on the training batch at the
 weights before the update (one extra forward pass in a
@@ -54,11 +59,9 @@ replica, each with its own noise).
 from __future__ import annotations
 
 import inspect
-import math
 import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from kfac_graph.auto_register import auto_register
@@ -67,8 +70,9 @@ from kfac_graph import options
 from kfac_graph.keras_loss import OutputsLoss, as_loss as _as_loss
 from kfac_graph.privacy.privatize import OPTIONS, check_clip, privatize
 from kfac_graph.privacy import accounting
+from kfac_graph.privacy.ledger import Ledger
 from kfac_graph.privacy.noise import NoiseSource
-from kfac_graph.privacy.sampling import fixed_size_batches, poisson_batches
+from kfac_graph.privacy.sampling import check_padding_mask, sample_arrays
 
 
 @keras.saving.register_keras_serializable(package="kfac_graph")
@@ -80,7 +84,8 @@ class DPModel(keras.Model):
                  automatic_clipping: bool = False, seed: int | None = None,
                  secure_mode: bool = False, method: str = "auto", sampling="poisson",
                  sample_rate: float | None = None, num_examples: int | None = None,
-                 batch_size: float | None = None, loss_kind: str | None = None, name=None):
+                 batch_size: float | None = None, loss_kind: str | None = None, name=None,
+                 privacy_phases=()):
         if not isinstance(model, keras.Layer):  # a Keras 2 (tf_keras) model: its variables
             # are not Keras 3's, which the wrapper's optimizer applies the gradient to
             raise TypeError(f"kg.DPModel wraps a Keras 3 model, got a "
@@ -111,7 +116,7 @@ class DPModel(keras.Model):
         if sample_rate is not None or num_examples is not None or batch_size is not None:
             self.sampling = accounting.Sampling.make(sampling, sample_rate, num_examples,
                                                      batch_size)
-        self._step_accountant = None
+        self._ledger = Ledger.from_config(privacy_phases)  # phases of other samplers
         self._loss_spec = None
         self._loss_weights = None  # compile()'s, per output
         self._step_function = None
@@ -123,6 +128,11 @@ class DPModel(keras.Model):
     # -- Keras plumbing -------------------------------------------------------------------
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
+
+    def export(self, filepath, *args, **kwargs):
+        """Keras's ``export`` of the wrapped model, whose ``call`` this is (the
+        artifact serves without kfac_graph)."""
+        return self.model.export(filepath, *args, **kwargs)
 
     def compile(self, optimizer="sgd", loss=None, metrics=None, **kwargs):
         """Keras's ``compile``; ``optimizer`` applies the private gradient.
@@ -163,7 +173,7 @@ class DPModel(keras.Model):
                 "delta": self.delta, "accountant": self.accountant,
                 "clipping": self.clipping, "automatic_clipping": self.automatic_clipping,
                 "method": self.method, "sampling": self.sampler_kind,
-                "loss_kind": self.loss_kind,
+                "loss_kind": self.loss_kind, "privacy_phases": self._ledger.to_config(),
                 **({} if self.sampling is None else {
                     "sample_rate": self.sampling.rate,
                     "num_examples": self.sampling.num_examples,
@@ -181,26 +191,28 @@ class DPModel(keras.Model):
     # -- privacy ------------------------------------------------------------------------
     def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
         """Epsilon at ``delta`` (default the constructor's) for the optimizer's
-        steps so far."""
+        steps so far, each phase of training at its own sampler's rate (a
+        ``fit`` at another batch size starts a phase: ``privacy/ledger.py``)."""
         if self.sampling is None:
             raise ValueError("kg.DPModel: the sampler is unknown: fit on arrays or on "
                              "kg.privacy.poisson_batches / fixed_size_batches, or give "
                              "sample_rate= / num_examples= and batch_size=")
-        if self._step_accountant is None:
-            self._step_accountant = accounting.StepAccountant(self.noise_multiplier,
-                                                              self.sampling)
-        steps = 0 if self.optimizer is None else int(self.optimizer.iterations)
-        return self._step_accountant.epsilon(steps, delta or self.delta,
-                                             accountant or self.accountant)
+        return self._ledger.epsilon(delta or self.delta, self.noise_multiplier, self.sampling,
+                                    self._steps(), accountant or self.accountant)
 
     def privacy_statement(self, delta: float | None = None) -> str:
-        """``kg.privacy.statement`` for the steps taken so far."""
+        """``kg.privacy.statement`` for the steps taken so far (with a line per
+        phase where the sampler changed between fits)."""
         self.epsilon(delta)
-        s = self.sampling
-        return accounting.statement(self.noise_multiplier, delta or self.delta,
-                                    steps=int(self.optimizer.iterations), sample_rate=s.rate,
-                                    num_examples=s.num_examples, batch_size=s.batch_size,
-                                    sampling=s.kind)
+        s, delta = self.sampling, delta or self.delta
+        if self._ledger.phases:
+            return self._ledger.statement(delta, self.noise_multiplier, s, self._steps())
+        return accounting.statement(self.noise_multiplier, delta, steps=self._steps(),
+                                    sample_rate=s.rate, num_examples=s.num_examples,
+                                    batch_size=s.batch_size, sampling=s.kind)
+
+    def _steps(self) -> int:
+        return 0 if self.optimizer is None else int(self.optimizer.iterations)
 
     # -- data ---------------------------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, callbacks=None,
@@ -224,17 +236,9 @@ class DPModel(keras.Model):
         elif x is not None:
             if y is None:
                 raise ValueError("kg.DPModel.fit needs targets y")
-            n = int(np.shape(tf.nest.flatten(x)[0])[0])
-            data = (x, y) if weights is None else (x, y, weights)
-            if validation_split:
-                cut = n - int(math.floor(n * validation_split))
-                validation_data = tuple(_rows(t, cut, None) for t in data)
-                data, n = tuple(_rows(t, 0, cut) for t in data), cut
-            b = batch_size or 32
-            if self.sampler_kind == "fixed":
-                x = fixed_size_batches(data, b, seed=None)
-            else:
-                x = poisson_batches(data, b / n)
+            x, validation_data = sample_arrays(
+                (x, y) if weights is None else (x, y, weights), batch_size or 32,
+                self.sampler_kind, validation_split, validation_data)
             sampling = x.privacy_sampling
             if weights is not None:  # the weights and the mask (Poisson's) as one element
                 x = x.map(lambda x, y, w, *mask: (x, y, (w, *mask)))
@@ -248,8 +252,12 @@ class DPModel(keras.Model):
                            validation_data=validation_data, **kwargs)
 
     def _use_sampling(self, sampling):
-        if self.sampling != sampling:
-            self.sampling, self._step_accountant = sampling, None
+        """``sampling`` draws the coming steps; the steps taken under another
+        end a phase of the ledger (each accounted at its own rate)."""
+        if self.sampling is not None and self.sampling != sampling and self._steps():
+            self._ledger.close(self.noise_multiplier, self.sampling, self._steps())
+        self._ledger.check(sampling, self.noise_multiplier)
+        self.sampling = sampling
 
     # -- training -----------------------------------------------------------------------
     def _set_loss(self, loss):
@@ -283,10 +291,9 @@ class DPModel(keras.Model):
                                  "loss given as fn(y_true, y_pred) takes none)")
         if y is None:
             raise ValueError("kg.DPModel.fit needs targets y")
-        if mask is not None and (self.sampling is None or self.sampling.kind != "poisson"):
-            raise ValueError("kg.DPModel.fit: sample_weight and class_weight are not "
-                             "supported (a third element is read only as the padding mask "
-                             "of kg.privacy.poisson_batches)")
+        check_padding_mask(mask, self.sampling)
+        if not self.model.built:  # (a Sequential without an Input): its variables first
+            self.model(x, training=False)
         if self._step_function is None:
             if not self.optimizer.built:
                 self.optimizer.build(self.trainable_variables)
@@ -329,6 +336,7 @@ class DPModel(keras.Model):
                                penalty=tf.add_n(penalties) if penalties else 0.0)
 
     def _step_logs(self, x, y, y_pred, mask, *sample_weight, penalty=0.0):
+        keras_train_loop.log_output_losses(self, y, y_pred, *sample_weight[:1], live=mask)
         if self._outputs_loss is not None:  # each output's loss times its weights
             values = self._outputs_loss.per_example(y, y_pred, *sample_weight)
             metric_weight = sample_weight[0] if sample_weight else mask
@@ -388,7 +396,3 @@ def _tf_variable(v):
 def _trailing(t, rank):
     """``t`` with unit axes appended up to ``rank``."""
     return tf.reshape(t, tf.concat([tf.shape(t), tf.ones([rank - t.shape.rank], tf.int32)], 0))
-
-
-def _rows(data, start, stop):
-    return tf.nest.map_structure(lambda t: t[start:stop], data)

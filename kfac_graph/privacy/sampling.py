@@ -155,3 +155,46 @@ def _steps(steps, sampling: Sampling) -> int:
     if isinstance(steps, bool) or not float(steps).is_integer() or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     return int(steps)
+
+
+def sample_arrays(data, batch_size: int, kind: str, validation_split: float = 0.0,
+                  validation_data=None, owner: str = "kg.DPModel.fit"):
+    """``(batches, validation_data)`` for a DP ``fit`` on arrays ``data`` (``(x,
+    y)`` or ``(x, y, weights)``): the last ``validation_split`` of the rows
+    held out as Keras holds them out (else ``validation_data`` as given),
+    the rest drawn by ``kind`` sampling (``"poisson"`` at rate ``batch_size /
+    N``, or ``"fixed"`` batches of ``batch_size``); ``batches.privacy_sampling``
+    says how."""
+    n = int(np.shape(tf.nest.flatten(data[0])[0])[0])
+    if validation_split:
+        cut = n - int(math.floor(n * validation_split))
+        validation_data = tuple(_rows(t, cut, None) for t in data)
+        data, n = tuple(_rows(t, 0, cut) for t in data), cut
+    if batch_size > n:
+        raise ValueError(f"{owner}: batch_size {batch_size} is more than the {n} examples to "
+                         "sample from; give at most that many (a sampling rate of at most 1)")
+    if kind == "fixed":
+        return fixed_size_batches(data, batch_size, seed=None), validation_data
+    return poisson_batches(data, batch_size / n), validation_data
+
+
+def _rows(data, start, stop):
+    return tf.nest.map_structure(lambda t: t[start:stop], data)
+
+
+def check_padding_mask(mask, sampling: Sampling | None, owner: str = "kg.DPModel.fit") -> None:
+    """One-line ``ValueError`` unless ``mask`` (a batch's third element, eager)
+    is None or the 0/1 padding mask of ``poisson_batches`` under Poisson
+    ``sampling``: sample weights read as the mask would scale each clipped
+    gradient past the clip norm."""
+    if mask is None:
+        return
+    if sampling is None or sampling.kind != "poisson":
+        raise ValueError(f"{owner}: sample_weight and class_weight are not supported (a third "
+                         "element is read only as the padding mask of "
+                         "kg.privacy.poisson_batches)")
+    if not np.all(np.isin(np.asarray(mask), (0, 1))):
+        raise ValueError(f"{owner}: the dataset's third element is read as the padding mask of "
+                         "kg.privacy.poisson_batches (0 or 1 per example), and it holds other "
+                         "values: a weight would scale each clipped gradient past the clip norm; "
+                         "give sample weights with arrays (fit(x, y, sample_weight=w))")

@@ -1,0 +1,128 @@
+"""Privacy spent over phases of training under different samplers.
+
+``DPModel.fit`` called again at another batch size, or on another number
+of examples (``validation_split``, new data), runs its later steps under
+another mechanism. Charging every step at the last phase's rate
+understates epsilon: 10 steps at q = 0.5, then 10 at q = 0.1, read as 20
+at q = 0.1 give 4.2 where their composition gives 11.8.
+
+A ``Ledger`` keeps each finished phase (noise multiplier, sampler, steps)
+and composes it with the current one: RDP adds the phases' curves order
+by order (each phase's one-step curve times its steps), PLD composes the
+phases' events. Phases must share one neighbouring relation: Poisson
+sampling's add-or-remove-one and fixed-size batches' replace-one give no
+single guarantee together, so a switch between them is refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import dp_accounting as dpa
+
+from kfac_graph.privacy.accounting import Sampling, dp_event, make_accountant
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """``steps`` DP-SGD steps at ``noise_multiplier`` under ``sampling``."""
+
+    noise_multiplier: float
+    sampling: Sampling
+    steps: int
+
+    def describe(self) -> str:
+        s = self.sampling
+        how = (f"Poisson sampling at q = {s.rate:.6g}" if s.kind == "poisson"
+               else f"fixed-size batches of {s.batch_size} (q = {s.rate:.6g})")
+        return f"{self.steps} steps, {how}, noise multiplier {self.noise_multiplier:g}"
+
+
+class Ledger:
+    """The finished phases of one model's training (module docstring)."""
+
+    def __init__(self, phases=()):
+        self.phases = tuple(phases)
+        self._curves = {}  # (noise, sampling) -> (orders, one step's RDP)
+
+    @property
+    def steps(self) -> int:
+        """The steps the finished phases took."""
+        return sum(p.steps for p in self.phases)
+
+    def check(self, sampling: Sampling, noise_multiplier, owner: str = "kg.DPModel.fit"):
+        """One-line ``ValueError`` where ``sampling`` cannot compose with the
+        phases (without noise, here or before, there is no guarantee to compose)."""
+        kinds = {p.sampling.kind for p in self.phases}
+        if (kinds and sampling.kind not in kinds and noise_multiplier != 0
+                and all(p.noise_multiplier != 0 for p in self.phases)):
+            raise ValueError(
+                f"{owner}: the steps so far were drawn by {kinds.pop()} sampling and these "
+                f"are drawn by {sampling.kind} sampling: their neighbouring relations differ, "
+                "so no one guarantee composes them; keep one sampling, or train a new model")
+
+    def close(self, noise_multiplier: float, sampling: Sampling, total_steps: int) -> None:
+        """Ends the current phase at ``total_steps`` (the optimizer's count)."""
+        steps = int(total_steps) - self.steps
+        if steps > 0:
+            self.check(sampling, noise_multiplier)
+            self.phases += (Phase(float(noise_multiplier), sampling, steps),)
+
+    def with_current(self, noise_multiplier, sampling, total_steps) -> tuple[Phase, ...]:
+        """The finished phases and the current one, ``total_steps`` in all."""
+        steps = int(total_steps) - self.steps
+        current = (Phase(float(noise_multiplier), sampling, steps),) if steps > 0 else ()
+        return self.phases + current
+
+    def epsilon(self, delta: float, noise_multiplier, sampling, total_steps,
+                accountant: str = "rdp") -> float:
+        """Epsilon at ``delta`` of every phase, the current one's steps up to
+        ``total_steps``. ``inf`` where a phase had no noise; 0 with no steps."""
+        phases = self.with_current(noise_multiplier, sampling, total_steps)
+        if not phases:
+            return 0.0
+        if any(p.noise_multiplier == 0 for p in phases):
+            return math.inf
+        if accountant != "rdp":
+            acc = make_accountant(accountant, phases[0].sampling)
+            for p in phases:
+                acc.compose(dp_event(p.noise_multiplier, p.steps, p.sampling))
+            return float(acc.get_epsilon(delta))
+        orders, total = None, 0.0
+        for p in phases:
+            orders, curve = self._curve(p)
+            total = total + curve * p.steps
+        return float(dpa.rdp.compute_epsilon(orders, total, delta)[0])
+
+    def _curve(self, phase: Phase):
+        key = (phase.noise_multiplier, phase.sampling)
+        if key not in self._curves:
+            acc = make_accountant("rdp", phase.sampling)
+            acc.compose(dp_event(phase.noise_multiplier, 1, phase.sampling))
+            self._curves[key] = (acc.orders, acc.rdp)
+        return self._curves[key]
+
+    def statement(self, delta: float, noise_multiplier, sampling, total_steps) -> str:
+        """Each phase on a line, then epsilon at ``delta`` by each accountant that applies."""
+        phases = self.with_current(noise_multiplier, sampling, total_steps)
+        lines = [f"DP-SGD in {len(phases)} phases, {sum(p.steps for p in phases)} steps:"]
+        lines += [f"    {p.describe()}" for p in phases]
+        lines.append("The guarantee covers every intermediate model (all checkpoints) as well "
+                     "as the final one.")
+        fixed = sampling.kind == "fixed"
+        lines.append(f"Example-level DP with {'replace-one' if fixed else 'add-or-remove-one'}"
+                     f" adjacency at delta = {delta:g}:")
+        for name in ("rdp",) if fixed else ("rdp", "pld"):
+            e = self.epsilon(delta, noise_multiplier, sampling, total_steps, name)
+            lines.append(f"    epsilon by {name.upper()} accounting: {e:.3f}")
+        return "\n".join(lines)
+
+    def to_config(self) -> list:
+        return [{"noise_multiplier": p.noise_multiplier, "steps": p.steps,
+                 **dataclasses.asdict(p.sampling)} for p in self.phases]
+
+    @classmethod
+    def from_config(cls, config) -> "Ledger":
+        return cls(Phase(c["noise_multiplier"], Sampling(c["kind"], c["rate"], c["num_examples"],
+                                                         c["batch_size"]), int(c["steps"]))
+                   for c in config or ())

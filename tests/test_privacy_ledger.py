@@ -1,0 +1,70 @@
+"""Privacy over phases: ``DPModel.fit`` again at another batch size runs its
+later steps at another sampling rate (``kfac_graph/privacy/ledger.py``).
+
+Before, the model charged every step so far at the last fit's rate: 10
+steps at q = 0.5 then 10 at q = 0.1 read as 20 at q = 0.1, and epsilon
+went down after more training (11.5, then 4.2). Now epsilon composes the
+phases, as dp_accounting composes their events, through a save and load;
+a switch between Poisson and fixed-size sampling is refused."""
+import dp_accounting as dpa
+import keras
+import numpy as np
+import pytest
+
+import kfac_graph as kg
+
+N = 130
+
+
+def _dp(sampling="poisson"):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    dp = kg.DPModel(model, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    l2_norm_clip=1.0, noise_multiplier=1.0, seed=0, sampling=sampling)
+    dp.compile(optimizer=keras.optimizers.SGD(0.1))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((N, 4)).astype("float32")
+    return dp, x, (x[:, 0] > 0).astype("int32")
+
+
+def _composed(phases, accountant):
+    acc = dpa.rdp.RdpAccountant() if accountant == "rdp" else dpa.pld.PLDAccountant()
+    for rate, steps in phases:
+        acc.compose(dpa.SelfComposedDpEvent(
+            dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(1.0)), steps))
+    return acc.get_epsilon(1e-5)
+
+
+def test_epsilon_composes_the_phases_of_two_fits(tmp_path):
+    dp, x, y = _dp()
+    dp.fit(x, y, batch_size=65, epochs=5, verbose=0)  # 2 steps an epoch at q = 0.5
+    first = dp.epsilon()
+    assert int(dp.optimizer.iterations) == 10
+    assert first == pytest.approx(_composed([(0.5, 10)], "rdp"), rel=1e-9)
+    dp.fit(x, y, batch_size=13, epochs=1, verbose=0)  # 10 steps at q = 0.1
+    assert int(dp.optimizer.iterations) == 20
+    for accountant in ("rdp", "pld"):
+        assert dp.epsilon(accountant=accountant) == pytest.approx(
+            _composed([(0.5, 10), (0.1, 10)], accountant), rel=1e-6)
+    assert dp.epsilon() > first
+    statement = dp.privacy_statement()
+    assert "2 phases, 20 steps" in statement and "q = 0.5" in statement, statement
+    assert "q = 0.1" in statement and f"{dp.epsilon():.3f}" in statement, statement
+    dp.fit(x, y, batch_size=13, epochs=1, verbose=0)  # the same sampler: the same phase
+    assert len(dp._ledger.phases) == 1
+    assert dp.epsilon() == pytest.approx(_composed([(0.5, 10), (0.1, 20)], "rdp"), rel=1e-9)
+    dp.save(tmp_path / "dp.keras")
+    loaded = keras.models.load_model(tmp_path / "dp.keras")
+    assert loaded.epsilon() == pytest.approx(dp.epsilon(), rel=1e-12)
+
+
+def test_a_switch_between_poisson_and_fixed_sampling_is_refused():
+    dp, x, y = _dp("fixed")
+    dp.fit(x, y, batch_size=13, epochs=1, verbose=0)
+    dp.sampler_kind = "poisson"
+    with pytest.raises(ValueError, match=r"kg.DPModel.fit: the steps so far were drawn by "
+                                         r"fixed sampling .* no one guarantee composes them"):
+        dp.fit(x, y, batch_size=13, epochs=1, verbose=0)
+    assert int(dp.optimizer.iterations) == 10
+    assert dp.epsilon() == pytest.approx(kg.privacy.epsilon(
+        1.0, 1e-5, steps=10, num_examples=N, batch_size=13, sampling="fixed"), rel=1e-9)
