@@ -11,6 +11,7 @@
   (before, sample weights of 10 were read as the mask and scaled each
   clipped gradient to 10 times the clip norm), and a batch larger than the
   data, in one line;
+- DPModel applies its gradient past a `LossScaleOptimizer` (mixed_float16);
 - KFACModel warns that a learning-rate callback does nothing under
   ``momentum_type="qmodel"``.
 """
@@ -131,3 +132,28 @@ def test_kfac_model_warns_that_qmodel_reads_no_learning_rate_callback():
                        callbacks=[callback])
         said = [str(w.message) for w in caught if "qmodel" in str(w.message)]
         assert bool(said) == warns, said
+
+
+def test_dp_model_under_mixed_float16_steps_by_the_unscaled_gradient():
+    """Under the ``mixed_float16`` policy Keras's ``compile`` wraps the optimizer
+    in a ``LossScaleOptimizer``, which divides what it is given by its scale
+    (32768): DPModel's private gradient, of the unscaled loss, moved the
+    weights 32768 times too little. It is applied by the inner optimizer."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(3, dtype="float32")])
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((16, 4)).astype("float32"), rng.integers(0, 3, 16)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with tf.GradientTape() as tape:
+        value = loss(y, model(x, training=True))
+    grads = tape.gradient(value, model.trainable_variables)
+    before = [v.numpy() for v in model.trainable_variables]
+    dp = kg.DPModel(model, loss=loss, l2_norm_clip=1e9, noise_multiplier=0.0, sampling="fixed")
+    dp.compile(optimizer=keras.optimizers.SGD(0.1))
+    assert type(dp.optimizer).__name__ == "LossScaleOptimizer"
+    dp.fit(kg.privacy.fixed_size_batches((x, y), 16, steps=1, seed=0), epochs=1, verbose=0)
+    for v, b, g in zip(model.trainable_variables, before, grads):
+        np.testing.assert_allclose(b - v.numpy(), 0.1 * g.numpy(), rtol=1e-2, atol=1e-4,
+                                   err_msg=v.name)

@@ -331,7 +331,9 @@ class DPModel(keras.Model):
             g = by_ref.get(_tf_variable(kv).ref())
             if g is not None:
                 pairs.append((tf.cast(g, kv.dtype), kv))
-        self.optimizer.apply_gradients(pairs)
+        # under mixed_float16 Keras wraps the optimizer in a LossScaleOptimizer, which
+        # divides by its scale: the private gradient is of the unscaled loss
+        getattr(self.optimizer, "inner_optimizer", self.optimizer).apply_gradients(pairs)
         return self._step_logs(x, y, y_pred, mask, *weights,
                                penalty=tf.add_n(penalties) if penalties else 0.0)
 
