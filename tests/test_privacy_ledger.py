@@ -10,6 +10,7 @@ import dp_accounting as dpa
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import kfac_graph as kg
 
@@ -68,3 +69,29 @@ def test_a_switch_between_poisson_and_fixed_sampling_is_refused():
     assert int(dp.optimizer.iterations) == 10
     assert dp.epsilon() == pytest.approx(kg.privacy.epsilon(
         1.0, 1e-5, steps=10, num_examples=N, batch_size=13, sampling="fixed"), rel=1e-9)
+
+
+def test_a_new_noise_multiplier_ends_a_phase_and_reaches_the_step():
+    """The compiled step read the noise multiplier and the clip when traced:
+    set later, the step kept the old ones while epsilon was computed at the
+    new noise. Setting either traces the step anew; the noise ends a phase."""
+    dp, x, y = _dp()
+    dp.fit(x, y, batch_size=13, epochs=1, verbose=0)  # 10 steps at q = 0.1, sigma 1
+    dp.noise_multiplier = 2.0
+    dp.fit(x, y, batch_size=13, epochs=1, verbose=0)
+    acc = dpa.rdp.RdpAccountant()
+    for sigma in (1.0, 2.0):
+        acc.compose(dpa.SelfComposedDpEvent(
+            dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(sigma)), 10))
+    assert dp.epsilon() == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+    dp.noise_multiplier, dp.l2_norm_clip = 0.0, 1e9  # the step is then plain SGD's
+    model = dp.model
+    with tf.GradientTape() as tape:
+        loss = dp._keras_loss(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    before = [v.numpy() for v in model.trainable_variables]
+    dp.sampler_kind = "fixed"  # (noise 0: no guarantee to compose, so no refusal)
+    dp.fit(kg.privacy.fixed_size_batches((x, y), N, steps=1, seed=0), epochs=1, verbose=0)
+    for v, b, g in zip(model.trainable_variables, before, grads):
+        np.testing.assert_allclose(b - v.numpy(), 0.1 * g.numpy(), rtol=1e-4, atol=1e-7)
+    assert dp.epsilon() == float("inf")

@@ -70,13 +70,13 @@ from kfac_graph import options
 from kfac_graph.keras_loss import OutputsLoss, as_loss as _as_loss
 from kfac_graph.privacy.privatize import OPTIONS, check_clip, privatize
 from kfac_graph.privacy import accounting
-from kfac_graph.privacy.ledger import Ledger
+from kfac_graph.privacy.ledger import Ledger, LedgerAccounting
 from kfac_graph.privacy.noise import NoiseSource
 from kfac_graph.privacy.sampling import check_padding_mask, sample_arrays
 
 
 @keras.saving.register_keras_serializable(package="kfac_graph")
-class DPModel(keras.Model):
+class DPModel(LedgerAccounting, keras.Model):
     """``model`` trained by DP-SGD through ``fit`` (see the module docstring)."""
 
     def __init__(self, model, loss=None, l2_norm_clip=1.0, noise_multiplier=1.0, *,
@@ -102,6 +102,7 @@ class DPModel(keras.Model):
             raise ValueError(f"kg.DPModel: delta must be in (0, 1), got {delta!r}")
         super().__init__(name=name or f"dp_{model.name}")
         self.model = model
+        self._ledger = Ledger.from_config(privacy_phases)  # phases of other samplers
         self.l2_norm_clip = l2_norm_clip
         self.noise_multiplier = noise_multiplier
         self.delta = float(delta)
@@ -116,7 +117,6 @@ class DPModel(keras.Model):
         if sample_rate is not None or num_examples is not None or batch_size is not None:
             self.sampling = accounting.Sampling.make(sampling, sample_rate, num_examples,
                                                      batch_size)
-        self._ledger = Ledger.from_config(privacy_phases)  # phases of other samplers
         self._loss_spec = None
         self._loss_weights = None  # compile()'s, per output
         self._step_function = None
@@ -188,32 +188,6 @@ class DPModel(keras.Model):
                                                      custom_objects=custom_objects)
         return cls(model, loss=loss, **config)
 
-    # -- privacy ------------------------------------------------------------------------
-    def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
-        """Epsilon at ``delta`` (default the constructor's) for the optimizer's
-        steps so far, each phase of training at its own sampler's rate (a
-        ``fit`` at another batch size starts a phase: ``privacy/ledger.py``)."""
-        if self.sampling is None:
-            raise ValueError("kg.DPModel: the sampler is unknown: fit on arrays or on "
-                             "kg.privacy.poisson_batches / fixed_size_batches, or give "
-                             "sample_rate= / num_examples= and batch_size=")
-        return self._ledger.epsilon(delta or self.delta, self.noise_multiplier, self.sampling,
-                                    self._steps(), accountant or self.accountant)
-
-    def privacy_statement(self, delta: float | None = None) -> str:
-        """``kg.privacy.statement`` for the steps taken so far (with a line per
-        phase where the sampler changed between fits)."""
-        self.epsilon(delta)
-        s, delta = self.sampling, delta or self.delta
-        if self._ledger.phases:
-            return self._ledger.statement(delta, self.noise_multiplier, s, self._steps())
-        return accounting.statement(self.noise_multiplier, delta, steps=self._steps(),
-                                    sample_rate=s.rate, num_examples=s.num_examples,
-                                    batch_size=s.batch_size, sampling=s.kind)
-
-    def _steps(self) -> int:
-        return 0 if self.optimizer is None else int(self.optimizer.iterations)
-
     # -- data ---------------------------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, callbacks=None,
             validation_split=0.0, validation_data=None, **kwargs):
@@ -250,14 +224,6 @@ class DPModel(keras.Model):
             callbacks.insert(0, _EpochEpsilon(self))
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
                            validation_data=validation_data, **kwargs)
-
-    def _use_sampling(self, sampling):
-        """``sampling`` draws the coming steps; the steps taken under another
-        end a phase of the ledger (each accounted at its own rate)."""
-        if self.sampling is not None and self.sampling != sampling and self._steps():
-            self._ledger.close(self.noise_multiplier, self.sampling, self._steps())
-        self._ledger.check(sampling, self.noise_multiplier)
-        self.sampling = sampling
 
     # -- training -----------------------------------------------------------------------
     def _set_loss(self, loss):

@@ -20,6 +20,9 @@ import math
 
 import dp_accounting as dpa
 
+from kfac_graph import options
+from kfac_graph.privacy import accounting
+from kfac_graph.privacy.privatize import OPTIONS as PRIVATIZE_OPTIONS
 from kfac_graph.privacy.accounting import Sampling, dp_event, make_accountant
 
 
@@ -126,3 +129,71 @@ class Ledger:
         return cls(Phase(c["noise_multiplier"], Sampling(c["kind"], c["rate"], c["num_examples"],
                                                          c["batch_size"]), int(c["steps"]))
                    for c in config or ())
+
+
+class LedgerAccounting:
+    """Epsilon and the privacy statement of a model trained by DP-SGD in
+    phases (``kg.DPModel``'s): it holds ``sampling`` (the current sampler or
+    None), ``noise_multiplier``, ``delta``, ``accountant``, ``_ledger`` (the
+    finished phases) and an ``optimizer`` whose ``iterations`` count the steps.
+    Its compiled step reads ``noise_multiplier`` and ``l2_norm_clip`` when
+    traced: setting either traces it anew, and a new noise multiplier ends
+    a phase (before, the step kept the old noise while epsilon was computed
+    at the new one)."""
+
+    @property
+    def noise_multiplier(self):
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value):
+        options.check(type(self).__name__, "noise_multiplier", value,
+                      PRIVATIZE_OPTIONS["noise_multiplier"])
+        old = getattr(self, "_noise_multiplier", None)
+        if old is not None and value != old and self.sampling is not None and self._steps():
+            self._ledger.close(old, self.sampling, self._steps())
+        self._noise_multiplier = value
+        self._step_function = None
+
+    @property
+    def l2_norm_clip(self):
+        return self._l2_norm_clip
+
+    @l2_norm_clip.setter
+    def l2_norm_clip(self, value):
+        self._l2_norm_clip = value
+        self._step_function = None
+
+    def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
+        """Epsilon at ``delta`` (default the constructor's) for the optimizer's
+        steps so far, each phase of training at its own sampler's rate (a
+        ``fit`` at another batch size starts a phase: ``privacy/ledger.py``)."""
+        if self.sampling is None:
+            raise ValueError("kg.DPModel: the sampler is unknown: fit on arrays or on "
+                             "kg.privacy.poisson_batches / fixed_size_batches, or give "
+                             "sample_rate= / num_examples= and batch_size=")
+        return self._ledger.epsilon(delta or self.delta, self.noise_multiplier, self.sampling,
+                                    self._steps(), accountant or self.accountant)
+
+    def privacy_statement(self, delta: float | None = None) -> str:
+        """``kg.privacy.statement`` for the steps taken so far (with a line per
+        phase where the sampler changed between fits)."""
+        self.epsilon(delta)
+        s, delta = self.sampling, delta or self.delta
+        if self._ledger.phases:
+            return self._ledger.statement(delta, self.noise_multiplier, s, self._steps())
+        return accounting.statement(self.noise_multiplier, delta, steps=self._steps(),
+                                    sample_rate=s.rate, num_examples=s.num_examples,
+                                    batch_size=s.batch_size, sampling=s.kind)
+
+    def _steps(self) -> int:
+        optimizer = getattr(self, "optimizer", None)
+        return 0 if optimizer is None else int(optimizer.iterations)
+
+    def _use_sampling(self, sampling):
+        """``sampling`` draws the coming steps; the steps taken under another
+        end a phase of the ledger (each accounted at its own rate)."""
+        if self.sampling is not None and self.sampling != sampling and self._steps():
+            self._ledger.close(self.noise_multiplier, self.sampling, self._steps())
+        self._ledger.check(sampling, self.noise_multiplier)
+        self.sampling = sampling
