@@ -5,6 +5,7 @@ single-device reference on the same problem; writes the results to an npz.
     python tests/distributed_support.py mirrored --devices 2 --out r.npz
     python tests/distributed_support.py mirrored_apart --devices 2 --out r.npz
     python tests/distributed_support.py keras --devices 2 --out r.npz
+    python tests/distributed_support.py dp_keras --devices 2 --out r.npz
     python tests/distributed_support.py worker --out r.npz   # TF_CONFIG set
     python tests/distributed_support.py xla --devices 2 --out r.npz
     python tests/distributed_support.py xla_embedding --devices 2 --out r.npz
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from distributed_dp_fit import dp_fit  # noqa: E402
 from distributed_keras_fit import keras_fit  # noqa: E402
 from distributed_xla_embedding import train_tokens  # noqa: E402
 
@@ -331,6 +333,22 @@ def run_keras(devices, out):
     )
 
 
+def run_dp_keras(devices, out):
+    """``DPModel.fit`` on one device and under MirroredStrategy, per sampler."""
+    import tensorflow as tf
+
+    names, results = logical_devices(devices), {}
+    for sampling in ("fixed", "poisson"):
+        ref, ref_history, _ = dp_fit(None, sampling, 1.3)
+        params, history, iterations = dp_fit(tf.distribute.MirroredStrategy(names), sampling, 1.3)
+        results.update({f"{sampling}/reference": ref, f"{sampling}/distributed": params,
+                        f"{sampling}/iterations": np.array(iterations)})
+        for key in ("loss", "accuracy", "epsilon"):
+            results[f"{sampling}/reference_{key}"] = np.array(ref_history[key])
+            results[f"{sampling}/{key}"] = np.array(history[key])
+    np.savez(out, **results)
+
+
 def run_xla_embedding(devices, out):
     """``distributed_xla_embedding.py``'s problem: one device without XLA, and
     the replicas' XLA-compiled step, regular momentum and the quadratic model."""
@@ -365,8 +383,8 @@ def run_worker(out):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["mirrored", "mirrored_apart", "keras", "worker",
-                                         "xla", "xla_embedding"])
+    parser.add_argument("mode", choices=["mirrored", "mirrored_apart", "keras", "dp_keras",
+                                         "worker", "xla", "xla_embedding"])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -376,6 +394,8 @@ def main():
         run_mirrored(args.devices, args.out, APART)
     elif args.mode == "keras":
         run_keras(args.devices, args.out)
+    elif args.mode == "dp_keras":
+        run_dp_keras(args.devices, args.out)
     elif args.mode == "xla":
         run_xla(args.devices, args.out)
     elif args.mode == "xla_embedding":

@@ -2,8 +2,8 @@
 mirrors: they run on one device, also inside ``strategy.scope()`` (where a
 mirrored variable has no handle: before, they stopped there with
 TensorFlow's "DistributedVariable.handle is not available"), and an update
-assigns every copy; ``kg.DPModel``, whose ``fit`` would run per replica,
-refuses such a model in one line. A Keras loss object, which divides
+assigns every copy; ``kg.DPModel`` made outside the model's scope refuses
+it in one line. A Keras loss object, which divides
 itself by the replicas when traced under a strategy, is traced as one
 device sees it (``passes.frontends.one_device``): its per-example gradients
 inside the scope, and ``kg.KFAC``'s steps on 2 replicas (a Huber loss, kind
@@ -38,12 +38,12 @@ with strategy.scope():
     fn = loss_of(mirrored)
     got = [g.numpy() for g in kg.per_example_gradients(fn, x, y)]
     kg.DPSGD(fn, learning_rate=0.5, l2_norm_clip=1e6, noise_multiplier=0.0).step(x, y)
-    try:
-        kg.DPModel(mirrored, loss=keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True)).compile(optimizer="sgd")
-        refusal = ""
-    except ValueError as e:
-        refusal = str(e)
+try:  # (kg.DPModel made under the same scope trains on the replicas: test_distributed_keras)
+    kg.DPModel(mirrored, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True)).compile(optimizer="sgd")
+    refusal = ""
+except ValueError as e:
+    refusal = str(e)
 # a Keras loss object divides itself by the replicas when traced under a strategy
 keras_loss = lambda model: kg.auto_register(lambda a, b: keras.losses.SparseCategoricalCrossentropy(
     from_logits=True)(b, model(a)))
@@ -83,5 +83,5 @@ def test_mirrored_model_on_one_device():
     assert out["keras_per_example"] < 1e-12
     assert out["kfac_keras_loss"] < 1e-10
     assert len(out["copies"]) == 4 and max(out["copies"]) < 1e-12
-    assert out["refusal"].startswith("kg.DPModel runs on one device")
+    assert out["refusal"].startswith("kg.DPModel: its model is under a tf.distribute strategy")
     assert "\n" not in out["refusal"]

@@ -47,11 +47,15 @@ from kfac_graph.layers.scalars import as_dtype
 
 def compiled(fn, reg: Registration, method: str, plan: clip_lib.ClipPlan, masked: bool):
     """``run(thresholds [G] float64, noise_multiplier, key [2], denominator
-    float64, mask, *args) -> (loss, gradients aligned with reg.variables)``;
-    cached on ``fn`` per registration, method, clipping structure and whether
-    a mask is passed (``mask`` is ignored when ``masked`` is False;
-    ``denominator <= 0`` means the batch size). ``loss`` is the batch loss
-    at the current weights (not private)."""
+    float64, share float64, mask, *args) -> (loss, gradients aligned with
+    reg.variables)``; cached on ``fn`` per registration, method, clipping
+    structure and whether a mask is passed (``mask`` is ignored when
+    ``masked`` is False; ``denominator <= 0`` means the batch size). The
+    noise and the penalty's gradient are scaled by ``share``: 1 on one
+    device, ``1 / R`` on each of R replicas that add the same noise (one
+    key) to their own clipped sums, so that the replicas' sum is one
+    device's ``g~``. ``loss`` is the batch loss at the current weights (not
+    private)."""
     key = ("privacy", method, id(reg), plan.structure, masked)
     if key in fn.derived:
         return fn.derived[key]
@@ -60,7 +64,7 @@ def compiled(fn, reg: Registration, method: str, plan: clip_lib.ClipPlan, masked
     group_of_layer = {i: k for k, g in enumerate(plan.groups) for i in g}
 
     @tf.function(autograph=False)  # (no tensor-dependent Python control flow)
-    def run(thresholds, noise_multiplier, noise_key, denominator, mask, *args):
+    def run(thresholds, noise_multiplier, noise_key, denominator, share, mask, *args):
         mask = mask if masked else None
         reads = variables if method == "reweight" else reg.generic_variables
         taps = LayerTaps.build(reg, args, read_variables=reads)
@@ -78,13 +82,14 @@ def compiled(fn, reg: Registration, method: str, plan: clip_lib.ClipPlan, masked
             summed = [tf.tensordot(tf.cast(weights[group_of_layer[i]], g.dtype), g, axes=1)
                       for i, grads in enumerate(per_layer) for g in grads]
         stddev = as_dtype(noise_multiplier, tf.float64) * clip_lib.sensitivity(thresholds)
-        noisy = [g + z for g, z in zip(summed, noise_lib.gaussian(summed, stddev, noise_key))]
+        noisy = [g + z * tf.cast(share, z.dtype)
+                 for g, z in zip(summed, noise_lib.gaussian(summed, stddev, noise_key))]
         if reg.loss.reduction == "mean":
             d = tf.cast(denominator, tf.float64)
             d = tf.where(d > 0, d, tf.cast(batch, tf.float64))
             noisy = [g / tf.cast(d, g.dtype) for g in noisy]
         # a weight penalty reads no example: its gradient joins unclipped and unnoised
-        return taps.loss, [g if p is None else g + tf.cast(p, g.dtype)
+        return taps.loss, [g if p is None else g + tf.cast(p, g.dtype) * tf.cast(share, g.dtype)
                            for g, p in zip(noisy, penalty_gradients(reg, taps))]
 
     fn.derived[key] = run

@@ -52,12 +52,16 @@ loss holds the model's own losses (``add_loss`` terms, weight and activity
 regularizers), as Keras logs it and as the gradient holds them.
 Checkpoints (``ModelCheckpoint``, ``.weights.h5`` or ``.keras``) hold the
 model's and optimizer's variables; the noise generator's state is never
-saved (``privacy/noise.py``). Runs on one device: ``compile`` refuses a model
-under a ``tf.distribute`` strategy in one line (``fit`` would run the step per
-replica, each with its own noise).
+saved (``privacy/noise.py``). Under ``MirroredStrategy`` (the model and the
+DPModel made in its scope) each replica clips its share of the batch and
+adds ``1 / R`` of one noise, drawn from replica 0's key, and of a penalty's
+gradient; a mean divides by all replicas' examples, and the optimizer sums
+the replicas: one device's step (``privatize(share=, batch_total=)``).
+Other strategies are refused in one line.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 
@@ -73,6 +77,9 @@ from kfac_graph.privacy import accounting
 from kfac_graph.privacy.ledger import Ledger, LedgerAccounting
 from kfac_graph.privacy.noise import NoiseSource
 from kfac_graph.privacy.sampling import check_padding_mask, sample_arrays
+
+
+_STRATEGIES = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)
 
 
 @keras.saving.register_keras_serializable(package="kfac_graph")
@@ -143,12 +150,15 @@ class DPModel(LedgerAccounting, keras.Model):
             self._set_loss(loss if loss is not None else self._loss_spec)
         if self._loss_spec is None:
             _as_loss(None)  # raises: no loss
-        if tf.distribute.has_strategy() or any(
+        strategy = self._distribute_strategy
+        if strategy is not None and not isinstance(strategy, _STRATEGIES):
+            raise ValueError(f"kg.DPModel trains on one device or under MirroredStrategy, "
+                             f"not under {type(strategy).__name__}")
+        if strategy is None and any(
                 isinstance(getattr(v, "value", v), tf.distribute.DistributedValues)
                 for v in self.model.variables):
-            raise ValueError("kg.DPModel runs on one device, and its model is under a "
-                             "tf.distribute strategy: make the model and the DPModel outside "
-                             "strategy.scope() (kg.KFACModel trains under tf.distribute)")
+            raise ValueError("kg.DPModel: its model is under a tf.distribute strategy: make "
+                             "the DPModel under the same strategy.scope()")
         kwargs.setdefault("jit_compile", False)
         if getattr(self.model, "output_names", None):  # Keras maps a loss per output by them
             self.output_names = list(self.model.output_names)
@@ -257,18 +267,27 @@ class DPModel(LedgerAccounting, keras.Model):
                                  "loss given as fn(y_true, y_pred) takes none)")
         if y is None:
             raise ValueError("kg.DPModel.fit needs targets y")
-        check_padding_mask(mask, self.sampling)
-        if not self.model.built:  # (a Sequential without an Input): its variables first
-            self.model(x, training=False)
-        if self._step_function is None:
-            if not self.optimizer.built:
+        strategy = self._distribute_strategy  # (None, or the one the model was made under)
+        replicas = strategy.experimental_local_results if strategy is not None else (
+            lambda t: (t,))
+        for part in replicas(mask):
+            check_padding_mask(part, self.sampling)
+        first = lambda t: tf.nest.map_structure(lambda v: replicas(v)[0], t)  # noqa: E731
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            if not self.model.built:  # (a Sequential without an Input): its variables first
+                self.model(first(x), training=False)
+            if self._step_function is None and not self.optimizer.built:
                 self.optimizer.build(self.trainable_variables)
-            self._step_function = (self._dp_step if self.run_eagerly
-                                   else tf.function(self._dp_step, autograph=False))
-        self.loss_fn.registration(x, y, *weights)  # the pass runs eagerly, never traced
+        if self._step_function is None:
+            step = self._dp_step if strategy is None else (
+                lambda *a: strategy.run(self._dp_step, args=a))
+            self._step_function = step if self.run_eagerly else tf.function(step,
+                                                                            autograph=False)
+        self.loss_fn.registration(*first((x, y, *weights)))  # the pass runs eagerly
         key = self.noise.next_key()
-        logs = dict(self._step_function(x, y, key) if mask is None and not weights
-                    else self._step_function(x, y, key, mask, *weights))
+        logs = (self._step_function(x, y, key) if mask is None and not weights
+                else self._step_function(x, y, key, mask, *weights))
+        logs = dict(logs if strategy is None else self.get_metrics_result())
         if self.sampling is not None and self.accountant == "rdp":
             logs["epsilon"] = self.epsilon()
         return logs
@@ -285,11 +304,22 @@ class DPModel(LedgerAccounting, keras.Model):
             raise ValueError("kg.DPModel: padded Poisson batches need the expected batch size "
                              "(num_examples= and batch_size=, or sample_rate= with "
                              "num_examples=)")
+        share, total = 1.0, None
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            # one noise (replica 0's key), 1/R of it on each replica's clipped sum; the
+            # optimizer sums the replicas' gradients, and a mean divides by all examples
+            key = context.all_reduce(tf.distribute.ReduceOp.SUM, key * tf.cast(
+                tf.equal(context.replica_id_in_sync_group, 0), key.dtype))
+            share = 1.0 / context.num_replicas_in_sync
+            total = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(
+                tf.shape(tf.nest.flatten(x)[0])[0], tf.float64))
         _, grads = privatize(self.loss_fn, x, y, *weights, l2_norm_clip=self.l2_norm_clip,
                              noise_multiplier=self.noise_multiplier, seed=key,
                              method=self.method, clipping=self.clipping,
                              automatic_clipping=self.automatic_clipping, mask=mask,
-                             expected_batch_size=expected, owner="kg.DPModel")
+                             expected_batch_size=expected, owner="kg.DPModel", share=share,
+                             batch_total=total)
         reg = self.loss_fn.registration(x, y, *weights)
         by_ref = {v.ref(): g for v, g in zip(reg.variables, grads)}
         pairs = []

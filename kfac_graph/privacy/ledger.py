@@ -188,7 +188,7 @@ class LedgerAccounting:
 
     def _steps(self) -> int:
         optimizer = getattr(self, "optimizer", None)
-        return 0 if optimizer is None else int(optimizer.iterations)
+        return 0 if optimizer is None else int(optimizer.iterations.numpy())
 
     def _use_sampling(self, sampling):
         """``sampling`` draws the coming steps; the steps taken under another

@@ -40,9 +40,14 @@ def registered(fn, args):
 
 def privatize(fn, *args, l2_norm_clip, noise_multiplier, seed=None, method="auto",
               clipping="flat", automatic_clipping=False, mask=None, expected_batch_size=None,
-              owner="kg.dp_gradients"):
+              owner="kg.dp_gradients", share=1.0, batch_total=None):
     """``(batch loss, dp_gradients(...))`` from one forward pass: the loss is
-    the non-private batch loss at the current weights."""
+    the non-private batch loss at the current weights. On one of R replicas
+    (``kg.DPModel`` under ``tf.distribute``): ``share = 1 / R`` of the noise
+    (the same key on every replica) and of a penalty's gradient, and a mean
+    divided by ``batch_total``, the examples of all replicas (without
+    ``expected_batch_size``); the replicas' gradients then sum to one
+    device's (``gradients.compiled``)."""
     options.check_all(owner, OPTIONS, dict(
         noise_multiplier=noise_multiplier, method=method,
         expected_batch_size=expected_batch_size))
@@ -85,8 +90,10 @@ def privatize(fn, *args, l2_norm_clip, noise_multiplier, seed=None, method="auto
     key = noise_lib.fresh_key() if seed is None else tf.convert_to_tensor(seed, tf.int32)
     run = grad_lib.compiled(fn, reg, method, plan, mask is not None)
     mask = tf.zeros([0]) if mask is None else tf.cast(tf.convert_to_tensor(mask), tf.float32)
+    denominator = expected_batch_size if expected_batch_size is not None else batch_total
     loss, grads = run(plan.threshold_vector(), as_float64(noise_multiplier), key,
-                      tf.constant(expected_batch_size or 0.0, tf.float64), mask, *args)
+                      as_float64(0.0 if denominator is None else denominator),
+                      as_float64(share), mask, *args)
     return loss, list(grads)
 
 
