@@ -338,6 +338,11 @@ def _notes(reg, coupling, one_error):
         notes.append(verify_weights.skip_note(one_error)
                      or f"one-example skipped: fn fails on a batch of one: {one_error}")
     notes += verify_weights.notes(reg, one_error)
+    if reg.padded_to_longest:
+        notes.append(f"op {reg.padded_to_longest[0]!r} pads each example to the batch's longest "
+                     "row: where the padding is not masked out, an example's gradient alone "
+                     "differs from its share of the batch's (one-example), and DP-SGD refuses "
+                     "the loss; give every example one fixed length")
     narrowing = _narrowing(reg)
     if narrowing:
         op, wide, narrow = narrowing[0]

@@ -151,6 +151,8 @@ def test_text_padded_to_the_batchs_longest_is_refused_by_dp_sgd():
         if length is None:
             assert [n.split("/")[-1] for n in reg.padded_to_longest] == ["RaggedTensorToTensor"]
             assert "padded to the batch's longest row" in reg.summary()
+            report = kg.verify(loss_fn, texts, labels)  # its one-example check fails, and says why
+            assert not report.passed and any("pads each example" in n for n in report.notes)
             assert np.max(np.abs(in_batch - alone)) > 1e-3
             with pytest.raises(kg.KfacGraphError, match=r"pads each example to the batch's "
                                r"longest .*output_sequence_length"):
