@@ -36,6 +36,7 @@ _ALWAYS = frozenset({"Identity", "Snapshot", "ReadVariableOp"})
 _UNIT_AXES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
 _FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 _ELEMENTWISE = frozenset({"Mul", "Add", "AddV2", "Sub"})
+_LAYOUT = _ALWAYS | _UNIT_AXES | {"Cast", "Transpose"}
 
 
 def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
@@ -69,7 +70,9 @@ def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
 
 def _bias_add_of_product(g: nx.DiGraph, node: str) -> None:
     """``BiasAdd(x, Squeeze(y))`` with ``y`` of rank >= 2 computed by an op
-    (not a weight read): ``AddV2(x, y)`` in the IR (module docstring)."""
+    (not a weight or constant laid out: Keras's channels-first bias is
+    ``squeeze(reshape(b, [1, C, 1, 1]))``): ``AddV2(x, y)`` in the IR
+    (module docstring)."""
     data = g.nodes[node]
     if len(data["inputs"]) != 2:
         return
@@ -79,7 +82,7 @@ def _bias_add_of_product(g: nx.DiGraph, node: str) -> None:
         return
     y = squeeze["inputs"][0]
     shape, source = ir.shape_of(g, y), ir.split_tensor(y)[0]
-    while g.nodes[source]["op"] in _ALWAYS | {"Cast"} and g.nodes[source]["inputs"]:
+    while g.nodes[source]["op"] in _LAYOUT and g.nodes[source]["inputs"]:
         source = ir.split_tensor(g.nodes[source]["inputs"][0])[0]
     if shape is None or len(shape) < 2 or g.nodes[source]["op"] in ("Variable", "Const"):
         return

@@ -124,3 +124,28 @@ def test_fit_with_a_last_batch_of_one():
     assert np.all(np.isfinite(history.history["loss"]))
     assert all(not np.array_equal(b, v.numpy()) for b, v in zip(before,
                                                                 model.trainable_variables))
+
+
+@pytest.mark.parametrize("layer", ["depthwise", "conv3d"])
+def test_a_channels_first_bias_is_no_sum_of_products(layer):
+    """Keras adds a channels-first bias as ``bias_add(x, squeeze(reshape(b,
+    [1, C, 1, 1])), "NCHW")``: a laid-out weight, not a product, so it stays
+    the convolution's bias (read as a sum, it broadcast along the last axis
+    and its per-example gradients stopped on "leading axis 6")."""
+    keras.utils.set_random_seed(0)
+    conv, shape = ((L.DepthwiseConv2D(3, data_format="channels_first"), (2, 5, 5))
+                   if layer == "depthwise" else
+                   (L.Conv3D(2, 2, data_format="channels_first"), (2, 3, 4, 4)))
+    model = keras.Sequential([keras.Input(shape), conv, L.Flatten(), L.Dense(2)])
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+    rng = np.random.default_rng(0)
+    args = (tf.constant(rng.standard_normal((B, *shape))), tf.constant(rng.integers(0, 2, B)))
+    reg = loss_fn.registration(*args)
+    assert [layer.kind for layer in reg.layers][-1] == "dense" and not reg.generic_variables
+    got = kg.per_example_gradients(loss_fn, *args)
+    for v, g, w in zip(reg.variables, got, one_example_loop(loss_fn, args, reg.variables)):
+        np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-10, err_msg=v.name)
