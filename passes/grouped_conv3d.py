@@ -19,6 +19,11 @@ around the convolutions (G = 1 included), so it runs in every dtype. The
 last node keeps the `Conv3D` node's name, so every tensor the registration
 names still exists.
 
+A grouped channels-first `Conv2D` (Keras's Conv1D and Conv2D with
+``groups > 1``, which Keras also compiles with XLA: the CPU's `Conv2D` runs
+NHWC only) is transposed to NHWC around the one grouped convolution, which
+the CPU runs and ``kfac_graph.grouped_conv_grad`` differentiates.
+
 Contract: ``split_grouped_conv3d(graph_def, g) -> graph_def``: ``g`` is the
 IR of ``graph_def`` (its static shapes say which `Conv3D` is grouped); the
 returned GraphDef is a new proto (the input is left as it is); a grouped
@@ -35,17 +40,21 @@ from passes.node_defs import const_int
 _PREFIX = "kfac_grouped"
 
 
+_RANKS = {"Conv3D": 5, "Conv2D": 4}
+
+
 def _groups(g, node) -> int:
-    """G for a `Conv3D` node of the IR: input channels over the kernel's
-    input channels; 1 when ungrouped or unknown."""
-    if node not in g or g.nodes[node].get("op") != "Conv3D":
+    """G for a `Conv3D` or `Conv2D` node of the IR: input channels over the
+    kernel's input channels; 1 when ungrouped or unknown."""
+    rank = _RANKS.get(g.nodes[node].get("op")) if node in g else None
+    if rank is None:
         return 1
     data = g.nodes[node]
     x, w = (ir.shape_of(g, t) for t in data["raw_inputs"][:2])
-    if x is None or w is None or len(x) != 5 or len(w) != 5:
+    if x is None or w is None or len(x) != rank or len(w) != rank:
         return 1
     fmt = data["attrs"].get("data_format", "NDHWC")
-    channels, per_group = (x[1] if fmt.startswith("NC") else x[-1]), w[3]
+    channels, per_group = (x[1] if fmt.startswith("NC") else x[-1]), w[-2]
     if channels is None or per_group is None or channels == per_group or channels % per_group:
         return 1
     return channels // per_group
@@ -67,8 +76,8 @@ def _op(name, op, inputs, dtype_attr, device, **ints):
 
 
 def _rewrite(node, groups, names):
-    """The nodes that replace `Conv3D` ``node`` (module docstring); the last
-    one takes its name."""
+    """The nodes that replace `Conv3D` or `Conv2D` ``node`` (module
+    docstring); the last one takes its name. A `Conv2D` keeps its groups."""
     base = f"{node.name}/{_PREFIX}"
     while any(n.startswith(base) for n in names):
         base += "_"
@@ -76,9 +85,12 @@ def _rewrite(node, groups, names):
     x, w = node.input[0], node.input[1]
     control = [t for t in node.input[2:] if t.startswith("^")]
     first = _channels_first(node)
+    rank = _RANKS[node.op]
+    if node.op == "Conv2D":
+        groups = 1  # (the CPU runs a grouped NHWC Conv2D)
     out = []
-    if first:  # NCDHW -> NDHWC
-        out += [const_int(f"{base}/to_channels_last", [0, 2, 3, 4, 1]),
+    if first:  # NC... -> N...C
+        out += [const_int(f"{base}/to_channels_last", [0, *range(2, rank), 1]),
                 _op(f"{base}/inputs_channels_last", "Transpose", [x, f"{base}/to_channels_last"]
                     + control, dtype, device, Tperm=0)]
         x = out[-1].name
@@ -90,7 +102,7 @@ def _rewrite(node, groups, names):
                 v = list(attrs[key].list.i)
                 attrs[key] = tf.compat.v1.AttrValue(
                     list=tf.compat.v1.AttrValue.ListValue(i=[v[0], *v[2:], v[1]]))
-        attrs["data_format"] = tf.compat.v1.AttrValue(s=b"NDHWC")
+        attrs["data_format"] = tf.compat.v1.AttrValue(s=b"NDHWC" if rank == 5 else b"NHWC")
     if groups > 1:
         out += [const_int(f"{base}/channel_axis", 4),
                 _op(f"{base}/inputs", "Split", [f"{base}/channel_axis", x] + control, dtype,
@@ -101,7 +113,7 @@ def _rewrite(node, groups, names):
     else:
         pairs = [(x, w)]
     for j, (xj, wj) in enumerate(pairs):
-        conv = tf.compat.v1.NodeDef(name=f"{base}/group_{j}", op="Conv3D", input=[xj, wj],
+        conv = tf.compat.v1.NodeDef(name=f"{base}/group_{j}", op=node.op, input=[xj, wj],
                                     device=device)
         for key, value in attrs.items():
             conv.attr[key].CopyFrom(value)
@@ -110,8 +122,8 @@ def _rewrite(node, groups, names):
         out.append(_op(f"{base}/concat", "ConcatV2",
                        [f"{base}/group_{j}" for j in range(groups)] + [f"{base}/channel_axis"],
                        dtype, device, N=groups, Tidx=0))
-    if first:  # NDHWC -> NCDHW
-        out += [const_int(f"{base}/to_channels_first", [0, 4, 1, 2, 3]),
+    if first:  # N...C -> NC...
+        out += [const_int(f"{base}/to_channels_first", [0, rank - 1, *range(1, rank - 1)]),
                 _op(f"{base}/channels_first", "Transpose",
                     [out[-1].name, f"{base}/to_channels_first"], dtype, device, Tperm=0)]
     out[-1].name = node.name
@@ -121,10 +133,12 @@ def _rewrite(node, groups, names):
 
 
 def split_grouped_conv3d(graph_def, g):
-    """``graph_def`` with each grouped or channels-first `Conv3D` rewritten
-    (module docstring); the same proto object when there is none."""
+    """``graph_def`` with each grouped or channels-first `Conv3D`, and each
+    grouped channels-first `Conv2D`, rewritten (module docstring); the same
+    proto object when there is none."""
     todo = {node.name: _groups(g, node.name) for node in graph_def.node
-            if node.op == "Conv3D" and (_channels_first(node) or _groups(g, node.name) > 1)}
+            if (node.op == "Conv3D" and (_channels_first(node) or _groups(g, node.name) > 1))
+            or (node.op == "Conv2D" and _channels_first(node) and _groups(g, node.name) > 1)}
     if not todo:
         return graph_def
     names = {node.name for node in graph_def.node}
