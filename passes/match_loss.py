@@ -173,7 +173,8 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
             kind, output, targets, sign = terminal
             scale = coefficient * sign
             if scale <= 0:
-                raise LossNotFoundError(f"the loss at op {node!r} is scaled by {scale:g}; {_HOW_TO}")
+                raise LossNotFoundError(
+                    f"the loss at op {node!r} is scaled by {scale:g}; {_HOW_TO}")
             targets = _unflatten(g, _through_casts(g, targets))
             loss_weights.check_class_weights(g, kind, node, output, weighted_at)
             return LossMatch(kind, "mean" if batch_mean else "sum",
@@ -185,7 +186,8 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
         if op == "Mean":
             axes, shape = _axes(g, node)
             if axes is None:
-                raise LossNotFoundError(f"op {node!r} reduces over axes not known statically; {_HOW_TO}")
+                raise LossNotFoundError(
+                    f"op {node!r} reduces over axes not known statically; {_HOW_TO}")
             for a in axes:
                 if a == 0:
                     batch_mean = True
@@ -193,6 +195,8 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
                         coefficient /= shape[0] / batch
                 elif shape[a] is not None:
                     coefficient /= shape[a]
+                else:  # a size known at run time only: the weights' derivative holds it
+                    divisors.append(f"the size of axis {a} of {inputs[0]}")
             tensor = inputs[0]
         elif op in ("Sum",) or op in _PASS_THROUGH:
             tensor = inputs[0]
@@ -214,8 +218,10 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
         elif op in ("RealDiv", "Div", "DivNoNan"):
             divisor = evaluate(g, inputs[1])
             if divisor is None:
-                if from_shapes(g, inputs[1]):
+                if from_shapes(g, inputs[1]):  # the batch's size, or more (Keras's B T)
                     batch_mean, tensor = True, inputs[0]
+                    if _summed_rank(g, tensor) != 1:  # the weights' derivative holds it
+                        divisors.append(f"the size {inputs[1]}")
                     continue
                 if ir.split_tensor(inputs[1])[0] in params:
                     raise LossNotFoundError(f"op {node!r} divides by a tensor that depends on "
@@ -248,6 +254,20 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
         else:
             raise LossNotFoundError(f"cannot read a loss through op {node!r} ({op}); {_HOW_TO}")
     raise LossNotFoundError(f"no loss op found; {_HOW_TO}")
+
+
+def _summed_rank(g, tensor) -> int | None:
+    """The rank of what the ``Sum`` under ``tensor`` reduces (through ops
+    that pass a value on), or None where there is none."""
+    for _ in range(len(g)):
+        d = g.nodes[ir.split_tensor(tensor)[0]]
+        if d["op"] == "Sum":
+            shape = ir.shape_of(g, d["inputs"][0])
+            return None if shape is None else len(shape)
+        if d["op"] not in _PASS_THROUGH and d["op"] != "Neg" or not d["inputs"]:
+            return None
+        tensor = d["inputs"][0]
+    return None
 
 
 def _attempt(g, rows, tensor, coefficient, batch_mean, nodes):

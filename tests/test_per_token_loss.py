@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import kfac_graph as kg
 from passes import ir
+from per_example_reference import one_example_loop
 
 B, T, V, D = 3, 4, 5, 6
 RTOL = 1e-6
@@ -243,3 +244,47 @@ def test_verify_says_why_when_token_weights_are_no_multiple_of_the_batch_of_ones
     assert statuses["one-example"] == "skipped" and report.passed, report.table()
     assert any("token weights in the batch are not a multiple of its own" in note
                for note in report.notes), report.notes
+
+
+@pytest.mark.parametrize("reduce", ["reduce_mean", "keras"])
+def test_a_mean_over_positions_known_at_run_time_only(reduce):
+    """Under ``input_signature=[None, None]`` (a SavedModel's, ``kfac-rewrite``)
+    the positions' count T is known at run time only: ``reduce_mean`` over it
+    (or a Keras loss's division by the size ``B T``) was read as a mean over
+    the batch alone, so example i's term was T times too large (a generic
+    variable's per-example gradients and every norm, hence DP-SGD's clipping)
+    and K-FAC's curvature scale T times too large (another trajectory than
+    the same loss traced with T known). The size is now a divisor, held by
+    the weights the runtime reads as the loss's derivative."""
+    _float64()
+    keras.utils.set_random_seed(0)
+    vocab, width, steps = 9, 4, 5
+    embed, head = keras.layers.Embedding(vocab, width), keras.layers.Dense(vocab)
+    odd = tf.Variable(tf.random.stateless_normal([width], [0, 1], dtype=tf.float64), name="odd")
+
+    def loss(x, y):
+        logits = head(embed(x) * tf.math.cos(odd))  # (odd: a generic variable)
+        if reduce == "keras":
+            return keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    rng = np.random.default_rng(0)
+    x, y = (tf.constant(rng.integers(0, vocab, (3, steps)), tf.int32) for _ in range(2))
+    spec = [tf.TensorSpec([None, None], tf.int32)] * 2
+    static, dynamic = kg.auto_register(loss), kg.auto_register(
+        tf.function(loss, input_signature=spec))
+    reg = dynamic.registration(x, y)
+    assert "generic" in [layer.kind for layer in reg.layers] and reg.loss.weighted
+    want = one_example_loop(loss, (x, y), reg.variables)
+    for v, g, w in zip(reg.variables, kg.per_example_gradients(dynamic, x, y), want):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=v.name)
+    variables = [embed.embeddings, head.kernel, head.bias, odd]
+    start = [v.numpy() for v in variables]
+    losses = []
+    for fn in (static, dynamic):
+        for v, s in zip(variables, start):
+            v.assign(s)
+        opt = kg.KFAC(fn, estimation_mode="exact", momentum_type="regular",
+                      learning_rate=0.1, damping=1e-2)
+        losses.append([float(opt.step(x, y)) for _ in range(4)])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-10)
