@@ -19,10 +19,11 @@ and writes a SavedModel at ``output`` whose root exposes
 Everything is traced into graphs here: loading the output needs TensorFlow
 alone. The preconditioning is an inner function with ``jit_compile=True``
 (it carries XLA's must-compile attribute; ``jit_compile="auto"``, the
-default, exports as ``False`` on the CPU: the preconditioning compiled). The registration is written as
-JSON to ``assets.extra/kfac_registration.json``, with the ops that touch
-the host (``passes/host_ops.py``: file reads and writes, Python callbacks,
-...) in the loss function and elsewhere, under ``"host_ops"``.
+default, exports as ``False`` on the CPU: the preconditioning compiled).
+The registration is written as JSON to
+``assets.extra/kfac_registration.json``, with the ops that touch the host
+(``passes/host_ops.py``: file reads and writes, Python callbacks, ...) in
+the loss function and elsewhere, under ``"host_ops"``.
 
 A SavedModel is a program: a loss function that holds ops that touch the
 host is refused (``HostOpsError``, found from the SavedModel's protocol
@@ -152,12 +153,7 @@ def write_saved_model(module: tf.Module, output: str, signatures=None,
     staged, placed, current = {}, [], output
     try:
         target = os.path.join(staging, "saved_model")
-        # every saved function holds its own gradients (traced with the step);
-        # the re-run graph's gradient overrides (a grouped Conv2D's) are no
-        # tf.custom_gradient functions and are not saved as such
-        tf.saved_model.save(module, target, signatures=signatures or None,
-                            options=tf.saved_model.SaveOptions(
-                                experimental_custom_gradients=False))
+        _save(module, target, signatures)
         for relative, text in (extra_files or {}).items():
             os.makedirs(os.path.dirname(os.path.join(target, relative)), exist_ok=True)
             write_text(os.path.join(target, relative), text)
@@ -186,6 +182,27 @@ def write_saved_model(module: tf.Module, output: str, signatures=None,
         for temporary in staged.values():
             if os.path.lexists(temporary):
                 os.remove(temporary)
+
+
+def _save(module, target, signatures) -> None:
+    """``tf.saved_model.save`` with the input's custom gradients (Keras's swish
+    and silu): saved without them, the rewritten model's own ``loss`` (the
+    input's function) could not be differentiated when loaded ("No gradient
+    defined for operation IdentityN"), and in a process that had loaded
+    another such model it took that model's gradient functions, numbered
+    alike. The step's functions hold their own gradients; the re-run graph's
+    gradient overrides (a grouped Conv2D's) are no ``tf.custom_gradient``
+    functions and cannot be saved as such: with one, the model is saved
+    without custom gradients, as before."""
+    try:
+        tf.saved_model.save(module, target, signatures=signatures or None,
+                            options=tf.saved_model.SaveOptions(
+                                experimental_custom_gradients=True))
+    except ValueError:  # ("Error when tracing gradients for SavedModel")
+        shutil.rmtree(target, ignore_errors=True)
+        tf.saved_model.save(module, target, signatures=signatures or None,
+                            options=tf.saved_model.SaveOptions(
+                                experimental_custom_gradients=False))
 
 
 def write_text(path: str, text: str) -> None:

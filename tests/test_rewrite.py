@@ -288,7 +288,8 @@ def test_dry_run_of_a_graph_def(tmp_path, capsys, suffix):
 def test_console_script_exit_status(tmp_path):
     done = subprocess.run([sys.executable, "-m", "tools.kfac_rewrite", "--input",
                            str(tmp_path / "nope"), "--function", "loss", "--output",
-                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120, check=False,
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                          check=False,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
@@ -326,3 +327,54 @@ def test_a_keras_grouped_convolution_is_rewritten(tmp_path, rank):
         [4, *(3,) * rank, 2, 8], [4, 8]]
     losses = [float(loaded.kfac_step(x, y)) for _ in range(3)]
     assert losses[-1] < losses[0], losses
+
+
+SWISH_CHECK = textwrap.dedent("""
+    import os, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np
+    import tensorflow as tf
+    root = sys.argv[1]
+    models = [tf.saved_model.load(os.path.join(root, name)) for name in ("input", "out")]
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, 6)), tf.float32)
+    y = tf.constant([0, 1, 2, 0])
+    grads = []
+    for m in models:
+        with tf.GradientTape() as tape:
+            loss = m.loss(x, y)
+        variables = sorted(tape.watched_variables(), key=lambda v: v.name)
+        grads.append([g.numpy() for g in tape.gradient(loss, variables)])
+    print(max(float(np.max(np.abs(a - b))) for a, b in zip(*grads)))
+""")
+
+
+def test_the_rewritten_loss_keeps_its_custom_gradients(tmp_path):
+    """Keras's swish is a ``tf.custom_gradient``. The output was saved
+    without custom gradients, so its own ``loss`` (the input's function)
+    could not be differentiated once loaded ("No gradient defined for
+    operation IdentityN"), and in a process that had loaded the input first
+    it took the input's gradient functions, numbered alike. Now, in a fresh
+    process that loads the input and then the output, both losses have the
+    same gradient."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="swish"),
+                              keras.layers.Dense(3)])
+
+    class Trainable(tf.Module):
+        def __init__(self, model):
+            self.model = model
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 6], tf.float32),
+                                      tf.TensorSpec([None], tf.int32)])
+        def loss(self, x, y):
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                y, self.model(x)))
+
+    tf.saved_model.save(Trainable(model), str(tmp_path / "input"))
+    assert rewrite(["--input", str(tmp_path / "input"), "--function", "loss",
+                    "--output", str(tmp_path / "out")]) == 0
+    (tmp_path / "check.py").write_text(SWISH_CHECK)
+    done = subprocess.run([sys.executable, str(tmp_path / "check.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) < 1e-6
