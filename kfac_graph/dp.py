@@ -35,6 +35,7 @@ import tensorflow as tf
 from kfac_graph import options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.privacy import accounting
+from kfac_graph.privacy.ledger import Ledger
 from kfac_graph.privacy import noise as noise_lib
 from kfac_graph.privacy.privatize import OPTIONS, check_clip, privatize, sampling_from
 
@@ -79,16 +80,55 @@ class DPSGD:
             **({} if seed is None else {"seed": seed})))
         check_clip("kg.DPSGD", clipping, l2_norm_clip)
         self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
-        self.learning_rate = learning_rate
-        self.l2_norm_clip = l2_norm_clip
-        self.noise_multiplier = noise_multiplier
         self.method = method
         self.clipping = clipping
         self.automatic_clipping = automatic_clipping
         self.noise = noise_lib.NoiseSource(seed, secure_mode)
         self.sampling = sampling_from(sampling, sample_rate, num_examples, batch_size)
-        self._accountant = None
+        self._ledger = Ledger()
         self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="dpsgd_step")
+        self.learning_rate = learning_rate
+        self.l2_norm_clip = l2_norm_clip
+        self.noise_multiplier = noise_multiplier
+
+    # The compiled step reads these three when traced: setting one traces it
+    # anew (before, the step kept the old values: a new learning rate or
+    # noise had no effect), and a new noise multiplier ends a phase of the
+    # ledger (epsilon composes the steps taken at each).
+    @property
+    def learning_rate(self):
+        return self._learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        self._learning_rate = value
+        self._retrace()
+
+    @property
+    def l2_norm_clip(self):
+        return self._l2_norm_clip
+
+    @l2_norm_clip.setter
+    def l2_norm_clip(self, value):
+        check_clip("kg.DPSGD", self.clipping, value)
+        self._l2_norm_clip = value
+        self._retrace()
+
+    @property
+    def noise_multiplier(self):
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value):
+        options.check("kg.DPSGD", "noise_multiplier", value, OPTIONS["noise_multiplier"])
+        old = getattr(self, "_noise_multiplier", None)
+        steps = int(self.iterations.numpy())
+        if old is not None and value != old and self.sampling is not None and steps:
+            self._ledger.close(old, self.sampling, steps)
+        self._noise_multiplier = value
+        self._retrace()
+
+    def _retrace(self):
         # autograph=False: nothing here branches on tensors, and autograph would
         # convert every function the step calls, the pass included (~20 s, once)
         self._step = tf.function(self._step_impl, autograph=False)
@@ -124,14 +164,16 @@ class DPSGD:
                              "batch_size=")
         if not isinstance(self.noise_multiplier, (int, float)):
             raise ValueError("DPSGD.epsilon needs a fixed numeric noise_multiplier")
-        if self._accountant is None:
-            self._accountant = accounting.StepAccountant(self.noise_multiplier, self.sampling)
-        return self._accountant.epsilon(int(self.iterations), delta, accountant)
+        return self._ledger.epsilon(delta, self.noise_multiplier, self.sampling,
+                                    int(self.iterations), accountant)
 
     def privacy_statement(self, delta: float) -> str:
-        """``kg.privacy.statement`` for the steps taken so far."""
+        """``kg.privacy.statement`` for the steps taken so far (a line per phase
+        where the noise multiplier changed)."""
         self.epsilon(delta)  # the same checks
-        s = self.sampling
-        return accounting.statement(self.noise_multiplier, delta, steps=int(self.iterations),
+        s, steps = self.sampling, int(self.iterations)
+        if self._ledger.phases:
+            return self._ledger.statement(delta, self.noise_multiplier, s, steps)
+        return accounting.statement(self.noise_multiplier, delta, steps=steps,
                                     sample_rate=s.rate, num_examples=s.num_examples,
                                     batch_size=s.batch_size, sampling=s.kind)

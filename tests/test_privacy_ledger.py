@@ -1,4 +1,5 @@
-"""Privacy over phases: ``DPModel.fit`` again at another batch size runs its
+"""Privacy over phases: ``DPModel.fit`` again at another batch size (or a new
+noise multiplier, also ``kg.DPSGD``'s) runs its
 later steps at another sampling rate (``kfac_graph/privacy/ledger.py``).
 
 Before, the model charged every step so far at the last fit's rate: 10
@@ -95,3 +96,35 @@ def test_a_new_noise_multiplier_ends_a_phase_and_reaches_the_step():
     for v, b, g in zip(model.trainable_variables, before, grads):
         np.testing.assert_allclose(b - v.numpy(), 0.1 * g.numpy(), rtol=1e-4, atol=1e-7)
     assert dp.epsilon() == float("inf")
+
+
+def test_dpsgd_options_set_later_reach_the_step():
+    """kg.DPSGD's compiled step read its learning rate, clip and noise when
+    traced: set later, they changed nothing. Setting one traces the step
+    anew, and a new noise multiplier ends a phase of its ledger."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((8, 4)), tf.float32)
+    y = tf.constant(rng.integers(0, 2, 8))
+
+    def loss(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x)))
+
+    dp = kg.DPSGD(loss, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0,
+                  sample_rate=0.1)
+    for _ in range(3):
+        dp.step(x, y)
+    dp.noise_multiplier = 2.0
+    for _ in range(2):
+        dp.step(x, y)
+    acc = dpa.rdp.RdpAccountant()
+    for sigma, steps in ((1.0, 3), (2.0, 2)):
+        acc.compose(dpa.SelfComposedDpEvent(
+            dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(sigma)), steps))
+    assert dp.epsilon(1e-5) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+    assert "2 phases, 5 steps" in dp.privacy_statement(1e-5)
+    before = [v.numpy() for v in model.trainable_variables]
+    dp.learning_rate = 0.0
+    dp.step(x, y)
+    assert all(np.array_equal(b, v.numpy()) for b, v in zip(before, model.trainable_variables))

@@ -11,13 +11,15 @@ Keras ``fit``.
     print(kg.privacy.statement(sigma, 1e-5, epochs=20, num_examples=n, batch_size=64))
 
 Modules: ``accounting`` (epsilon by RDP or PLD, noise calibration, the
-statement; which accountant goes with which sampler), ``sampling``
+statement; which accountant goes with which sampler), ``ledger`` (phases
+of training at other rates or noise, composed; ``StepAccountant``), ``sampling``
 (``poisson_batches``, ``fixed_size_batches``), ``clipping`` (flat, per layer,
 per group, automatic), ``noise`` (Philox keyed from OS entropy), ``gradients``
 (the privatised gradient), ``keras_model`` (``DPModel``).
 """
-from kfac_graph.privacy.accounting import (ACCOUNTANTS, SAMPLINGS, Sampling, StepAccountant,
-                                           epsilon, noise_for_epsilon, statement)
+from kfac_graph.privacy.accounting import (ACCOUNTANTS, SAMPLINGS, Sampling, epsilon,
+                                           noise_for_epsilon, statement)
+from kfac_graph.privacy.ledger import StepAccountant
 from kfac_graph.privacy.clipping import ClipPlan
 from kfac_graph.privacy.noise import NoiseSource
 from kfac_graph.privacy.sampling import fixed_size_batches, poisson_batches

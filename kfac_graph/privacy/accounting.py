@@ -108,7 +108,7 @@ def make_accountant(name: str, sampling: Sampling):
     return dpa.rdp.RdpAccountant()
 
 
-def _check(noise_multiplier, delta):
+def check(noise_multiplier, delta):
     if not (isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0):
         raise ValueError(f"noise_multiplier must be a number >= 0, got {noise_multiplier!r}")
     if not 0.0 < delta < 1.0:
@@ -123,7 +123,7 @@ def epsilon(noise_multiplier: float, delta: float, *, steps: int | None = None,
     with noise multiplier ``noise_multiplier``, sampled by ``sampling`` at
     ``sample_rate`` (or ``batch_size / num_examples``). ``inf`` with no noise;
     0 with no steps."""
-    _check(noise_multiplier, delta)
+    check(noise_multiplier, delta)
     s = Sampling.make(sampling, sample_rate, num_examples, batch_size)
     steps = _steps(s, steps, epochs)
     if steps == 0:
@@ -243,38 +243,3 @@ def statement(noise_multiplier: float, delta: float, *, steps: int | None = None
                     sampling=s.kind, accountant=name)
         lines.append(f"    epsilon by {name.upper()} accounting: {e:.3f}")
     return "\n".join(lines)
-
-
-class StepAccountant:
-    """Epsilon after any number of steps of one mechanism (a noise multiplier
-    and a sampler), as ``epsilon`` computes it. RDP: the one-step curve is
-    computed once and scaled by the steps (composition adds RDP), so a query
-    costs microseconds and can run after every step; PLD composes afresh on
-    each query (about a second for 10^4 steps)."""
-
-    def __init__(self, noise_multiplier: float, sampling: Sampling):
-        if not noise_multiplier >= 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
-        self.noise_multiplier = float(noise_multiplier)
-        self.sampling = sampling
-        self._one_step = None
-
-    def epsilon(self, steps: int, delta: float, accountant: str = "rdp") -> float:
-        _check(self.noise_multiplier, delta)
-        steps = int(steps)
-        if steps == 0:
-            return 0.0
-        if self.noise_multiplier == 0:
-            return math.inf
-        if accountant != "rdp":
-            return epsilon(self.noise_multiplier, delta, steps=steps,
-                           sample_rate=self.sampling.rate,
-                           num_examples=self.sampling.num_examples,
-                           batch_size=self.sampling.batch_size, sampling=self.sampling.kind,
-                           accountant=accountant)
-        if self._one_step is None:
-            acc = make_accountant("rdp", self.sampling)
-            acc.compose(dp_event(self.noise_multiplier, 1, self.sampling))
-            self._one_step = (acc.orders, acc.rdp)
-        orders, rdp = self._one_step
-        return float(dpa.rdp.compute_epsilon(orders, rdp * steps, delta)[0])

@@ -131,6 +131,27 @@ class Ledger:
                    for c in config or ())
 
 
+class StepAccountant:
+    """Epsilon after any number of steps of one mechanism (a noise multiplier
+    and a sampler), as ``accounting.epsilon`` computes it: a ledger of no
+    finished phase. RDP: the one-step curve is computed once and scaled by
+    the steps (composition adds RDP), so a query costs microseconds and can
+    run after every step; PLD composes afresh on each query (about a second
+    for 10^4 steps)."""
+
+    def __init__(self, noise_multiplier: float, sampling: Sampling):
+        if not noise_multiplier >= 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
+        self.noise_multiplier = float(noise_multiplier)
+        self.sampling = sampling
+        self._ledger = Ledger()
+
+    def epsilon(self, steps: int, delta: float, accountant: str = "rdp") -> float:
+        accounting.check(self.noise_multiplier, delta)
+        return self._ledger.epsilon(delta, self.noise_multiplier, self.sampling, steps,
+                                    accountant)
+
+
 class LedgerAccounting:
     """Epsilon and the privacy statement of a model trained by DP-SGD in
     phases (``kg.DPModel``'s): it holds ``sampling`` (the current sampler or
