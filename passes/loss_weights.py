@@ -39,7 +39,7 @@ def check_data(g, node, tensor, what):
     One read from a variable (a loss scale held in a non-trainable
     variable, a dynamic loss scale) is refused, naming the op."""
     variables = [n for n, d in g.nodes(data=True) if d["op"] == "Variable"]
-    if ir.split_tensor(tensor)[0] in ir.reachable_from(g, variables):
+    if ir.split_tensor(tensor)[0] in ir.value_dependents(g, variables):  # (not a shape of one)
         raise LossNotFoundError(f"op {node!r} {what} read from a variable (weights and "
                                 f"divisors must be data); {_HOW_TO}")
 

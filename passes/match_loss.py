@@ -54,7 +54,7 @@ import dataclasses
 import networkx as nx
 import numpy as np
 
-from passes import ir, loss_logits, loss_terms, loss_weights
+from passes import ir, loss_logits, loss_sizes, loss_terms, loss_weights
 from passes.errors import LOSS_HOW_TO, LossNotFoundError
 from passes.loss_constants import const_operand, evaluate, from_shapes
 from passes.joined_outputs import JOINED
@@ -193,6 +193,8 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
                     batch_mean = True
                     if shape[0] is not None and batch:
                         coefficient /= shape[0] / batch
+                    elif shape[0] is None and loss_sizes.rows_per_example(rows, inputs[0]) != 1:
+                        divisors.append(f"the rows per example of {inputs[0]}")
                 elif shape[a] is not None:
                     coefficient /= shape[a]
                 else:  # a size known at run time only: the weights' derivative holds it
@@ -218,10 +220,13 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
         elif op in ("RealDiv", "Div", "DivNoNan"):
             divisor = evaluate(g, inputs[1])
             if divisor is None:
-                if from_shapes(g, inputs[1]):  # the batch's size, or more (Keras's B T)
-                    batch_mean, tensor = True, inputs[0]
-                    if _summed_rank(g, tensor) != 1:  # the weights' derivative holds it
-                        divisors.append(f"the size {inputs[1]}")
+                if from_shapes(g, inputs[1]) and ir.split_tensor(inputs[1])[0] not in (
+                        ir.value_dependents(g, g.graph["arguments"])):  # a size, not data
+                    tensor = inputs[0]
+                    counts = loss_sizes.counts_the_batch(g, inputs[1])
+                    batch_mean = batch_mean or counts is not False
+                    if not batch_mean or loss_sizes.summed_rank(g, rows, tensor) != 1:
+                        divisors.append(f"the size {inputs[1]}")  # the weights' derivative
                     continue
                 if ir.split_tensor(inputs[1])[0] in params:
                     raise LossNotFoundError(f"op {node!r} divides by a tensor that depends on "
@@ -254,20 +259,6 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
         else:
             raise LossNotFoundError(f"cannot read a loss through op {node!r} ({op}); {_HOW_TO}")
     raise LossNotFoundError(f"no loss op found; {_HOW_TO}")
-
-
-def _summed_rank(g, tensor) -> int | None:
-    """The rank of what the ``Sum`` under ``tensor`` reduces (through ops
-    that pass a value on), or None where there is none."""
-    for _ in range(len(g)):
-        d = g.nodes[ir.split_tensor(tensor)[0]]
-        if d["op"] == "Sum":
-            shape = ir.shape_of(g, d["inputs"][0])
-            return None if shape is None else len(shape)
-        if d["op"] not in _PASS_THROUGH and d["op"] != "Neg" or not d["inputs"]:
-            return None
-        tensor = d["inputs"][0]
-    return None
 
 
 def _attempt(g, rows, tensor, coefficient, batch_mean, nodes):
@@ -381,7 +372,9 @@ def _data_nodes(g) -> set:
 
 
 def _parameter_nodes(g) -> set:
-    return ir.reachable_from(g, (
+    """The nodes whose values depend on the trainable variables (a shape of
+    one, as Keras's ``ignore_class`` reshapes its mask to the logits', does not)."""
+    return ir.value_dependents(g, (
         node for node, d in g.nodes(data=True)
         if d["op"] == "Variable" and g.graph["variables"][d["variable"]].trainable))
 

@@ -246,7 +246,8 @@ def test_verify_says_why_when_token_weights_are_no_multiple_of_the_batch_of_ones
                for note in report.notes), report.notes
 
 
-@pytest.mark.parametrize("reduce", ["reduce_mean", "keras"])
+@pytest.mark.parametrize("reduce", ["reduce_mean", "keras", "sum_over_T", "flat_mean",
+                                    "ignore_class"])
 def test_a_mean_over_positions_known_at_run_time_only(reduce):
     """Under ``input_signature=[None, None]`` (a SavedModel's, ``kfac-rewrite``)
     the positions' count T is known at run time only: ``reduce_mean`` over it
@@ -255,7 +256,14 @@ def test_a_mean_over_positions_known_at_run_time_only(reduce):
     variable's per-example gradients and every norm, hence DP-SGD's clipping)
     and K-FAC's curvature scale T times too large (another trajectory than
     the same loss traced with T known). The size is now a divisor, held by
-    the weights the runtime reads as the loss's derivative."""
+    the weights the runtime reads as the loss's derivative. So is a sum
+    divided by ``shape(z)[1]`` (T alone, no batch: it was read as a batch
+    mean, every per-example gradient B times too large) and a mean of the
+    flattened ``[B T]`` terms; Keras's ``ignore_class``, which reshapes its
+    mask to the logits' shape, was refused ("multiplies two tensors that
+    depend on the variables"). Per-example gradients equal the static
+    trace's (and a loop of one-example tapes where no batch statistic
+    divides)."""
     _float64()
     keras.utils.set_random_seed(0)
     vocab, width, steps = 9, 4, 5
@@ -264,9 +272,13 @@ def test_a_mean_over_positions_known_at_run_time_only(reduce):
 
     def loss(x, y):
         logits = head(embed(x) * tf.math.cos(odd))  # (odd: a generic variable)
-        if reduce == "keras":
-            return keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits)
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+        if reduce in ("keras", "ignore_class"):
+            return keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, ignore_class=0 if reduce == "ignore_class" else None)(y, logits)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
+        if reduce == "sum_over_T":
+            return tf.reduce_sum(ce) / tf.cast(tf.shape(logits)[1], ce.dtype)
+        return tf.reduce_mean(tf.reshape(ce, [-1]) if reduce == "flat_mean" else ce)
 
     rng = np.random.default_rng(0)
     x, y = (tf.constant(rng.integers(0, vocab, (3, steps)), tf.int32) for _ in range(2))
@@ -275,9 +287,13 @@ def test_a_mean_over_positions_known_at_run_time_only(reduce):
         tf.function(loss, input_signature=spec))
     reg = dynamic.registration(x, y)
     assert "generic" in [layer.kind for layer in reg.layers] and reg.loss.weighted
-    want = one_example_loop(loss, (x, y), reg.variables)
-    for v, g, w in zip(reg.variables, kg.per_example_gradients(dynamic, x, y), want):
-        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=v.name)
+    got = kg.per_example_gradients(dynamic, x, y)
+    wants = [kg.per_example_gradients(static, x, y)]
+    if reduce != "ignore_class":  # (a masked mean's count is a statistic of the batch)
+        wants.append(one_example_loop(loss, (x, y), reg.variables))
+    for want in wants:
+        for v, g, w in zip(reg.variables, got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=v.name)
     variables = [embed.embeddings, head.kernel, head.bias, odd]
     start = [v.numpy() for v in variables]
     losses = []

@@ -1,0 +1,90 @@
+"""Which axes a size computed from shapes counts.
+
+A loss traced with sizes known at run time only divides by sizes computed
+from shapes: Keras's ``sum_over_batch_size`` by ``size(terms)`` (``B T``),
+a hand-written mean over positions by ``shape(z)[1]`` (``T``, no batch), a
+detection loss by its boxes' count. Whether such a divisor counts the
+batch decides the reduction: a mean over the batch (each example's term
+read without the ``1/B``), or a sum whose terms the divisor scales.
+
+``counts_the_batch(g, tensor) -> bool | None``: whether the scalar
+``tensor`` is a product of sizes (``Size``, ``Prod(Shape)``, elements of
+``Shape`` sliced with constant bounds, through ``Cast`` and ``Mul``) one of
+which is a first axis; None where it is computed otherwise (then the pass
+keeps reading it as the batch's, as before). ``summed_rank`` and
+``rows_per_example``: whether what a mean reduces holds more than one row
+per example (``[B, T]``, or ``[B T]`` flattened), whose count the divisor
+then holds too.
+"""
+from __future__ import annotations
+
+from passes import ir, loss_logits
+
+_THROUGH = frozenset({"Cast", "Identity"})
+
+
+def counts_the_batch(g, tensor) -> bool | None:
+    axes = _axes(g, tensor, depth=16)
+    return None if axes is None else 0 in axes
+
+
+def _axes(g, tensor, depth) -> set | None:
+    """The axes (of the tensors whose shapes it reads) that ``tensor``
+    multiplies, or None."""
+    if depth == 0:
+        return None
+    d = g.nodes[ir.split_tensor(ir.resolve(g, tensor))[0]]
+    op, inputs = d["op"], d["inputs"]
+    if op in _THROUGH:
+        return _axes(g, inputs[0], depth - 1)
+    if op == "Mul":
+        parts = [_axes(g, t, depth - 1) for t in inputs[:2]]
+        return None if None in parts else parts[0] | parts[1]
+    if op == "Size":
+        return {0}
+    if op == "Prod" and _shape_of_rank(g, inputs[0]) is not None:
+        return set(range(_shape_of_rank(g, inputs[0])))
+    if op == "StridedSlice" and _shape_of_rank(g, inputs[0]) is not None:
+        begin, end = (ir.const_value(g, t) for t in inputs[1:3])
+        if begin is None or end is None or len(begin) != 1:
+            return None
+        start = int(begin[0])
+        if d["attrs"].get("shrink_axis_mask", 0) & 1:
+            return {start}
+        stop = _shape_of_rank(g, inputs[0]) if d["attrs"].get("end_mask", 0) & 1 else int(end[0])
+        return set(range(start, stop))
+    return None
+
+
+def _shape_of_rank(g, tensor) -> int | None:
+    """The rank of the tensor whose ``Shape`` ``tensor`` is, else None."""
+    d = g.nodes[ir.split_tensor(ir.resolve(g, tensor))[0]]
+    if d["op"] != "Shape" or not d["inputs"]:
+        return None
+    shape = ir.shape_of(g, d["inputs"][0])
+    return None if shape is None else len(shape)
+
+
+def rows_per_example(rows, tensor):
+    """How many rows of ``tensor`` each example has (1 where the tracker did
+    not follow it; None where known at run time only)."""
+    r = rows.get(ir.split_tensor(tensor)[0])
+    return 1 if r is None or r.axis != 0 else r.per_example
+
+
+def summed_rank(g, rows, tensor) -> int | None:
+    """The rank of what the ``Sum`` under ``tensor`` reduces (through ops
+    that pass a value on), or None where there is none; a vector that holds
+    several rows per example (``[B T]`` flattened) counts as more than one."""
+    for _ in range(len(g)):
+        d = g.nodes[ir.split_tensor(tensor)[0]]
+        if d["op"] == "Sum":
+            shape = ir.shape_of(g, d["inputs"][0])
+            if shape is not None and len(shape) == 1 and rows_per_example(
+                    rows, d["inputs"][0]) != 1:
+                return None
+            return None if shape is None else len(shape)
+        if d["op"] not in loss_logits.PASS_THROUGH and d["op"] != "Neg" or not d["inputs"]:
+            return None
+        tensor = d["inputs"][0]
+    return None
