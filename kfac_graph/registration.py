@@ -73,7 +73,9 @@ class LossSpec:
     ``l_i = sum_t w_it * -log p(y_it | z_it)``: ``weights`` names the data
     tensors the terms are multiplied (or masked) by, ``divisors`` those the
     loss is divided by (the ``sum(w)`` of a masked mean, a batch statistic
-    held constant for the batch); ``w_it`` is read at run time as the loss's
+    held constant for the batch; or a size known at run time only, such as
+    the positions' count T of a mean traced with sizes ``None``, named in
+    words: ``passes/loss_sizes.py``); ``w_it`` is read at run time as the loss's
     derivative by token ``it``'s term (``LayerTaps.token_weights``), and is 1
     when both are empty.
 

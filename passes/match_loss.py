@@ -33,6 +33,10 @@ per-example negative log-likelihood, and returns
   statistic, treated as the constant it is for the batch. A weighted loss
   without a mean over the batch (the masked mean) has ``reduction="sum"``:
   its per-example terms, each divided by the batch's ``sum(w)``, sum to it.
+  A size known at run time only (a mean over positions traced with sizes
+  ``None``, a sum divided by ``shape(z)[1]``) is such a divisor too, named
+  in words; a size that counts the batch (``passes/loss_sizes.py``) keeps
+  the reduction a mean.
 
 If it cannot read the loss it raises ``LossNotFoundError`` naming the op it
 stopped at; ``kind`` given explicitly is always accepted (with the output and
