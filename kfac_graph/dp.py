@@ -34,8 +34,7 @@ import tensorflow as tf
 
 from kfac_graph import options
 from kfac_graph.auto_register import RegisteredFunction, auto_register
-from kfac_graph.privacy import accounting
-from kfac_graph.privacy.ledger import Ledger
+from kfac_graph.privacy.ledger import Ledger, TracedOption, new_noise
 from kfac_graph.privacy import noise as noise_lib
 from kfac_graph.privacy.privatize import OPTIONS, check_clip, privatize, sampling_from
 
@@ -91,53 +90,23 @@ class DPSGD:
         self.l2_norm_clip = l2_norm_clip
         self.noise_multiplier = noise_multiplier
 
-    # The compiled step reads these three when traced: setting one traces it
-    # anew (before, the step kept the old values: a new learning rate or
-    # noise had no effect), and a new noise multiplier ends a phase of the
-    # ledger (epsilon composes the steps taken at each).
-    @property
-    def learning_rate(self):
-        return self._learning_rate
+    # read by the compiled step when traced: setting one traces it anew
+    learning_rate = TracedOption()
+    l2_norm_clip = TracedOption(lambda self, value: check_clip("kg.DPSGD", self.clipping, value))
+    noise_multiplier = TracedOption(new_noise)  # (a new one ends a phase of the ledger)
 
-    @learning_rate.setter
-    def learning_rate(self, value):
-        self._learning_rate = value
-        self._retrace()
-
-    @property
-    def l2_norm_clip(self):
-        return self._l2_norm_clip
-
-    @l2_norm_clip.setter
-    def l2_norm_clip(self, value):
-        check_clip("kg.DPSGD", self.clipping, value)
-        self._l2_norm_clip = value
-        self._retrace()
-
-    @property
-    def noise_multiplier(self):
-        return self._noise_multiplier
-
-    @noise_multiplier.setter
-    def noise_multiplier(self, value):
-        options.check("kg.DPSGD", "noise_multiplier", value, OPTIONS["noise_multiplier"])
-        old = getattr(self, "_noise_multiplier", None)
-        steps = int(self.iterations.numpy())
-        if old is not None and value != old and self.sampling is not None and steps:
-            self._ledger.close(old, self.sampling, steps)
-        self._noise_multiplier = value
-        self._retrace()
-
-    def _retrace(self):
-        # autograph=False: nothing here branches on tensors, and autograph would
-        # convert every function the step calls, the pass included (~20 s, once)
-        self._step = tf.function(self._step_impl, autograph=False)
+    def _steps(self) -> int:
+        return int(self.iterations.numpy())
 
     def step(self, *args, mask=None):
         self.fn.registration(*args)  # the pass runs eagerly, never under autograph
+        if self._step_function is None:
+            # autograph=False: nothing here branches on tensors, and autograph would
+            # convert every function the step calls, the pass included (~20 s, once)
+            self._step_function = tf.function(self._step_impl, autograph=False)
         if mask is None:
-            return self._step(*args)
-        return self._step(*args, mask=mask)
+            return self._step_function(*args)
+        return self._step_function(*args, mask=mask)
 
     def _step_impl(self, *args, mask=None):
         reg = self.fn.registration(*args)
@@ -164,16 +133,11 @@ class DPSGD:
                              "batch_size=")
         if not isinstance(self.noise_multiplier, (int, float)):
             raise ValueError("DPSGD.epsilon needs a fixed numeric noise_multiplier")
-        return self._ledger.epsilon(delta, self.noise_multiplier, self.sampling,
-                                    int(self.iterations), accountant)
+        return self._ledger.epsilon(delta, self.noise_multiplier, self.sampling, self._steps(),
+                                    accountant)
 
     def privacy_statement(self, delta: float) -> str:
         """``kg.privacy.statement`` for the steps taken so far (a line per phase
         where the noise multiplier changed)."""
         self.epsilon(delta)  # the same checks
-        s, steps = self.sampling, int(self.iterations)
-        if self._ledger.phases:
-            return self._ledger.statement(delta, self.noise_multiplier, s, steps)
-        return accounting.statement(self.noise_multiplier, delta, steps=steps,
-                                    sample_rate=s.rate, num_examples=s.num_examples,
-                                    batch_size=s.batch_size, sampling=s.kind)
+        return self._ledger.statement(delta, self.noise_multiplier, self.sampling, self._steps())

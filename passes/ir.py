@@ -319,6 +319,24 @@ def value_dependents(g: nx.DiGraph, sources: Iterable[str]) -> set[str]:
     return seen
 
 
+def reads_values_of(g: nx.DiGraph, node: str, sources) -> bool:
+    """Whether ``node``'s value depends on a value of ``sources`` (the
+    backward counterpart of ``value_dependents``, walking ``node``'s
+    ancestors alone: a ``Shape``, ``Size`` or ``Rank`` reads no value)."""
+    sources, seen, stack = set(sources), {node}, [node]
+    while stack:
+        current = stack.pop()
+        if current in sources:
+            return True
+        if g.nodes[current]["op"] in ("Shape", "Size", "Rank"):
+            continue
+        for prev in g.predecessors(current):
+            if prev not in seen:
+                seen.add(prev)
+                stack.append(prev)
+    return False
+
+
 def real_tensor(g: nx.DiGraph, tensor: str) -> str:
     """A tensor of the original graph that carries ``tensor``'s value: the
     tensor itself, or for a variable holder (which the front end made up)

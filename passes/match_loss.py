@@ -224,8 +224,8 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
         elif op in ("RealDiv", "Div", "DivNoNan"):
             divisor = evaluate(g, inputs[1])
             if divisor is None:
-                if from_shapes(g, inputs[1]) and ir.split_tensor(inputs[1])[0] not in (
-                        ir.value_dependents(g, g.graph["arguments"])):  # a size, not data
+                if from_shapes(g, inputs[1]) and not ir.reads_values_of(
+                        g, ir.split_tensor(inputs[1])[0], g.graph["arguments"]):  # a size
                     tensor = inputs[0]
                     counts = loss_sizes.counts_the_batch(g, inputs[1])
                     batch_mean = batch_mean or counts is not False

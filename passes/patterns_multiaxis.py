@@ -286,7 +286,7 @@ def _broadcast_over_batch(g, m) -> bool:
     unless the ids are the data's: a batch of one's token ids)."""
     rows, out = _shape(g, m["op"]), _shape(g, m["add"])
     if rows is not None and out is not None and len(rows) == len(out) >= 3 and rows[0] == 1:
-        if m["ids"] in ir.value_dependents(g, g.graph["arguments"]):
+        if ir.reads_values_of(g, m["ids"], g.graph["arguments"]):
             return False
         rows = rows[1:]
     return (EMBEDDING.check(g, m) and m["x"] != m["op"] and rows is not None and out is not None

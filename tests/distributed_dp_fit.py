@@ -32,3 +32,21 @@ def dp_fit(strategy, sampling, noise_multiplier):
     history = model.fit(batches, epochs=1, verbose=0)
     params = np.concatenate([v.numpy().ravel() for v in inner.trainable_variables])
     return params, history.history, int(model.optimizer.iterations.numpy())
+
+
+def run(devices, out):
+    """``DPModel.fit`` on one device and under MirroredStrategy on ``devices``,
+    per sampler; the results in the npz ``out``."""
+    import tensorflow as tf
+
+    results = {}
+    for sampling in ("fixed", "poisson"):
+        ref, ref_history, _ = dp_fit(None, sampling, 1.3)
+        params, history, iterations = dp_fit(tf.distribute.MirroredStrategy(devices), sampling,
+                                             1.3)
+        results.update({f"{sampling}/reference": ref, f"{sampling}/distributed": params,
+                        f"{sampling}/iterations": np.array(iterations)})
+        for key in ("loss", "accuracy", "epsilon"):
+            results[f"{sampling}/reference_{key}"] = np.array(ref_history[key])
+            results[f"{sampling}/{key}"] = np.array(history[key])
+    np.savez(out, **results)

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from distributed_dp_fit import dp_fit  # noqa: E402
+import distributed_dp_fit  # noqa: E402
 from distributed_keras_fit import keras_fit  # noqa: E402
 from distributed_xla_embedding import train_tokens  # noqa: E402
 
@@ -333,22 +333,6 @@ def run_keras(devices, out):
     )
 
 
-def run_dp_keras(devices, out):
-    """``DPModel.fit`` on one device and under MirroredStrategy, per sampler."""
-    import tensorflow as tf
-
-    names, results = logical_devices(devices), {}
-    for sampling in ("fixed", "poisson"):
-        ref, ref_history, _ = dp_fit(None, sampling, 1.3)
-        params, history, iterations = dp_fit(tf.distribute.MirroredStrategy(names), sampling, 1.3)
-        results.update({f"{sampling}/reference": ref, f"{sampling}/distributed": params,
-                        f"{sampling}/iterations": np.array(iterations)})
-        for key in ("loss", "accuracy", "epsilon"):
-            results[f"{sampling}/reference_{key}"] = np.array(ref_history[key])
-            results[f"{sampling}/{key}"] = np.array(history[key])
-    np.savez(out, **results)
-
-
 def run_xla_embedding(devices, out):
     """``distributed_xla_embedding.py``'s problem: one device without XLA, and
     the replicas' XLA-compiled step, regular momentum and the quadratic model."""
@@ -395,7 +379,7 @@ def main():
     elif args.mode == "keras":
         run_keras(args.devices, args.out)
     elif args.mode == "dp_keras":
-        run_dp_keras(args.devices, args.out)
+        distributed_dp_fit.run(logical_devices(args.devices), args.out)
     elif args.mode == "xla":
         run_xla(args.devices, args.out)
     elif args.mode == "xla_embedding":

@@ -106,7 +106,13 @@ class Ledger:
         return self._curves[key]
 
     def statement(self, delta: float, noise_multiplier, sampling, total_steps) -> str:
-        """Each phase on a line, then epsilon at ``delta`` by each accountant that applies."""
+        """``accounting.statement`` while there is one phase; else each phase on
+        a line, then epsilon at ``delta`` by each accountant that applies."""
+        if not self.phases:
+            return accounting.statement(noise_multiplier, delta, steps=int(total_steps),
+                                        sample_rate=sampling.rate,
+                                        num_examples=sampling.num_examples,
+                                        batch_size=sampling.batch_size, sampling=sampling.kind)
         phases = self.with_current(noise_multiplier, sampling, total_steps)
         lines = [f"DP-SGD in {len(phases)} phases, {sum(p.steps for p in phases)} steps:"]
         lines += [f"    {p.describe()}" for p in phases]
@@ -152,38 +158,48 @@ class StepAccountant:
                                     accountant)
 
 
+class TracedOption:
+    """A value a DP-SGD step reads when its function is traced (``kg.DPSGD``'s
+    and ``kg.DPModel``'s): setting it traces the step anew (the owner's
+    ``_step_function = None``; before, a value set later changed nothing).
+    ``validate(owner, value)`` runs first."""
+
+    def __init__(self, validate=None):
+        self.validate = validate
+
+    def __set_name__(self, owner, name):
+        self.name = "_" + name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(obj, self.name)
+
+    def __set__(self, obj, value):
+        if self.validate is not None:
+            self.validate(obj, value)
+        setattr(obj, self.name, value)
+        obj._step_function = None
+
+
+def new_noise(obj, value):
+    """A new noise multiplier ends the owner's phase at its steps so far
+    (``obj``: ``sampling``, ``_ledger``, ``_steps()``)."""
+    options.check(f"kg.{type(obj).__name__}", "noise_multiplier", value,
+                  PRIVATIZE_OPTIONS["noise_multiplier"])
+    old, steps = getattr(obj, "_noise_multiplier", None), obj._steps()
+    if old is not None and value != old and obj.sampling is not None and steps:
+        obj._ledger.close(old, obj.sampling, steps)
+
+
 class LedgerAccounting:
     """Epsilon and the privacy statement of a model trained by DP-SGD in
     phases (``kg.DPModel``'s): it holds ``sampling`` (the current sampler or
-    None), ``noise_multiplier``, ``delta``, ``accountant``, ``_ledger`` (the
-    finished phases) and an ``optimizer`` whose ``iterations`` count the steps.
-    Its compiled step reads ``noise_multiplier`` and ``l2_norm_clip`` when
-    traced: setting either traces it anew, and a new noise multiplier ends
-    a phase (before, the step kept the old noise while epsilon was computed
-    at the new one)."""
+    None), ``delta``, ``accountant``, ``_ledger`` (the finished phases) and
+    an ``optimizer`` whose ``iterations`` count the steps. A new noise
+    multiplier ends a phase (before, the step kept the old noise while
+    epsilon was computed at the new one)."""
 
-    @property
-    def noise_multiplier(self):
-        return self._noise_multiplier
-
-    @noise_multiplier.setter
-    def noise_multiplier(self, value):
-        options.check(type(self).__name__, "noise_multiplier", value,
-                      PRIVATIZE_OPTIONS["noise_multiplier"])
-        old = getattr(self, "_noise_multiplier", None)
-        if old is not None and value != old and self.sampling is not None and self._steps():
-            self._ledger.close(old, self.sampling, self._steps())
-        self._noise_multiplier = value
-        self._step_function = None
-
-    @property
-    def l2_norm_clip(self):
-        return self._l2_norm_clip
-
-    @l2_norm_clip.setter
-    def l2_norm_clip(self, value):
-        self._l2_norm_clip = value
-        self._step_function = None
+    noise_multiplier = TracedOption(new_noise)
+    l2_norm_clip = TracedOption()
 
     def epsilon(self, delta: float | None = None, accountant: str | None = None) -> float:
         """Epsilon at ``delta`` (default the constructor's) for the optimizer's
@@ -200,12 +216,8 @@ class LedgerAccounting:
         """``kg.privacy.statement`` for the steps taken so far (with a line per
         phase where the sampler changed between fits)."""
         self.epsilon(delta)
-        s, delta = self.sampling, delta or self.delta
-        if self._ledger.phases:
-            return self._ledger.statement(delta, self.noise_multiplier, s, self._steps())
-        return accounting.statement(self.noise_multiplier, delta, steps=self._steps(),
-                                    sample_rate=s.rate, num_examples=s.num_examples,
-                                    batch_size=s.batch_size, sampling=s.kind)
+        return self._ledger.statement(delta or self.delta, self.noise_multiplier, self.sampling,
+                                      self._steps())
 
     def _steps(self) -> int:
         optimizer = getattr(self, "optimizer", None)
