@@ -15,6 +15,7 @@ import networkx as nx
 import numpy as np
 
 from passes import ir
+from passes.static_eval import strided_slice_index
 
 
 def const_operand(g, inputs):
@@ -26,17 +27,24 @@ def const_operand(g, inputs):
 
 
 _FOLD = {
-    "Prod": lambda v, x: np.prod(v[0], axis=_axis(x[1]) if x[1] is not None else None),
-    "Cast": lambda v, x: v[0], "Identity": lambda v, x: v[0],
-    "Mul": lambda v, x: v[0] * v[1], "RealDiv": lambda v, x: v[0] / v[1],
-    "Maximum": lambda v, x: np.maximum(v[0], v[1]), "Sub": lambda v, x: v[0] - v[1],
-    "AddV2": lambda v, x: v[0] + v[1],
-    "Pack": lambda v, x: np.stack(v) if all(np.ndim(a) == 0 for a in v) else None,  # scalars
+    "Prod": lambda v, a: np.prod(v[0], axis=_axis(v[1])),
+    "Cast": lambda v, a: v[0], "Identity": lambda v, a: v[0],
+    "Mul": lambda v, a: v[0] * v[1], "RealDiv": lambda v, a: v[0] / v[1],
+    "Maximum": lambda v, a: np.maximum(v[0], v[1]), "Sub": lambda v, a: v[0] - v[1],
+    "AddV2": lambda v, a: v[0] + v[1],
+    "Pack": lambda v, a: np.stack(v) if all(np.ndim(x) == 0 for x in v) else None,  # scalars
+    "StridedSlice": lambda v, a: _sliced(v, a),  # tf.shape(z)[0], folded when z's is static
 }
 
 
 def _axis(value):
     return tuple(np.atleast_1d(value).tolist())
+
+
+def _sliced(values, attrs):
+    index = strided_slice_index(*values[1:], *(attrs.get(k, 0) for k in (
+        "begin_mask", "end_mask", "shrink_axis_mask", "ellipsis_mask", "new_axis_mask")))
+    return None if index is None else np.asarray(values[0])[index]
 
 
 def evaluate(g, tensor, depth=0):
@@ -59,7 +67,7 @@ def evaluate(g, tensor, depth=0):
     values = [evaluate(g, t, depth + 1) for t in d["inputs"]]
     if any(v is None for v in values):
         return None
-    return fold(values, values)
+    return fold(values, d["attrs"])
 
 
 def from_shapes(g, tensor) -> bool:

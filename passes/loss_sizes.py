@@ -11,12 +11,20 @@ read without the ``1/B``), or a sum whose terms the divisor scales.
 ``tensor`` is a product of sizes (``Size``, ``Prod(Shape)``, elements of
 ``Shape`` sliced with constant bounds, through ``Cast`` and ``Mul``) one of
 which is a first axis; None where it is computed otherwise (then the pass
-keeps reading it as the batch's, as before). ``summed_rank`` and
+keeps reading it as the batch's, as before). A shape TensorFlow folded to a
+constant (a static trace's ``tf.shape(z)``, a ``Const`` named ``Shape``)
+counts as one: its value alone cannot say whether ``6`` is ``B = 6`` or
+``T = 6``. ``averages_the_examples``: whether a mean over a first axis
+averages over the examples. ``summed_rank`` and
 ``rows_per_example``: whether what a mean reduces holds more than one row
 per example (``[B, T]``, or ``[B T]`` flattened), whose count the divisor
 then holds too.
 """
 from __future__ import annotations
+
+import re
+
+import numpy as np
 
 from passes import ir, loss_logits
 
@@ -33,14 +41,15 @@ def _axes(g, tensor, depth) -> set | None:
     multiplies, or None."""
     if depth == 0:
         return None
-    d = g.nodes[ir.split_tensor(ir.resolve(g, tensor))[0]]
+    node = ir.split_tensor(ir.resolve(g, tensor))[0]
+    d = g.nodes[node]
     op, inputs = d["op"], d["inputs"]
     if op in _THROUGH:
         return _axes(g, inputs[0], depth - 1)
     if op == "Mul":
         parts = [_axes(g, t, depth - 1) for t in inputs[:2]]
         return None if None in parts else parts[0] | parts[1]
-    if op == "Size":
+    if op == "Size" or op == "Const" and _folded(node, "Size"):
         return {0}
     if op == "Prod" and _shape_of_rank(g, inputs[0]) is not None:
         return set(range(_shape_of_rank(g, inputs[0])))
@@ -56,9 +65,19 @@ def _axes(g, tensor, depth) -> set | None:
     return None
 
 
+def _folded(node, op) -> bool:
+    """A constant TensorFlow folded ``op`` (``Shape``, ``Size``) of a
+    tensor of static shape to: it keeps the op's name."""
+    return re.fullmatch(op + r"(_\d+)?", node.rsplit("/", 1)[-1]) is not None
+
+
 def _shape_of_rank(g, tensor) -> int | None:
     """The rank of the tensor whose ``Shape`` ``tensor`` is, else None."""
-    d = g.nodes[ir.split_tensor(ir.resolve(g, tensor))[0]]
+    node = ir.split_tensor(ir.resolve(g, tensor))[0]
+    d = g.nodes[node]
+    if d["op"] == "Const" and _folded(node, "Shape"):
+        value = ir.const_value(g, tensor)
+        return None if value is None or np.ndim(value) != 1 else len(value)
     if d["op"] != "Shape" or not d["inputs"]:
         return None
     shape = ir.shape_of(g, d["inputs"][0])
@@ -88,3 +107,35 @@ def summed_rank(g, rows, tensor) -> int | None:
             return None
         tensor = d["inputs"][0]
     return None
+
+
+def averages_the_examples(g, rows, tensor, batch) -> bool:
+    """Whether a mean over the first axis of ``tensor`` averages over the
+    examples: its rows say the examples are there; where the rows were not
+    followed, no reduction over a first axis made ``tensor`` (the outer mean
+    of ``reduce_mean(reduce_mean(l, 0))`` over ``[B, T]`` averages over
+    ``T``) and its first axis is a multiple of the batch (unknown, where the
+    batch is known at run time only)."""
+    r = rows.get(ir.split_tensor(tensor)[0])
+    if r is not None:
+        return r.axis == 0
+    shape = ir.shape_of(g, tensor)
+    if not shape or _reduced_first_axis(g, tensor):
+        return False
+    if batch is None:
+        return shape[0] is None
+    return shape[0] is None or shape[0] >= batch and shape[0] % batch == 0
+
+
+def _reduced_first_axis(g, tensor) -> bool:
+    for _ in range(len(g)):
+        d = g.nodes[ir.split_tensor(tensor)[0]]
+        if d["op"] in ("Mean", "Sum") and not d["attrs"].get("keep_dims"):
+            axes = ir.const_value(g, d["inputs"][1])
+            shape = ir.shape_of(g, d["inputs"][0])
+            return axes is not None and bool(shape) and 0 in {
+                int(a) % len(shape) for a in np.atleast_1d(axes)}
+        if d["op"] not in loss_logits.PASS_THROUGH and d["op"] != "Neg" or not d["inputs"]:
+            return False
+        tensor = d["inputs"][0]
+    return False

@@ -192,8 +192,9 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
             if axes is None:
                 raise LossNotFoundError(
                     f"op {node!r} reduces over axes not known statically; {_HOW_TO}")
+            first = loss_sizes.averages_the_examples(g, rows, inputs[0], batch)
             for a in axes:
-                if a == 0:
+                if a == 0 and first:
                     batch_mean = True
                     if shape[0] is not None and batch:
                         coefficient /= shape[0] / batch
@@ -240,7 +241,9 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
                 tensor = inputs[0]
                 continue
             divisor = float(np.asarray(divisor).reshape(()))
-            if batch and divisor >= batch and divisor % batch == 0 and not batch_mean:
+            counts = loss_sizes.counts_the_batch(g, inputs[1])  # a folded tf.shape(z)[k]
+            if (batch and divisor >= batch and divisor % batch == 0 and not batch_mean
+                    and counts is not False):
                 batch_mean = True
                 coefficient /= divisor / batch
             else:

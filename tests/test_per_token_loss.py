@@ -304,3 +304,50 @@ def test_a_mean_over_positions_known_at_run_time_only(reduce):
                       learning_rate=0.1, damping=1e-2)
         losses.append([float(opt.step(x, y)) for _ in range(4)])
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-10)
+
+
+# loss(ce [B, T], logits) -> scalar: divisors and means whose reading depends on
+# whether they count the batch (T = 6 is a multiple of B = 3: a size's value
+# alone cannot tell)
+SIZE_FORMS = {
+    "sum_over_shape_B": lambda ce, z: tf.reduce_sum(ce) / tf.cast(tf.shape(z)[0], ce.dtype),
+    "sum_over_shape_BT": lambda ce, z: tf.reduce_sum(ce) / tf.cast(
+        tf.shape(z)[0] * tf.shape(z)[1], ce.dtype),
+    "sum_over_shape_T": lambda ce, z: tf.reduce_sum(ce) / tf.cast(tf.shape(z)[1], ce.dtype),
+    "mean_of_batch_mean": lambda ce, z: tf.reduce_mean(tf.reduce_mean(ce, 0)),
+    "mean_of_batch_sum": lambda ce, z: tf.reduce_mean(tf.reduce_sum(ce, 0)),
+    "sum_of_batch_mean": lambda ce, z: tf.reduce_sum(tf.reduce_mean(ce, 0)),
+}
+
+
+@pytest.mark.parametrize("signature", ["static", "dynamic"])
+@pytest.mark.parametrize("form", sorted(SIZE_FORMS))
+def test_sizes_read_from_shapes_count_the_batch_or_not(form, signature):
+    """A sum divided by ``tf.shape(z)[0]`` is a mean over the batch: traced
+    with the batch static, TensorFlow folds the shape to a constant, which
+    was read as a data divisor of a summed loss, every per-example gradient
+    B times too small (DP-SGD clipped a B-th of each gradient). A mean over
+    the first axis of a tensor a reduction over the batch made (``[T]``
+    after ``reduce_mean(ce, 0)``) averages over positions, not examples: it
+    was read as the batch's mean, per-example gradients T (or B) times off.
+    Both traces now equal a loop of one-example tapes."""
+    _float64()
+    keras.utils.set_random_seed(0)
+    vocab, width, steps = 9, 4, 6
+    embed, head = keras.layers.Embedding(vocab, width), keras.layers.Dense(vocab)
+    odd = tf.Variable(tf.random.stateless_normal([width], [0, 2], dtype=tf.float64), name="odd")
+
+    def loss(x, y):
+        logits = head(embed(x) * tf.math.cos(odd))
+        return SIZE_FORMS[form](tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits), logits)
+
+    rng = np.random.default_rng(1)
+    x, y = (tf.constant(rng.integers(0, vocab, (3, steps)), tf.int32) for _ in range(2))
+    if signature == "dynamic":
+        loss = tf.function(loss, input_signature=[tf.TensorSpec([None, None], tf.int32)] * 2)
+    fn = kg.auto_register(loss)
+    reg = fn.registration(x, y)
+    got = kg.per_example_gradients(fn, x, y)
+    want = one_example_loop(loss, (x, y), reg.variables)
+    for v, g, w in zip(reg.variables, got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=v.name)
