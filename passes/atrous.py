@@ -48,7 +48,7 @@ def atrous_attrs(g: nx.DiGraph, roles, x: str) -> dict:
 
 
 def _const(g, node, slot, what):
-    value = ir.const_value(g, g.nodes[node]["raw_inputs"][slot])
+    value = ir.const_value(g, ir.resolve(g, g.nodes[node]["raw_inputs"][slot]))
     if value is None:
         raise Unsupported(f"its {what} not constant")
     return value.astype(int).tolist()

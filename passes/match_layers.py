@@ -218,10 +218,11 @@ def _use(g, pattern: Pattern, roles) -> Use:
     if pattern.kind in _CONV_KINDS:
         attrs["kernel_shape"] = whole_kernel(g, roles["w"], ir.shape_of(g, data["raw_inputs"][1]))
         attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))
-        if (pattern.kind not in _TRANSPOSE_KINDS  # (their output's size is checked)
-                and _spatial(attrs["input_shape"], attrs.get("data_format")) is None):
-            attrs["unsupported"] = ("its input's spatial size is known only at run time, and "
-                                    "a convolution's patches need it")
+        side = "output" if pattern.kind in _TRANSPOSE_KINDS else "input"
+        if (pattern.kind != "conv2d" and pattern.kind != "depthwise_conv2d"  # (any size)
+                and _spatial(attrs[f"{side}_shape"], attrs.get("data_format")) is None):
+            attrs["unsupported"] = (f"its {side}'s spatial size is known only at run time, "
+                                    f"and a {pattern.kind}'s patches need it")
     if pattern.kind in _TRANSPOSE_KINDS:
         attrs.update(_transpose_attrs(g, data, inputs[0]))
     if "s2b" in roles:

@@ -231,20 +231,15 @@ def _conv(kind, types, name, x_slot=0, check=None):
     return with_bias, bare
 
 
-def _static_output_size(g, m) -> bool:
-    """The op's output (4-D or 5-D) has a static spatial size (the geometry
-    needs it)."""
+def _image_output(g, m) -> bool:
+    """The op's output is 4-D or 5-D (a spatial size known at run time only
+    makes the layer generic with that reason, ``passes.match_layers``)."""
     shape = g.nodes[m["op"]]["shapes"][0]
-    if shape is None or len(shape) not in (4, 5):
-        return False
-    fmt = g.nodes[m["op"]]["attrs"].get("data_format", "NHWC")
-    spatial = shape[2:] if fmt.startswith("NC") else shape[1:-1]
-    return None not in spatial
+    return shape is not None and len(shape) in (4, 5)
 
 
-def _static_3d(g, m) -> bool:
-    """A Conv3D whose input has a static spatial size (the patches need it)
-    and whose kernel reads its channels or a whole share of them (grouped:
+def _conv3d_channels(g, m) -> bool:
+    """A Conv3D whose kernel reads its input's channels or a whole share of them (grouped:
     ``Cin = G * cg``; the graph that is run has it per group, see
     ``passes.grouped_conv3d``)."""
     x = ir.shape_of(g, g.nodes[m["op"]]["raw_inputs"][0])
@@ -252,8 +247,8 @@ def _static_3d(g, m) -> bool:
     kernel = ir.shape_of(g, g.nodes[m["op"]]["raw_inputs"][1])
     if x is None or kernel is None or len(x) != 5 or len(kernel) != 5:
         return False
-    channels, spatial = (x[1], x[2:]) if fmt.startswith("NC") else (x[-1], x[1:4])
-    return channels is not None and channels % kernel[3] == 0 and None not in spatial
+    channels = x[1] if fmt.startswith("NC") else x[-1]
+    return channels is not None and channels % kernel[3] == 0
 
 
 def _permutes_kernel(g, m) -> bool:
@@ -284,17 +279,17 @@ def kernel_transposed(pattern: Pattern) -> Pattern:
 
 
 CONV2D_BIAS, CONV2D = _conv("conv2d", ("Conv2D",), "conv2d")
-CONV3D_BIAS, CONV3D = _conv("conv3d", ("Conv3D",), "conv3d", check=_static_3d)
+CONV3D_BIAS, CONV3D = _conv("conv3d", ("Conv3D",), "conv3d", check=_conv3d_channels)
 DEPTHWISE_BIAS, DEPTHWISE = _conv("depthwise_conv2d", ("DepthwiseConv2dNative",),
                                   "depthwise_conv2d")
 # Conv2DTranspose (and Conv1DTranspose on a unit axis): the input gradient of
 # a forward convolution, Conv2DBackpropInput(input_sizes, filter, out_backprop=x).
 CONV2D_TRANSPOSE_BIAS, CONV2D_TRANSPOSE = _conv(
     "conv2d_transpose", ("Conv2DBackpropInput",), "conv2d_transpose", x_slot=2,
-    check=_static_output_size)
+    check=_image_output)
 CONV3D_TRANSPOSE_BIAS, CONV3D_TRANSPOSE = _conv(
     "conv3d_transpose", ("Conv3DBackpropInputV2",), "conv3d_transpose", x_slot=2,
-    check=_static_output_size)
+    check=_image_output)
 
 # --- embedding -------------------------------------------------------------
 

@@ -181,28 +181,6 @@ def test_rows_and_sequences_under_an_input_signature(build):
     assert not [layer for layer in reg.layers if layer.kind == "generic"], reg.summary()
 
 
-def test_a_convolution_over_a_length_known_at_run_time_is_generic():
-    """A Conv1D on sequences of any length: its patches need the length, so
-    it is generic with that reason (it crashed at its first step), and its
-    per-example gradients are still exact."""
-    keras = _float64_keras(1)
-    conv, head = keras.layers.Conv1D(3, 2, activation="tanh"), keras.layers.Dense(2)
-
-    def loss(x, y):
-        logits = head(tf.reduce_mean(conv(x), axis=1))
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-    args = (tf.constant(np.random.default_rng(2).normal(size=(B, T, D))), tf.constant([0, 1, 1]))
-    loss(*args)
-    signed = _any_length(loss)
-    reg = assert_matches_loop(signed, args)
-    generic = [layer for layer in reg.layers if layer.kind == "generic"]
-    assert [v.name.split(":")[0] for layer in generic for v in layer.variables] == [
-        conv.kernel.path]
-    assert "spatial size is known only at run time" in generic[0].reason
-    # its bias, a shift, and the head stay registered
-    assert [layer.kind for layer in reg.layers] == ["generic", "scale_and_shift", "dense"]
-
-
 def test_experts_on_tokens_of_any_length():
     """A mixture of experts' layers on ``reshape(x, [-1, d])`` tokens of
     sequences of any length: every expert's input kernel (a dense layer

@@ -16,6 +16,7 @@ per use (`conv_geometry.nhwc_use`), the sum over uses, the bias, and the norms.
 """
 
 import dataclasses
+import math
 
 import tensorflow as tf
 
@@ -53,6 +54,10 @@ class PatchRule:
     def gram_norms(self, nhwc_uses):
         raise NotImplementedError
 
+    def groups(self, spec):
+        """G: the groups whose input channels each output channel reads."""
+        return spec.groups
+
     def choose_method(self, spec):
         """The kernel for `spec`: `method`, or by `auto_method` for "auto"."""
         if self.method != "auto":
@@ -79,6 +84,8 @@ class PatchRule:
 
     def per_example_grads(self, uses, spec):
         """The kernel's `[B, *kernel_shape]` and, if `spec.has_bias`, the bias's."""
+        if not _sizes_known(uses, spec):
+            return run_time_grads(uses, spec, self.groups(spec))
         nhwc_uses = self.nhwc_uses(uses, spec)
         out = [self.kernel_grads(nhwc_uses, spec)]
         if spec.has_bias:
@@ -95,6 +102,8 @@ class PatchRule:
 
     def squared_norms(self, uses, spec):
         """`[B]`: squared norm of each example's gradient over kernel (+ bias)."""
+        if not _sizes_known(uses, spec):
+            return tf.add_n([norms.sum_of_squares(d) for d in self.per_example_grads(uses, spec)])
         nhwc_uses = self.nhwc_uses(uses, spec)
         positions = sum(geo.positions for _, _, geo in nhwc_uses)
         if self.use_gram(spec, positions):
@@ -104,6 +113,38 @@ class PatchRule:
         if spec.has_bias:
             total += norms.sum_of_squares(self.bias_grads(nhwc_uses))
         return total
+
+
+def _sizes_known(uses, spec) -> bool:
+    """Whether every use's input has a static spatial size while tracing."""
+    return all(None not in cg.to_nhwc(a, spec.data_format).shape[1:-1]
+               for a, _ in uses_lib.as_uses(uses))
+
+
+def run_time_grads(uses, spec, groups):
+    """Per-example gradients of a 2-D convolution whose spatial size is
+    known at run time only (a SavedModel's ``[B, None, None, C]``, a Conv1D
+    on sequences of any length): each use's patches ``[B, P, taps, G, cg]``
+    (``tf.image.extract_patches``, ``conv_geometry.extract_patches``)
+    contracted with its output gradient ``[B, P, G, og]`` over the ``P``
+    positions,
+
+        dW_i[t, c, j, o] = sum_{uses} sum_p patch_i[p, t, j, c] g_i[p, j, o],
+
+    which is the kernel ``[*taps, cg, G og]`` (a depthwise kernel
+    ``[kh, kw, C, M]``: ``G = C`` groups of ``cg = 1``), and the bias
+    ``sum_p g_i[p]``."""
+    taps = math.prod(spec.kernel_shape[:-2])
+    kernels, biases = [], []
+    for a, g in uses_lib.as_uses(uses):
+        patches = cg.extract_patches(a, spec)
+        g = cg.to_nhwc(g, spec.data_format)
+        batch = tf.shape(g)[0]
+        p = tf.reshape(patches, [batch, -1, taps, groups, patches.shape[-1] // (taps * groups)])
+        d = tf.reshape(g, [batch, -1, groups, g.shape[-1] // groups])
+        kernels.append(tf.reshape(tf.einsum("bptgc,bpgo->btcgo", p, d), [-1, *spec.kernel_shape]))
+        biases.append(tf.reduce_sum(tf.reshape(g, [batch, -1, g.shape[-1]]), 1))
+    return [uses_lib.add_all(kernels)] + ([uses_lib.add_all(biases)] if spec.has_bias else [])
 
 
 def spec_reader(spec_type):

@@ -120,6 +120,10 @@ class DepthwiseRule(PatchRule):
     def gram_norms(self, nhwc_uses):
         return _channel_gram_norms(nhwc_uses)
 
+    def groups(self, spec):
+        """Each of the C input channels is a group (``[kh, kw, C, M]``)."""
+        return spec.kernel_shape[2]
+
 
 # -- factor statistics (the Kronecker factors' rows) -------------------------------
 

@@ -1,0 +1,160 @@
+"""Convolutions whose input's spatial size is known at run time only: a
+SavedModel's ``[B, None, None, C]``, ``kfac-rewrite``'s step, a Conv1D on
+sequences of any length, a step traced with ``input_signature``.
+
+A 2-D convolution (Conv1D lowered to it, strided, grouped, depthwise,
+separable, channels-first) registers as at a static size. Where the step is
+traced with the size unknown, its per-example gradients contract the patches
+``tf.image.extract_patches`` gives at any size with the output gradient over
+the positions (``conv_family.run_time_grads``); the factors' rows come from
+the same patches. Per-example gradients equal one-example tapes at two
+sizes, and K-FAC steps traced with the size unknown equal the steps at the
+static size. A 3-D or transposed convolution, or a dilated one TensorFlow
+writes with paddings computed at run time, is generic (exact) with a reason
+that says so. float64."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+from per_example_reference import one_example_loop
+
+L = keras.layers
+# name: (layers, spatial rank, channels, the kinds registered)
+CASES = {
+    "conv1d": (lambda: [L.Conv1D(4, 3, activation="tanh"), L.Conv1D(4, 1, strides=2),
+                        L.GlobalAveragePooling1D()], 1, 3, None),
+    "strided": (lambda: [L.Conv2D(4, 3, strides=2, padding="same", activation="tanh"),
+                         L.Conv2D(4, 1), L.GlobalAveragePooling2D()], 2, 3,
+                ["conv2d", "conv2d", "dense"]),
+    "depthwise": (lambda: [L.DepthwiseConv2D(3, depth_multiplier=2, padding="same",
+                                             activation="tanh"), L.GlobalAveragePooling2D()],
+                  2, 3, ["depthwise_conv2d", "dense"]),
+    "separable": (lambda: [L.SeparableConv2D(4, 3, activation="tanh"),
+                           L.GlobalAveragePooling2D()], 2, 3,
+                  ["depthwise_conv2d", "conv2d", "dense"]),
+    "grouped": (lambda: [L.Conv2D(4, 3, groups=2, activation="tanh"),
+                         L.GlobalAveragePooling2D()], 2, 4, ["conv2d", "dense"]),
+    "batch_norm": (lambda: [L.Conv2D(4, 3, activation="tanh"), L.BatchNormalization(),
+                            L.GlobalAveragePooling2D()], 2, 3,
+                   ["conv2d", "scale_and_shift", "dense"]),
+}
+GENERIC = {  # name: (layers, spatial rank, the reason's words)
+    "conv3d": (lambda: [L.Conv3D(3, 2, activation="tanh"), L.GlobalAveragePooling3D()], 3,
+               "its input's spatial size is known only at run time, and a conv3d's patches"),
+    "transposed": (lambda: [L.Conv2DTranspose(3, 3, strides=2, activation="tanh"),
+                            L.GlobalAveragePooling2D()], 2,
+                   "its output's spatial size is known only at run time"),
+    "dilated": (lambda: [L.Conv2D(4, 3, dilation_rate=2, activation="tanh"),
+                         L.GlobalAveragePooling2D()], 2, "its paddings are not constant"),
+}
+
+
+def _problem(layers, rank, channels):
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None,) * rank + (channels,)), *layers(),
+                              L.Dense(2)])
+
+    def loss(x, y):
+        logits = model(x, training=False)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+    spec = [tf.TensorSpec([None] * (rank + 1) + [channels], tf.float64),
+            tf.TensorSpec([None], tf.int32)]
+    return model, loss, spec
+
+
+def _images(rank, channels, sizes, seed):
+    x = np.random.default_rng(seed).normal(size=(3, *sizes[:rank], channels))
+    return tf.constant(x), tf.constant([0, 1, 1])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_2d_convolution_of_any_size_registers_and_equals_the_loop(name):
+    layers, rank, channels, kinds = CASES[name]
+    model, loss, spec = _problem(layers, rank, channels)
+    fn = kg.auto_register(tf.function(loss, input_signature=spec))
+    unknown = tf.function(lambda *a: kg.per_example_gradients(fn, *a), input_signature=spec)
+    norms = tf.function(lambda *a: kg.per_example_gradient_norms(fn, *a),
+                        input_signature=spec)
+    for seed, sizes in enumerate(([6, 6], [9, 7])):
+        args = _images(rank, channels, sizes, seed)
+        reg = fn.registration(*args)
+        assert "generic" not in [layer.kind for layer in reg.layers], reg.summary()
+        if kinds:
+            assert [layer.kind for layer in reg.layers] == kinds
+        want = one_example_loop(loss, args, reg.variables)
+        for got in (unknown(*args), kg.per_example_gradients(fn, *args)):
+            for v, g, w in zip(reg.variables, got, want):
+                np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=v.name)
+        flat = np.concatenate([np.reshape(w, (3, -1)) for w in want], axis=1)
+        np.testing.assert_allclose(norms(*args), np.linalg.norm(flat, axis=1), rtol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["strided", "depthwise", "grouped"])
+def test_kfac_steps_traced_at_any_size_equal_the_static_ones(name):
+    layers, rank, channels, _ = CASES[name]
+    model, loss, spec = _problem(layers, rank, channels)
+    args = _images(rank, channels, [7, 6], 3)
+    start = [v.numpy() for v in model.trainable_variables]
+    losses = []
+    for fn, signature in ((kg.auto_register(loss), None),
+                          (kg.auto_register(tf.function(loss, input_signature=spec)), spec)):
+        for v, s in zip(model.trainable_variables, start):
+            v.assign(s)
+        opt = kg.KFAC(fn, learning_rate=0.05, damping=1e-2, estimation_mode="exact",
+                      momentum_type="regular")
+        step = opt.step if signature is None else tf.function(
+            lambda *a: opt.step(*a), input_signature=signature)
+        losses.append([float(step(*args)) for _ in range(3)])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-10)
+    assert losses[0][-1] < losses[0][0]
+
+
+@pytest.mark.parametrize("name", sorted(GENERIC))
+def test_other_convolutions_of_any_size_say_why_they_are_generic(name):
+    layers, rank, words = GENERIC[name]
+    model, loss, spec = _problem(layers, rank, 3)
+    fn = kg.auto_register(tf.function(loss, input_signature=spec))
+    args = _images(rank, 3, [6, 6, 6], 0)
+    reg = fn.registration(*args)
+    generic = [layer for layer in reg.layers if layer.kind == "generic"]
+    assert {v.name.split(":")[0] for layer in generic for v in layer.variables} == {
+        v.path for v in model.layers[0].trainable_variables}, reg.summary()
+    assert all(words in layer.reason for layer in generic), [g.reason for g in generic]
+    got = tf.function(lambda *a: kg.per_example_gradients(fn, *a), input_signature=spec)(*args)
+    for v, g, w in zip(reg.variables, got, one_example_loop(loss, args, reg.variables)):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=v.name)
+
+
+def test_kfac_rewrite_of_images_of_any_size(tmp_path):
+    """``kfac-rewrite`` traces its steps with the SavedModel's signature,
+    ``[None, None, None, 3]``: the rewritten model's per-example gradients
+    equal one-example tapes at two image sizes, and its K-FAC step trains."""
+    from tools import kfac_rewrite
+    model, loss, spec = _problem(CASES["strided"][0], 2, 3)
+
+    class Images(tf.Module):
+        def __init__(self):
+            self.model = model
+
+        @tf.function(input_signature=spec)
+        def loss(self, x, y):
+            return loss(x, y)
+
+    tf.saved_model.save(Images(), str(tmp_path / "input"))
+    assert kfac_rewrite.main(["kfac-rewrite", "--input", str(tmp_path / "input"),
+                              "--function", "loss", "--output", str(tmp_path / "out")]) == 0
+    report = (tmp_path / "out" / "assets.extra" / "kfac_registration.json").read_text()
+    assert '"conv2d"' in report and '"generic"' not in report
+    loaded = tf.saved_model.load(str(tmp_path / "out"))
+    for seed, sizes in enumerate(([6, 6], [9, 7])):
+        args = _images(2, 3, sizes, seed)
+        want = one_example_loop(loss, args, model.trainable_variables)
+        got = loaded.per_example_gradients(*args)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)
+    losses = [float(loaded.kfac_step(*args)) for _ in range(3)]
+    assert losses[-1] < losses[0], losses
