@@ -120,7 +120,9 @@ class DPSGD:
                                 automatic_clipping=self.automatic_clipping, mask=mask,
                                 expected_batch_size=expected, owner="kg.DPSGD")
         for v, g in zip(reg.variables, grads):
-            v.assign_sub(tf.cast(self.learning_rate, v.dtype) * tf.cast(g, v.dtype))
+            rate = self.learning_rate  # (a Python float in the variable's precision)
+            rate = tf.cast(rate, v.dtype) if tf.is_tensor(rate) else tf.constant(rate, v.dtype)
+            v.assign_sub(rate * tf.cast(g, v.dtype))
         reg.apply_constraints()
         self.iterations.assign_add(1)
         return loss

@@ -20,15 +20,21 @@ per-example ``terms`` (``passes.match_loss``) that
   different rows (one transposed, or broadcast against the other), or the
   same rows where the op reads across them (``row_axes.axis_after`` finds
   none).
+- reorder the rows that hold the examples (``_moves_rows``: a reverse, a
+  roll, a shuffle, a gather by ids that read no data, along their axis:
+  in-batch mixup), or
 - sum or pick one tensor's examples into other rows (``_mixes_rows``): a
   product contracting the axis that holds them (a graph network's
   adjacency ``A @ H``, dense or sparse), a gather along that axis by ids
   that are not the examples' own (an edge list's ``gather(H, sources)``),
   a segment reduction of them (messages summed per node).
 
-Only ops that depend on the variables count: a statistic of the data alone
-(the sum of a padding mask a masked mean divides by) scales the terms as a
-weight read for the batch, as the loss pass reads it. Where the row tracker
+Reductions and meets count where they depend on the variables: a
+statistic of the data alone (the sum of a padding mask a masked mean divides
+by) scales the terms as a weight read for the batch, as the loss pass reads
+it. Ops that move one example's data into another's row count on the data
+too (mixup with a reversed batch, ``gather(x, perm)``): example i's term
+then reads example j's input. Where the row tracker
 loses the examples (an op it does not read), a data tensor whose first
 axis has the batch's size is taken to hold them there when two tensors
 meet (CLIP's pooled embeddings, then ``a @ b^T``), as the rest of the pass
@@ -67,12 +73,14 @@ def coupling_ops(g: nx.DiGraph, rows: dict, terms: str | None) -> tuple[str, ...
                            lenient=True)
     out = []
     for node in nx.topological_sort(g.subgraph(before)):
-        if node not in weighted:  # a statistic of the data alone (a mask's sum) is a weight
-            continue
         d = g.nodes[node]
         sources = [ir.split_tensor(t)[0] for t in d["inputs"]]
+        if node not in weighted:  # a statistic of the data alone (a mask's sum) is a weight,
+            if _moves_rows(g, d, sources, rows):  # but one example's data in another's row
+                out.append(node)  # is not
+            continue
         if (_reduces_rows(g, d, sources, rows) or _mixes_rows(g, d, sources, rows)
-                or _meets(g, d, sources, lenient, data)):
+                or _meets(g, d, sources, lenient, data) or _moves_rows(g, d, sources, rows)):
             out.append(node)
     return tuple(out)
 
@@ -176,6 +184,27 @@ def _mixes_rows(g, d, sources, rows) -> bool:
         specs = ins.split(",")
         return any(a < len(specs[i]) and specs[i][a] not in out for i, a in held.items())
     return False
+
+
+def _moves_rows(g, d, sources, rows) -> bool:
+    """Whether ``d`` reorders the examples' rows: a reverse, roll or shuffle
+    along the axis that holds them (in-batch mixup's ``x + reverse(x, [0])``,
+    a shuffle inside the loss: row i then holds another example's data), or
+    gathers along it by ids that read no data (``gather(x, perm)``, mixup's
+    ``gather(x, shuffle(range(B)))``) other than each example's own rows.
+    (Ids computed from the data, as ``boolean_mask``'s, filter the rows in
+    order: a ragged bag's values.)"""
+    if d["op"] == "GatherV2" and not ir.reads_values_of(
+            g, ir.split_tensor(d["inputs"][1])[0], g.graph["arguments"]):
+        return _mixes_rows(g, d, sources, rows)
+    if d["op"] not in ("ReverseV2", "Roll", "RandomShuffle") or sources[0] not in rows:
+        return False
+    r = rows[sources[0]]
+    if d["op"] == "RandomShuffle":
+        return r.axis == 0
+    axes = ir.const_value(g, d["inputs"][1 if d["op"] == "ReverseV2" else 2])
+    rank = len(ir.shape_of(g, d["inputs"][0]) or ())
+    return axes is None or r.axis in {int(a) % max(rank, 1) for a in np.atleast_1d(axes)}
 
 
 def _own_rows(g, ids, r) -> bool:
