@@ -97,7 +97,7 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
         _trace_relaxed(gradient, args, batch)
         reference = [g.numpy() for g in state.run(gradient, *args)]
         coupling = coupling_layers(reg) or reg.coupling
-        ones, one_note, one_error = {}, "", ""
+        ones, one_note, one_error, fisher_notes = {}, "", "", []
         if coupling:
             one_note = "couples examples"
         elif picked:
@@ -108,10 +108,15 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
                     ones, one_error = verify_weights.rescaled(
                         fn, reg, args, ones, {i: _slice(args, batch, i) for i in ones}, tol)
                     one_note = "token weights" if one_error else ""
+                else:
+                    ratio = _scale_ratio(fn, reg, _slice(args, batch, picked[0]))
+                    ones = {i: [ratio * g for g in grads] for i, grads in ones.items()}
+                    fisher_notes += [] if ratio == 1 else [_RESCALED.format(
+                        batch, reg.loss.scale, reg.loss.scale / ratio, ratio)]
             except (tf.errors.OpError, ValueError, TypeError) as e:
                 one_note = "fn fails on a batch of one"
                 one_error = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        fisher, fisher_notes = {}, []
+        fisher = {}
         if estimation_mode is not None:
             fisher = verify_fisher.fisher_checks(fn, reg, args, estimation_mode, directions, rng,
                                                  fisher_max_params, bool(coupling), tol, state,
@@ -198,6 +203,26 @@ def _per_example_results(reg, registry):
         return [g for grads, _ in per_layer for g in grads], squared, model_norms(squared)
 
     return run
+
+
+_RESCALED = ("the loss reads as {1:g} times a mean over the batch of {0} and as {2:g} times "
+             "one example's term on a batch of one (it divides by a constant the batch's size "
+             "divides, read as that size): each one-example reference is scaled by {3:g}")
+
+
+def _scale_ratio(fn, reg, one_args) -> float:
+    """The ratio of the loss's scale read on the batch to that read on a
+    batch of one (``sum(l) / 3.0`` on a batch of 3 is a mean, scale 1, and on
+    one example ``l / 3``): 1 where they agree, or where a batch of one
+    does not register."""
+    try:
+        one = fn.registration(*one_args).loss
+    except Exception:  # (its one-example gradient is checked as it is)
+        return 1.0
+    if one.reduction != reg.loss.reduction or not one.scale or not reg.loss.scale:
+        return 1.0
+    ratio = reg.loss.scale / one.scale
+    return 1.0 if np.isclose(ratio, 1.0, rtol=1e-12) else float(ratio)
 
 
 def _slice(args, batch, i):

@@ -162,6 +162,22 @@ def test_sum_loss_raw_variables():
     assert [row.check("sum").status for row in report.rows] == ["pass"] * 2
 
 
+@pytest.mark.parametrize("batch", [7, 5])
+def test_a_sum_over_a_constant_the_batch_size_divides(batch):
+    """``sum(l) / 7.0`` on a batch of 7 reads as a mean over the batch (the
+    constant taken for its size, as ``/ BATCH_SIZE`` is written), and on a
+    batch of one as ``l / 7``: the one-example check failed by 7 on correct
+    gradients. Its reference is scaled by the two readings' ratio now, with
+    a note. On a batch of 5 the loss is a sum scaled by 1/7 either way."""
+    sum_fn, (x, y) = _sum_mlp()
+    x, y = x[:batch], y[:batch]
+    report = kg.verify(lambda x, y: sum_fn(x, y) / 7.0, x, y, examples=batch)
+    assert report.passed, report.table()
+    assert [row.check("one-example").status for row in report.rows] == ["pass"] * 2
+    assert any("each one-example reference is scaled by 7" in n
+               for n in report.notes) == (batch == 7), report.notes
+
+
 def test_broken_rule_fails_and_the_table_names_the_dense_layers():
     loss_fn, args = _sequence_model()
     report = kg.verify(loss_fn, *args, rules=BROKEN)
