@@ -101,7 +101,7 @@ def match_layers(g: nx.DiGraph, rows: dict) -> tuple[LayerMatch, ...]:
     grouped = _group(g, find(LAYER_PATTERNS))
     if _stacked_kernels_shared(grouped):
         grouped = _group(g, find(tuple(p for p in LAYER_PATTERNS if p not in STACKED_PATTERNS)))
-    grouped = unflatten_rows(split_lora(g, grouped, functools.partial(detach_bias, g)), rows)
+    grouped = unflatten_rows(split_lora(g, grouped, functools.partial(detach_bias, g)), rows, g)
 
     holders = collections.defaultdict(list)
     for node, d in g.nodes(data=True):

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from passes import ir
+from passes import batch_flow, ir
 
 
-def unflatten_rows(groups, rows) -> dict:
+def unflatten_rows(groups, rows, g=None) -> dict:
     """``groups`` (``(kind, keys) -> [(pattern, roles, Use)]``) with each use
     recorded as its input's rows are laid out (``rows``, from
     ``example_rows``; a use whose input is not followed, or leads with the
@@ -34,6 +34,11 @@ def unflatten_rows(groups, rows) -> dict:
       dense, scale-and-shift or grouped dense use records the rows' axis
       (``run_time_rows``) and ``None`` for ``B`` and ``k``; other kinds on
       such rows are unsupported;
+    - a dense or scale-and-shift use on data that leads with another size
+      than the batch's, on rows not followed (``tf.map_fn`` over the
+      batch: ``[1, d]`` per example; a tower run once on ``concat([x1,
+      x2], 0)``), is unsupported too (``g``: the graph, whose static batch
+      it reads);
     - any other use on rows is unsupported (the variable is generic, with
       the reason): its kind would read the first axis as the examples. With
       ``T = B`` the shapes alone would pass, and its per-example gradients
@@ -46,6 +51,8 @@ def unflatten_rows(groups, rows) -> dict:
             source = ir.split_tensor(use.output if use.attrs.get("ids_broadcast") or not
                                      use.inputs else use.inputs[0])[0]
             attrs = _recorded(key[0], use.attrs, rows.get(source))
+            if rows.get(source) is None and "unsupported" not in attrs and g is not None:
+                attrs = _other_rows(g, key[0], attrs, source)
             if attrs is not use.attrs:
                 use = dataclasses.replace(use, attrs=attrs)
             out[key].append((pattern, roles, use))
@@ -64,6 +71,23 @@ def _recorded(kind, attrs, r):
     if kind == "dense" and r.per_example is not None:
         return _dense_batch_moved(attrs, r)
     return _unsupported(attrs, r)
+
+
+def _other_rows(g, kind, attrs, source):
+    """A dense or scale-and-shift use whose input leads with another size
+    than the batch's (static) and holds no rows the tracker followed: one
+    example per use (``tf.map_fn`` over the batch), or the examples of
+    several tensors concatenated along the first axis (a siamese tower run
+    once on ``concat([x1, x2], 0)``)."""
+    shape, batch = attrs.get("input_shape"), batch_flow.static_batch(g)
+    if (kind not in ("dense", "scale_and_shift") or not batch or not shape
+            or shape[0] is None or shape[0] == batch
+            or not ir.reads_values_of(g, source, g.graph["arguments"])):
+        return attrs
+    return {**attrs, "unsupported": (
+        f"its input's first axis is {shape[0]}, not the batch's {batch}, and holds no "
+        "examples' rows the pass follows (a loop over the examples, as tf.map_fn, or "
+        "examples concatenated along it): call the layer on the batch, once per input")}
 
 
 def _unsupported(attrs, r):
