@@ -116,7 +116,13 @@ def _only_unit_axes(g: nx.DiGraph, node: str, on_data: bool) -> bool:
     squeeze = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
     if g.nodes[node]["op"] == "ExpandDims":  # unit axes added, the others kept in order
         return squeeze(before) == squeeze(after)
-    return squeeze(before) == squeeze(after) and sum(d is None for d in before) <= 1
+    if squeeze(before) != squeeze(after):
+        return False
+    dims = g.nodes[node]["attrs"].get("squeeze_dims") or ()
+    raw = ir.shape_of(g, g.nodes[node]["raw_inputs"][0])
+    if g.nodes[node]["op"] == "Squeeze" and dims and raw:  # named unit axes dropped
+        return all(raw[d] == 1 for d in dims)  # (Conv1D's at any length), the rest in order
+    return sum(d is None for d in before) <= 1
 
 
 def _whole_slice(g: nx.DiGraph, node: str) -> bool:

@@ -9,9 +9,11 @@ traced with the size unknown, its per-example gradients contract the patches
 the positions (``conv_family.run_time_grads``); the factors' rows come from
 the same patches. Per-example gradients equal one-example tapes at two
 sizes, and K-FAC steps traced with the size unknown equal the steps at the
-static size. A 3-D or transposed convolution, or a dilated one TensorFlow
-writes with paddings computed at run time, is generic (exact) with a reason
-that says so. float64."""
+static size (a Conv1D's ``Squeeze`` of its unit axis is seen through at any
+length, so its bias is its layer's, as at a static length). A 3-D or
+transposed convolution, or a dilated one TensorFlow writes with paddings
+computed at run time, is generic (exact) with a reason that says so.
+float64."""
 import keras
 import numpy as np
 import pytest
@@ -24,7 +26,10 @@ L = keras.layers
 # name: (layers, spatial rank, channels, the kinds registered)
 CASES = {
     "conv1d": (lambda: [L.Conv1D(4, 3, activation="tanh"), L.Conv1D(4, 1, strides=2),
-                        L.GlobalAveragePooling1D()], 1, 3, None),
+                        L.GlobalAveragePooling1D()], 1, 3, ["conv2d", "conv2d", "dense"]),
+    "depthwise_conv1d": (lambda: [L.DepthwiseConv1D(3, activation="tanh"),
+                                  L.GlobalAveragePooling1D()], 1, 3,
+                         ["depthwise_conv2d", "dense"]),
     "strided": (lambda: [L.Conv2D(4, 3, strides=2, padding="same", activation="tanh"),
                          L.Conv2D(4, 1), L.GlobalAveragePooling2D()], 2, 3,
                 ["conv2d", "conv2d", "dense"]),
@@ -83,8 +88,7 @@ def test_a_2d_convolution_of_any_size_registers_and_equals_the_loop(name):
         args = _images(rank, channels, sizes, seed)
         reg = fn.registration(*args)
         assert "generic" not in [layer.kind for layer in reg.layers], reg.summary()
-        if kinds:
-            assert [layer.kind for layer in reg.layers] == kinds
+        assert [layer.kind for layer in reg.layers] == kinds
         want = one_example_loop(loss, args, reg.variables)
         for got in (unknown(*args), kg.per_example_gradients(fn, *args)):
             for v, g, w in zip(reg.variables, got, want):
@@ -93,7 +97,7 @@ def test_a_2d_convolution_of_any_size_registers_and_equals_the_loop(name):
         np.testing.assert_allclose(norms(*args), np.linalg.norm(flat, axis=1), rtol=1e-9)
 
 
-@pytest.mark.parametrize("name", ["strided", "depthwise", "grouped"])
+@pytest.mark.parametrize("name", ["conv1d", "strided", "depthwise", "grouped"])
 def test_kfac_steps_traced_at_any_size_equal_the_static_ones(name):
     layers, rank, channels, _ = CASES[name]
     model, loss, spec = _problem(layers, rank, channels)

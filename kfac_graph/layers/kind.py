@@ -53,12 +53,20 @@ def reshape_like(tensor: tf.Tensor, shape) -> tf.Tensor:
     """Reshapes to a static op shape whose batch axis may be unknown (only
     unit axes differ: the pass sees through them). With more than one axis
     unknown (rows read ``[B, k, ..]``, both known at run time only), a tensor
-    of that rank whose sizes agree is returned as it is."""
+    of that rank whose sizes agree is returned as it is, and one that differs
+    by unit axes alone gets them added or dropped."""
     if shape is None or tensor.shape.as_list() == list(shape):
         return tensor
     if (sum(d is None for d in shape) > 1 and tensor.shape.rank == len(shape)
             and tensor.shape.is_compatible_with(shape)):
         return tensor
+    if sum(d is None for d in shape) > 1 and tensor.shape.rank is not None:
+        # unit axes added or dropped (Conv1D's [B, T, C] as [B, 1, T, C], T unknown):
+        # the other axes, in order, keep their run-time sizes
+        kept = [i for i, d in enumerate(tensor.shape.as_list()) if d != 1]
+        if len(kept) == sum(d != 1 for d in shape):
+            sizes, it = tf.shape(tensor), iter(kept)
+            return tf.reshape(tensor, [1 if d == 1 else sizes[next(it)] for d in shape])
     return tf.reshape(tensor, [-1 if d is None else d for d in shape])
 
 
