@@ -38,6 +38,7 @@ disk) leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -193,11 +194,13 @@ def _save(module, target, signatures) -> None:
     alike. The step's functions hold their own gradients; the re-run graph's
     gradient overrides (a grouped Conv2D's) are no ``tf.custom_gradient``
     functions and cannot be saved as such: with one, the model is saved
-    without custom gradients, as before."""
+    without custom gradients, as before (TensorFlow's traceback of that
+    first try, printed before it raises, is not shown)."""
     try:
-        tf.saved_model.save(module, target, signatures=signatures or None,
-                            options=tf.saved_model.SaveOptions(
-                                experimental_custom_gradients=True))
+        with contextlib.redirect_stderr(io.StringIO()):
+            tf.saved_model.save(module, target, signatures=signatures or None,
+                                options=tf.saved_model.SaveOptions(
+                                    experimental_custom_gradients=True))
     except ValueError:  # ("Error when tracing gradients for SavedModel")
         shutil.rmtree(target, ignore_errors=True)
         tf.saved_model.save(module, target, signatures=signatures or None,
