@@ -127,12 +127,13 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
         for m in result.layers)
     generic = [layer.name for layer in layers if layer.kind == "generic"]
     if generic:
-        logging.warning("kfac_graph: %d variable(s) match no layer pattern and are registered "
-                        "as generic: %s", len(generic), ", ".join(generic))
+        logging.warning("kfac_graph: %d variable(s) are registered as generic (why: "
+                        "reg.summary()): %s", len(generic), ", ".join(generic))
     lm = result.loss
     if result.coupling:
         logging.warning("kfac_graph: the loss couples the examples at op %s (batch statistics, "
-                        "or two tensors of examples combined): a per-example gradient is that "
+                        "two tensors of examples combined, or the batch reordered or mixed): "
+                        "a per-example gradient is that "
                         "example's share of the batch gradient, not a batch-of-one gradient",
                         ", ".join(repr(op) for op in result.coupling[:3]))
     if lm.kind == "opaque":
