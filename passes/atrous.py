@@ -48,7 +48,10 @@ def atrous_attrs(g: nx.DiGraph, roles, x: str) -> dict:
 
 
 def _const(g, node, slot, what):
-    value = ir.const_value(g, ir.resolve(g, g.nodes[node]["raw_inputs"][slot]))
+    tensor = ir.resolve(g, g.nodes[node]["raw_inputs"][slot])
+    if ir.split_tensor(tensor)[0] not in g:  # (folded away: read what the op reads now)
+        tensor = g.nodes[node]["inputs"][slot]
+    value = ir.const_value(g, tensor)
     if value is None:
         raise Unsupported(f"its {what} not constant")
     return value.astype(int).tolist()
