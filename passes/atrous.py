@@ -31,6 +31,7 @@ added there.
 from __future__ import annotations
 
 import networkx as nx
+import numpy as np
 
 from passes import ir
 
@@ -57,11 +58,30 @@ def _const(g, node, slot, what):
     return value.astype(int).tolist()
 
 
+def _paddings_and_crops(g, s2b, b2s):
+    """SpaceToBatchND's paddings and BatchToSpaceND's crops; where they are
+    computed from a size known at run time only (an input of any size,
+    padded to a multiple of the block and cropped back), the paddings less
+    the crops, the same under every probe (``passes.shape_probe``), with no
+    crops: only that difference enters the convolution's padding."""
+    try:
+        return _const(g, s2b, 2, "paddings are"), _const(g, b2s, 2, "crops are")
+    except Unsupported:
+        probed = g.graph.get("probed_values", {})
+        pads, crops = probed.get(s2b), probed.get(b2s)
+        if not pads or not crops or len(pads) != len(crops):
+            raise
+    net = {tuple(map(tuple, np.subtract(p, c).tolist())) for p, c in zip(pads, crops)}
+    if len(net) != 1:
+        raise Unsupported("its paddings less its crops vary with its input's size")
+    (net,) = net
+    return [list(pair) for pair in net], [[0, 0] for _ in net]
+
+
 def _attrs(g, roles, x) -> dict:
     s2b, op, b2s = roles["s2b"], roles["op"], roles["b2s"]
     block = _const(g, s2b, 1, "block shape is")
-    paddings = _const(g, s2b, 2, "paddings are")
-    crops = _const(g, b2s, 2, "crops are")
+    paddings, crops = _paddings_and_crops(g, s2b, b2s)
     if block != _const(g, b2s, 1, "block shape is"):
         raise Unsupported("SpaceToBatchND and BatchToSpaceND have different block shapes")
     attrs = g.nodes[op]["attrs"]

@@ -35,7 +35,10 @@ class Traced:
     ``passes.unroll`` copied out; ``kept_loops``: loop name -> why it was
     not unrolled. ``batch_axes``: op name -> the axes of its output that
     hold the batch, where the batch is known at run time only
-    (``passes.shape_probe``). ``constraints``: key -> the constraint Keras
+    (``passes.shape_probe``); ``probed_values``: op name -> the value of
+    its operand that the probes evaluated, one per probe (a dilated
+    convolution's paddings and crops, computed from a size known at run
+    time only). ``constraints``: key -> the constraint Keras
     applies to the variable after each update (``keras_frozen.flags``).
     ``resources``: placeholder node -> the captured resource handle it
     stands for, other than a variable's (a lookup table's).
@@ -50,6 +53,7 @@ class Traced:
     kept_loops: dict = dataclasses.field(default_factory=dict)
     unrolled_loops: dict = dataclasses.field(default_factory=dict)
     batch_axes: dict = dataclasses.field(default_factory=dict)
+    probed_values: dict = dataclasses.field(default_factory=dict)
     constraints: dict = dataclasses.field(default_factory=dict)
     resources: dict = dataclasses.field(default_factory=dict)
 
@@ -288,6 +292,7 @@ def to_ir(traced: Traced) -> nx.DiGraph:
     g = ir.from_tf_graph(graph, traced.arguments, traced.output, traced.variables, holders)
     g.graph["loops"] = dict(traced.kept_loops)
     g.graph["batch_axes"] = dict(traced.batch_axes)
+    g.graph["probed_values"] = dict(traced.probed_values)
     return g
 
 

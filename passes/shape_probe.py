@@ -76,7 +76,34 @@ def restore_shapes(traced):
         gains.update(more)
         graph = frontends.import_graph(_annotated(traced, gains))[0]
     restored = _annotated(traced, gains) if gains else traced
-    return dataclasses.replace(restored, batch_axes=_batch_axes(restored, args, _shapes(graph)))
+    return dataclasses.replace(restored, batch_axes=_batch_axes(restored, args, _shapes(graph)),
+                               probed_values=_space_to_batch_values(traced, args, base))
+
+
+def _space_to_batch_values(traced, args, base) -> dict:
+    """``{op name: (value per probe)}``: the paddings of each
+    ``SpaceToBatchND`` and the crops of each ``BatchToSpaceND`` that are
+    computed from a size known at run time only (TensorFlow's dilated
+    convolution on an input of any size pads it to a multiple of the
+    dilation and crops the excess), evaluated with the sizes pinned to each
+    of ``PROBES`` the graph accepts (``passes.atrous`` reads them)."""
+    names = [op.name for op in base.get_operations()
+             if op.type in ("SpaceToBatchND", "BatchToSpaceND")
+             and StaticEvaluator().value(op.inputs[2]) is None]
+    if not names:
+        return {}
+    found = {name: [] for name in names}
+    for probe in PROBES:
+        try:
+            graph = frontends.import_graph(_pinned(traced, args, probe))[0]
+        except Exception:  # noqa: BLE001 - a probe the graph rejects
+            continue
+        evaluator = StaticEvaluator()
+        for name in names:
+            value = evaluator.value(graph.get_operation_by_name(name).inputs[2])
+            if value is not None:
+                found[name].append(tuple(map(tuple, np.asarray(value).tolist())))
+    return {name: tuple(values) for name, values in found.items() if len(values) >= 2}
 
 
 def _batch_axes(traced, args, shapes) -> dict:

@@ -10,10 +10,12 @@ the positions (``conv_family.run_time_grads``); the factors' rows come from
 the same patches. Per-example gradients equal one-example tapes at two
 sizes, and K-FAC steps traced with the size unknown equal the steps at the
 static size (a Conv1D's ``Squeeze`` of its unit axis is seen through at any
-length, so its bias is its layer's, as at a static length). A 3-D or
-transposed convolution, or a dilated one TensorFlow writes with paddings
-computed at run time, is generic (exact) with a reason that says so.
-float64."""
+length, so its bias is its layer's, as at a static length). A dilated one
+(a temporal network's causal Conv1D) is written by TensorFlow as
+``SpaceToBatchND -> conv -> BatchToSpaceND`` with paddings and crops
+computed from the size; their difference, the convolution's own padding,
+is the same under every probe (``passes.shape_probe``). A 3-D or transposed
+convolution is generic (exact) with a reason that says so. float64."""
 import keras
 import numpy as np
 import pytest
@@ -41,6 +43,13 @@ CASES = {
                   ["depthwise_conv2d", "conv2d", "dense"]),
     "grouped": (lambda: [L.Conv2D(4, 3, groups=2, activation="tanh"),
                          L.GlobalAveragePooling2D()], 2, 4, ["conv2d", "dense"]),
+    "dilated": (lambda: [L.Conv2D(4, 3, dilation_rate=2, activation="tanh"),
+                         L.DepthwiseConv2D(3, dilation_rate=(2, 1), padding="same"),
+                         L.GlobalAveragePooling2D()], 2, 3,
+                ["conv2d", "depthwise_conv2d", "dense"]),
+    "temporal": (lambda: [L.Conv1D(4, 2, dilation_rate=2, padding="causal", activation="tanh"),
+                          L.Conv1D(4, 2, dilation_rate=4, padding="causal"),
+                          L.GlobalAveragePooling1D()], 1, 3, ["conv2d", "conv2d", "dense"]),
     "batch_norm": (lambda: [L.Conv2D(4, 3, activation="tanh"), L.BatchNormalization(),
                             L.GlobalAveragePooling2D()], 2, 3,
                    ["conv2d", "scale_and_shift", "dense"]),
@@ -51,8 +60,6 @@ GENERIC = {  # name: (layers, spatial rank, the reason's words)
     "transposed": (lambda: [L.Conv2DTranspose(3, 3, strides=2, activation="tanh"),
                             L.GlobalAveragePooling2D()], 2,
                    "its output's spatial size is known only at run time"),
-    "dilated": (lambda: [L.Conv2D(4, 3, dilation_rate=2, activation="tanh"),
-                         L.GlobalAveragePooling2D()], 2, "its paddings are not constant"),
 }
 
 
@@ -97,7 +104,7 @@ def test_a_2d_convolution_of_any_size_registers_and_equals_the_loop(name):
         np.testing.assert_allclose(norms(*args), np.linalg.norm(flat, axis=1), rtol=1e-9)
 
 
-@pytest.mark.parametrize("name", ["conv1d", "strided", "depthwise", "grouped"])
+@pytest.mark.parametrize("name", ["conv1d", "strided", "depthwise", "grouped", "dilated"])
 def test_kfac_steps_traced_at_any_size_equal_the_static_ones(name):
     layers, rank, channels, _ = CASES[name]
     model, loss, spec = _problem(layers, rank, channels)
