@@ -1,8 +1,12 @@
 """Blocks without a Kronecker approximation: full or diagonal matrices.
 
-All estimate F = (1/B) sum_i grad_i grad_i^T (summed over sources) from each example's own gradient, so their
-full (diagonal) matrix equals the true Fisher block (its diagonal), not an
-approximation.  Damping: `F + l I` (no location normalisation: for the conv
+All estimate F = (1/B) sum_i grad_i grad_i^T (summed over sources) from
+each example's own gradient, so their full (diagonal) matrix equals the
+true Fisher block (its diagonal), not an approximation, wherever the
+sources do (in exact mode on a per-token output, with one column per
+position and class, ``position_columns="separate"``; the default "shared"
+columns add cross-position terms, ``fisher/estimator.py``).  Damping:
+`F + l I` (no location normalisation: for the conv
 diagonal block this equals the seed's `T * (l / T)`).
 
   NaiveFullBlock, NaiveDiagonalBlock    any layer; data = per-example grads.

@@ -18,7 +18,9 @@ default alias; today's defaults:
                                      diagonal above
   embedding                        -> EmbeddingKroneckerBlock
   tied_embedding                   -> NaiveDiagonalBlock (per-example grads;
-                                     the exact diagonal of the tied table);
+                                     the exact diagonal of the tied table
+                                     where the sources are exact: see
+                                     blocks_full.py);
                                      "kron": TiedEmbeddingKroneckerBlock
                                      (lookup and projection Kronecker terms
                                      summed, inverted exactly; blocks_tied.py)
