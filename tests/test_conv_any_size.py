@@ -83,7 +83,11 @@ def _images(rank, channels, sizes, seed):
     return tf.constant(x), tf.constant([0, 1, 1])
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+FAST = ("conv1d", "dilated", "temporal", "grouped")  # the others under -m slow
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
+                                  for n in sorted(CASES)])
 def test_a_2d_convolution_of_any_size_registers_and_equals_the_loop(name):
     layers, rank, channels, kinds = CASES[name]
     model, loss, spec = _problem(layers, rank, channels)
@@ -104,7 +108,8 @@ def test_a_2d_convolution_of_any_size_registers_and_equals_the_loop(name):
         np.testing.assert_allclose(norms(*args), np.linalg.norm(flat, axis=1), rtol=1e-9)
 
 
-@pytest.mark.parametrize("name", ["conv1d", "strided", "depthwise", "grouped", "dilated"])
+@pytest.mark.parametrize("name", ["conv1d", "dilated"] + [
+    pytest.param(n, marks=pytest.mark.slow) for n in ("strided", "depthwise", "grouped")])
 def test_kfac_steps_traced_at_any_size_equal_the_static_ones(name):
     layers, rank, channels, _ = CASES[name]
     model, loss, spec = _problem(layers, rank, channels)
