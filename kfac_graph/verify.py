@@ -97,7 +97,7 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
         _trace_relaxed(gradient, args, batch)
         reference = [g.numpy() for g in state.run(gradient, *args)]
         coupling = coupling_layers(reg) or reg.coupling
-        ones, one_note, one_error, fisher_notes = {}, "", "", []
+        ones, one_note, one_error, more_notes = {}, "", "", []
         if coupling:
             one_note = "couples examples"
         elif picked:
@@ -108,10 +108,10 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
                     ones, one_error = verify_weights.rescaled(
                         fn, reg, args, ones, {i: _slice(args, batch, i) for i in ones}, tol)
                     one_note = "token weights" if one_error else ""
-                else:
+                elif reg.loss.reduction == "mean":  # (a sum reads alike on one example)
                     ratio = _scale_ratio(fn, reg, _slice(args, batch, picked[0]))
                     ones = {i: [ratio * g for g in grads] for i, grads in ones.items()}
-                    fisher_notes += [] if ratio == 1 else [_RESCALED.format(
+                    more_notes += [] if ratio == 1 else [_RESCALED.format(
                         batch, reg.loss.scale, reg.loss.scale / ratio, ratio)]
             except (tf.errors.OpError, ValueError, TypeError) as e:
                 one_note = "fn fails on a batch of one"
@@ -120,7 +120,7 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
         if estimation_mode is not None:
             fisher = verify_fisher.fisher_checks(fn, reg, args, estimation_mode, directions, rng,
                                                  fisher_max_params, bool(coupling), tol, state,
-                                                 fisher_notes)
+                                                 more_notes)
     finally:
         state.restore()
 
@@ -142,7 +142,7 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
                                tuple(checks)))
     model = LayerCheck("(whole model)", "", "per_example_gradient_norms",
                        (_norms_check("norms", model_norm, _example_norms(pxg), tol),))
-    notes = _notes(reg, coupling, one_error) + tuple(fisher_notes)
+    notes = _notes(reg, coupling, one_error) + tuple(more_notes)
     return VerifyReport(tuple(rows), model, batch, reg.loss.reduction, picked, dtype,
                         tol[0], tol[1], estimation_mode, time.perf_counter() - start, notes)
 
@@ -219,7 +219,7 @@ def _scale_ratio(fn, reg, one_args) -> float:
         one = fn.registration(*one_args).loss
     except Exception:  # (its one-example gradient is checked as it is)
         return 1.0
-    if one.reduction != reg.loss.reduction or not one.scale or not reg.loss.scale:
+    if one.reduction != "mean" or not one.scale or not reg.loss.scale:
         return 1.0
     ratio = reg.loss.scale / one.scale
     return 1.0 if np.isclose(ratio, 1.0, rtol=1e-12) else float(ratio)

@@ -75,12 +75,11 @@ def coupling_ops(g: nx.DiGraph, rows: dict, terms: str | None) -> tuple[str, ...
     for node in nx.topological_sort(g.subgraph(before)):
         d = g.nodes[node]
         sources = [ir.split_tensor(t)[0] for t in d["inputs"]]
-        if node not in weighted:  # a statistic of the data alone (a mask's sum) is a weight,
-            if _moves_rows(g, d, sources, rows):  # but one example's data in another's row
-                out.append(node)  # is not
-            continue
-        if (_reduces_rows(g, d, sources, rows) or _mixes_rows(g, d, sources, rows)
-                or _meets(g, d, sources, lenient, data) or _moves_rows(g, d, sources, rows)):
+        if _moves_rows(g, d, sources, rows):  # one example's data in another's row, anywhere
+            out.append(node)
+        elif node in weighted and (  # (a statistic of the data alone, a mask's sum: a weight)
+                _reduces_rows(g, d, sources, rows) or _mixes_rows(g, d, sources, rows)
+                or _meets(g, d, sources, lenient, data)):
             out.append(node)
     return tuple(out)
 
@@ -194,9 +193,9 @@ def _moves_rows(g, d, sources, rows) -> bool:
     ``gather(x, shuffle(range(B)))``) other than each example's own rows.
     (Ids computed from the data, as ``boolean_mask``'s, filter the rows in
     order: a ragged bag's values.)"""
-    if d["op"] == "GatherV2" and not ir.reads_values_of(
-            g, ir.split_tensor(d["inputs"][1])[0], g.graph["arguments"]):
-        return _mixes_rows(g, d, sources, rows)
+    if d["op"] == "GatherV2":
+        return _mixes_rows(g, d, sources, rows) and not ir.reads_values_of(
+            g, ir.split_tensor(d["inputs"][1])[0], g.graph["arguments"])
     if d["op"] not in ("ReverseV2", "Roll", "RandomShuffle") or sources[0] not in rows:
         return False
     r = rows[sources[0]]

@@ -67,7 +67,7 @@ def restore_shapes(traced):
     if not args:
         return traced
     base = frontends.import_graph(traced)[0]
-    gains = _probe_gains(traced, args, _shapes(base))
+    gains, values = _probe_gains(traced, args, _shapes(base), _run_time_paddings(base))
     graph = frontends.import_graph(_annotated(traced, gains))[0] if gains else base
     for _ in range(_ROUNDS):
         more = _reshape_gains(graph)
@@ -77,33 +77,19 @@ def restore_shapes(traced):
         graph = frontends.import_graph(_annotated(traced, gains))[0]
     restored = _annotated(traced, gains) if gains else traced
     return dataclasses.replace(restored, batch_axes=_batch_axes(restored, args, _shapes(graph)),
-                               probed_values=_space_to_batch_values(traced, args, base))
+                               probed_values=values)
 
 
-def _space_to_batch_values(traced, args, base) -> dict:
-    """``{op name: (value per probe)}``: the paddings of each
-    ``SpaceToBatchND`` and the crops of each ``BatchToSpaceND`` that are
-    computed from a size known at run time only (TensorFlow's dilated
-    convolution on an input of any size pads it to a multiple of the
-    dilation and crops the excess), evaluated with the sizes pinned to each
-    of ``PROBES`` the graph accepts (``passes.atrous`` reads them)."""
-    names = [op.name for op in base.get_operations()
-             if op.type in ("SpaceToBatchND", "BatchToSpaceND")
-             and StaticEvaluator().value(op.inputs[2]) is None]
-    if not names:
-        return {}
-    found = {name: [] for name in names}
-    for probe in PROBES:
-        try:
-            graph = frontends.import_graph(_pinned(traced, args, probe))[0]
-        except Exception:  # noqa: BLE001 - a probe the graph rejects
-            continue
-        evaluator = StaticEvaluator()
-        for name in names:
-            value = evaluator.value(graph.get_operation_by_name(name).inputs[2])
-            if value is not None:
-                found[name].append(tuple(map(tuple, np.asarray(value).tolist())))
-    return {name: tuple(values) for name, values in found.items() if len(values) >= 2}
+def _run_time_paddings(base) -> list:
+    """The ``SpaceToBatchND`` (paddings) and ``BatchToSpaceND`` (crops) ops
+    whose operand 2 is computed from a size known at run time only:
+    TensorFlow's dilated convolution on an input of any size pads it to a
+    multiple of the dilation and crops the excess (``passes.atrous`` reads
+    their values under the probes)."""
+    evaluator = StaticEvaluator()
+    return [op.name for op in base.get_operations()
+            if op.type in ("SpaceToBatchND", "BatchToSpaceND")
+            and evaluator.value(op.inputs[2]) is None]
 
 
 def _batch_axes(traced, args, shapes) -> dict:
@@ -113,9 +99,10 @@ def _batch_axes(traced, args, shapes) -> dict:
     ``BATCH_PROBE`` (a prime no product of the others makes) is the batch.
     ``{}`` when the graph rejects that probe (an argument without the batch
     first)."""
-    probed = _probe(traced, args, PROBES[0], first=BATCH_PROBE)
-    if probed is None:
+    graph = _imported(traced, args, PROBES[0], first=BATCH_PROBE)
+    if graph is None:
         return {}
+    probed = _shapes(graph)
     out = {}
     for name, base in shapes.items():  # (each op's first output)
         pinned = probed.get(name)
@@ -128,13 +115,25 @@ def _batch_axes(traced, args, shapes) -> dict:
     return out
 
 
-def _probe_gains(traced, args, base) -> dict:
-    """``{op name: [TensorShape per output]}``: where the probes the graph
-    accepts (at least two) agree on sizes ``base`` does not know."""
-    probed = [shapes for shapes in (_probe(traced, args, p) for p in PROBES)
-              if shapes is not None]
+def _probe_gains(traced, args, base, read=()) -> tuple[dict, dict]:
+    """``({op name: [TensorShape per output]}, {op name: (value per
+    probe)})``: where the probes the graph accepts (at least two) agree on
+    sizes ``base`` does not know, and the value of operand 2 of each op
+    named in ``read`` under those probes (where at least two evaluate it)."""
+    probed, values = [], {name: [] for name in read}
+    for p in PROBES:
+        graph = _imported(traced, args, p)
+        if graph is None:
+            continue
+        probed.append(_shapes(graph))
+        evaluator = StaticEvaluator()
+        for name in read:
+            value = evaluator.value(graph.get_operation_by_name(name).inputs[2])
+            if value is not None:
+                values[name].append(tuple(map(tuple, np.asarray(value).tolist())))
+    values = {name: tuple(v) for name, v in values.items() if len(v) >= 2}
     if len(probed) < 2:
-        return {}
+        return {}, values
     gains = {}
     for name, shapes in base.items():
         found = [_agreed(s, [p.get(name, (None,) * len(shapes))[k] for p in probed])
@@ -142,7 +141,7 @@ def _probe_gains(traced, args, base) -> dict:
         if [f.as_list() if f.rank is not None else None for f in found] != [
                 s.as_list() if s.rank is not None else None for s in shapes]:
             gains[name] = found
-    return gains
+    return gains, values
 
 
 def _reshape_gains(graph) -> dict:
@@ -203,11 +202,11 @@ def probed_rows(traced, rows_of, g) -> dict:
     return out
 
 
-def _probe(traced, args, probe, first=None):
-    """``_shapes`` of ``_pinned(traced, args, probe, first)`` imported, or
+def _imported(traced, args, probe, first=None):
+    """``_pinned(traced, args, probe, first)`` imported (a ``tf.Graph``), or
     None when that import fails: the graph cannot run with such sizes."""
     try:
-        return _shapes(frontends.import_graph(_pinned(traced, args, probe, first))[0])
+        return frontends.import_graph(_pinned(traced, args, probe, first))[0]
     except Exception:  # noqa: BLE001 - TensorFlow's shape inference raises many types
         return None
 

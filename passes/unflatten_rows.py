@@ -1,7 +1,7 @@
 """Layer uses on the examples' rows (``passes.example_rows``), recorded so
 that their kinds read them batch first.
 
-``unflatten_rows(groups, rows)`` rewrites each matched use whose input holds
+``unflatten_rows(groups, rows, g)`` rewrites each matched use whose input holds
 rows: a dense or scale-and-shift layer on ``[k B, ..]`` rows (first axis)
 reads them as ``[B, k, ..]``; a grouped dense layer on ``[G, k B, d]`` as
 ``[G, B, k, d]``.
@@ -13,7 +13,7 @@ import dataclasses
 from passes import batch_flow, ir
 
 
-def unflatten_rows(groups, rows, g=None) -> dict:
+def unflatten_rows(groups, rows, g) -> dict:
     """``groups`` (``(kind, keys) -> [(pattern, roles, Use)]``) with each use
     recorded as its input's rows are laid out (``rows``, from
     ``example_rows``; a use whose input is not followed, or leads with the
@@ -51,7 +51,7 @@ def unflatten_rows(groups, rows, g=None) -> dict:
             source = ir.split_tensor(use.output if use.attrs.get("ids_broadcast") or not
                                      use.inputs else use.inputs[0])[0]
             attrs = _recorded(key[0], use.attrs, rows.get(source))
-            if rows.get(source) is None and "unsupported" not in attrs and g is not None:
+            if rows.get(source) is None and "unsupported" not in attrs:
                 attrs = _other_rows(g, key[0], attrs, source)
             if attrs is not use.attrs:
                 use = dataclasses.replace(use, attrs=attrs)

@@ -246,6 +246,24 @@ def test_verify_says_why_when_token_weights_are_no_multiple_of_the_batch_of_ones
                for note in report.notes), report.notes
 
 
+def _tokens_with_a_generic_variable(steps, seed):
+    """``(variables, logits_of(ids), (ids, targets))``: an embedding and a
+    dense head, with ``odd`` (a generic variable) between them; float64,
+    batch 3, vocabulary 9."""
+    _float64()
+    keras.utils.set_random_seed(0)
+    vocab, width = 9, 4
+    embed, head = keras.layers.Embedding(vocab, width), keras.layers.Dense(vocab)
+    odd = tf.Variable(tf.random.stateless_normal([width], [0, seed + 1], dtype=tf.float64),
+                      name="odd")
+    rng = np.random.default_rng(seed)
+    x, y = (tf.constant(rng.integers(0, vocab, (3, steps)), tf.int32) for _ in range(2))
+    embed.build((None, steps))
+    head.build((None, steps, width))
+    return ([embed.embeddings, head.kernel, head.bias, odd],
+            lambda ids: head(embed(ids) * tf.math.cos(odd)), (x, y))
+
+
 @pytest.mark.parametrize("reduce", ["reduce_mean", "keras", "sum_over_T", "flat_mean",
                                     "ignore_class"])
 def test_a_mean_over_positions_known_at_run_time_only(reduce):
@@ -264,14 +282,10 @@ def test_a_mean_over_positions_known_at_run_time_only(reduce):
     depend on the variables"). Per-example gradients equal the static
     trace's (and a loop of one-example tapes where no batch statistic
     divides)."""
-    _float64()
-    keras.utils.set_random_seed(0)
-    vocab, width, steps = 9, 4, 5
-    embed, head = keras.layers.Embedding(vocab, width), keras.layers.Dense(vocab)
-    odd = tf.Variable(tf.random.stateless_normal([width], [0, 1], dtype=tf.float64), name="odd")
+    variables, logits_of, (x, y) = _tokens_with_a_generic_variable(steps=5, seed=0)
 
     def loss(x, y):
-        logits = head(embed(x) * tf.math.cos(odd))  # (odd: a generic variable)
+        logits = logits_of(x)
         if reduce in ("keras", "ignore_class"):
             return keras.losses.SparseCategoricalCrossentropy(
                 from_logits=True, ignore_class=0 if reduce == "ignore_class" else None)(y, logits)
@@ -280,8 +294,6 @@ def test_a_mean_over_positions_known_at_run_time_only(reduce):
             return tf.reduce_sum(ce) / tf.cast(tf.shape(logits)[1], ce.dtype)
         return tf.reduce_mean(tf.reshape(ce, [-1]) if reduce == "flat_mean" else ce)
 
-    rng = np.random.default_rng(0)
-    x, y = (tf.constant(rng.integers(0, vocab, (3, steps)), tf.int32) for _ in range(2))
     spec = [tf.TensorSpec([None, None], tf.int32)] * 2
     static, dynamic = kg.auto_register(loss), kg.auto_register(
         tf.function(loss, input_signature=spec))
@@ -294,7 +306,6 @@ def test_a_mean_over_positions_known_at_run_time_only(reduce):
     for want in wants:
         for v, g, w in zip(reg.variables, got, want):
             np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=v.name)
-    variables = [embed.embeddings, head.kernel, head.bias, odd]
     start = [v.numpy() for v in variables]
     losses = []
     for fn in (static, dynamic):
@@ -331,18 +342,12 @@ def test_sizes_read_from_shapes_count_the_batch_or_not(form, signature):
     after ``reduce_mean(ce, 0)``) averages over positions, not examples: it
     was read as the batch's mean, per-example gradients T (or B) times off.
     Both traces now equal a loop of one-example tapes."""
-    _float64()
-    keras.utils.set_random_seed(0)
-    vocab, width, steps = 9, 4, 6
-    embed, head = keras.layers.Embedding(vocab, width), keras.layers.Dense(vocab)
-    odd = tf.Variable(tf.random.stateless_normal([width], [0, 2], dtype=tf.float64), name="odd")
+    _, logits_of, (x, y) = _tokens_with_a_generic_variable(steps=6, seed=1)
 
     def loss(x, y):
-        logits = head(embed(x) * tf.math.cos(odd))
+        logits = logits_of(x)
         return SIZE_FORMS[form](tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits), logits)
 
-    rng = np.random.default_rng(1)
-    x, y = (tf.constant(rng.integers(0, vocab, (3, steps)), tf.int32) for _ in range(2))
     if signature == "dynamic":
         loss = tf.function(loss, input_signature=[tf.TensorSpec([None, None], tf.int32)] * 2)
     fn = kg.auto_register(loss)
