@@ -174,3 +174,23 @@ def test_kfac_rewrite_of_images_of_any_size(tmp_path):
             np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)
     losses = [float(loaded.kfac_step(*args)) for _ in range(3)]
     assert losses[-1] < losses[0], losses
+
+
+def test_an_input_smaller_than_the_kernel_is_refused_naming_the_layer():
+    """A VALID 3x3 convolution fed a 2x5 image: TensorFlow's forward returns
+    no convolution's output there; the per-example rule and the factors'
+    patches stop on one line naming the layer (before: an einsum's shape
+    error), and at a size the kernel fits the same functions run."""
+    model, loss, spec = _problem(lambda: [L.Conv2D(4, 3, name="too_wide"),
+                                          L.GlobalAveragePooling2D()], 2, 3)
+    fn = kg.auto_register(tf.function(loss, input_signature=spec))
+    opt = kg.KFAC(fn, learning_rate=0.05, damping=1e-2)
+    step = tf.function(lambda *a: opt.step(*a), input_signature=spec)
+    per_example = tf.function(lambda *a: kg.per_example_gradients(fn, *a),
+                              input_signature=spec)
+    assert np.isfinite(float(step(*_images(2, 3, [5, 5], 0))))
+    assert per_example(*_images(2, 3, [5, 5], 0))[0].shape == (3, 3, 3, 3, 4)
+    for run in (per_example, step):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="too_wide.*kernel span.*larger than its input"):
+            run(*_images(2, 3, [2, 5], 1))

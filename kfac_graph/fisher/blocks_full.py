@@ -76,7 +76,8 @@ class ConvDiagonalBlock(_LayerMixin, blocks_base.DiagonalBlock):
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
         self.spec = self._spec_type.from_attrs(self._op_kernel_shape(), self.attrs,
-                                               has_bias=len(self.var_shapes) > 1)
+                                               has_bias=len(self.var_shapes) > 1,
+                                               layer=self.name)
         self.factor = factors_grad.LayerGradientFactor(self._rule, self.spec, self.num_params,
                                                        diagonal=True, dtype=self.dtype)
         self._init_cache()

@@ -355,7 +355,8 @@ class ConvKroneckerBlock(GroupedKroneckerBlock):
     def __init__(self, var_shapes, attrs=None, **kwargs):
         super().__init__(var_shapes, attrs, **kwargs)
         kernel = self._op_kernel_shape()
-        self.spec = conv.ConvSpec.from_attrs(kernel, self.attrs, has_bias=len(self.var_shapes) > 1)
+        self.spec = conv.ConvSpec.from_attrs(kernel, self.attrs, len(self.var_shapes) > 1,
+                                             self.name)
         self._out_width = kernel[-1]
         options = lambda name: self._factor_options(positions=self.positions, name=name)  # noqa
         self.input_factor = factors_kron.ConvInputFactor(self.spec, **options("input_factor"))
@@ -390,9 +391,8 @@ class DepthwiseConvKroneckerBlock(GroupedKroneckerBlock):
         super().__init__(var_shapes, attrs, **kwargs)
         kh, kw, channels, mult = self._op_kernel_shape()
         self._out_width = channels * mult
-        has_bias = len(self.var_shapes) > 1
-        self.spec = depthwise.DepthwiseSpec.from_attrs((kh, kw, channels, mult), self.attrs,
-                                                       has_bias)
+        self.spec = depthwise.DepthwiseSpec.from_attrs(
+            (kh, kw, channels, mult), self.attrs, len(self.var_shapes) > 1, self.name)
         options = lambda name: self._factor_options(positions=self.positions, name=name)  # noqa
         self.input_factor = factors_kron.DepthwiseInputFactor(self.spec, **options("input_factor"))
         self.output_factor = factors_kron.depthwise_output_factor(self.spec,

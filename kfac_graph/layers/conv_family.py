@@ -160,7 +160,7 @@ def spec_reader(spec_type):
         attrs = layer.use_attrs[use]
         shapes = variable_shapes(layer)
         return spec_type.from_attrs(attrs.get("kernel_shape") or shapes[0], attrs,
-                                    has_bias=len(shapes) == 2)
+                                    has_bias=len(shapes) == 2, layer=layer.name)
 
     return spec
 

@@ -53,6 +53,7 @@ from typing import Optional, Tuple
 
 import tensorflow as tf
 
+from kfac_graph.layers import run_time_patches
 from kfac_graph.layers.uses import batch_size
 
 _PADDINGS = ("SAME", "VALID", "EXPLICIT")
@@ -91,6 +92,7 @@ class ConvAttrs:
     data_format: str = "NHWC"
     has_bias: bool = False
     input_channels: Optional[int] = None
+    layer: str = dataclasses.field(default="", compare=False)  # named in errors
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # frozen dataclass  # noqa: E731
@@ -158,12 +160,13 @@ class ConvAttrs:
         return tuple((p[2 * i], p[2 * i + 1]) for i in self._spatial)
 
     @classmethod
-    def from_attrs(cls, kernel_shape, attrs, has_bias=False):
-        """Builds the spec from a mapping of TF op attrs (missing ones default)."""
+    def from_attrs(cls, kernel_shape, attrs, has_bias=False, layer=""):
+        """Builds the spec from a mapping of TF op attrs (missing ones default);
+        ``layer``: the name its run-time errors give."""
         keys = ("strides", "dilations", "padding", "explicit_paddings", "data_format",
                 "input_channels")
         attrs = attrs or {}
-        return cls(kernel_shape=tuple(kernel_shape), has_bias=has_bias,
+        return cls(kernel_shape=tuple(kernel_shape), has_bias=has_bias, layer=layer,
                    **{k: attrs[k] for k in keys if k in attrs})
 
 
@@ -378,23 +381,8 @@ def extract_patches(x, spec):
     """Input patches `[B, T, kh*kw*C]` of the convolution `spec` (a
     `ConvAttrs`) on `x` in its data format, `T = Ho*Wo` output locations in
     row-major order (3-D: `[B, Do*Ho*Wo, kd*kh*kw*C]`): one gather when the
-    spatial size is static, else (2-D only) `tf.image.extract_patches`
-    (EXPLICIT padding applied first)."""
+    spatial size is static, else (2-D only) `run_time_patches.patches`."""
     x = to_nhwc(x, spec.data_format)
     if None not in x.shape[1:-1]:
         return gather_im2col(x, geometry(spec, tuple(x.shape[1:-1])))
-    if spec.rank != 2:
-        raise ValueError(f"the patches of a {spec.rank}-D convolution need a static spatial "
-                         f"size, got {x.shape}")
-    padding = spec.padding
-    if padding == "EXPLICIT":
-        (top, bottom), (left, right) = spec.explicit_paddings_hw
-        x = tf.pad(x, [[0, 0], [top, bottom], [left, right], [0, 0]])
-        padding = "VALID"
-    (kh, kw), (sh, sw), (dh, dw) = spec.kernel_hw, spec.strides_hw, spec.dilations_hw
-    patches = tf.image.extract_patches(
-        x, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1], rates=[1, dh, dw, 1], padding=padding
-    )
-    shape = tf.shape(patches)
-    return tf.reshape(patches, [shape[0], shape[1] * shape[2], kh * kw * x.shape[-1]])
-
+    return run_time_patches.patches(x, spec)
