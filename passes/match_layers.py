@@ -219,7 +219,7 @@ def _use(g, pattern: Pattern, roles) -> Use:
         attrs["kernel_shape"] = whole_kernel(g, roles["w"], ir.shape_of(g, data["raw_inputs"][1]))
         attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))
         side = "output" if pattern.kind in _TRANSPOSE_KINDS else "input"
-        if (pattern.kind not in ("conv2d", "depthwise_conv2d")  # (2-D: of any size)
+        if (pattern.kind not in ("conv2d", "depthwise_conv2d", "conv2d_transpose")  # any size
                 and _spatial(attrs[f"{side}_shape"], attrs.get("data_format")) is None):
             attrs["unsupported"] = (f"its {side}'s spatial size is known only at run time, "
                                     f"and a {pattern.kind}'s patches need it")

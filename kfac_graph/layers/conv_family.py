@@ -16,7 +16,8 @@ per use (`conv_geometry.nhwc_use`), the sum over uses, the bias, and the norms.
 Where a 2-D use's spatial size is unknown while tracing (a step traced with
 a SavedModel's `[B, None, None, C]`), the kernels' geometry cannot be
 built: `run_time_grads` contracts the patches `tf.image.extract_patches`
-gives at any size instead (and the norms square what it gives).
+gives at any size instead (and the norms square what it gives); a rule
+whose roles differ (the transposed convolution's) overrides `run_time_grads`.
 """
 
 import dataclasses
@@ -89,12 +90,16 @@ class PatchRule:
     def per_example_grads(self, uses, spec):
         """The kernel's `[B, *kernel_shape]` and, if `spec.has_bias`, the bias's."""
         if not _sizes_known(uses, spec):
-            return run_time_grads(uses, spec, self.groups(spec))
+            return self.run_time_grads(uses, spec)
         nhwc_uses = self.nhwc_uses(uses, spec)
         out = [self.kernel_grads(nhwc_uses, spec)]
         if spec.has_bias:
             out.append(self.bias_grads(nhwc_uses))
         return out
+
+    def run_time_grads(self, uses, spec):
+        """`per_example_grads` where the spatial size is known at run time only."""
+        return run_time_grads(uses, spec, self.groups(spec))
 
     def use_gram(self, spec, positions):
         """Whether `squared_norms` takes the Gram form for `positions` in all."""
@@ -120,9 +125,10 @@ class PatchRule:
 
 
 def _sizes_known(uses, spec) -> bool:
-    """Whether every use's input has a static spatial size while tracing."""
-    return all(None not in cg.to_nhwc(a, spec.data_format).shape[1:-1]
-               for a, _ in uses_lib.as_uses(uses))
+    """Whether every use's input and output gradient have a static spatial
+    size while tracing."""
+    return all(None not in cg.to_nhwc(t, spec.data_format).shape[1:-1]
+               for use in uses_lib.as_uses(uses) for t in use)
 
 
 def run_time_grads(uses, spec, groups):

@@ -86,6 +86,16 @@ class ConvTransposeRule(conv.ConvRule):
         """The bias's per-example gradients: `dy` summed over y's positions."""
         return bias_grads([dy for dy, _, _ in nhwc_uses])
 
+    def run_time_grads(self, uses, spec):
+        """At a spatial size known at run time only: the forward convolution's
+        patches of `dy` contracted with `x` (`conv_family.run_time_grads` on
+        `(dy, x)`), and the bias's `dy` summed over y's positions."""
+        uses = uses_lib.as_uses(uses)
+        kernel = conv_family.run_time_grads([(g, a) for a, g in uses],
+                                            dataclasses.replace(spec, has_bias=False), 1)
+        return kernel + ([bias_grads([g for _, g in uses], spec.data_format)]
+                         if spec.has_bias else [])
+
 
 # -- factor statistics (the Kronecker factors' rows) -------------------------------
 
