@@ -225,6 +225,8 @@ def test_sample_weights_per_output_step_as_the_weighted_loss():
 
 
 def test_poisson_padding_counts_for_nothing_and_the_mean_uses_the_expected_size():
+    """In the step, the loss and the metrics (Keras's plain metrics take no
+    sample weight: the padding rows are dropped before them)."""
     model, x, y = _small(1)
     batches = kg.privacy.poisson_batches((x, y), 0.25, steps=1, seed=4, pad_multiple=8)
     xb, yb, mask = next(iter(batches))
@@ -235,6 +237,9 @@ def test_poisson_padding_counts_for_nothing_and_the_mean_uses_the_expected_size(
         per_example = _loss().call(yb[real], model(xb[real], training=True))
         total = tf.reduce_sum(per_example) / 10.0  # q N = 0.25 * 40
     grads = tape.gradient(total, model.trainable_variables)
+    logits = model(xb, training=True).numpy()
+    accuracy = np.mean(np.argmax(logits[real], 1) == yb.numpy()[real])
+    assert accuracy != np.mean(np.argmax(logits, 1) == yb.numpy())  # padding would count
     dp = kg.DPModel(model, loss=_loss(), l2_norm_clip=1e9, noise_multiplier=0.0)
     dp.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"])
     drawn = tf.data.Dataset.from_tensors((xb, yb, mask))  # the batch drawn above
@@ -244,6 +249,7 @@ def test_poisson_padding_counts_for_nothing_and_the_mean_uses_the_expected_size(
         np.testing.assert_allclose(v.numpy(), b - 0.1 * g.numpy(), rtol=1e-5, atol=1e-6)
     assert history.history["loss"][0] == pytest.approx(float(tf.reduce_mean(per_example)),
                                                        rel=1e-5)
+    assert history.history["accuracy"][0] == pytest.approx(accuracy)  # real rows alone
 
 
 def test_epsilon_in_history_tensorboard_and_checkpoints(tmp_path):
