@@ -136,6 +136,12 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                         "a per-example gradient is that "
                         "example's share of the batch gradient, not a batch-of-one gradient",
                         ", ".join(repr(op) for op in result.coupling[:3]))
+    if lm.terms is None and lm.reason:
+        logging.warning("kfac_graph: the loss is named %r, but the pass read no per-example "
+                        "terms (%s): a per-example gradient is that example's share of the "
+                        "batch gradient (B times it for a mean), its own gradient only where "
+                        "the loss is a mean or sum of terms of one example each",
+                        lm.kind, lm.reason)
     if lm.kind == "opaque":
         logging.warning("kfac_graph: the loss is read as opaque per-example terms %s (%s): "
                         "per-example gradients work; a Fisher needs a loss the pass reads",

@@ -226,6 +226,9 @@ class Registration:
                    + (f"; divided by {', '.join(loss.divisors)}" if loss.divisors else "")
                    + (f"; per-example terms added {extras}" if extras else "")
                    + (f"; penalties {', '.join(loss.penalties)}" if loss.penalties else ""))
+        if self.per_example_loss is None and loss.reason:
+            out.append(f"no per-example terms read ({loss.reason}): a per-example gradient is "
+                       "the example's share of the batch gradient (DP-SGD refuses the loss)")
         if self.coupling:
             out.append(f"examples meet at: {', '.join(self.coupling)} (DP-SGD refuses the loss)")
         if self.batch_statistics:

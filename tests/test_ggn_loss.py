@@ -14,10 +14,12 @@ Jacobians and Hessians; a loss with no curvature (L1, hinge), a loss over
 the whole batch (Dice with ``axis=None``) and a head too wide are refused
 or stay opaque, each with its reason.
 """
+import logging
+
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 
 import kfac_graph as kg
 from kfac_graph.fisher.ggn import GGN
@@ -203,6 +205,30 @@ def test_losses_with_no_curvature_or_no_examples_say_why(float64):
     opt = kg.KFAC(fn)
     losses = [float(opt.step(x, y)) for _ in range(3)]
     assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0
+
+
+def test_a_named_loss_with_no_per_example_terms_says_what_its_rows_are(float64, caplog):
+    """Dice over the whole batch, named "bernoulli" as the refusal offers:
+    K-FAC has a Fisher, but each example's row is its share of the batch
+    gradient, not its own loss's gradient. The registration warns and its
+    summary says so; the rows still sum to the batch gradient; DP-SGD
+    refuses (before: no word, rows 7e-2 from one-example tapes)."""
+    params = _dense()
+    x = tf.constant(np.random.default_rng(9).normal(size=(B, D)))
+    y = tf.constant(np.random.default_rng(10).integers(0, 2, (B, K)), tf.float64)
+    loss = lambda x, y: L.Dice()(y, tf.sigmoid(x @ params[0] + params[1]))  # noqa: E731
+    fn = kg.auto_register(loss, loss="bernoulli")
+    with caplog.at_level(logging.WARNING):
+        reg = fn.registration(x, y)
+    assert any("named 'bernoulli', but the pass read no per-example terms" in r.getMessage()
+               for r in caplog.records)
+    assert "no per-example terms read (" in reg.summary()
+    with tf.GradientTape() as tape:
+        batch = tape.gradient(loss(x, y), params)
+    for row, want in zip(kg.per_example_gradients(fn, x, y), batch):
+        np.testing.assert_allclose(tf.reduce_mean(row, 0), want, atol=1e-12)
+    with pytest.raises(ValueError, match="did not find the per-example loss terms"):
+        kg.dp_gradients(fn, x, y, l2_norm_clip=1.0, noise_multiplier=0.0)
 
 
 def test_ggn_square_root_and_samples():
