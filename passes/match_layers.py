@@ -218,11 +218,6 @@ def _use(g, pattern: Pattern, roles) -> Use:
     if pattern.kind in _CONV_KINDS:
         attrs["kernel_shape"] = whole_kernel(g, roles["w"], ir.shape_of(g, data["raw_inputs"][1]))
         attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))
-        side = "output" if pattern.kind in _TRANSPOSE_KINDS else "input"
-        if (pattern.kind not in ("conv2d", "depthwise_conv2d", "conv2d_transpose")  # any size
-                and _spatial(attrs[f"{side}_shape"], attrs.get("data_format")) is None):
-            attrs["unsupported"] = (f"its {side}'s spatial size is known only at run time, "
-                                    f"and a {pattern.kind}'s patches need it")
     if pattern.kind in _TRANSPOSE_KINDS:
         attrs.update(_transpose_attrs(g, data, inputs[0]))
     if "s2b" in roles:
@@ -254,15 +249,6 @@ def _channels(shape, data_format):
     if not shape or len(shape) not in (4, 5):
         return None
     return shape[1] if _channels_first(data_format) else shape[-1]
-
-
-def _spatial(shape, data_format):
-    """The spatial sizes of a 4-D or 5-D convolution input, None when one is
-    unknown (a sequence whose length is known at run time only)."""
-    if not shape or len(shape) not in (4, 5):
-        return None
-    spatial = shape[2:] if _channels_first(data_format) else shape[1:-1]
-    return None if None in spatial else tuple(spatial)
 
 
 def _channels_first(data_format) -> bool:

@@ -16,8 +16,8 @@ length, so its bias is its layer's, as at a static length). A dilated one
 computed from the size; their difference, the convolution's own padding,
 is the same under every probe (``passes.shape_probe``). A transposed one
 contracts the patches of its output gradient with its input (the forward
-convolution's roles swapped). A 3-D convolution is generic (exact) with a
-reason that says so. float64."""
+convolution's roles swapped). A 3-D one (plain, grouped, transposed) takes
+its patches as depth slabs of 2-D patches, which XLA compiles. float64."""
 import keras
 import numpy as np
 import pytest
@@ -57,13 +57,14 @@ CASES = {
                                               dilation_rate=1), L.Conv2D(2, 1),
                             L.GlobalAveragePooling2D()], 2, 3,
                    ["conv2d_transpose", "conv2d_transpose", "conv2d", "dense"]),
+    "conv3d": (lambda: [L.Conv3D(4, 2, activation="tanh"),
+                        L.Conv3D(4, (2, 3, 2), strides=(1, 2, 2), padding="same", groups=2),
+                        L.Conv3DTranspose(2, 2, strides=2, padding="same"),
+                        L.GlobalAveragePooling3D()], 3, 3,
+               ["conv3d", "conv3d", "conv3d_transpose", "dense"]),
     "batch_norm": (lambda: [L.Conv2D(4, 3, activation="tanh"), L.BatchNormalization(),
                             L.GlobalAveragePooling2D()], 2, 3,
                    ["conv2d", "scale_and_shift", "dense"]),
-}
-GENERIC = {  # name: (layers, spatial rank, the reason's words)
-    "conv3d": (lambda: [L.Conv3D(3, 2, activation="tanh"), L.GlobalAveragePooling3D()], 3,
-               "its input's spatial size is known only at run time, and a conv3d's patches"),
 }
 
 
@@ -92,14 +93,14 @@ FAST = ("conv1d", "dilated", "temporal", "grouped")  # the others under -m slow
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
                                   for n in sorted(CASES)])
-def test_a_2d_convolution_of_any_size_registers_and_equals_the_loop(name):
+def test_a_convolution_of_any_size_registers_and_equals_the_loop(name):
     layers, rank, channels, kinds = CASES[name]
     model, loss, spec = _problem(layers, rank, channels)
     fn = kg.auto_register(tf.function(loss, input_signature=spec))
     unknown = tf.function(lambda *a: kg.per_example_gradients(fn, *a), input_signature=spec)
     norms = tf.function(lambda *a: kg.per_example_gradient_norms(fn, *a),
                         input_signature=spec)
-    for seed, sizes in enumerate(([6, 6], [9, 7])):
+    for seed, sizes in enumerate(([6, 6, 5], [9, 7, 6])):
         args = _images(rank, channels, sizes, seed)
         reg = fn.registration(*args)
         assert "generic" not in [layer.kind for layer in reg.layers], reg.summary()
@@ -112,12 +113,13 @@ def test_a_2d_convolution_of_any_size_registers_and_equals_the_loop(name):
         np.testing.assert_allclose(norms(*args), np.linalg.norm(flat, axis=1), rtol=1e-9)
 
 
-@pytest.mark.parametrize("name", ["conv1d", "dilated", "transposed"] + [
-    pytest.param(n, marks=pytest.mark.slow) for n in ("strided", "depthwise", "grouped")])
+@pytest.mark.parametrize("name", ["conv1d", "dilated", "conv3d"] + [
+    pytest.param(n, marks=pytest.mark.slow)
+    for n in ("strided", "depthwise", "grouped", "transposed")])
 def test_kfac_steps_traced_at_any_size_equal_the_static_ones(name):
     layers, rank, channels, _ = CASES[name]
     model, loss, spec = _problem(layers, rank, channels)
-    args = _images(rank, channels, [7, 6], 3)
+    args = _images(rank, channels, [7, 6, 5], 3)
     start = [v.numpy() for v in model.trainable_variables]
     losses = []
     for fn, signature in ((kg.auto_register(loss), None),
@@ -133,20 +135,20 @@ def test_kfac_steps_traced_at_any_size_equal_the_static_ones(name):
     assert losses[0][1] < losses[0][0]  # the first step, no momentum yet, goes down
 
 
-@pytest.mark.parametrize("name", sorted(GENERIC))
-def test_other_convolutions_of_any_size_say_why_they_are_generic(name):
-    layers, rank, words = GENERIC[name]
-    model, loss, spec = _problem(layers, rank, 3)
+def test_a_3d_step_of_any_size_compiles_with_xla():
+    """3-D patches at a size known at run time only are depth slabs of 2-D
+    patches (``layers/run_time_patches``), which XLA compiles
+    (``tf.extract_volume_patches`` has no XLA kernel)."""
+    layers, rank, channels, _ = CASES["conv3d"]
+    model, loss, spec = _problem(layers, rank, channels)
     fn = kg.auto_register(tf.function(loss, input_signature=spec))
-    args = _images(rank, 3, [6, 6, 6], 0)
-    reg = fn.registration(*args)
-    generic = [layer for layer in reg.layers if layer.kind == "generic"]
-    assert {v.name.split(":")[0] for layer in generic for v in layer.variables} == {
-        v.path for v in model.layers[0].trainable_variables}, reg.summary()
-    assert all(words in layer.reason for layer in generic), [g.reason for g in generic]
-    got = tf.function(lambda *a: kg.per_example_gradients(fn, *a), input_signature=spec)(*args)
-    for v, g, w in zip(reg.variables, got, one_example_loop(loss, args, reg.variables)):
-        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=v.name)
+    compiled = tf.function(lambda *a: kg.per_example_gradients(fn, *a), input_signature=spec,
+                           jit_compile=True)
+    for seed, sizes in enumerate(([5, 4, 6], [7, 5, 4])):
+        args = _images(rank, channels, sizes, seed)
+        for v, g, w in zip(model.trainable_variables, compiled(*args),
+                           one_example_loop(loss, args, model.trainable_variables)):
+            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=v.name)
 
 
 def test_kfac_rewrite_of_images_of_any_size(tmp_path):

@@ -347,10 +347,11 @@ def test_full_and_diagonal_blocks_match_brute_force_fisher(float64):
         np.testing.assert_allclose(est.blocks[0].full_matrix(), expect, rtol=RTOL, atol=1e-12)
 
 
-def test_a_dynamic_depth_stays_generic_and_its_rule_is_exact():
+def test_a_dynamic_depth_registers_and_its_rule_is_exact():
     """A grouped Conv3D whose depth and height are known only at run time has
-    no patch geometry: it stays generic, and the generic rule (on the graph with the
-    Conv3D per group) matches one-example gradients of the split reference."""
+    no static patch geometry: its patches are taken at run time
+    (``layers/run_time_patches``), and its rule matches one-example
+    gradients of the split reference."""
     rng = np.random.default_rng(2)
     w = tf.Variable(rng.normal(size=(2, 2, 2, 2, 4)))
     x = tf.constant(rng.normal(size=(3, 3, 3, 3, 4)))
@@ -368,6 +369,6 @@ def test_a_dynamic_depth_stays_generic_and_its_rule_is_exact():
     fn = kg.auto_register(loss(lambda x: tf.raw_ops.Conv3D(input=x, filter=w, strides=[1] * 5,
                                                            padding="SAME")))
     reg = fn.registration(x)
-    assert [layer.kind for layer in reg.layers] == ["generic"]
+    assert [layer.kind for layer in reg.layers] == ["conv3d"]
     want = one_example_loop(loss(lambda x: split_conv3d(2, size=3)(x, w)), (x,), [w])
     assert_close(kg.per_example_gradients(fn, x)[0].numpy(), want[0].numpy(), RTOL)

@@ -13,10 +13,10 @@ rule's `method` names one), when the Gram ("ghost") form of the norm is
 cheaper (`gram_dims`: the contracted widths), and that form (`gram_norms`).
 Everything else is here: channels-last layouts (2-D or 3-D) and geometry
 per use (`conv_geometry.nhwc_use`), the sum over uses, the bias, and the norms.
-Where a 2-D use's spatial size is unknown while tracing (a step traced with
+Where a use's spatial size is unknown while tracing (a step traced with
 a SavedModel's `[B, None, None, C]`), the kernels' geometry cannot be
-built: `run_time_grads` contracts the patches `tf.image.extract_patches`
-gives at any size instead (and the norms square what it gives); a rule
+built: `run_time_grads` contracts the patches `run_time_patches` gives at
+any size instead (and the norms square what it gives); a rule
 whose roles differ (the transposed convolution's) overrides `run_time_grads`.
 """
 

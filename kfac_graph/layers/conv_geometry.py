@@ -381,7 +381,7 @@ def extract_patches(x, spec):
     """Input patches `[B, T, kh*kw*C]` of the convolution `spec` (a
     `ConvAttrs`) on `x` in its data format, `T = Ho*Wo` output locations in
     row-major order (3-D: `[B, Do*Ho*Wo, kd*kh*kw*C]`): one gather when the
-    spatial size is static, else (2-D only) `run_time_patches.patches`."""
+    spatial size is static, else `run_time_patches.patches`."""
     x = to_nhwc(x, spec.data_format)
     if None not in x.shape[1:-1]:
         return gather_im2col(x, geometry(spec, tuple(x.shape[1:-1])))
