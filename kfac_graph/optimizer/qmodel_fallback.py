@@ -66,8 +66,10 @@ def hand_over(opt):
     opt.learning_rate.assign(as_dtype(opt.initial["learning_rate"], opt.learning_rate.dtype))
     opt.momentum.assign(as_dtype(opt.initial["momentum"], opt.momentum.dtype))
     opt.compile_step()
-    logging.warning("kg.KFAC: the quadratic model's cap shortened most steps; from step %d "
+    why = ("the loss did not fall below its first steps'" if bool(opt.cap_watch.stalled)
+           else "the quadratic model's cap shortened most steps")
+    logging.warning("kg.KFAC: %s; from step %d "
                     "on the step is momentum_type='regular' (learning_rate %g, momentum %g, "
-                    "norm_constraint %s, damping held at %.3g)", int(opt.iterations),
+                    "norm_constraint %s, damping held at %.3g)", why, int(opt.iterations),
                     opt.initial["learning_rate"], opt.initial["momentum"], opt.norm_constraint,
                     float(opt.damping))

@@ -312,7 +312,7 @@ class StepCore:
             for slot, new in zip(opt.velocities, velocity):
                 slot.assign(new)
             if direction.capped is not None:
-                opt.cap_watch.count(direction.capped)
+                opt.cap_watch.count(direction.capped, loss)
             if opt.momentum_type == "qmodel" or opt.learning_rate_schedule is not None:
                 opt.learning_rate.assign(tf.cast(direction.learning_rate, opt.dtype))
                 opt.momentum.assign(tf.cast(direction.momentum, opt.dtype))
