@@ -361,10 +361,9 @@ class DPModel(LedgerAccounting, keras.Model):
             loss = loss / tf.maximum(count, 1.0)
         loss += tf.cast(penalty, loss.dtype)  # what the gradient is of, as Keras logs it
         self._loss_tracker.update_state(loss, sample_weight=count)
-        if mask is not None:  # a Poisson batch's padding dropped: Keras's plain metrics
-            keep = tf.cast(mask, tf.bool)  # take no sample weight
+        if mask is not None:  # a Poisson batch's padding dropped (plain metrics take no weight)
             x, y, y_pred, metric_weight = tf.nest.map_structure(
-                lambda t: None if t is None else tf.boolean_mask(t, keep),
+                lambda t: None if t is None else tf.boolean_mask(t, tf.cast(mask, tf.bool)),
                 (x, y, y_pred, metric_weight))
         return self.compute_metrics(x, y, y_pred, sample_weight=metric_weight)
 
