@@ -6,7 +6,8 @@ A `Conv3D` op (input NDHWC or NCDHW, kernel `[kd, kh, kw, Cin, Cout]`, bias
 `[Cout]`) is the conv kind's math with one more spatial axis: its spec is
 `conv.ConvSpec` read from 5-lists (`ConvAttrs.rank` 3), the rule is
 `conv.ConvRule` (kernels "taps", "gather", "im2col"; "grouped", a 2-D
-filter-gradient op, is not one of them), and its Kronecker factors are KFC's over the `T = Do*Ho*Wo` output
+filter-gradient op, is not one of them), and its Kronecker factors are KFC's over the
+`T = Do*Ho*Wo` output
 locations: A from the `kd*kh*kw*Cin` (+1) input patches (`conv.input_rows`),
 G from the `Cout` output gradients (`conv.output_rows`):
 

@@ -54,6 +54,7 @@ from typing import Optional, Tuple
 import tensorflow as tf
 
 from kfac_graph.layers import run_time_patches
+from kfac_graph.layers.conv_padding import output_and_padding  # noqa: F401 (cg's callers)
 from kfac_graph.layers.uses import batch_size
 
 _PADDINGS = ("SAME", "VALID", "EXPLICIT")
@@ -168,21 +169,6 @@ class ConvAttrs:
         attrs = attrs or {}
         return cls(kernel_shape=tuple(kernel_shape), has_bias=has_bias, layer=layer,
                    **{k: attrs[k] for k in keys if k in attrs})
-
-
-def output_and_padding(size, k, s, d, padding, explicit=(0, 0)):
-    """Output size and `(before, after)` zero padding of a convolution along one
-    spatial axis (input `size`, kernel `k`, stride `s`, dilation `d`,
-    `padding` "SAME", "VALID" or "EXPLICIT" with `explicit` pads), as TF does."""
-    span = (k - 1) * d + 1
-    if padding == "SAME":
-        out = -(-size // s)
-        total = max((out - 1) * s + span - size, 0)
-        return out, (total // 2, total - total // 2)
-    if padding == "VALID":
-        return -(-(size - span + 1) // s), (0, 0)
-    before, after = explicit
-    return (size + before + after - span) // s + 1, (before, after)
 
 
 def gather_patches(x, kernel, strides, dilations, out_size):

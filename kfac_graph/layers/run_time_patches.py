@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from kfac_graph.layers.conv_padding import output_and_padding
+
 
 def patches(x, spec):
     """Input patches ``[B, Ho*Wo, kh*kw*C]`` of the convolution ``spec`` (a
@@ -33,21 +35,17 @@ def patches(x, spec):
     if spec.rank == 2:
         return _image_patches(x, spec, padding)
     (kd, *_), (sd, *_), (dd, *_) = spec.kernel_hw, spec.strides_hw, spec.dilations_hw
-    depth = tf.shape(x)[1]
-    if padding == "SAME":
-        out_depth = (depth + sd - 1) // sd
-        total = tf.maximum((out_depth - 1) * sd + spans[0] - depth, 0)
-        x = tf.pad(x, [[0, 0], [total // 2, total - total // 2], [0, 0], [0, 0], [0, 0]])
-    else:
-        out_depth = (depth - spans[0]) // sd + 1
+    out_depth, depth_pads = output_and_padding(tf.shape(x)[1], kd, sd, dd, padding,
+                                               maximum=tf.maximum)
+    x = tf.pad(x, [[0, 0], depth_pads, [0, 0], [0, 0], [0, 0]])  # (0, 0) for VALID
     slabs = []
     for r in range(kd):  # [B, To, H, W, C]: depth tap r at every output depth
         slab = x[:, r * dd:r * dd + (out_depth - 1) * sd + 1:sd]
         shape = tf.shape(slab)
         flat = tf.reshape(slab, tf.concat([[shape[0] * shape[1]], shape[2:]], 0))
         flat.set_shape([None, None, None, x.shape[-1]])
-        patches = _image_patches(flat, spec, padding)  # [B To, Ho Wo, kh kw C]
-        slabs.append(tf.reshape(patches, [shape[0], -1, patches.shape[-1]]))
+        taps = _image_patches(flat, spec, padding)  # [B To, Ho Wo, kh kw C]
+        slabs.append(tf.reshape(taps, [shape[0], -1, taps.shape[-1]]))
     return tf.reshape(tf.stack(slabs, axis=2), [tf.shape(x)[0], -1, kd * slabs[0].shape[-1]])
 
 
