@@ -15,6 +15,8 @@ from absl import logging
 from tensorflow.python.autograph.core import ag_ctx
 
 import passes
+import passes.loss_bounds
+import passes.match_loss
 import passes.unroll
 from kfac_graph import options
 from kfac_graph.gather_reads import split_gathers
@@ -146,8 +148,12 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
         logging.warning("kfac_graph: the loss is read as opaque per-example terms %s (%s): "
                         "per-example gradients work; a Fisher needs a loss the pass reads",
                         lm.terms, lm.reason)
+    read = [] if lm.kind in passes.match_loss.KINDS else [(lm.terms, lm.terms_coefficient)]
+    nonnegative = passes.loss_bounds.nonnegative(result.graph, [*read, *lm.extras,
+                                                                *lm.penalties])
     loss = LossSpec(lm.kind, lm.reduction, lm.output, lm.targets, lm.scale, lm.weights,
-                    lm.divisors, lm.reason, lm.penalties, lm.summed_penalties, lm.blocks)
+                    lm.divisors, lm.reason, lm.penalties, lm.summed_penalties, lm.blocks,
+                    nonnegative)
     placeholders = {node: user_variable(traced.objects[key])
                     for node, key in traced.placeholder_variables.items() if key in traced.objects}
     generic = {k for m in result.layers if m.kind == "generic" for k in m.variables}

@@ -98,7 +98,13 @@ class LossSpec:
 
     ``blocks``: a ``"ggn"`` loss over joined outputs beyond ``MAX_CLASSES``
     values per example has a block-diagonal Hessian, ``(n, K)`` per block
-    along ``z``'s columns (``kfac_graph.fisher.ggn_blocks``); empty: whole."""
+    along ``z``'s columns (``kfac_graph.fisher.ggn_blocks``); empty: whole.
+
+    ``nonnegative``: the loss is ``>= 0`` for any input, its weights taken
+    ``>= 0``: a likelihood's terms (``passes.match_loss.KINDS``) or terms
+    proven ``>= 0`` (``passes.loss_bounds``: absolute, Huber, hinge
+    losses), and every penalty and added term proven so (the quadratic
+    model's cap needs it, ``kfac_graph.optimizer.qmodel``)."""
     kind: str
     reduction: str = "mean"
     output: str | None = None
@@ -110,6 +116,7 @@ class LossSpec:
     penalties: tuple[str, ...] = ()
     summed_penalties: tuple[str, ...] = ()
     blocks: tuple[tuple[int, int], ...] = ()
+    nonnegative: bool = False
 
     @property
     def no_fisher(self) -> str:

@@ -64,7 +64,6 @@ from kfac_graph.optimizer import update_rules
 from kfac_graph.optimizer import vectors as vec
 from kfac_graph.taps import LayerTaps
 from kfac_graph.layers.scalars import as_dtype
-from passes.match_loss import KINDS
 
 
 class Gradients(NamedTuple):
@@ -328,8 +327,8 @@ class StepCore:
 
     def objective(self, loss, variables):
         """``h = L + l2_reg/2 |theta|^2`` before the update; None (no cap) unless the loss
-        is a likelihood of ``KINDS`` alone, ``>= 0`` (a ``ggn`` one may be negative)."""
-        if self.opt.registration.loss.kind not in KINDS or self.opt.registration.per_example_extras:
+        is ``>= 0`` (``LossSpec.nonnegative``: a likelihood's, or terms proven so)."""
+        if not self.opt.registration.loss.nonnegative:
             return None
         h = tf.cast(loss, self.opt.dtype)
         if self.opt.l2_reg:
