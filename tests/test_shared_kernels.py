@@ -47,7 +47,7 @@ def _optimizer(model, share, **options):
 
 
 @pytest.mark.parametrize("options", [
-    dict(momentum_type="regular", adapt_damping=False),
+    pytest.param(dict(momentum_type="regular", adapt_damping=False), marks=pytest.mark.slow),
     dict(factor_block_size=8, max_factor_size=20),  # blocked and diagonal factors; the defaults
 ])
 def test_shared_kernels_train_exactly_as_in_place_with_a_smaller_graph(options):
