@@ -1,9 +1,10 @@
 """Lookups without an example axis.
 
-Contract: ``ids_without_batch(g, groups, data) -> groups`` takes the
-matcher's groups ``{(kind, variable keys): [(pattern, roles, Use)]}`` and
-the set of nodes that depend on the arguments, and returns them with every
-embedding use whose ids carry no example axis marked ``unsupported``.
+Contract: ``ids_without_batch(g, groups, data, rows) -> groups`` takes the
+matcher's groups ``{(kind, variable keys): [(pattern, roles, Use)]}``, the
+set of nodes that depend on the arguments and the examples' rows
+(``passes.example_rows``), and returns them with every embedding use whose
+ids carry no example axis marked ``unsupported``.
 """
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ _CONSTANT = ("a lookup of ids that do not depend on the data (no example axis), 
              "over the batch")
 _BAG = ("a lookup of ids whose first axis is not the examples' (a sparse or ragged bag's ids, "
         "combined per example after the lookup)")
+_JOINED = ("a lookup of ids whose first axis holds {n} rows for a batch of {b}, not the "
+           "examples' (the examples' ids joined with others, as tf.nn.sampled_softmax_loss and "
+           "nce_loss join the labels and the sampled classes)")
 
 
-def ids_without_batch(g, groups, data):
+def ids_without_batch(g, groups, data, rows):
     """A lookup whose ids do not depend on the arguments (``table[range(T)]``)
     and is not a recognised position embedding (added over the batch) has
     no example axis unless the ids are laid out ``[B, ...]`` themselves
@@ -38,7 +42,11 @@ def ids_without_batch(g, groups, data):
     ragged bag's ids, ``embedding_lookup_sparse``: N ids for B examples,
     combined per example by a segment reduction after the lookup) leads with
     no example either (ids ``[?, T]``, as ``TextVectorization`` pads them,
-    are taken to lead with the examples, which the rule checks when run)."""
+    are taken to lead with the examples, which the rule checks when run), nor
+    does a vector of data ids of another static length than the batch's,
+    where the rows tracker lost the examples: the examples' ids joined with
+    others (``tf.nn.sampled_softmax_loss`` looks up ``concat([labels,
+    sampled])``, ``[B + S]``, and the sampled rows meet every example)."""
     batch_sizes = {shape[0] for shape in (
         (g.nodes[a]["shapes"] or [None])[0] for a in g.graph["arguments"]) if shape}
 
@@ -52,7 +60,12 @@ def ids_without_batch(g, groups, data):
         if ir.split_tensor(ids)[0] in data:  # (data, or sizes read from it: probed)
             if probed:
                 return "" if 0 in run_time_batch_axes(g, ir.split_tensor(ids)[0]) else _CONSTANT
-            return _BAG if shape and len(shape) == 1 and shape[0] is None else ""
+            if shape and len(shape) == 1 and shape[0] is None:
+                return _BAG
+            lost = rows.get(ir.split_tensor(ids)[0]) is None
+            return _JOINED.format(n=shape[0], b=min(batch_sizes)) if (
+                lost and shape and shape[0] is not None and batch_sizes
+                and shape[0] not in batch_sizes) else ""
         return "" if (bool(shape) and len(shape) >= 2 and shape[0] in batch_sizes
                       and _meets_data_on_batch(g, ir.split_tensor(use.output)[0], data)
                       ) else _CONSTANT

@@ -7,7 +7,8 @@ computed from constants and static shapes by the ops of ``_FOLD`` (at most
 16 deep), else None; ``const_operand(g, inputs)`` is ``(value, other)``
 when one of two operands is such a scalar; ``from_shapes(g, tensor)``: the
 tensor reads a ``Shape`` or ``Size`` (a divisor counting the batch at run
-time).
+time); ``ones_column(g, tensor)``: the tensor is an ``[n, 1]`` column of
+ones, by which a matmul sums its other operand's rows (``tf.nn.nce_loss``).
 """
 from __future__ import annotations
 
@@ -73,3 +74,14 @@ def evaluate(g, tensor, depth=0):
 def from_shapes(g, tensor) -> bool:
     node = ir.split_tensor(tensor)[0]
     return any(g.nodes[n]["op"] in ("Shape", "Size") for n in nx.ancestors(g, node) | {node})
+
+
+def ones_column(g, tensor) -> bool:
+    """Whether ``tensor`` is ``[n, 1]`` of ones: a constant, or a ``Fill`` of 1."""
+    shape = ir.shape_of(g, tensor)
+    if not shape or len(shape) != 2 or shape[1] != 1:
+        return False
+    node = ir.node_of(g, tensor)
+    d = g.nodes[node]
+    value = ir.const_value(g, tensor) if d["op"] != "Fill" else evaluate(g, d["inputs"][1])
+    return value is not None and bool(np.all(np.asarray(value) == 1))

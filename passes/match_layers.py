@@ -109,7 +109,7 @@ def match_layers(g: nx.DiGraph, rows: dict) -> tuple[LayerMatch, ...]:
             holders[d["variable"]].append(node)
     readers = {key: [dst for node in nodes for dst in g.successors(node)]
                for key, nodes in holders.items()}
-    groups = ids_without_batch(g, grouped, data)
+    groups = ids_without_batch(g, grouped, data, rows)
     reaching = on_path & (batched | batch_flow.weights_into_data(g, on_path, batched))
     groups, reasons = _resolve_conflicts(g, groups, reaching, readers)
     layers = [_layer(g, kind, keys, uses, order) for (kind, keys), uses in groups.items()]

@@ -60,7 +60,7 @@ import numpy as np
 
 from passes import ir, loss_logits, loss_sizes, loss_terms, loss_weights
 from passes.errors import LOSS_HOW_TO, LossNotFoundError
-from passes.loss_constants import const_operand, evaluate, from_shapes
+from passes.loss_constants import const_operand, evaluate, from_shapes, ones_column
 from passes.joined_outputs import JOINED
 from passes.loss_output import ggn_output, joint_outputs, per_position
 
@@ -205,8 +205,9 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
                 else:  # a size known at run time only: the weights' derivative holds it
                     divisors.append(f"the size of axis {a} of {inputs[0]}")
             tensor = inputs[0]
-        elif op in ("Sum",) or op in _PASS_THROUGH:
-            tensor = inputs[0]
+        elif op in ("Sum",) or op in _PASS_THROUGH or (op == "MatMul" and ones_column(
+                g, inputs[1]) and not any(d["attrs"].get(f"transpose_{s}") for s in "ab")):
+            tensor = inputs[0]  # (x @ ones([n, 1]) sums x's rows)
         elif op == "Neg":
             coefficient, tensor = -coefficient, inputs[0]
         elif op == "Mul":
