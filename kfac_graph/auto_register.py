@@ -134,7 +134,8 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
     lm = result.loss
     if result.coupling:
         logging.warning("kfac_graph: the loss couples the examples at op %s (batch statistics, "
-                        "two tensors of examples combined, or the batch reordered or mixed): "
+                        "two tensors of examples combined, the batch reordered or mixed, or "
+                        "a custom gradient whose function reads across the examples): "
                         "a per-example gradient is that "
                         "example's share of the batch gradient, not a batch-of-one gradient",
                         ", ".join(repr(op) for op in result.coupling[:3]))

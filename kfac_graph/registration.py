@@ -155,7 +155,9 @@ class Registration:
     take the variable's handle itself rather than a read of it, such as a
     loop the pass did not unroll: reads inside them cannot be replaced),
     ``coupling`` (the ops where one example's loss comes to depend on other
-    examples: ``passes.coupling``; DP-SGD refuses such a loss), and
+    examples: ``passes.coupling``, and the ``IdentityN`` of a replayed custom
+    gradient whose function reads across them, ``passes.gradient_coupling``;
+    DP-SGD refuses such a loss), and
     ``captured_resources`` (placeholder node -> the resource handle it
     stands for, a lookup table's: the re-run graph captures it), and
     ``batch_statistics`` (the ops that reduce the data alone over the

@@ -69,10 +69,25 @@ def coupling_ops(g: nx.DiGraph, rows: dict, terms: str | None) -> tuple[str, ...
     # where the rows are lost, a data tensor leading with the batch holds them first (for
     # the meets alone: a reduction along a first axis the batch's size by chance, as a
     # mixture of experts' [E, kB, d] with E = B, is no batch statistic)
-    lenient = example_rows(g, data | ir.reachable_from(g, batch_flow.batch_sources(g)), data,
-                           lenient=True)
+    return coupling_among(g, rows, lenient_rows(g, data), before, data, weighted)
+
+
+def lenient_rows(g, data) -> dict:
+    """``example_rows`` of ``g`` where a data tensor (``data``: the ops that
+    depend on the arguments) leading with the batch holds the examples
+    first wherever the rows are lost (module docstring)."""
+    return example_rows(g, data | ir.reachable_from(g, batch_flow.batch_sources(g)), data,
+                        lenient=True)
+
+
+def coupling_among(g, rows, lenient, nodes, data, weighted) -> tuple[str, ...]:
+    """The ops among ``nodes`` that couple the examples (module docstring),
+    in the graph's order: ``rows`` and ``lenient`` are ``example_rows``'s,
+    strict and lenient; ``data`` the ops that depend on the examples' data,
+    ``weighted`` those a reduction or meet counts at (the others'
+    statistics are weights)."""
     out = []
-    for node in nx.topological_sort(g.subgraph(before)):
+    for node in nx.topological_sort(g.subgraph(nodes)):
         d = g.nodes[node]
         sources = [ir.split_tensor(t)[0] for t in d["inputs"]]
         if _moves_rows(g, d, sources, rows):  # one example's data in another's row, anywhere

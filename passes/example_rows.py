@@ -39,7 +39,7 @@ class Rows(NamedTuple):
     axis: int
 
 
-def example_rows(g, batched, data, lenient=False) -> dict:
+def example_rows(g, batched, data, lenient=False, seeds=None) -> dict:
     """``{node: Rows}`` for the ops whose output holds the examples in row
     groups (module docstring). ``batched``: the ops whose leading axis may
     be the batch (the data's and per-example constants, ``batch_flow``);
@@ -49,19 +49,23 @@ def example_rows(g, batched, data, lenient=False) -> dict:
     leading with the batch (``_batch_leading``) holds them first again, as
     the rest of the pass takes it (``passes.coupling`` follows them so).
     A constant shaped ``[B, ..]`` by coincidence (a ``[q, k]`` grid with
-    ``q = B``) mixes no examples into a row."""
-    batch = static_batch(g)
-    rows = {}
+    ``q = B``) mixes no examples into a row. ``seeds``: ``{node: Rows}`` the
+    rows start from instead of the arguments (one batch: a gradient
+    function's cotangents, ``passes.gradient_coupling``)."""
+    if seeds:
+        batch, rows = next(iter(seeds.values())).batch, dict(seeds)
+    else:
+        batch, rows = static_batch(g), {}
     if batch is None:
-        return rows
-    for node in g.graph["arguments"]:  # the data: the batch on the first axis
+        return {}
+    for node in () if seeds else g.graph["arguments"]:  # the data: the batch on axis 0
         shape = (g.nodes[node]["shapes"] or [None])[0] if node in g else None
         if shape and shape[0] == batch:
             rows[node] = Rows(batch, 1, 0)
     for node in nx.topological_sort(g):
         d = g.nodes[node]
         out = d["shapes"][0] if d["shapes"] else None
-        if not out or None in out:
+        if not out or None in out or node in rows:
             continue
         r = _rows_of(g, d, out, rows, batched, data, batch)
         if r is None and lenient and node in data and _batch_leading(g, node, batch, batched):

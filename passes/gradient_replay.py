@@ -15,6 +15,9 @@ inputs (an argument or a variable the import mapped), any other by its name
 under the import's prefix. It returns False, and registers nothing, when the
 function is gone from this process or a tensor it holds is not in the graph
 (``names``: the graph's node names), so the caller can refuse the op instead.
+``rebuilt(marker, mapped)`` is that function with each tensor it holds
+(``held(marker)``) replaced by ``mapped(tensor)`` in any graph, to build its
+ops elsewhere (``passes.gradient_coupling`` reads them).
 """
 from __future__ import annotations
 
@@ -37,9 +40,8 @@ def register(node, names) -> bool:
     """Registers the replay of ``node``'s custom gradient (module docstring);
     whether it could."""
     marker = node.attr["_gradient_op_type"].s.decode()
-    try:
-        original = ops._gradient_registry.lookup(marker)  # noqa: SLF001 - TF's registry
-    except LookupError:
+    original = _original(marker)
+    if original is None:
         return False
     inputs = [ir.tensor_name(*ir.split_tensor(t)) for t in node.input if not t.startswith("^")]
     if any(t.name not in inputs and t.op.name not in names for t in _tensors(original, _DEPTH)):
@@ -66,6 +68,30 @@ def register(node, names) -> bool:
 
     tf.RegisterGradient(name)(replay)
     return True
+
+
+def held(marker: str) -> tuple:
+    """The graph tensors the gradient function registered under ``marker``
+    holds in its closures (each once); None where it is gone."""
+    original = _original(marker)
+    if original is None:
+        return None
+    return tuple({t.name: t for t in _tensors(original, _DEPTH)}.values())
+
+
+def rebuilt(marker: str, mapped):
+    """The gradient function registered under ``marker``, called as
+    ``fn(op, *grads)``, with each tensor ``t`` it holds replaced by
+    ``mapped(t)``; None where it is gone from this process."""
+    original = _original(marker)
+    return None if original is None else _rebound(original, mapped, _DEPTH)
+
+
+def _original(marker: str):
+    try:
+        return ops._gradient_registry.lookup(marker)  # noqa: SLF001 - TF's registry
+    except LookupError:
+        return None
 
 
 def _symbolic(value) -> bool:

@@ -26,6 +26,7 @@ from passes.canonicalize import canonicalize
 from passes.errors import KfacGraphError, TraceError
 from passes.coupling import batch_statistics, coupling_ops, padded_to_longest
 from passes.example_rows import graph_rows
+from passes.gradient_coupling import replayed_coupling
 from passes.grouped_conv3d import split_grouped_conv3d
 from passes.lora import mark_lora
 from passes.match_layers import LayerMatch, match_layers
@@ -45,7 +46,8 @@ class PassResult:
     layers: tuple[LayerMatch, ...]
     loss: LossMatch
     timings: dict
-    coupling: tuple[str, ...] = ()  # ops where the examples meet (passes.coupling)
+    coupling: tuple[str, ...] = ()  # ops where the examples meet (passes.coupling), and
+    # replayed custom gradients whose function reads across them (gradient_coupling)
     batch_statistics: tuple[str, ...] = ()  # the data's own, on the way to the loss
     padded_to_longest: tuple[str, ...] = ()  # ragged data padded to the batch's longest row
 
@@ -78,8 +80,9 @@ def run(traced: frontends.Traced, loss: str | None = None,
     start = time.perf_counter()
     loss_match = match_loss(g, loss, rows)
     _batch_first_output(g, rows, loss_match, traced.name)
-    coupling = tuple(dict.fromkeys(op for terms in (loss_match.terms, *(
-        t for t, _ in loss_match.extras)) for op in coupling_ops(g, rows, terms)))
+    coupling = tuple(dict.fromkeys([*(op for terms in (loss_match.terms, *(
+        t for t, _ in loss_match.extras)) for op in coupling_ops(g, rows, terms)),
+        *replayed_coupling(traced.graph_def, g, rows)]))
     statistics = batch_statistics(g, rows, g.graph["output"])
     padded = padded_to_longest(g, g.graph["output"])
     timings["match_loss"] = time.perf_counter() - start

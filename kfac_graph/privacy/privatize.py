@@ -58,8 +58,9 @@ def privatize(fn, *args, l2_norm_clip, noise_multiplier, seed=None, method="auto
         raise KfacGraphError(
             f"{owner}: the loss couples the examples at op {coupling[0]!r} (batch "
             "statistics such as batch normalisation in training mode, two tensors of "
-            "examples combined, as a contrastive loss's a @ b^T, or the batch reordered or "
-            "mixed, as in-batch mixup): clipping each example's share "
+            "examples combined, as a contrastive loss's a @ b^T, the batch reordered or "
+            "mixed, as in-batch mixup, or a custom gradient whose function reads across the "
+            "examples, as tf.clip_by_norm over the batch): clipping each example's share "
             "does not bound its influence on the update, so the noise gives no differential "
             "privacy; use per-example normalisation (LayerNormalization, GroupNormalization) "
             "or batch normalisation in inference mode")
