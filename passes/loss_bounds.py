@@ -205,10 +205,12 @@ class _Bounds:
 
     def _under(self, tensor, given):
         """``tensor``'s interval with ``given`` tensors bounded as given: the
-        ops between them and ``tensor`` computed again, the rest as known."""
+        ops between them and ``tensor`` computed again where each reads the
+        same elements (elementwise ops alone: a reduction of ``u`` also reads
+        elements where the comparison fails), the rest as known."""
         node = ir.split_tensor(tensor)[0]
         sources = {ir.split_tensor(t)[0] for t in given}
-        between = (nx.ancestors(self.g, node) | {node}) & ir.reachable_from(self.g, sources)
+        between = (nx.ancestors(self.g, node) | {node}) & _elementwise_reach(self.g, sources)
         branch = _Bounds(self.g, {**self.given, **given})
         branch.known = {k: v for k, v in self.known.items()
                         if ir.split_tensor(k)[0] not in between}
@@ -216,6 +218,17 @@ class _Bounds:
             if name in branch.known:
                 branch.known[name] = _meet(branch.known[name], bound)
         return branch.of(tensor, between | {node})
+
+
+def _elementwise_reach(g, sources):
+    """``sources`` and the ops reached from them through elementwise ops alone."""
+    seen, stack = set(sources), list(sources)
+    while stack:
+        for nxt in g.successors(stack.pop()):
+            if nxt not in seen and g.nodes[nxt]["op"] in ir.ELEMENTWISE:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
 
 
 def _zero(tensor):

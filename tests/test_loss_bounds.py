@@ -65,6 +65,17 @@ def test_select_branch_bounded_where_its_comparison_holds(slope, expected):
     assert lo == (0.0 if expected else -0.5)
 
 
+def test_a_branch_bounds_only_the_elements_its_comparison_holds_for():
+    """``where(e > 1, mean(e) - 1/2, e^2)``: the elements past the switch are
+    ``> 1``, but their row's mean reads the others too (``e = [3, 0, 0]``:
+    the first element's branch is -1/2), so nothing is proven."""
+    def loss(t, p):
+        e = tf.abs(p - t)
+        mean = tf.reduce_mean(e, axis=-1, keepdims=True)
+        return tf.reduce_mean(tf.where(e > 1.0, mean - 0.5, tf.square(e)))
+    assert not _registration(loss, Y_REAL).loss.nonnegative
+
+
 def test_penalty_must_be_proven_too():
     """A likelihood with ``-0.1 sum(W)`` added is no longer known >= 0; with
     ``0.1 sum(W^2)`` it is."""
