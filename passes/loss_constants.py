@@ -35,7 +35,14 @@ _FOLD = {
     "AddV2": lambda v, a: v[0] + v[1],
     "Pack": lambda v, a: np.stack(v) if all(np.ndim(x) == 0 for x in v) else None,  # scalars
     "StridedSlice": lambda v, a: _sliced(v, a),  # tf.shape(z)[0], folded when z's is static
+    # tf.compat.v1.losses' count of the weights broadcast to the terms (num_present)
+    "Fill": lambda v, a: np.full(v[0], v[1]) if np.prod(v[0]) <= _MAX_FILL else None,
+    "Select": lambda v, a: np.where(*v), "SelectV2": lambda v, a: np.where(*v),
+    "Equal": lambda v, a: np.equal(v[0], v[1]), "NotEqual": lambda v, a: np.not_equal(v[0], v[1]),
+    "Sum": lambda v, a: np.sum(v[0], axis=_axis(v[1]) if np.size(v[1]) else ()),
+    "Range": lambda v, a: np.arange(v[0], v[1], v[2]),
 }
+_MAX_FILL = 1 << 20
 
 
 def _axis(value):
@@ -57,11 +64,13 @@ def evaluate(g, tensor, depth=0):
     value = ir.const_value(g, tensor)
     if value is not None:
         return value
-    if d["op"] in ("Shape", "Size"):
+    if d["op"] in ("Shape", "Size", "Rank", "ZerosLike", "OnesLike"):
         shape = ir.shape_of(g, d["inputs"][0])
         if shape is None or any(s is None for s in shape):
             return None
-        return np.array(shape) if d["op"] == "Shape" else np.prod(shape)
+        return {"Shape": lambda: np.array(shape), "Size": lambda: np.prod(shape),
+                "Rank": lambda: np.array(len(shape)), "ZerosLike": lambda: np.zeros(shape),
+                "OnesLike": lambda: np.ones(shape)}[d["op"]]()
     fold = _FOLD.get(d["op"])
     if fold is None:
         return None

@@ -9,9 +9,11 @@ read without the ``1/B``), or a sum whose terms the divisor scales.
 
 ``counts_the_batch(g, tensor) -> bool | None``: whether the scalar
 ``tensor`` is a product of sizes (``Size``, ``Prod(Shape)``, elements of
-``Shape`` sliced with constant bounds, through ``Cast`` and ``Mul``) one of
-which is a first axis; None where it is computed otherwise (then the pass
-keeps reading it as the batch's, as before). A shape TensorFlow folded to a
+``Shape`` sliced with constant bounds, the sum of a ``Fill`` of a folded
+shape: tf.compat.v1's ``num_present``; through ``Cast``, and ``Mul`` also by
+a scalar of constants, a weight) one of which is a first axis; None where
+it is computed otherwise (then the pass keeps reading it as the batch's, as
+before). A shape TensorFlow folded to a
 constant (a static trace's ``tf.shape(z)``, a ``Const`` named ``Shape``)
 counts as one: its value alone cannot say whether ``6`` is ``B = 6`` or
 ``T = 6``. ``averages_the_examples``: whether a mean over a first axis
@@ -27,6 +29,7 @@ import re
 import numpy as np
 
 from passes import ir, loss_logits
+from passes.loss_constants import evaluate
 
 _THROUGH = frozenset({"Cast", "Identity"})
 
@@ -46,11 +49,15 @@ def _axes(g, tensor, depth) -> set | None:
     op, inputs = d["op"], d["inputs"]
     if op in _THROUGH:
         return _axes(g, inputs[0], depth - 1)
-    if op == "Mul":
-        parts = [_axes(g, t, depth - 1) for t in inputs[:2]]
-        return None if None in parts else parts[0] | parts[1]
+    if op == "Mul":  # sizes, or a size and a scalar of constants alone (a weight)
+        parts = [set() if _scalar(g, t) else _axes(g, t, depth - 1) for t in inputs[:2]]
+        return None if None in parts or parts == [set(), set()] else parts[0] | parts[1]
     if op == "Size" or op == "Const" and _folded(node, "Size"):
         return {0}
+    if op == "Sum":  # of a tensor of a folded shape: its count (tf.compat.v1's num_present)
+        return _axes(g, inputs[0], depth - 1)
+    if op == "Fill" and _shape_of_rank(g, inputs[0]) is not None:
+        return set(range(_shape_of_rank(g, inputs[0])))
     if op == "Prod" and _shape_of_rank(g, inputs[0]) is not None:
         return set(range(_shape_of_rank(g, inputs[0])))
     if op == "StridedSlice" and _shape_of_rank(g, inputs[0]) is not None:
@@ -65,10 +72,18 @@ def _axes(g, tensor, depth) -> set | None:
     return None
 
 
+def _scalar(g, tensor) -> bool:
+    value = evaluate(g, tensor)
+    return value is not None and np.size(value) == 1
+
+
 def _folded(node, op) -> bool:
     """A constant TensorFlow folded ``op`` (``Shape``, ``Size``) of a
-    tensor of static shape to: it keeps the op's name."""
-    return re.fullmatch(op + r"(_\d+)?", node.rsplit("/", 1)[-1]) is not None
+    tensor of static shape to: it keeps the op's name (``ones_like``'s
+    ``Shape/shape_as_tensor``)."""
+    parts = node.rsplit("/", 2)
+    return (re.fullmatch(op + r"(_\d+)?", parts[-1]) is not None
+            or (parts[-1] == "shape_as_tensor" and len(parts) > 1 and parts[-2] == op))
 
 
 def _shape_of_rank(g, tensor) -> int | None:

@@ -243,8 +243,8 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
                 continue
             divisor = float(np.asarray(divisor).reshape(()))
             counts = loss_sizes.counts_the_batch(g, inputs[1])  # a folded tf.shape(z)[k]
-            if (batch and divisor >= batch and divisor % batch == 0 and not batch_mean
-                    and counts is not False):
+            if batch and not batch_mean and (counts is True or (  # (c B: a weight c's mean)
+                    divisor >= batch and divisor % batch == 0 and counts is not False)):
                 batch_mean = True
                 coefficient /= divisor / batch
             else:

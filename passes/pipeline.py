@@ -5,7 +5,8 @@ is static (``passes.unroll``, at most ``max_loop_iterations`` each), imports
 the traced graph into the IR, marks where it computes in a narrower float
 than its inputs (precision), canonicalizes it, reads static slices of
 variables as parts of them (variable_parts), marks low-rank adapters'
-kernels (lora), finds the examples' rows (``passes.example_rows``; where the
+kernels (lora), writes ``tf.nn.l2_loss`` out as ``0.5 * sum(x * x)``
+(``passes.l2_loss``), finds the examples' rows (``passes.example_rows``; where the
 batch is known at run time only, from probes, ``passes.shape_probe``, which
 also restores the static shapes such a graph lost), matches layers and the
 loss,
@@ -31,6 +32,7 @@ from passes.grouped_conv3d import split_grouped_conv3d
 from passes.lora import mark_lora
 from passes.match_layers import LayerMatch, match_layers
 from passes.joined_outputs import join_outputs
+from passes.l2_loss import written_out
 from passes.match_loss import LossMatch, match_loss
 from passes.precision import mark_narrowing
 from passes.batch_flow import static_batch
@@ -59,6 +61,9 @@ def run(traced: frontends.Traced, loss: str | None = None,
     timings = {}
     start = time.perf_counter()
     traced = unroll_loops(traced, max_loop_iterations)
+    graph_def = written_out(traced.graph_def)  # tf.nn.l2_loss as 0.5 * sum(x * x)
+    if graph_def is not traced.graph_def:
+        traced = dataclasses.replace(traced, graph_def=graph_def)
     timings["unroll"] = time.perf_counter() - start
     start = time.perf_counter()
     traced = restore_shapes(traced)

@@ -12,6 +12,8 @@ ExpandDims and Squeeze move it.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from passes import ir
 
 # reductions over axes given by a constant (the rows' axis must not be one of them)
@@ -170,7 +172,7 @@ def _aligned(g, d, sources, r, rows, rank, matrix=False) -> bool:
     (``matrix``: a batched matmul's operands broadcast their batch axes, all
     but their last two)."""
     for s, t in zip(sources, d["raw_inputs"]):  # each as the op reads it
-        if s in rows:
+        if s in rows or _uniform(g, s):
             continue
         shape = ir.shape_of(g, t)
         if shape is None:
@@ -181,6 +183,18 @@ def _aligned(g, d, sources, r, rows, rank, matrix=False) -> bool:
         if at >= 0 and shape[at] != 1:
             return False
     return True
+
+
+def _uniform(g, node) -> bool:
+    """A tensor of one value throughout (``tf.ones_like`` of a static shape,
+    a ``Fill`` of a constant; tf.compat.v1's weights broadcast to the terms):
+    it broadcasts along the rows as a unit axis does."""
+    d = g.nodes[node]
+    if d["op"] in ("OnesLike", "ZerosLike"):
+        return True
+    value = (ir.const_value(g, d["inputs"][1]) if d["op"] == "Fill" and len(d["inputs"]) > 1
+             else ir.const_value(g, ir.tensor_name(node)) if d["op"] == "Const" else None)
+    return value is not None and np.size(value) > 0 and bool(np.all(value == np.ravel(value)[0]))
 
 
 def axis_in(shape, raw, axis) -> int:
