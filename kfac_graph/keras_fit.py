@@ -232,14 +232,9 @@ class KFACModel(keras.Model):
         input shapes from one replica's share of the first batch: Keras 3.15
         reduces the batch across replicas for that, which fails under
         ``MultiWorkerMirroredStrategy`` (for any model)."""
-        strategy = self._distribute_strategy
-        if strategy is None or iterator is None:
+        if self._distribute_strategy is None or iterator is None:
             return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
-        for _, _, it in iterator:
-            data_batch = tf.nest.map_structure(_one_replica(strategy), next(it))
-            break
-        with strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
+        keras_train_loop.symbolic_build(self, iterator)
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -330,15 +325,6 @@ class KFACModel(keras.Model):
 
         self.train_function = keras_train_loop.python_driven(self)
         return self.train_function
-
-
-def _one_replica(strategy):
-    """A distributed value's first local component (other values as they are)."""
-    def first(value):
-        if isinstance(value, tf.distribute.DistributedValues):
-            return strategy.experimental_local_results(value)[0]
-        return value
-    return first
 
 
 def _unscaled(loss_fn, value):

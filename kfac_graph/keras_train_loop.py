@@ -1,7 +1,8 @@
 """The ``train_function`` that ``kg.KFACModel`` and ``kg.DPModel`` give Keras:
 Python drives the steps (so that what a step reports outside the graph,
 such as epsilon, can join the logs), each step one call of the model's own
-compiled ``train_step``; ``steps_per_execution`` batches per call."""
+compiled ``train_step``; ``steps_per_execution`` batches per call. Also
+their build before the first step under a strategy (``symbolic_build``)."""
 import tensorflow as tf
 
 
@@ -40,3 +41,20 @@ def log_output_losses(model, y, y_pred, sample_weight=None, live=None):
             [t[n] for n in names] if isinstance(t, dict) and set(names) <= set(t) else t
             for t in (y, sample_weight))
     compiled(y, y_pred, sample_weight)
+
+
+def symbolic_build(model, iterator):
+    """Keras's build before the first step under ``model``'s strategy, from
+    one local replica's share of the first batch of ``iterator`` (Keras's
+    ``TFEpochIterator``): Keras 3.15 reduces the batch across the replicas
+    for it, which fails under ``MultiWorkerMirroredStrategy`` (for any
+    model; the workers' shares may differ in size)."""
+    strategy = model._distribute_strategy
+    data_batch = None
+    for _, _, it in iterator:
+        data_batch = tf.nest.map_structure(
+            lambda v: strategy.experimental_local_results(v)[0]
+            if isinstance(v, tf.distribute.DistributedValues) else v, next(it))
+        break
+    with strategy.scope():
+        model._symbolic_build(data_batch=data_batch)

@@ -362,6 +362,7 @@ def run_worker(out):
     results["keras"], _, results["keras_iterations"] = keras_fit(strategy)
     results["keras_reference"], _, results["keras_reference_iterations"] = keras_fit(None)
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    results.update(distributed_dp_fit.run_worker(strategy, task))
     np.savez(out.replace(".npz", f"_{task}.npz"), **results)
 
 

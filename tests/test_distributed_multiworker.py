@@ -3,7 +3,8 @@ localhost (``TF_CONFIG``, free ports), one replica each, 20 steps on the
 whole batches (each replica takes its half) end with the single-device
 parameters (float64, rtol 1e-6), lazy and eager syncing, on every worker;
 each of the MLP's two blocks has its inverses computed by one worker only.
-Modes "exact" and "empirical" (see test_distributed_mirrored.py)."""
+Modes "exact" and "empirical" (see test_distributed_mirrored.py). The workers
+also run ``KFACModel.fit`` and ``DPModel.fit`` against one device."""
 
 import distributed_runner
 import distributed_support
@@ -36,3 +37,35 @@ def test_keras_fit_on_two_workers_matches_one_device(workers):
         assert int(result["keras_iterations"]) == int(result["keras_reference_iterations"]) == 8
         np.testing.assert_allclose(result["keras"], result["keras_reference"], rtol=1e-6,
                                    atol=1e-10)
+
+
+@pytest.mark.parametrize("sampling", ["fixed", "poisson"])
+def test_dp_fit_on_two_workers_matches_one_device(workers, sampling):
+    """``DPModel.fit`` under the two-worker strategy, float64, three steps with
+    noise (fixed-size batches of 16, and padded Poisson batches of 15, 15
+    and 16 rows, every fifth masked out, which the workers split unevenly):
+    the one-device weights, losses, accuracies and epsilon on every worker.
+    Worker ``i`` seeds its noise with ``3 + i`` and the reference with 3: the
+    chief's key is the one drawn. Before, ``compile`` refused the strategy."""
+    for result in workers:  # the one-device fit ran in the worker's process too
+        ref, dist = f"dp_{sampling}/reference", f"dp_{sampling}/distributed"
+        assert int(result[f"{ref}_iterations"]) == int(result[f"{dist}_iterations"]) == 3
+        np.testing.assert_allclose(result[dist], result[ref], rtol=1e-6, atol=1e-10)
+        for key in ("loss", "accuracy", "epsilon"):
+            np.testing.assert_allclose(result[f"{dist}_{key}"], result[f"{ref}_{key}"], rtol=1e-6)
+
+
+def test_dp_workers_agree_on_the_sampler(workers):
+    """The seed ``fit`` samples arrays with is the chief's on every worker, and
+    ``poisson_batches`` draws the same batches from it on each; samplers of
+    one seed and data pass the check, per-worker seeds or examples are
+    refused on every worker (none is left waiting for the others); so is
+    validation in ``fit`` (Keras's ``evaluate`` fails under the strategy)."""
+    first, second = workers
+    assert int(first["dp_sampler_seed"]) == int(second["dp_sampler_seed"])
+    np.testing.assert_array_equal(first["dp_sampler_batches"], second["dp_sampler_batches"])
+    for result in workers:
+        assert str(result["dp_sampler_same"]) == ""
+        for name in ("other_seed", "other_examples"):
+            assert "the workers' DP samplers differ" in str(result[f"dp_sampler_{name}"])
+        assert "takes no validation_split" in str(result["dp_validation"])

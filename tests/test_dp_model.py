@@ -322,3 +322,17 @@ def test_a_keras_file_keeps_the_model_the_sampler_and_the_count(tmp_path):
     assert back.epsilon() == dp.epsilon()
     for a, b in zip(back.model.weights, model.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_strategies_other_than_mirrored_ones_are_refused_in_one_line():
+    """``compile`` refuses a strategy the step is not built for (here
+    CentralStorageStrategy; TPUStrategy alike), naming it; MirroredStrategy
+    and MultiWorkerMirroredStrategy train (test_distributed_keras.py,
+    test_distributed_multiworker.py)."""
+    strategy = tf.distribute.experimental.CentralStorageStrategy()
+    with strategy.scope():
+        model, _, _ = _small()
+        dp = kg.DPModel(model, loss=_loss(), l2_norm_clip=1.0, noise_multiplier=1.0)
+        with pytest.raises(ValueError, match="not under CentralStorageStrategy") as error:
+            dp.compile(optimizer=keras.optimizers.SGD(0.1))
+    assert "\n" not in str(error.value)

@@ -70,6 +70,36 @@ def test_a_dataset_pipeline_and_its_sampling_record():
     np.testing.assert_array_equal(xb.numpy()[:b], 2.0 * x[yb.numpy()[:b]])
 
 
+def test_the_fingerprint_names_what_decides_the_batches():
+    """``dataset.privacy_fingerprint()``, which ``DPModel.fit`` compares across
+    the workers of a ``MultiWorkerMirroredStrategy``: the same for the same
+    seed, global ``tf.random`` seed and examples (and the same batches);
+    another seed, global seed or example changes it."""
+    from tensorflow.python.eager import context  # the global seed, to put back
+
+    x, y = _data(50)
+    make = lambda x=x, seed=5: kg.privacy.poisson_batches((x, y), 0.2, steps=2, seed=seed)
+    first, again = make(), make()
+    assert first.privacy_fingerprint() == again.privacy_fingerprint()
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a[1].numpy(), b[1].numpy())
+    fixed = kg.privacy.fixed_size_batches((x, y), 10, seed=5)
+    assert fixed.privacy_fingerprint() == first.privacy_fingerprint()  # one seed, one data
+    other = x.copy()
+    other[7, 1] += 1.0
+    assert make(x=other).privacy_fingerprint() != first.privacy_fingerprint()
+    assert make(seed=6).privacy_fingerprint() != first.privacy_fingerprint()
+    words = lambda w: kg.privacy.poisson_batches((np.array(w), y[:2]), 0.5, seed=5)
+    assert (words(["a", "bc"]).privacy_fingerprint() == words(["a", "bc"]).privacy_fingerprint()
+            != words(["ab", "c"]).privacy_fingerprint())  # strings by their bytes
+    previous = context.global_seed()
+    try:
+        tf.random.set_seed(1 if previous != 1 else 2)
+        assert make().privacy_fingerprint() != first.privacy_fingerprint()
+    finally:
+        tf.random.set_seed(previous)
+
+
 def test_fixed_size_batches_are_uniform_distinct_subsets():
     n, b, steps = 50, 10, 300
     batches = kg.privacy.fixed_size_batches(_data(n), b, steps=steps, seed=2)

@@ -52,12 +52,13 @@ loss holds the model's own losses (``add_loss`` terms, weight and activity
 regularizers), as Keras logs it and as the gradient holds them.
 Checkpoints (``ModelCheckpoint``, ``.weights.h5`` or ``.keras``) hold the
 model's and optimizer's variables; the noise generator's state is never
-saved (``privacy/noise.py``). Under ``MirroredStrategy`` (the model and the
-DPModel made in its scope) each replica clips its share of the batch and
-adds ``1 / R`` of one noise, drawn from replica 0's key, and of a penalty's
-gradient; a mean divides by all replicas' examples, and the optimizer sums
-the replicas: one device's step (``privatize(share=, batch_total=)``).
-Other strategies are refused in one line.
+saved (``privacy/noise.py``). Under ``MirroredStrategy`` or
+``MultiWorkerMirroredStrategy`` (the model and the DPModel made in its
+scope) each replica clips its share of the batch and adds ``1 / R`` of one
+noise, drawn from replica 0's key, and of a penalty's gradient; a mean
+divides by all replicas' examples, and the optimizer sums the replicas: one
+device's step (``privacy/replicas.py``: what the workers agree on). Other
+strategies are refused in one line.
 """
 from __future__ import annotations
 
@@ -73,13 +74,10 @@ from kfac_graph import keras_train_loop
 from kfac_graph import options
 from kfac_graph.keras_loss import OutputsLoss, as_loss as _as_loss
 from kfac_graph.privacy.privatize import OPTIONS, check_clip, privatize
-from kfac_graph.privacy import accounting
+from kfac_graph.privacy import accounting, replicas
 from kfac_graph.privacy.ledger import Ledger, LedgerAccounting
 from kfac_graph.privacy.noise import NoiseSource
 from kfac_graph.privacy.sampling import check_padding_mask, sample_arrays
-
-
-_STRATEGIES = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)
 
 
 @keras.saving.register_keras_serializable(package="kfac_graph")
@@ -150,15 +148,7 @@ class DPModel(LedgerAccounting, keras.Model):
             self._set_loss(loss if loss is not None else self._loss_spec)
         if self._loss_spec is None:
             _as_loss(None)  # raises: no loss
-        strategy = self._distribute_strategy
-        if strategy is not None and not isinstance(strategy, _STRATEGIES):
-            raise ValueError(f"kg.DPModel trains on one device or under MirroredStrategy, "
-                             f"not under {type(strategy).__name__}")
-        if strategy is None and any(
-                isinstance(getattr(v, "value", v), tf.distribute.DistributedValues)
-                for v in self.model.variables):
-            raise ValueError("kg.DPModel: its model is under a tf.distribute strategy: make "
-                             "the DPModel under the same strategy.scope()")
+        replicas.check_strategy(self._distribute_strategy, self.model)
         kwargs.setdefault("jit_compile", False)
         if getattr(self.model, "output_names", None):  # Keras maps a loss per output by them
             self.output_names = list(self.model.output_names)
@@ -202,6 +192,7 @@ class DPModel(LedgerAccounting, keras.Model):
     def fit(self, x=None, y=None, batch_size=None, epochs=1, callbacks=None,
             validation_split=0.0, validation_data=None, **kwargs):
         """Keras's ``fit`` with DP sampling (module docstring)."""
+        replicas.check_validation(self._distribute_strategy, validation_split, validation_data)
         weights = kwargs.pop("sample_weight", None)
         streamed = isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)) or (
             inspect.isgenerator(x))  # batches as they come, not arrays to sample from
@@ -211,6 +202,7 @@ class DPModel(LedgerAccounting, keras.Model):
                              "kg.DPSGD on a kg.auto_register loss that takes the weights)")
         if streamed:
             sampling = getattr(x, "privacy_sampling", None)
+            replicas.check_sampler(self._distribute_strategy, x)  # (workers: the same batches)
             if sampling is not None:
                 self._use_sampling(sampling)
             elif self.sampling is None:
@@ -222,7 +214,9 @@ class DPModel(LedgerAccounting, keras.Model):
                 raise ValueError("kg.DPModel.fit needs targets y")
             x, validation_data = sample_arrays(
                 (x, y) if weights is None else (x, y, weights), batch_size or 32,
-                self.sampler_kind, validation_split, validation_data)
+                self.sampler_kind, validation_split, validation_data,
+                seed=replicas.sampler_seed(self._distribute_strategy))
+            replicas.check_sampler(self._distribute_strategy, x)
             sampling = x.privacy_sampling
             if weights is not None:  # the weights and the mask (Poisson's) as one element
                 x = x.map(lambda x, y, w, *mask: (x, y, (w, *mask)))
@@ -234,6 +228,13 @@ class DPModel(LedgerAccounting, keras.Model):
             callbacks.insert(0, _EpochEpsilon(self))
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
                            validation_data=validation_data, **kwargs)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        """Keras's build under a strategy, from one replica's share of the first
+        batch (``keras_train_loop.symbolic_build``)."""
+        if self._distribute_strategy is None or iterator is None:
+            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        keras_train_loop.symbolic_build(self, iterator)
 
     # -- training -----------------------------------------------------------------------
     def _set_loss(self, loss):
@@ -268,11 +269,11 @@ class DPModel(LedgerAccounting, keras.Model):
         if y is None:
             raise ValueError("kg.DPModel.fit needs targets y")
         strategy = self._distribute_strategy  # (None, or the one the model was made under)
-        replicas = strategy.experimental_local_results if strategy is not None else (
+        local = strategy.experimental_local_results if strategy is not None else (
             lambda t: (t,))
-        for part in replicas(mask):
+        for part in local(mask):
             check_padding_mask(part, self.sampling)
-        first = lambda t: tf.nest.map_structure(lambda v: replicas(v)[0], t)  # noqa: E731
+        first = lambda t: tf.nest.map_structure(lambda v: local(v)[0], t)  # noqa: E731
         with strategy.scope() if strategy is not None else contextlib.nullcontext():
             if not self.model.built:  # (a Sequential without an Input): its variables first
                 self.model(first(x), training=False)
@@ -304,16 +305,9 @@ class DPModel(LedgerAccounting, keras.Model):
             raise ValueError("kg.DPModel: padded Poisson batches need the expected batch size "
                              "(num_examples= and batch_size=, or sample_rate= with "
                              "num_examples=)")
-        share, total = 1.0, None
-        context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
-            # one noise (replica 0's key), 1/R of it on each replica's clipped sum; the
-            # optimizer sums the replicas' gradients, and a mean divides by all examples
-            key = context.all_reduce(tf.distribute.ReduceOp.SUM, key * tf.cast(
-                tf.equal(context.replica_id_in_sync_group, 0), key.dtype))
-            share = 1.0 / context.num_replicas_in_sync
-            total = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(
-                tf.shape(tf.nest.flatten(x)[0])[0], tf.float64))
+        # one noise (replica 0's key), 1/R of it on each replica's clipped sum; the
+        # optimizer sums the replicas' gradients, and a mean divides by all examples
+        key, share, total = replicas.replica_terms(key, x)
         _, grads = privatize(self.loss_fn, x, y, *weights, l2_norm_clip=self.l2_norm_clip,
                              noise_multiplier=self.noise_multiplier, seed=key,
                              method=self.method, clipping=self.clipping,

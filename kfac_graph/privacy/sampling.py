@@ -33,11 +33,17 @@ from the operating system (``secrets``), and every pass over the dataset
 than the ``ceil(E/q)`` that ``noise_for_epsilon(epochs=E)`` plans for).
 
 The returned dataset carries its sampler as ``dataset.privacy_sampling`` (an
-``accounting.Sampling``), which ``kg.DPModel.fit`` reads; transformations of
-the dataset drop it.
+``accounting.Sampling``), which ``kg.DPModel.fit`` reads, and
+``dataset.privacy_fingerprint()``: what decides its batches, as int64s (the
+seed pair ``tf.data`` draws from: the global seed, or its default, and the
+seed; and a 63-bit BLAKE2 digest of the examples, computed when called).
+Under ``MultiWorkerMirroredStrategy`` ``DPModel.fit`` checks that every
+worker's agree, as each worker draws the whole batch and keeps its share.
+Transformations of the dataset drop both.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 
@@ -84,6 +90,27 @@ def _step_keys(seed, steps):
             .batch(2, drop_remainder=True).take(steps))
 
 
+def _sampled(dataset, sampling, seed, tensors):
+    """``dataset`` with its sampler and fingerprint (module docstring) attached."""
+    seeds = tuple(int(s) for s in tf.compat.v1.random.get_seed(seed))  # as tf.data reads them
+
+    def fingerprint():
+        digest = hashlib.blake2b(digest_size=8)
+        for t in tf.nest.flatten(tensors, expand_composites=True):  # (a ragged one's parts)
+            t = np.ascontiguousarray(np.asarray(t))
+            digest.update(f"{t.dtype.str}{t.shape}".encode())
+            if t.dtype == object:  # strings: their bytes, each with its length
+                for item in t.ravel():
+                    digest.update(len(item).to_bytes(8, "little") + bytes(item))
+            else:
+                digest.update(t.tobytes())
+        return (*seeds, int.from_bytes(digest.digest(), "little") >> 1)
+
+    dataset.privacy_sampling = sampling
+    dataset.privacy_fingerprint = fingerprint
+    return dataset
+
+
 def _lists_as_tuples(structure):
     if isinstance(structure, list) or type(structure) is tuple:  # (a namedtuple stays)
         return tuple(_lists_as_tuples(s) for s in structure)
@@ -121,10 +148,9 @@ def poisson_batches(data, rate: float, *, steps: int | None = None, seed: int | 
             return (*batch, mask)
         return batch, mask
 
-    dataset = _step_keys(_seed(seed), steps).map(draw, num_parallel_calls=1)
-    dataset = dataset.prefetch(2)
-    dataset.privacy_sampling = sampling
-    return dataset
+    seed = _seed(seed)
+    dataset = _step_keys(seed, steps).map(draw, num_parallel_calls=1).prefetch(2)
+    return _sampled(dataset, sampling, seed, tensors)
 
 
 def fixed_size_batches(data, batch_size: int, *, steps: int | None = None,
@@ -144,9 +170,9 @@ def fixed_size_batches(data, batch_size: int, *, steps: int | None = None,
         _, chosen = tf.math.top_k(-tf.random.stateless_uniform([n], seed=key), k=b)
         return tf.nest.map_structure(lambda t: tf.gather(t, chosen), tensors)
 
-    dataset = _step_keys(_seed(seed), steps).map(draw, num_parallel_calls=1).prefetch(2)
-    dataset.privacy_sampling = sampling
-    return dataset
+    seed = _seed(seed)
+    dataset = _step_keys(seed, steps).map(draw, num_parallel_calls=1).prefetch(2)
+    return _sampled(dataset, sampling, seed, tensors)
 
 
 def _steps(steps, sampling: Sampling) -> int:
@@ -158,13 +184,13 @@ def _steps(steps, sampling: Sampling) -> int:
 
 
 def sample_arrays(data, batch_size: int, kind: str, validation_split: float = 0.0,
-                  validation_data=None, owner: str = "kg.DPModel.fit"):
+                  validation_data=None, owner: str = "kg.DPModel.fit", seed=None):
     """``(batches, validation_data)`` for a DP ``fit`` on arrays ``data`` (``(x,
     y)`` or ``(x, y, weights)``): the last ``validation_split`` of the rows
     held out as Keras holds them out (else ``validation_data`` as given),
     the rest drawn by ``kind`` sampling (``"poisson"`` at rate ``batch_size /
-    N``, or ``"fixed"`` batches of ``batch_size``); ``batches.privacy_sampling``
-    says how."""
+    N``, or ``"fixed"`` batches of ``batch_size``) from ``seed`` (None: a
+    fresh one from the OS); ``batches.privacy_sampling`` says how."""
     n = int(np.shape(tf.nest.flatten(data[0])[0])[0])
     if validation_split:
         cut = n - int(math.floor(n * validation_split))
@@ -174,8 +200,8 @@ def sample_arrays(data, batch_size: int, kind: str, validation_split: float = 0.
         raise ValueError(f"{owner}: batch_size {batch_size} is more than the {n} examples to "
                          "sample from; give at most that many (a sampling rate of at most 1)")
     if kind == "fixed":
-        return fixed_size_batches(data, batch_size, seed=None), validation_data
-    return poisson_batches(data, batch_size / n), validation_data
+        return fixed_size_batches(data, batch_size, seed=seed), validation_data
+    return poisson_batches(data, batch_size / n, seed=seed), validation_data
 
 
 def _rows(data, start, stop):
