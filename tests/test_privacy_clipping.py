@@ -164,6 +164,22 @@ def test_bad_clipping_is_a_one_line_error(clipping, clip, message):
     assert "\n" not in str(info.value)
 
 
+def test_noise_keys_carry_128_bits():
+    """Each key is two full int64s, and the noise depends on all their bits:
+    keys of 32 bits could be searched against a released update (2^32
+    tries) and the noise subtracted."""
+    noise = kg.privacy.noise
+    keys = np.stack([noise.fresh_key().numpy() for _ in range(8)]
+                    + [kg.privacy.NoiseSource().next_key().numpy() for _ in range(8)]
+                    + [tf.function(noise.fresh_key)().numpy() for _ in range(8)])
+    assert keys.dtype == np.int64 and keys.shape == (24, 2)
+    assert np.all(np.any(np.abs(keys) >= 2 ** 40, axis=0)), "the high bits never vary"
+    t = [tf.zeros([6])]
+    draws = [noise.gaussian(t, 1.0, tf.constant(k, tf.int64))[0].numpy()
+             for k in ([5, 9], [5 + 2 ** 40, 9], [5, 9 + 2 ** 40])]
+    assert not np.allclose(draws[0], draws[1]) and not np.allclose(draws[0], draws[2])
+
+
 def test_the_noise_is_standard_normal():
     from scipy import stats
     for dtype in (tf.float32, tf.float64):

@@ -1,7 +1,8 @@
 """Gaussian noise for DP-SGD from a counter-based generator (Philox).
 
 The k-th tensor's noise comes from ``tf.random.stateless_uniform(...,
-key + [0, 1 + k], alg="philox")``, keyed by a two-integer ``key``, turned
+key + [0, 1 + k], alg="philox")``, keyed by a two-integer ``key`` (int64:
+128 bits, which TensorFlow hashes into Philox's key and counter), turned
 into standard normals by the Box-Muller transform: for independent uniforms
 ``u1, u2``, ``sqrt(-2 log(1 - u1)) cos(2 pi u2)`` and ``... sin(2 pi u2)`` are
 independent N(0, 1) (exact in real arithmetic; in floating point, like
@@ -29,6 +30,12 @@ noise secret:
 
 The generator's state is deliberately not checkpointed: a restored run takes
 fresh OS entropy instead of replaying noise it has already used.
+
+Every key carries the full 64 bits in each of its two integers. A key of
+32 bits (as ``Generator.make_seeds`` gives, its second row zeros, cast to
+int32) could be found by trying all 2^32 against one released noisy
+update, Philox being counter-based (a few of the noise's first values test
+a key), and the noise subtracted: the update then protects no example.
 """
 from __future__ import annotations
 
@@ -58,25 +65,25 @@ class NoiseSource:
                                tf.random.Generator.from_seed(seed, alg="philox"))
 
     def next_key(self) -> tf.Tensor:
-        """A fresh ``[2]`` int32 key (advances the generator's counter)."""
-        return tf.cast(self._generator.make_seeds(1)[:, 0], tf.int32)
+        """A fresh ``[2]`` int64 key, 128 bits (advances the generator's counter)."""
+        return self._generator.uniform_full_int([2], tf.int64)
 
 
 def fresh_key() -> tf.Tensor:
-    """A ``[2]`` int32 key from the OS (module docstring)."""
+    """A ``[2]`` int64 key, 128 bits, from the OS (module docstring)."""
     if tf.executing_eagerly():
-        return tf.constant([secrets.randbits(31), secrets.randbits(31)], tf.int32)
+        return tf.constant([secrets.randbits(64) - 2 ** 63 for _ in range(2)], tf.int64)
     if in_xla_context():
         raise ValueError("noise without a key cannot be drawn under jit_compile=True (XLA "
                          "has no OS entropy op): pass seed= from a "
                          "kg.privacy.NoiseSource")
-    return tf.cast(tf.raw_ops.NonDeterministicInts(shape=[2], dtype=tf.int64) % (2 ** 31 - 1),
-                   tf.int32)
+    return tf.raw_ops.NonDeterministicInts(shape=[2], dtype=tf.int64)
 
 
 def gaussian(tensors, stddev, key) -> list:
-    """``[N(0, stddev^2 I) shaped like t for t in tensors]``, keyed by ``key``."""
-    key = tf.cast(key, tf.int32)
+    """``[N(0, stddev^2 I) shaped like t for t in tensors]``, keyed by ``key``
+    (``[2]`` integers, int64 inside)."""
+    key = tf.cast(key, tf.int64)
     return [standard_normal(tf.shape(t), key + [0, 1 + k], t.dtype) * tf.cast(stddev, t.dtype)
             for k, t in enumerate(tensors)]
 

@@ -89,7 +89,7 @@ def privatize(fn, *args, l2_norm_clip, noise_multiplier, seed=None, method="auto
     if method == "auto":
         generic = any(layer.kind == "generic" for layer in reg.layers)
         method = "materialize" if generic else "reweight"
-    key = noise_lib.fresh_key() if seed is None else tf.convert_to_tensor(seed, tf.int32)
+    key = noise_lib.fresh_key() if seed is None else tf.cast(seed, tf.int64)
     run = grad_lib.compiled(fn, reg, method, plan, mask is not None)
     mask = tf.zeros([0]) if mask is None else tf.cast(tf.convert_to_tensor(mask), tf.float32)
     denominator = expected_batch_size if expected_batch_size is not None else batch_total
