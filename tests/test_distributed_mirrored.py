@@ -26,18 +26,26 @@ import kfac_graph as kg
 RTOL, ATOL = 1e-6, 1e-10
 
 
-# 2 devices in the fast set; 4 (two minutes more) under -m slow
+# 2 devices in the fast set; 4 (two minutes more) under -m slow, as are the
+# configs that run in a process of their own (distributed_support.APART:
+# factors in diagonal blocks, about 20 s)
+CONFIGS = [c if c not in distributed_support.APART else pytest.param(c, marks=pytest.mark.slow)
+           for c in distributed_support.CONFIGS]
+
+
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)],
                 ids=["2_devices", "4_devices"])
 def mirrored(request, tmp_path_factory):
     out, n = tmp_path_factory.mktemp("mirrored"), request.param
     results = dict(distributed_runner.run("mirrored", out / f"r{n}.npz", devices=n))
-    # the configs that run in a process of their own (distributed_support.APART)
-    results.update(distributed_runner.run("mirrored_apart", out / f"apart{n}.npz", devices=n))
+    if any(c in item.nodeid for item in request.session.items  # those configs selected
+           for c in distributed_support.APART):
+        results.update(distributed_runner.run("mirrored_apart", out / f"apart{n}.npz",
+                                              devices=n))
     return results
 
 
-@pytest.mark.parametrize("config", list(distributed_support.CONFIGS))
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("sync", ["lazy", "eager"])
 def test_replicas_match_single_device(mirrored, config, sync):
     key = f"{config}/{sync}"
@@ -82,7 +90,7 @@ def test_spread_slices_every_other_step_take_each_replicas_own_slice(mirrored, s
     assert np.max(np.abs(got - mirrored["stride/unordered"])) > 1e-6
 
 
-@pytest.mark.parametrize("config", list(distributed_support.CONFIGS))
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("sync", ["lazy", "eager"])
 def test_non_finite_batch_is_skipped_on_every_replica(mirrored, config, sync):
     counted, changed, applied_next = mirrored[f"{config}/{sync}_nan_batch"]
@@ -91,7 +99,7 @@ def test_non_finite_batch_is_skipped_on_every_replica(mirrored, config, sync):
     assert applied_next == 1
 
 
-@pytest.mark.parametrize("config", list(distributed_support.CONFIGS))
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("sync", ["lazy", "eager"])
 def test_checkpoint_resume_matches_uninterrupted(mirrored, config, sync):
     """Saved after 10 steps and restored into fresh variables and a fresh
@@ -102,7 +110,7 @@ def test_checkpoint_resume_matches_uninterrupted(mirrored, config, sync):
     np.testing.assert_allclose(resumed, straight, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("config", list(distributed_support.CONFIGS))
+@pytest.mark.parametrize("config", CONFIGS)
 def test_lazy_sync_reduces_fewer_bytes(mirrored, config):
     lazy, eager = int(mirrored[f"{config}/lazy_bytes"]), int(mirrored[f"{config}/eager_bytes"])
     assert 0 < lazy < eager
