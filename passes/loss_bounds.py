@@ -43,8 +43,8 @@ _SAME = frozenset({
 # ops whose values are some of their inputs': which inputs
 _JOINS = {"Pack": slice(None), "ConcatV2": slice(None, -1), "Concat": slice(1, None)}
 _INCREASING = {
-    "Exp": math.exp, "Expm1": math.expm1, "Log": lambda v: _log(v, math.log),
-    "Log1p": lambda v: _log(v + 1, lambda w: math.log1p(w - 1)),
+    "Exp": math.exp, "Expm1": math.expm1, "Log": lambda v: math.log(v) if v > 0 else -math.inf,
+    "Log1p": lambda v: math.log1p(v) if v > -1 else -math.inf,
     "Sqrt": lambda v: math.sqrt(max(v, 0.0)), "Sigmoid": lambda v: _sigmoid(v),
     "Tanh": math.tanh, "Relu": lambda v: max(v, 0.0), "Relu6": lambda v: min(max(v, 0.0), 6.0),
     "Softplus": lambda v: _softplus(v), "Erf": math.erf, "Atan": math.atan,
@@ -247,10 +247,6 @@ def _safe(f, v, default):
     except (ValueError, OverflowError):
         return default
     return default if math.isnan(out) else out
-
-
-def _log(v, f):
-    return -math.inf if v <= 0 else (math.inf if math.isinf(v) else f(v))
 
 
 def _sigmoid(v):
