@@ -215,8 +215,8 @@ def _state(est):
     return out + [t.numpy() for t in est.multiply_inverse(vs)]
 
 
-@pytest.mark.parametrize("mode", ["exact", "empirical",
-                                  pytest.param("sampled", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["exact"] + [  # the others: -m slow
+    pytest.param(m, marks=pytest.mark.slow) for m in ("empirical", "sampled")])
 def test_eager_function_and_xla_agree(mode):
     loss, x, y = _small_model()
     states = []

@@ -71,7 +71,8 @@ def test_router_on_flattened_tokens(bias):
     np.testing.assert_allclose(est.blocks[0].full_matrix(), want, rtol=1e-6, atol=1e-12)
 
 
-@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen_moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", [  # -m slow; the einsum forms below run in the fast set
+    pytest.param(f, marks=pytest.mark.slow) for f in ("mixtral", "qwen_moe")])
 def test_keras_hub_moe_backbone(family):
     """keras-hub's Mixtral and Qwen-MoE from tiny configs, float64: every
     router a dense layer on ``[B, T, d]``; the experts' stacked input kernels
