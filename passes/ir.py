@@ -241,6 +241,16 @@ def const_value(g: nx.DiGraph, tensor: str):
     return None
 
 
+def uniform_value(g: nx.DiGraph, tensor: str):
+    """The one value every element of ``tensor`` holds where it is a small
+    constant of one value or a ``Fill`` of a constant (``tf.ones_like`` of a
+    static shape), else None."""
+    d = g.nodes[node_of(g, tensor)]
+    value = const_value(g, d["inputs"][1]) if d["op"] == "Fill" else const_value(g, tensor)
+    flat = None if value is None else np.ravel(value)
+    return flat[0] if flat is not None and flat.size and np.all(flat == flat[0]) else None
+
+
 def consumers(g: nx.DiGraph, tensor: str) -> list[tuple[str, int]]:
     """(consumer node, input slot) pairs reading ``tensor``."""
     node, index = split_tensor(tensor)

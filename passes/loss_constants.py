@@ -90,7 +90,4 @@ def ones_column(g, tensor) -> bool:
     shape = ir.shape_of(g, tensor)
     if not shape or len(shape) != 2 or shape[1] != 1:
         return False
-    node = ir.node_of(g, tensor)
-    d = g.nodes[node]
-    value = ir.const_value(g, tensor) if d["op"] != "Fill" else evaluate(g, d["inputs"][1])
-    return value is not None and bool(np.all(np.asarray(value) == 1))
+    return bool(ir.uniform_value(g, tensor) == 1)

@@ -12,8 +12,6 @@ ExpandDims and Squeeze move it.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from passes import ir
 
 # reductions over axes given by a constant (the rows' axis must not be one of them)
@@ -189,12 +187,8 @@ def _uniform(g, node) -> bool:
     """A tensor of one value throughout (``tf.ones_like`` of a static shape,
     a ``Fill`` of a constant; tf.compat.v1's weights broadcast to the terms):
     it broadcasts along the rows as a unit axis does."""
-    d = g.nodes[node]
-    if d["op"] in ("OnesLike", "ZerosLike"):
-        return True
-    value = (ir.const_value(g, d["inputs"][1]) if d["op"] == "Fill" and len(d["inputs"]) > 1
-             else ir.const_value(g, ir.tensor_name(node)) if d["op"] == "Const" else None)
-    return value is not None and np.size(value) > 0 and bool(np.all(value == np.ravel(value)[0]))
+    return (g.nodes[node]["op"] in ("OnesLike", "ZerosLike")
+            or ir.uniform_value(g, ir.tensor_name(node)) is not None)
 
 
 def axis_in(shape, raw, axis) -> int:
