@@ -153,7 +153,8 @@ class KFACModel(keras.Model):
     def compile(self, optimizer=None, loss=None, metrics=None, **kwargs):
         """Keras's ``compile`` without an optimizer (K-FAC is the optimizer).
         ``loss`` replaces the constructor's. ``jit_compile`` defaults to False and
-        applies to evaluate/predict only."""
+        applies to evaluate/predict only. No loss scaling (``auto_scale_loss`` is
+        False): ``optimizer`` is K-FAC's shim under every dtype policy."""
         if optimizer is not None and not isinstance(optimizer, KFACKerasOptimizer):
             raise ValueError("KFACModel trains with K-FAC: give K-FAC's options to "
                              "KFACModel(...), not an optimizer to compile()")
@@ -167,6 +168,10 @@ class KFACModel(keras.Model):
         if self._loss_spec is None:
             _as_loss(None)  # raises
         kwargs.setdefault("jit_compile", False)
+        # under mixed_float16 Keras wraps the optimizer in a LossScaleOptimizer; the shim
+        # applies no gradient (K-FAC differentiates the loss itself), so the wrapper scaled
+        # nothing and hid ``optimizer.kfac`` (and moved the checkpoint's K-FAC entry)
+        kwargs["auto_scale_loss"] = False
         if getattr(self.model, "output_names", None):  # Keras maps a loss per output by them
             self.output_names = list(self.model.output_names)
         super().compile(optimizer=self._shim, loss=self._keras_loss, metrics=metrics, **kwargs)
