@@ -183,3 +183,35 @@ def test_dp_sgd_clips_the_gradients_of_the_draw_it_steps_on(float64):
     losses = [float(opt.step(x, y)) for _ in range(3)]
     assert np.all(np.isfinite(losses)) and int(opt.skipped_steps) == 0
     assert int(seeds.variables[0].numpy()[1] - seeds.saved[0][1]) >= 3
+
+
+@pytest.mark.parametrize("form", ["expand", "reshape"])
+def test_a_mean_over_a_unit_axis_of_the_per_example_loss(float64, form):
+    """``mean(mean(reshape(ce, [B, -1]), 1))``: canonicalize drops the unit
+    axis, and the inner mean's axis 1 was read on the ``[B]`` tensor left,
+    as axis 0, the batch's: the loss read as ``1/B`` times a mean. A generic
+    variable's per-example gradients came out ``1/B`` of the loop's, and
+    DP-SGD's reweighted sum over an RNN cell's uses off by 75%."""
+    rng = np.random.default_rng(0)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3, 2)), L.SimpleRNN(4), L.Dense(3)])
+    t = tf.Variable(rng.normal(size=(3,)), name="t")  # sin(t): a generic variable
+    x, y = tf.constant(rng.normal(size=(B, 3, 2))), tf.constant(rng.integers(0, 3, B))
+
+    def loss(x, y):
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x) * tf.sin(t))
+        ce = ce[:, None] if form == "expand" else tf.reshape(ce, [tf.shape(ce)[0], -1])
+        return tf.reduce_mean(tf.reduce_mean(ce, 1))
+    loss = kg.auto_register(loss)
+    reg = loss.registration(x, y)
+    assert (reg.loss.reduction, reg.loss.scale, reg.per_example_coefficient) == ("mean", 1, 1)
+    pxg = [g.numpy() for g in kg.per_example_gradients(loss, x, y)]
+    rows = [_gradient(reg.variables, lambda: loss(x[i:i + 1], y[i:i + 1])) for i in range(B)]
+    for k, got in enumerate(pxg):
+        np.testing.assert_allclose(got, np.stack([r[k] for r in rows]), rtol=1e-10, atol=1e-13)
+    norms = np.sqrt(sum(np.sum(np.reshape(g, [B, -1]) ** 2, 1) for g in pxg))
+    want = [np.tensordot(np.minimum(1, 0.05 / norms), g, 1) / B for g in pxg]
+    got = kg.dp_gradients(loss, x, y, l2_norm_clip=0.05, noise_multiplier=0.0,
+                          method="reweight")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-10, atol=1e-13)
