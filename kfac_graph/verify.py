@@ -5,14 +5,17 @@ Per registered layer (``verify_report.VerifyReport`` holds the rows):
 
 1. ``mean`` (or ``sum``): the per-example gradients (``kg.per_example_gradients``)
    averaged over the batch (summed, for a sum loss) equal the batch gradient
-   of ``fn`` by ``tf.GradientTape``;
+   of ``fn`` by ``tf.GradientTape`` (a sum's plus ``(B - 1) dR`` of a weight
+   penalty added once: each example's gradient holds ``dR``);
 2. ``one-example``: for ``examples`` sampled indices ``i``, entry ``i`` equals
    the gradient of ``fn`` on the batch of one ``args[i:i+1]`` (every argument
    whose axis 0 is the batch is sliced); for a loss with data weights, times
    the ratio of the example's token weights in the batch to those on its own
    (``verify_weights``). Skipped when a layer couples the examples (batch
    normalisation in training mode): then no layer's entry
-   is a batch-of-one gradient, each is the example's contribution;
+   is a batch-of-one gradient, each is the example's contribution; and when
+   the loss draws random numbers (dropout), as a batch of one draws its own
+   (``verify_draws``: there check 1 compares one draw, or is skipped);
 3. ``norms``: the rule's per-example norms equal the norms of the layer's
    per-example gradients; and, for the whole model,
    ``kg.per_example_gradient_norms`` equals the norm of all of them;
@@ -40,11 +43,12 @@ import numpy as np
 import tensorflow as tf
 
 from kfac_graph import layers
-from kfac_graph import verify_fisher, verify_weights
+from kfac_graph import verify_draws, verify_fisher, verify_weights
 from kfac_graph.verify_state import SavedState
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.normaliser_coupling import coupling_layers
-from kfac_graph.per_example.gradients import model_norms, per_layer_results
+from kfac_graph.per_example.gradients import (model_norms, penalty_gradients,
+                                              per_layer_results)
 from kfac_graph.per_example.rules import default_registry
 from kfac_graph.registration import GraphVariable
 from kfac_graph.taps import LayerTaps
@@ -54,9 +58,6 @@ from passes import ir, precision
 # (rtol, atol) by the loosest dtype among the variables and the loss
 TOLERANCES = {"float64": (1e-8, 1e-12), "float32": (1e-3, 1e-7),
               "float16": (5e-2, 1e-3), "bfloat16": (5e-2, 1e-3)}
-_RANDOM_OPS = ("Random", "Multinomial")
-
-
 def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
            estimation_mode: str | None = None, seed: int = 0, rtol: float | None = None,
            atol: float | None = None, fisher_max_params: int = 4096) -> VerifyReport:
@@ -86,20 +87,28 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
     try:
         results = _cached(fn, ("verify_results", id(reg), id(rules)),
                           lambda: _per_example_results(reg, registry))
-        pxg, squared, whole = state.run(results, *args)
+        pxg, squared, whole, once = state.run(results, *args)
         pxg = [g.numpy() for g in pxg]
         layer_norms = [np.sqrt(s.numpy()) for s in squared]
         model_norm = whole.numpy()
         batch = int(pxg[0].shape[0])
+        more_notes = []
         picked = tuple(sorted(int(i) for i in rng.choice(batch, min(examples, batch),
                                                           replace=False)))
         gradient = _cached(fn, ("verify_gradient", id(reg)), lambda: _gradient_function(fn, reg))
         _trace_relaxed(gradient, args, batch)
         reference = [g.numpy() for g in state.run(gradient, *args)]
+        if reg.loss.reduction == "sum" and any(np.any(p.numpy()) for p in once):
+            # example i alone holds a penalty added once to the sum: B copies in the sum
+            reference = [r + (batch - 1) * p.numpy() for r, p in zip(reference, once)]
+            more_notes.append(_ONCE)
         coupling = coupling_layers(reg) or reg.coupling
-        ones, one_note, one_error, more_notes = {}, "", "", []
+        ones, one_note, one_error = {}, "", ""
+        drawn, kernel_state = verify_draws.drawing_ops(reg)
         if coupling:
             one_note = "couples examples"
+        elif drawn:
+            one_note = "draws random numbers"
         elif picked:
             try:
                 ones = {i: [g.numpy() for g in state.run(gradient, *_slice(args, batch, i))]
@@ -129,7 +138,8 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
         n = len(layer.variables)
         grads, refs = pxg[offset:offset + n], reference[offset:offset + n]
         offset += n
-        checks = [_identity_check(reg.loss.reduction, grads, refs, tol)]
+        checks = [Check(reg.loss.reduction, "skipped", note="draws anew") if kernel_state
+                  else _identity_check(reg.loss.reduction, grads, refs, tol)]
         if one_note:
             checks.append(Check("one-example", "skipped", note=one_note))
         elif picked:
@@ -142,7 +152,8 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
                                tuple(checks)))
     model = LayerCheck("(whole model)", "", "per_example_gradient_norms",
                        (_norms_check("norms", model_norm, _example_norms(pxg), tol),))
-    notes = _notes(reg, coupling, one_error) + tuple(more_notes)
+    notes = (_notes(reg, coupling, one_error) + tuple(verify_draws.note(drawn, kernel_state))
+             + tuple(more_notes))
     return VerifyReport(tuple(rows), model, batch, reg.loss.reduction, picked, dtype,
                         tol[0], tol[1], estimation_mode, time.perf_counter() - start, notes)
 
@@ -200,11 +211,17 @@ def _per_example_results(reg, registry):
         taps = LayerTaps.build(reg, args, read_variables=reg.generic_variables)
         per_layer = per_layer_results(reg, taps, registry, "both")
         squared = [norms for _, norms in per_layer]
-        return [g for grads, _ in per_layer for g in grads], squared, model_norms(squared)
+        once = [tf.zeros(v.shape, v.dtype) if g is None else g
+                for v, g in zip(reg.variables, penalty_gradients(reg, taps, once=True))]
+        return ([g for grads, _ in per_layer for g in grads], squared, model_norms(squared),
+                once)
 
     return run
 
 
+_ONCE = ("the loss adds a weight penalty R once beside a sum over the examples: every "
+         "example's gradient holds dR (the gradient of example i alone), so the sum is "
+         "checked against the batch gradient plus (B - 1) dR")
 _RESCALED = ("the loss reads as {1:g} times a mean over the batch of {0} and as {2:g} times "
              "one example's term on a batch of one (it divides by a constant the batch's size "
              "divides, read as that size): each one-example reference is scaled by {3:g}")
@@ -376,10 +393,4 @@ def _notes(reg, coupling, one_error):
                      f"and Fisher are only as precise as {narrow}, so are the tolerances (a "
                      "mixed-precision policy, or a Keras layer without dtype= in a float64 model, "
                      "which takes the float32 policy)")
-    random = sorted({d["op"] for _, d in (reg.ir.nodes(data=True) if reg.ir is not None else ())
-                     if any(r in d["op"] for r in _RANDOM_OPS)})
-    if random:
-        notes.append(f"the loss draws random numbers ({', '.join(random)}): each call draws "
-                     "anew, so the checks compare different draws (dropout? call the model "
-                     "with training=False)")
     return tuple(notes)

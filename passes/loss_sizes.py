@@ -147,7 +147,7 @@ def _reduced_first_axis(g, tensor) -> bool:
         d = g.nodes[ir.split_tensor(tensor)[0]]
         if d["op"] in ("Mean", "Sum") and not d["attrs"].get("keep_dims"):
             axes = ir.const_value(g, d["inputs"][1])
-            shape = ir.shape_of(g, d["inputs"][0])
+            shape = ir.shape_of(g, d["raw_inputs"][0])  # (as read: unit axes kept)
             return axes is not None and bool(shape) and 0 in {
                 int(a) % len(shape) for a in np.atleast_1d(axes)}
         if d["op"] not in loss_logits.PASS_THROUGH and d["op"] != "Neg" or not d["inputs"]:

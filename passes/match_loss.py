@@ -368,7 +368,8 @@ def _unflatten(g, tensor: str) -> str:
 
 
 def _axes(g, node):
-    shape = ir.shape_of(g, g.nodes[node]["inputs"][0])
+    # the indices refer to the input as the op reads it, before canonicalize dropped unit axes
+    shape = ir.shape_of(g, g.nodes[node]["raw_inputs"][0])
     value = ir.const_value(g, g.nodes[node]["inputs"][1])
     if shape is None or value is None:
         return None, shape

@@ -157,18 +157,21 @@ def generic_context(variable, layer) -> str:
     return f"generic variable {invariants.variable_name(variable)} ({invariants.where(layer)})"
 
 
-def penalty_gradients(reg: Registration, taps: LayerTaps) -> list:
+def penalty_gradients(reg: Registration, taps: LayerTaps, once: bool = False) -> list:
     """Aligned with ``reg.variables``: ``dR/dv`` of the loss's weight
     penalties (``LossSpec.penalties``, through the loss's own scaling of
     them), None where a variable has none. One backward pass from the
-    penalty terms, which read no data: no example is in it."""
+    penalty terms, which read no data: no example is in it. ``once``: only
+    the penalties added once beside the examples' terms (not those in every
+    example's term of a summed loss, ``LossSpec.summed_penalties``)."""
     variables = list(reg.variables)
     if not taps.penalties:
         return [None] * len(variables)
     upstream = tf.gradients(taps.loss, list(taps.penalties))
     # a penalty in every example's term of a summed loss: B copies, one per example
     summed = set(reg.loss.summed_penalties)
-    upstream = [u / tf.cast(taps.batch_size, u.dtype) if name in summed and u is not None else u
+    upstream = [None if once and name in summed else
+                u / tf.cast(taps.batch_size, u.dtype) if name in summed and u is not None else u
                 for name, u in zip(reg.loss.penalties, upstream)]
     pairs = [(p, u) for p, u in zip(taps.penalties, upstream) if u is not None]
     if not pairs:
