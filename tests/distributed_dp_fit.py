@@ -76,11 +76,11 @@ def run(devices, out):
     np.savez(out, **results)
 
 
-def run_worker(strategy, task):
+def run_worker(strategy, task, samplings=("fixed", "poisson")):
     """The float64 ``DPModel.fit`` on one device (noise seed 3) and under
     ``strategy`` (worker ``task``'s ``MultiWorkerMirroredStrategy``, noise
-    seed ``3 + task``: only the chief's key may count), fixed-size batches
-    and padded Poisson batches of 15, 15 and 16 rows; the batches of
+    seed ``3 + task``: only the chief's key may count), for ``samplings``:
+    fixed-size batches and padded Poisson batches of 15, 15 and 16 rows; the batches of
     ``poisson_batches`` from the seed the workers agree on; whether
     ``check_sampler`` passes samplers of one seed and data, and refuses
     per-worker seeds or examples; the refusal of validation:
@@ -96,7 +96,7 @@ def run_worker(strategy, task):
         results[name], history, results[f"{name}_iterations"] = fit
         results.update({f"{name}_{k}": history[k] for k in ("loss", "accuracy", "epsilon")})
 
-    cases = (("fixed", None), ("poisson", (15, 15, 16)))
+    cases = [c for c in (("fixed", None), ("poisson", (15, 15, 16))) if c[0] in samplings]
     for sampling, sizes in cases:  # the references first: a worker ahead need not wait
         record(f"dp_{sampling}/reference", dp_fit(None, sampling, 1.3, "float64", 3, sizes))
     for sampling, sizes in cases:

@@ -18,9 +18,12 @@ def _env():
     return env
 
 
-def run(mode, out, devices=2, timeout=240):
-    """Runs one mode in a subprocess; the npz it wrote."""
+def run(mode, out, devices=2, timeout=240, configs=None):
+    """Runs one mode in a subprocess (on ``configs`` where it trains them);
+    the npz it wrote."""
     cmd = [sys.executable, SUPPORT, mode, "--devices", str(devices), "--out", str(out)]
+    if configs is not None:
+        cmd += ["--configs", ",".join(configs)]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{mode} on {devices} devices failed:\n{proc.stderr[-4000:]}"
     return np.load(out)
@@ -37,9 +40,10 @@ def free_ports(n):
             s.close()
 
 
-def run_workers(out, workers=2, timeout=300):
-    """A ``MultiWorkerMirroredStrategy`` cluster of local worker processes; the
-    npz each worker wrote."""
+def run_workers(out, workers=2, timeout=300, configs=None, parts=None):
+    """A ``MultiWorkerMirroredStrategy`` cluster of local worker processes
+    (running ``configs`` and ``parts``, default all:
+    ``distributed_support.run_worker``); the npz each worker wrote."""
     ports = free_ports(workers)
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
     procs = []
@@ -50,6 +54,10 @@ def run_workers(out, workers=2, timeout=300):
                 {"cluster": cluster, "task": {"type": "worker", "index": index}}
             )
             cmd = [sys.executable, SUPPORT, "worker", "--out", str(out)]
+            if configs is not None:
+                cmd += ["--configs", ",".join(configs)]
+            if parts is not None:
+                cmd += ["--parts", ",".join(parts)]
             procs.append(
                 subprocess.Popen(
                     cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True

@@ -145,16 +145,31 @@ def logical_devices(n):
 # earlier run gave them ("Shape mismatch in the collective instance"). The
 # configs APART run in a process of their own (mode "mirrored_apart").
 APART = ("regular_blocks",)
+# the configs the fast test set trains; the others' tests run under -m slow
+FAST = ("regular",)
 
 
-def run_mirrored(devices, out, configs=None):
-    """Every config but those ``APART``, then the quadratic model's leading
-    examples and spread covariances; with ``configs``, those configs only."""
+def selected_ids(items):
+    """The parameter ids of the test ``items``."""
+    return {part for item in items if "[" in item.nodeid
+            for part in item.nodeid.split("[", 1)[1].rstrip("]").split("-")}
+
+
+def selected(items):
+    """The configs that the selected test ``items`` read (by their parameter
+    ids): a fixture trains those alone."""
+    ids = selected_ids(items)
+    return [c for c in CONFIGS if c in ids]
+
+
+def run_mirrored(devices, out, configs, options=True):
+    """``configs``, then (with ``options``) the quadratic model's leading
+    examples and spread covariances."""
     names = logical_devices(devices)
     results = {}
-    for config in configs or [c for c in CONFIGS if c not in APART]:
+    for config in configs:
         mirrored_config(config, names, out, results)
-    if not configs:
+    if options:
         mirrored_options(devices, names, results)
     np.savez(out, **results)
 
@@ -347,22 +362,26 @@ def run_xla_embedding(devices, out):
     np.savez(out, **results)
 
 
-def run_worker(out):
-    """One worker of a ``MultiWorkerMirroredStrategy`` cluster (``TF_CONFIG``)."""
+def run_worker(out, configs, parts):
+    """One worker of a ``MultiWorkerMirroredStrategy`` cluster (``TF_CONFIG``):
+    ``configs``, and of ``parts`` ``keras`` (``KFACModel.fit``) and the
+    samplings ``fixed`` and ``poisson`` of ``DPModel.fit``."""
     import tensorflow as tf
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     results = {}
-    for config in CONFIGS:
+    for config in configs:
         for sync in ("lazy", "eager"):
             params, opt, _losses = train(config, strategy, sync)
             results[f"{config}/{sync}"] = np.concatenate([p.ravel() for p in params])
             results[f"{config}/{sync}_blocks"] = np.array(opt._replicated.local_blocks)
     results["replicas"] = np.array(strategy.num_replicas_in_sync)
-    results["keras"], _, results["keras_iterations"] = keras_fit(strategy)
-    results["keras_reference"], _, results["keras_reference_iterations"] = keras_fit(None)
+    if "keras" in parts:
+        results["keras"], _, results["keras_iterations"] = keras_fit(strategy)
+        results["keras_reference"], _, results["keras_reference_iterations"] = keras_fit(None)
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    results.update(distributed_dp_fit.run_worker(strategy, task))
+    samplings = [p for p in ("fixed", "poisson") if p in parts]
+    results.update(distributed_dp_fit.run_worker(strategy, task, samplings))
     np.savez(out.replace(".npz", f"_{task}.npz"), **results)
 
 
@@ -372,11 +391,14 @@ def main():
                                          "worker", "xla", "xla_embedding"])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated")
+    parser.add_argument("--parts", default="keras,fixed,poisson", help="worker: comma-separated")
     args = parser.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
     if args.mode == "mirrored":
-        run_mirrored(args.devices, args.out)
+        run_mirrored(args.devices, args.out, [c for c in configs if c not in APART])
     elif args.mode == "mirrored_apart":
-        run_mirrored(args.devices, args.out, APART)
+        run_mirrored(args.devices, args.out, [c for c in configs if c in APART], options=False)
     elif args.mode == "keras":
         run_keras(args.devices, args.out)
     elif args.mode == "dp_keras":
@@ -386,7 +408,7 @@ def main():
     elif args.mode == "xla_embedding":
         run_xla_embedding(args.devices, args.out)
     else:
-        run_worker(args.out)
+        run_worker(args.out, configs, args.parts.split(","))
 
 
 if __name__ == "__main__":

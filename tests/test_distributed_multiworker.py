@@ -13,11 +13,21 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory):
-    return distributed_runner.run_workers(tmp_path_factory.mktemp("workers") / "w.npz")
+def workers(request, tmp_path_factory):
+    """The workers run what the selected tests read alone."""
+    items = [item for item in request.session.items if item.module is request.module]
+    parts = [p for p in ("fixed", "poisson") if p in distributed_support.selected_ids(items)]
+    if any(item.originalname == test_keras_fit_on_two_workers_matches_one_device.__name__
+           for item in items):
+        parts.append("keras")
+    return distributed_runner.run_workers(tmp_path_factory.mktemp("workers") / "w.npz",
+                                          configs=distributed_support.selected(items), parts=parts)
 
 
-@pytest.mark.parametrize("config", list(distributed_support.CONFIGS))
+# regular momentum in the fast set, the other configs under -m slow
+@pytest.mark.parametrize("config", [
+    c if c in distributed_support.FAST else pytest.param(c, marks=pytest.mark.slow)
+    for c in distributed_support.CONFIGS])
 def test_two_workers_match_single_device(workers, config):
     params, _, _ = distributed_support.train(config)
     reference = np.concatenate([p.ravel() for p in params])
@@ -29,6 +39,7 @@ def test_two_workers_match_single_device(workers, config):
         assert [list(r[f"{config}/{sync}_blocks"]) for r in workers] == [[0], [1]]
 
 
+@pytest.mark.slow  # KFACModel.fit under a strategy: test_distributed_keras.py in the fast set
 def test_keras_fit_on_two_workers_matches_one_device(workers):
     """``KFACModel.fit`` under the two-worker strategy (each worker feeds the
     same arrays; Keras splits every batch over the replicas) ends with the
@@ -39,7 +50,8 @@ def test_keras_fit_on_two_workers_matches_one_device(workers):
                                    atol=1e-10)
 
 
-@pytest.mark.parametrize("sampling", ["fixed", "poisson"])
+# padded Poisson batches (split unevenly) in the fast set, fixed-size under -m slow
+@pytest.mark.parametrize("sampling", [pytest.param("fixed", marks=pytest.mark.slow), "poisson"])
 def test_dp_fit_on_two_workers_matches_one_device(workers, sampling):
     """``DPModel.fit`` under the two-worker strategy, float64, three steps with
     noise (fixed-size batches of 16, and padded Poisson batches of 15, 15
