@@ -10,12 +10,18 @@ layers), against brute force.
   right, and ``tf.gather_nd`` by ``[B, 1]`` ids (generic) raised it in
   ``kg.per_example_gradients``. The clipped sum with no noise equals the
   clipped sum of one-example tapes' gradients.
+- ``tf.nn.local_response_normalization``: its gradient ``LRNGrad`` has no
+  gradient in TensorFlow, so the default K-FAC (the quadratic model's
+  double backward) and ``kg.verify``'s exact Fisher check raised "No
+  gradient defined"; ``double_backward.py`` gives it one, checked against
+  the double backward of LRN written in differentiable ops.
 """
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
+from kfac_graph import double_backward
 
 B, V, E, K = 5, 7, 4, 3
 CLIP = 0.5
@@ -68,3 +74,52 @@ def test_tables_read_by_handle_clip_like_one_example_tapes(lookup):
     before = table.numpy()
     opt.step(*args)
     np.testing.assert_allclose(table.numpy(), before - 0.1 * clipped[0], rtol=1e-10, atol=1e-12)
+
+
+def _window_sum(z, radius):  # S(z) by a cumulative sum (not double_backward's slices)
+    c = tf.cumsum(tf.pad(z, [[0, 0]] * 3 + [[radius + 1, radius]]), axis=-1)
+    return c[..., 2 * radius + 1:] - c[..., :-(2 * radius + 1)]
+
+
+def _lrn_by_hand(x, depth_radius, bias, alpha, beta):
+    return x * (bias + alpha * _window_sum(x * x, depth_radius)) ** -beta
+
+
+@pytest.mark.parametrize("radius,bias,alpha,beta", [(1, 1.0, 0.3, 0.75), (2, 2.0, 1e-1, 0.5)])
+def test_lrn_grad_differentiates_again(radius, bias, alpha, beta):
+    rng = np.random.default_rng(1)
+    x, dy, u = (tf.constant(rng.normal(size=(2, 3, 3, 6)), tf.float32) for _ in range(3))
+    attrs = dict(depth_radius=radius, bias=bias, alpha=alpha, beta=beta)
+
+    @tf.function
+    def second(lrn):
+        with double_backward.differentiable():
+            r = tf.gradients(lrn(x), x, grad_ys=dy)[0]
+            return r, tf.gradients(r, [dy, x], grad_ys=u)
+
+    r, (d_dy, d_x) = second(lambda x: tf.nn.local_response_normalization(x, **attrs))
+    r_ref, (d_dy_ref, d_x_ref) = second(lambda x: _lrn_by_hand(x, **attrs))
+    for got, want in ((r, r_ref), (d_dy, d_dy_ref), (d_x, d_x_ref)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_lrn_model_trains_with_default_kfac_and_verifies():
+    rng = np.random.default_rng(2)
+    kernel = tf.Variable(rng.normal(size=(3, 3, 2, 4)).astype("float32") / 4, name="kernel")
+    w = tf.Variable(rng.normal(size=(4 * 4 * 4, K)).astype("float32") / 8, name="w")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = tf.nn.relu(tf.nn.conv2d(x, kernel, 1, "SAME"))
+        h = tf.nn.local_response_normalization(h, depth_radius=1, alpha=0.5)
+        logits = tf.reshape(h, [-1, 64]) @ w
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    x = tf.constant(rng.normal(size=(B, 4, 4, 2)), tf.float32)
+    y = tf.constant(rng.integers(0, K, B))
+    report = kg.verify(loss_fn, x, y, estimation_mode="exact")
+    assert report.passed, report.table()
+    opt = kg.KFAC(loss_fn)
+    losses = [float(opt.step(x, y)) for _ in range(3)]
+    assert int(opt.skipped_steps.numpy()) == 0
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
