@@ -123,3 +123,35 @@ def test_lrn_model_trains_with_default_kfac_and_verifies():
     losses = [float(opt.step(x, y)) for _ in range(3)]
     assert int(opt.skipped_steps.numpy()) == 0
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+# the weights on the left: before, every one of these was generic
+LEFT_EINSUMS = {"oi,bi->bo": ((4, 5), (5,)), "io,bti->bto": ((5, 4), (3, 5)),
+                "hdo,bhd->bo": ((2, 3, 4), (2, 3)), "oi,bi->bo (+ bias)": ((4, 5), (5,))}
+
+
+@pytest.mark.parametrize("equation", sorted(LEFT_EINSUMS))
+def test_einsum_with_the_variable_first_is_dense(equation):
+    rng = np.random.default_rng(3)
+    kernel_shape, x_shape = LEFT_EINSUMS[equation]
+    kernel = tf.Variable(rng.normal(size=kernel_shape) / 2, name="kernel")
+    bias = tf.Variable(rng.normal(size=(4,)), name="bias")
+    head = tf.Variable(rng.normal(size=(4, K)), name="head")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = tf.einsum(equation.split(" ")[0], kernel, x)
+        h = tf.tanh(h + bias if "bias" in equation else h)
+        h = tf.reduce_mean(h, 1) if h.shape.rank == 3 else h
+        logits = tf.einsum("ok,bo->bk", head, h)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    args = (tf.constant(rng.normal(size=(B, *x_shape))), tf.constant(rng.integers(0, K, B)))
+    reg = loss_fn.registration(*args)
+    assert [layer.kind for layer in reg.layers] == ["dense", "dense"]
+    assert [len(layer.variables) for layer in reg.layers] == [2 if "bias" in equation else 1, 1]
+    ref = _loop(loss_fn, list(reg.variables), args)
+    for got, want in zip(kg.per_example_gradients(loss_fn, *args), ref):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-12)
+    report = kg.verify(loss_fn, *args, estimation_mode="exact")
+    assert report.passed, report.table()
