@@ -155,3 +155,58 @@ def test_einsum_with_the_variable_first_is_dense(equation):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-12)
     report = kg.verify(loss_fn, *args, estimation_mode="exact")
     assert report.passed, report.table()
+
+
+def _biased(kind, bias_shape, rng):
+    """A layer with its bias stored as ``bias_shape``, then a dense head."""
+    width = 4
+    if kind == "conv":
+        kernel = tf.Variable(rng.normal(size=(3, 3, 2, width)) / 4, name="kernel")
+        x = rng.normal(size=(B, 4, 4, 2))
+        apply = lambda x: tf.nn.conv2d(x, kernel, 1, "SAME")  # noqa: E731
+    else:
+        kernel = tf.Variable(rng.normal(size=(3, width)) / 2, name="kernel")
+        x = rng.normal(size=(B, 2, 3) if kind == "sequence" else (B, 3))
+        apply = lambda x: x @ kernel  # noqa: E731
+    bias = tf.Variable(rng.normal(size=bias_shape), name="bias")
+    head = tf.Variable(rng.normal(size=(width, K)), name="head")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        h = tf.tanh(apply(x) + bias)
+        h = tf.reduce_mean(h, axis=list(range(1, h.shape.rank - 1))) if h.shape.rank > 2 else h
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, h @ head))
+
+    return loss_fn, (tf.constant(x), tf.constant(rng.integers(0, K, B)))
+
+
+@pytest.mark.parametrize("kind,bias_shape", [("dense", (1, 4)), ("sequence", (1, 1, 4)),
+                                             ("conv", (1, 1, 1, 4))])
+def test_bias_with_leading_unit_axes_is_the_layers_bias(kind, bias_shape):
+    """A bias ``[1, d]`` (``[1, 1, 1, C]``) is the layer's own bias, as ``[d]``
+    is (before: a shift layer of its own, so no Kronecker block held it):
+    per-example gradients equal one-example tapes and the K-FAC block equals
+    the ``[d]`` bias's twin's, reshaped."""
+    fn, args = _biased(kind, bias_shape, np.random.default_rng(4))
+    twin, _ = _biased(kind, bias_shape[-1:], np.random.default_rng(4))
+    reg = fn.registration(*args)
+    assert [layer.kind for layer in reg.layers] == [
+        "conv2d" if kind == "conv" else "dense", "dense"]
+    assert [v.name for v in reg.layers[0].variables] == ["kernel:0", "bias:0"]
+    ref = _loop(fn, list(reg.variables), args)
+    for got, want in zip(kg.per_example_gradients(fn, *args), ref):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-12)
+    blocks = []
+    for f in (fn, twin):
+        est = kg.FisherEstimator(f, estimation_mode="exact", damping=1e-2)
+        est.update(*args)
+        est.update_inverses()
+        blocks.append(est.blocks[0])
+    rng = np.random.default_rng(5)
+    vs = [tf.constant(rng.normal(size=v.shape)) for v in reg.layers[0].variables]
+    for method in ("multiply", "multiply_inverse"):
+        got = getattr(blocks[0], method)(vs)
+        want = getattr(blocks[1], method)([vs[0], tf.reshape(vs[1], [-1])])
+        assert got[1].shape == bias_shape
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.reshape(a, [-1]), np.reshape(b, [-1]), rtol=1e-10)
