@@ -157,10 +157,9 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                     nonnegative)
     placeholders = {node: user_variable(traced.objects[key])
                     for node, key in traced.placeholder_variables.items() if key in traced.objects}
-    generic = {k for m in result.layers if m.kind == "generic" for k in m.variables}
-    graph_def = split_gathers(traced.graph_def, {node for node, key in
-                                                 traced.placeholder_variables.items()
-                                                 if key in generic})
+    # every table's reads replaceable: a generic layer's (its rule) and a
+    # registered one's (DP-SGD's reweighting replaces every variable's reads)
+    graph_def = split_gathers(traced.graph_def, set(traced.placeholder_variables))
     reads, handles = {}, {}
     on_path = nx.ancestors(result.graph, passes.ir.split_tensor(result.graph.graph["output"])[0])
     for node in graph_def.node:

@@ -35,6 +35,13 @@ inside it one:
   scattered rows, the same reduction of ``dy`` by ``indices`` (V2 returns
   only the rows named, in sorted unique order: ``indices`` are first
   mapped to their places there).
+- ``LRNGrad`` (``tf.nn.local_response_normalization``, AlexNet's): with
+  ``N = bias + alpha S(x^2)`` (``S``: the sum over the ``2r + 1`` channels
+  around each, ``r = depth_radius``) and ``y = x N^-beta``, it computes
+  ``J^T dy = dy N^-beta - 2 alpha beta x S(dy x N^(-beta-1))``; its
+  gradient is that expression's, with respect to ``dy`` (``J u``) and to
+  ``x``, taken on the expression written in differentiable ops (``y`` is a
+  function of ``x``, so its own entry is None).
 """
 import collections
 import contextlib
@@ -55,6 +62,7 @@ _SEGMENT_REDUCTIONS = {"Sum": tf.sparse.segment_sum, "Mean": tf.sparse.segment_m
                        "SqrtN": tf.sparse.segment_sqrt_n}
 SEGMENTS = {f"SparseSegment{kind}Grad{v}": f"KfacGraphSparseSegment{kind}Grad{v}"
             for kind in _SEGMENT_REDUCTIONS for v in ("", "V2")}
+LRN = "KfacGraphLRNGrad"
 
 
 @contextlib.contextmanager
@@ -63,7 +71,7 @@ def differentiable():
     default graph, get the gradients it states."""
     graph = tf.compat.v1.get_default_graph()
     with graph.gradient_override_map({"XlaDynamicUpdateSlice": SLICE, **RESIZES,
-                                      **SEGMENTS}):
+                                      **SEGMENTS, "LRNGrad": LRN}):
         yield
 
 
@@ -178,3 +186,25 @@ for _kind, _reduce in _SEGMENT_REDUCTIONS.items():
     for _v in ("", "V2"):
         tf.RegisterGradient(SEGMENTS[f"SparseSegment{_kind}Grad{_v}"])(
             _segment_grad_gradient(_reduce, bool(_v)))
+
+
+def _channel_window_sum(z, radius: int):
+    """``S(z)``: each channel's sum over the channels within ``radius`` of it
+    (zeros beyond the edges), on the last axis."""
+    rank, channels = z.shape.rank, tf.shape(z)[-1]
+    padded = tf.pad(z, [[0, 0]] * (rank - 1) + [[radius, radius]])
+    return tf.add_n([padded[..., k:k + channels] for k in range(2 * radius + 1)])
+
+
+@tf.RegisterGradient(LRN)
+def _lrn_grad_gradient(op, ddx):
+    dy, x = op.inputs[0], op.inputs[1]
+    radius = op.get_attr("depth_radius")
+    bias, alpha, beta = (tf.cast(op.get_attr(k), x.dtype) for k in ("bias", "alpha", "beta"))
+    with tf.GradientTape() as tape:  # (records only the ops written here)
+        tape.watch([dy, x])
+        n = bias + alpha * _channel_window_sum(x * x, radius)
+        dx = dy * n ** -beta - 2 * alpha * beta * x * _channel_window_sum(
+            dy * x * n ** (-beta - 1), radius)
+    d_dy, d_x = tape.gradient(dx, [dy, x], output_gradients=ddx)
+    return d_dy, d_x, None

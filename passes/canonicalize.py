@@ -25,6 +25,11 @@ the ``AddV2`` of that tensor: Keras's ``ops.add(x, y)`` emits
 channels' width, so on a batch of one an LSTM cell's ``x W + h R`` (``[1,
 4u]`` each) came out as a bias add and the cell's sum of products was not
 seen.
+
+An ``Einsum`` of a variable first and a computed tensor second (``"oi,bi->bo"``,
+``"io,bi->bo"``: the weights on the left, as papers write ``W x``) is read
+with its operands and their subscripts swapped (``"bi,oi->bo"``): the same
+product, with the kernel second, where the dense patterns read it.
 """
 from __future__ import annotations
 
@@ -64,6 +69,8 @@ def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
     for node in [n for n, d in g.nodes(data=True) if _weight_layout(g, n, d)]:
         ir.bypass(g, node, 0, g.nodes[node]["inputs"][0])
         g.remove_node(node)
+    for node in [n for n, d in g.nodes(data=True) if d["op"] == "Einsum"]:
+        _kernel_second(g, node)
     g.graph["output"] = ir.resolve(g, g.graph["output"])
     return g
 
@@ -140,3 +147,20 @@ def _weight_layout(g: nx.DiGraph, node: str, data: dict) -> bool:
     readers = list(g.successors(node))
     return (g.nodes[src]["op"] == "Variable" and bool(readers)
             and all(g.nodes[r]["op"] in _ELEMENTWISE for r in readers))
+
+
+def _kernel_second(g: nx.DiGraph, node: str) -> None:
+    """An Einsum ``w,x->y`` of a variable ``w`` and a computed ``x`` read as
+    ``x,w->y`` (the module docstring)."""
+    data = g.nodes[node]
+    equation = data["attrs"].get("equation", "").replace(" ", "")
+    if len(data["inputs"]) != 2 or equation.count("->") != 1 or equation.count(",") != 1:
+        return
+    first, second = (g.nodes[ir.node_of(g, t)].get("variable") for t in data["inputs"])
+    if first is None or second is not None:
+        return
+    operands, out = equation.split("->")
+    w, x = operands.split(",")
+    data["attrs"] = {**data["attrs"], "equation": f"{x},{w}->{out}"}
+    data["raw_inputs"] = data["raw_inputs"][::-1]
+    ir.set_inputs(g, node, data["inputs"][::-1])

@@ -110,10 +110,17 @@ def _dense_kernel_ok(g, m) -> bool:
 
 def bias_fits(g, m, channel_axis) -> bool:
     """Whether the variable ``m['b']`` added by ``m['add']`` is a bias ``[C]``
-    along ``channel_axis`` of ``m['op']``'s output."""
+    along ``channel_axis`` of ``m['op']``'s output; on the last axis also one
+    stored with leading unit axes, ``[1, .., 1, C]`` (raw code's
+    ``tf.Variable(tf.zeros([1, d]))``), added by an Add (its per-example
+    gradients take the variable's shape, ``invariants.to_variable_shape``)."""
     bias_shape = var_shape(g, m["b"])
     out_shape = g.nodes[m["op"]]["shapes"][0]
-    if len(bias_shape) != 1 or out_shape is None:
+    if not bias_shape or out_shape is None or len(bias_shape) > len(out_shape):
+        return False
+    if len(bias_shape) != 1 and (
+            any(d != 1 for d in bias_shape[:-1]) or g.nodes[m["add"]]["op"] == "BiasAdd"
+            or channel_axis % len(out_shape) != len(out_shape) - 1):
         return False
     if g.nodes[m["add"]]["op"] == "BiasAdd":
         # the BiasAdd's own channel axis must be the layer's (Keras's `add`
@@ -132,7 +139,7 @@ def bias_fits(g, m, channel_axis) -> bool:
             return shape is not None and len(shape) == 1 and channel_axis in (-1, rank - 1)
         axes = [i for i, d in enumerate(shape) if d != 1]
         return axes in ([channel_axis % rank], [])
-    return out_shape[channel_axis] in (bias_shape[0], None)
+    return out_shape[channel_axis] in (bias_shape[-1], None)
 
 
 def _conv_bias_ok(g, m) -> bool:
