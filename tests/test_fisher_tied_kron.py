@@ -248,7 +248,8 @@ def test_estimator_runs_the_block_and_reports_its_factors():
     assert costs._block_costs(block, 10.0, 8, 1) == pytest.approx((1500.0, 1584.0, eigh))
 
 
-@pytest.mark.parametrize("momentum_type", ["qmodel", "regular"])
+@pytest.mark.parametrize("momentum_type", ["qmodel", pytest.param("regular",
+                                                                    marks=pytest.mark.slow)])
 def test_kfac_trains_the_tied_model_with_the_block(momentum_type):
     """``kg.KFAC`` with its defaults (and regular momentum) lowers the loss in
     20 steps with no skipped step."""

@@ -274,7 +274,7 @@ def _tied_model(bias, form):
 
 
 @pytest.mark.parametrize("bias,form", [(False, "transpose_b"), (True, "einsum"),
-                                       (True, "transpose")])
+                                       pytest.param(True, "transpose", marks=pytest.mark.slow)])
 def test_tied_table_fisher_blocks_match_brute_force(bias, form):
     """The full block is the exact Fisher of the table (both uses and their
     cross terms); the default block its exact diagonal. A projection bias is

@@ -34,8 +34,10 @@ def _halving(step):
     return 0.4 * tf.pow(tf.constant(0.5, F64), tf.cast(step, F64))
 
 
-@pytest.mark.parametrize("momentum_type", ["regular", "adam"])
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["eager", "xla"])
+@pytest.mark.parametrize("jit_compile,momentum_type", [
+    (False, "regular"), (False, "adam"), (True, "regular"),
+    pytest.param(True, "adam", marks=pytest.mark.slow)],  # (adam under XLA: -m slow)
+    ids=["eager-regular", "eager-adam", "xla-regular", "xla-adam"])
 def test_schedule_equals_the_rate_assigned_before_each_step(momentum_type, jit_compile):
     common = dict(momentum_type=momentum_type, adapt_damping=False, jit_compile=jit_compile,
                   estimation_mode="exact")

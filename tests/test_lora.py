@@ -91,7 +91,7 @@ def _by_variable(reg, name):
 
 
 @pytest.mark.parametrize("which", [
-    "query/lora_kernel_a", "value/lora_kernel_b",
+    "query/lora_kernel_a", pytest.param("value/lora_kernel_b", marks=pytest.mark.slow),
     *(pytest.param(w, marks=pytest.mark.slow)  # (the same rule on other layouts)
       for w in ("query/lora_kernel_b", "out/lora_kernel_a", "value/lora_kernel_a"))])
 def test_full_block_is_brute_force_fisher(which):

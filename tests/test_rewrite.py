@@ -297,7 +297,7 @@ def test_console_script_exit_status(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("rank", [2, 3])
+@pytest.mark.parametrize("rank", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_keras_grouped_convolution_is_rewritten(tmp_path, rank, capsys):
     """Keras compiles a grouped Conv2D (Conv3D) in a function of its own
     (XLA); the rewritten model trains it and gives its per-example gradients.

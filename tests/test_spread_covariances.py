@@ -105,7 +105,8 @@ def test_each_step_folds_in_its_slice_as_an_estimator_fed_by_hand(momentum_type)
     assert moved > 1e-6
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("jit_compile", [  # XLA: test_xla_step_equals_the_plain_tensorflow_step
+    False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_slice_every_other_step_is_a_period_of_half_as_many_slices(jit_compile):
     """Period 6 with a slice every 2 steps (the stride an overhead budget
     picks, set here by hand): the even steps fold in slices of ``ceil(10 /

@@ -57,9 +57,9 @@ OPTIONS = {"regular": dict(momentum_type="regular", cov_update_period=2),
            "qmodel_half": dict(qmodel_batch_fraction=0.5, cov_update_period=2)}
 
 
-@pytest.mark.parametrize("wrap,options", [  # a tf.function loss: -m slow
-    (False, "regular"), pytest.param(True, "regular", marks=pytest.mark.slow),
-    (False, "qmodel_half")])
+@pytest.mark.parametrize("wrap,options", [  # a tf.function loss, and the quadratic model
+    (False, "regular"), pytest.param(True, "regular", marks=pytest.mark.slow),  # (its whole
+    pytest.param(False, "qmodel_half", marks=pytest.mark.slow)])  # step below): -m slow
 def test_xla_step_takes_the_batch_as_parameters_and_matches_the_plain_step(wrap, options):
     def train(jit):
         fn, variables, batches = _problem(wrap)
