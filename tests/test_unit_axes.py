@@ -1,0 +1,100 @@
+"""Unit axes the IR sees through (``passes.canonicalize`` drops reshapes,
+``x[:, None]`` and ``expand_dims`` that only add or drop size-1 axes, and
+rewires their readers): an op's constant axes, permutations and slice
+bounds index its input as the op reads it, not the rank-reduced tensor the
+IR rewired it to. Each form against the same model written without the
+unit axis, and a loop of one-example tapes (float64)."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+from per_example_reference import one_example_loop
+
+L = keras.layers
+B, T, D, C = 4, 3, 2, 3
+
+
+@pytest.fixture
+def float64():
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(0)
+
+
+def _data(seed=0, positions=False):
+    rng = np.random.default_rng(seed)
+    x = tf.constant(rng.normal(size=(B, T, D) if positions else (B, D)))
+    return x, tf.constant(rng.integers(0, C, B))
+
+
+def _signature(x, y):
+    return [tf.TensorSpec([None, *x.shape[1:]], x.dtype), tf.TensorSpec([None], y.dtype)]
+
+
+def _matches_loop(fn, loss, args, rtol=1e-9):
+    reg = fn.registration(*args)
+    got = kg.per_example_gradients(fn, *args)
+    for v, g, w in zip(reg.variables, got, one_example_loop(loss, args, reg.variables)):
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-12, err_msg=v.name)
+    return reg
+
+
+def _kfac_losses(fn, args, variables, start, steps=3):
+    for v, s in zip(variables, start):
+        v.assign(s)
+    opt = kg.KFAC(fn, estimation_mode="exact", momentum_type="regular",
+                  learning_rate=0.5, damping=1e-3)
+    losses = [float(opt.step(*args)) for _ in range(steps)]
+    assert int(opt.skipped_steps) == 0
+    return losses
+
+
+def test_a_sum_over_positions_behind_a_unit_axis_is_no_per_position_head(float64):
+    """``log cosh(sum(reshape(z, [B, 1, T, C]), axis=2, keepdims=True) - y)``:
+    the Sum's axis 2 was read on the ``[B, T, C]`` tensor the IR rewired it
+    to, as its last axis, the classes', so the head looked per position of
+    ``z`` and the Gauss-Newton output was ``z``, its Hessian formed per
+    position (T times the diagonal blocks, the blocks across positions
+    dropped): K-FAC took another trajectory than the same loss written
+    without the unit axis (loss 0.56 against 0.48 after four steps)."""
+    x, _ = _data(positions=True)
+    y = tf.constant(np.random.default_rng(1).normal(size=(B, 1, 1, C)))
+    hidden, out = L.Dense(C, activation="tanh"), L.Dense(C)
+
+    def make(unit):
+        def loss(x, y):
+            z = out(hidden(x))
+            p = (tf.reduce_sum(tf.reshape(z, [-1, 1, T, C]), axis=2, keepdims=True) if unit
+                 else tf.reduce_sum(z, axis=1, keepdims=True)[:, None])
+            return tf.reduce_mean(tf.math.log(tf.cosh(p - y)))
+        return loss
+
+    plain, unit = (kg.auto_register(make(u)) for u in (False, True))
+    want, got = plain.registration(x, y), unit.registration(x, y)
+    assert got.loss.kind == "ggn" and got.loss.output == want.loss.output
+    start = [v.numpy() for v in want.variables]
+    np.testing.assert_allclose(_kfac_losses(unit, (x, y), want.variables, start),
+                               _kfac_losses(plain, (x, y), want.variables, start), rtol=1e-10)
+
+
+def test_a_log_sum_exp_over_a_unit_axis_under_an_unknown_batch(float64):
+    """``logsumexp(z[:, None], axis=2) - picked``: the reduction's rows were
+    dropped wherever its input was seen through a unit axis, so with the
+    batch known at run time only no tensor held the examples and the loss
+    was refused ("cannot read a loss through op 'sub'"); traced with the
+    batch static it registered through a joined output."""
+    x, y = _data()
+    hidden, out = L.Dense(4, activation="tanh"), L.Dense(C)
+
+    def loss(x, y):
+        z = tf.expand_dims(out(hidden(x)), 1)
+        picked = tf.reduce_sum(z * tf.one_hot(y, C, dtype=z.dtype)[:, None], axis=2)
+        return tf.reduce_mean(tf.reduce_logsumexp(z, axis=2) - picked)
+
+    for traced in (loss, tf.function(loss, input_signature=_signature(x, y))):
+        fn = kg.auto_register(traced)
+        reg = _matches_loop(fn, loss, (x, y))
+        assert reg.loss.kind == "ggn" and "joined" not in reg.loss.output  # (per position)
+        assert [layer.kind for layer in reg.layers] == ["dense", "dense"]
