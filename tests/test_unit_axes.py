@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
+from passes.errors import KfacGraphError
 from per_example_reference import one_example_loop
 
 L = keras.layers
@@ -98,3 +99,30 @@ def test_a_log_sum_exp_over_a_unit_axis_under_an_unknown_batch(float64):
         reg = _matches_loop(fn, loss, (x, y))
         assert reg.loss.kind == "ggn" and "joined" not in reg.loss.output  # (per position)
         assert [layer.kind for layer in reg.layers] == ["dense", "dense"]
+
+
+@pytest.mark.parametrize("form", ["gather_negative_axis", "roll_unit", "reverse_unit"])
+def test_the_batch_reordered_along_a_negative_axis_couples_the_examples(float64, form):
+    """``gather(h, perm, axis=-2)`` on ``[B, d]`` and ``roll`` or ``reverse``
+    of ``h[:, None]`` along axis -3: the batch's axis, named from the end
+    (the gather's was compared to the rows' axis unreduced, the roll's taken
+    modulo the rank of the ``[B, d]`` tensor the IR rewired it to). The
+    coupling went unseen and DP-SGD clipped a mixed-up batch's gradients
+    (no privacy); as ``axis=0`` it is refused."""
+    x, y = _data()
+    hidden, out = L.Dense(4, activation="tanh"), L.Dense(C)
+
+    def loss(x, y):
+        h = hidden(x)
+        if form == "gather_negative_axis":
+            h = h + 0.5 * tf.gather(h, tf.constant([1, 2, 3, 0]), axis=-2)
+        else:
+            u = h[:, None, :]
+            moved = tf.roll(u, 1, axis=-3) if form == "roll_unit" else tf.reverse(u, [-3])
+            h = (u + 0.5 * moved)[:, 0]
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, out(h)))
+
+    fn = kg.auto_register(loss)
+    assert fn.registration(x, y).coupling
+    with pytest.raises(KfacGraphError, match="couples the examples"):
+        kg.dp_gradients(fn, x, y, l2_norm_clip=1.0, noise_multiplier=0.0)
