@@ -126,3 +126,75 @@ def test_the_batch_reordered_along_a_negative_axis_couples_the_examples(float64,
     assert fn.registration(x, y).coupling
     with pytest.raises(KfacGraphError, match="couples the examples"):
         kg.dp_gradients(fn, x, y, l2_norm_clip=1.0, noise_multiplier=0.0)
+
+
+def test_a_dense_layer_on_positions_behind_a_unit_axis_keeps_its_bias(float64):
+    """Keras's Dense on ``[B, 1, T, d]`` (a Tensordot: reshape to ``[B T,
+    d]``, matmul, reshape back): the Tensordot check compared its output's
+    rank with the ``[B, T, d]`` input the IR rewired it to, so with the
+    batch static the matmul registered alone and its bias as a separate
+    scale-and-shift layer (another K-FAC block than the same model without
+    the unit axis)."""
+    x, y = _data(positions=True)
+    hidden, out = L.Dense(4, activation="tanh"), L.Dense(C)
+
+    def make(unit):
+        def loss(x, y):
+            h = tf.reshape(x, [-1, 1, T, D]) if unit else x
+            z = tf.reshape(out(hidden(h)), [-1, T, C])
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                tf.stack([y, (y + 1) % C, y], 1), z))
+        return loss
+
+    plain = kg.auto_register(make(False))
+    want = plain.registration(x, y)
+    start = [v.numpy() for v in want.variables]
+    losses = _kfac_losses(plain, (x, y), want.variables, start)
+    signature = [tf.TensorSpec([None, T, D], tf.float64), tf.TensorSpec([None], y.dtype)]
+    for traced in (make(True), tf.function(make(True), input_signature=signature)):
+        fn = kg.auto_register(traced)
+        reg = _matches_loop(fn, make(True), (x, y))
+        assert [(layer.kind, len(layer.variables)) for layer in reg.layers] == [
+            (layer.kind, len(layer.variables)) for layer in want.layers]
+        np.testing.assert_allclose(_kfac_losses(fn, (x, y), want.variables, start), losses,
+                                   rtol=1e-10)
+
+
+@pytest.mark.parametrize("layout", ["flattened_rows", "time_major"])
+def test_a_dense_layer_on_rows_behind_a_unit_axis(float64, layout):
+    """A Dense on ``reshape(h, [-1, d])[:, None]`` (``[B T, 1, d]`` rows) or
+    on a time-major ``[T, 1, B, d]``: the layer's input is the tensor as it
+    reads it, one canonicalize removed, whose rows were looked up by its
+    own name (none: a crash, KeyError, on the rows; the time-major one's
+    variables generic), and on the axis of the tensor the IR rewired it to
+    (the examples' axis 1 of ``[T, B, d]`` is axis 2 of what the layer
+    reads)."""
+    x, y = _data(positions=True)
+    y = tf.stack([y, (y + 1) % C, y], 1)
+    hidden, out = L.Dense(4, activation="tanh"), L.Dense(C)
+
+    def make(unit):
+        def loss(x, y):
+            h = hidden(x)
+            if layout == "flattened_rows":
+                h = tf.reshape(h, [-1, 4])
+                z = tf.reshape(out(h[:, None, :] if unit else h), [-1, T, C])
+            else:
+                h = tf.transpose(h, [1, 0, 2])
+                h = tf.reshape(h, [T, 1, -1, 4]) if unit else h
+                z = tf.transpose(tf.reshape(out(h), [T, -1, C]), [1, 0, 2])
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, z))
+        return loss
+
+    plain = kg.auto_register(make(False))
+    want = plain.registration(x, y)
+    start = [v.numpy() for v in want.variables]
+    losses = _kfac_losses(plain, (x, y), want.variables, start)
+    signature = [tf.TensorSpec([None, T, D], tf.float64), tf.TensorSpec([None, T], y.dtype)]
+    for traced in (make(True), tf.function(make(True), input_signature=signature)):
+        fn = kg.auto_register(traced)
+        reg = _matches_loop(fn, make(True), (x, y))
+        assert [(layer.kind, len(layer.variables)) for layer in reg.layers] == [
+            ("dense", 2), ("dense", 2)]
+        np.testing.assert_allclose(_kfac_losses(fn, (x, y), want.variables, start), losses,
+                                   rtol=1e-10)
