@@ -198,3 +198,54 @@ def test_a_dense_layer_on_rows_behind_a_unit_axis(float64, layout):
             ("dense", 2), ("dense", 2)]
         np.testing.assert_allclose(_kfac_losses(fn, (x, y), want.variables, start), losses,
                                    rtol=1e-10)
+
+
+@pytest.mark.parametrize("signature", ["static", "dynamic"])
+def test_a_sum_divided_by_the_batch_named_from_the_end(float64, signature):
+    """``sum(ce) / shape(ce)[-1]`` on the ``[B]`` terms is a mean over the
+    batch: the slice's bound -1 was read as axis -1, not the first, so the
+    size was taken for one that does not count the batch and the loss for a
+    sum, every per-example gradient of the generic variable B times too
+    small (DP-SGD clipped a B-th of each)."""
+    x, y = _data()
+    hidden, out = L.Dense(4, activation="tanh"), L.Dense(C)
+    t = tf.Variable(np.linspace(0.5, 1.5, C), name="t")  # sin(t): a generic variable
+
+    def loss(x, y):
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, out(hidden(x)) * tf.sin(t))
+        return tf.reduce_sum(ce) / tf.cast(tf.shape(ce)[-1], ce.dtype)
+
+    traced = loss if signature == "static" else tf.function(
+        loss, input_signature=_signature(x, y))
+    reg = _matches_loop(kg.auto_register(traced), loss, (x, y))
+    assert reg.loss.reduction == "mean" and "generic" in [layer.kind for layer in reg.layers]
+
+
+PER_TOKEN_FORMS = {  # ce [B, T] -> the loss
+    # ce[:, None] with B and T unknown: the slice was not seen through (two unknown
+    # sizes), and the loss pass refused it ("cannot read a loss through op 'strided_slice'")
+    "mean_of_a_new_axis": lambda c: tf.reduce_mean(tf.reduce_mean(c[:, None, :], axis=-1)),
+    "sum_over_positions": lambda c: tf.reduce_mean(tf.reduce_sum(c[:, None, :], axis=2)),
+    # prod(shape(c)[1:]) is T, no batch: a product of a sliced shape was not followed
+    # and read as counting the batch, every per-example gradient B times too large
+    "sum_over_prod_of_shape": lambda c: tf.reduce_sum(c) / tf.cast(
+        tf.reduce_prod(tf.shape(c)[1:]), c.dtype),
+}
+
+
+@pytest.mark.parametrize("form", sorted(PER_TOKEN_FORMS))
+def test_per_token_forms_with_the_batch_and_positions_unknown(float64, form):
+    """Traced with ``input_signature=[None, None]``: per-example gradients
+    (a generic variable's too) equal a loop of one-example tapes."""
+    x, y = _data(positions=True)
+    y = tf.stack([y, (y + 1) % C, y], 1)
+    hidden, out = L.Dense(4, activation="tanh"), L.Dense(C)
+    t = tf.Variable(np.linspace(0.5, 1.5, C), name="t")
+
+    def loss(x, y):
+        z = out(hidden(x)) * tf.sin(t)
+        return PER_TOKEN_FORMS[form](tf.nn.sparse_softmax_cross_entropy_with_logits(y, z))
+
+    spec = [tf.TensorSpec([None, None, D], tf.float64), tf.TensorSpec([None, None], y.dtype)]
+    reg = _matches_loop(kg.auto_register(tf.function(loss, input_signature=spec)), loss, (x, y))
+    assert "generic" in [layer.kind for layer in reg.layers]
