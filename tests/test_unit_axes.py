@@ -249,3 +249,44 @@ def test_per_token_forms_with_the_batch_and_positions_unknown(float64, form):
     spec = [tf.TensorSpec([None, None, D], tf.float64), tf.TensorSpec([None, None], y.dtype)]
     reg = _matches_loop(kg.auto_register(tf.function(loss, input_signature=spec)), loss, (x, y))
     assert "generic" in [layer.kind for layer in reg.layers]
+
+
+
+@pytest.mark.parametrize("form", ["leading", "trailing", "terms_expanded"])
+def test_class_weights_on_terms_with_a_unit_axis_are_no_token_weights(float64, form):
+    """``-sum(w * y[:, None] * log_softmax(z)[:, None])`` with per-class
+    weights ``w`` (``[C]``, or ``[C, 1]`` against ``[B, C, 1]`` terms; or the
+    terms ``y * log_softmax(z)`` expanded before ``w`` weighs them): no
+    log-likelihood, as without the unit axis (kind "ggn"). The check
+    compared the ``[B, 1, C]`` terms' rank with ``z``'s and the weights'
+    shape as the IR rewired them (``[C]``, not ``[C, 1]``), so it passed
+    them as token weights of a categorical loss, and K-FAC's first step
+    crashed (ValueError: cannot reshape 12 elements to [4])."""
+    x, y = _data()
+    hidden, out = L.Dense(4, activation="tanh"), L.Dense(C)
+    w = tf.constant([1.0, 2.0, 3.0], tf.float64)
+
+    def make(unit):
+        def loss(x, y):
+            z = out(hidden(x))
+            y, log_p = tf.one_hot(y, C, dtype=z.dtype), tf.nn.log_softmax(z)
+            if not unit:
+                return -tf.reduce_mean(tf.reduce_sum(w * (y * log_p), -1))
+            if form == "leading":
+                terms = y[:, None, :] * log_p[:, None, :]
+                return -tf.reduce_mean(tf.reduce_sum(w * terms, [1, 2]))
+            if form == "trailing":
+                terms = y[:, :, None] * log_p[:, :, None]
+                return -tf.reduce_mean(tf.reduce_sum(w[:, None] * terms, [1, 2]))
+            return -tf.reduce_mean(tf.reduce_sum(w * (y * log_p)[:, None, :], [1, 2]))
+        return loss
+
+    plain = kg.auto_register(make(False))
+    want = plain.registration(x, y)
+    start = [v.numpy() for v in want.variables]
+    losses = _kfac_losses(plain, (x, y), want.variables, start)
+    fn = kg.auto_register(make(True))
+    reg = _matches_loop(fn, make(True), (x, y))
+    assert want.loss.kind == reg.loss.kind == "ggn"
+    np.testing.assert_allclose(_kfac_losses(fn, (x, y), want.variables, start), losses,
+                               rtol=1e-10)
