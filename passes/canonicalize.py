@@ -110,10 +110,10 @@ def _only_unit_axes(g: nx.DiGraph, node: str, on_data: bool) -> bool:
     """True when input and output shapes agree once unit axes are dropped.
 
     Unknown dimensions must line up one to one (a ``None`` batch axis kept in
-    place; an ExpandDims keeps them all); an unknown rank is never
-    transparent. On data (values computed from the arguments', not from
-    their sizes alone), the leading (batch) axis must stay put: a batch of
-    one reshaped away is not a unit axis."""
+    place; an ExpandDims, or a whole slice that adds unit axes, keeps them
+    all); an unknown rank is never transparent. On data (values computed
+    from the arguments', not from their sizes alone), the leading (batch)
+    axis must stay put: a batch of one reshaped away is not a unit axis."""
     before = ir.shape_of(g, g.nodes[node]["inputs"][0])
     after = g.nodes[node]["shapes"][0]
     if before is None or after is None:
@@ -121,8 +121,8 @@ def _only_unit_axes(g: nx.DiGraph, node: str, on_data: bool) -> bool:
     if on_data and (not before or not after or before[0] != after[0]):
         return False
     squeeze = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
-    if g.nodes[node]["op"] == "ExpandDims":  # unit axes added, the others kept in order
-        return squeeze(before) == squeeze(after)
+    if g.nodes[node]["op"] in ("ExpandDims", "StridedSlice"):  # unit axes added (a slice:
+        return squeeze(before) == squeeze(after)  # _whole_slice's), the others kept in order
     if squeeze(before) != squeeze(after):
         return False
     dims = g.nodes[node]["attrs"].get("squeeze_dims") or ()

@@ -171,8 +171,8 @@ def _mixes_rows(g, d, sources, rows) -> bool:
     if op in _SEGMENTS:
         return held.get(0) == 0
     if op == "GatherV2" and 0 in held and 1 not in held and not attrs.get("batch_dims", 0):
-        axis = ir.const_value(g, d["inputs"][2])
-        return (axis is not None and int(axis) == held[0]
+        axis, rank = ir.const_value(g, d["inputs"][2]), len(_read_shape(g, d, 0))
+        return (axis is not None and rank > 0 and int(axis) % rank == _read_axis(g, d, 0, held[0])
                 and not _own_rows(g, d["inputs"][1], rows[sources[0]]))
     if op == "SparseTensorDenseMatMul":  # (indices, values, shape, dense)
         return held.get(3, -1) == (1 if attrs.get("adjoint_b") else 0)
@@ -196,6 +196,7 @@ def _mixes_rows(g, d, sources, rows) -> bool:
             return False
         ins, out = equation.split("->")
         specs = ins.split(",")
+        held = {i: _read_axis(g, d, i, a) for i, a in held.items()}  # (the letters' axes)
         return any(a < len(specs[i]) and specs[i][a] not in out for i, a in held.items())
     return False
 
@@ -217,8 +218,20 @@ def _moves_rows(g, d, sources, rows) -> bool:
     if d["op"] == "RandomShuffle":
         return r.axis == 0
     axes = ir.const_value(g, d["inputs"][1 if d["op"] == "ReverseV2" else 2])
-    rank = len(ir.shape_of(g, d["inputs"][0]) or ())
-    return axes is None or r.axis in {int(a) % max(rank, 1) for a in np.atleast_1d(axes)}
+    rank = len(_read_shape(g, d, 0))
+    return axes is None or _read_axis(g, d, 0, r.axis) in {
+        int(a) % max(rank, 1) for a in np.atleast_1d(axes)}
+
+
+def _read_shape(g, d, slot) -> tuple:
+    """Input ``slot`` of ``d``'s shape as the op reads it, which its constant
+    axes index: unit axes the IR saw through kept (``passes.canonicalize``)."""
+    return ir.shape_of(g, d["raw_inputs"][slot]) or ()
+
+
+def _read_axis(g, d, slot, axis) -> int:
+    """``axis`` of input ``slot`` (the IR's) in that input as the op reads it."""
+    return row_axes.axis_as_read(g, d["inputs"][slot], d["raw_inputs"][slot], axis)
 
 
 def _own_rows(g, ids, r) -> bool:

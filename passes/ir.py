@@ -204,8 +204,10 @@ def slice_axes(g: nx.DiGraph, data: dict) -> list | None:
     """Per input axis of a StridedSlice (``data``: its node's), ``(out_axis,
     whole)``: where the axis lands in the output (None: shrunk away) and
     whether the slice keeps all of it (stride 1, start to end); walks the
-    spec's ellipsis and new axes. None when the shape or spec is unknown."""
-    shape = shape_of(g, data["inputs"][0])
+    spec's ellipsis and new axes. None when the shape or spec is unknown.
+    The input is the op's as it reads it (``raw_inputs``: unit axes a pass
+    saw through kept), which the spec indexes."""
+    shape = shape_of(g, data["raw_inputs"][0])
     begin, end, strides = (const_value(g, t) for t in data["inputs"][1:4])
     if shape is None or begin is None or end is None or strides is None:
         return None

@@ -40,6 +40,7 @@ import tensorflow as tf
 
 from passes import ir
 from passes.coupling import coupling_ops
+from passes.row_axes import axis_as_read
 from passes.loss_constants import evaluate
 
 MAX_CLASSES = 256
@@ -211,13 +212,14 @@ def _mixing_op(g, z, head) -> str | None:
     for node in nx.topological_sort(g.subgraph(head)):
         d = g.nodes[node]
         op, inputs = d["op"], d["inputs"]
-        places = {where[n] for n in (ir.split_tensor(t)[0] for t in inputs) if n in where}
+        places = {axis_as_read(g, t, raw, where[ir.split_tensor(t)[0]])  # (as the op reads it)
+                  for t, raw in zip(inputs, d["raw_inputs"]) if ir.split_tensor(t)[0] in where}
         held = places - {None}
         if len(held) > 1:
             return node
         place = held.pop() if held else None
-        value = inputs[1] if op == "Split" else inputs[0] if inputs else None  # (axis, value)
-        shape = ir.shape_of(g, value) if value else None
+        slot = 1 if op == "Split" else 0  # (axis, value); its axes index the input as read
+        shape = ir.shape_of(g, d["raw_inputs"][slot]) if len(inputs) > slot else None
         rank = len(shape) if shape is not None else None
         if op in ir.ELEMENTWISE or (op in _LAST_AXIS and place == -1):
             where[node] = place
@@ -235,7 +237,8 @@ def _mixing_op(g, z, head) -> str | None:
             where[node] = None
         elif op in _SLICES and rank and place is not None and _slices_only(
                 g, d, rank, rank + place):
-            where[node] = None if op == "Unpack" or _shrinks(g, d, rank + place) else place
+            where[node] = None if op == "Unpack" or op == "StridedSlice" and ir.slice_axes(
+                g, d)[rank + place][0] is None else place  # (shrunk away)
         else:
             return node
     return None
@@ -251,7 +254,7 @@ def _slices_only(g, d, rank, axis) -> bool:
         return int(d["attrs"].get("axis", 0)) % rank == axis
     if op == "Slice":
         begin, size = (ir.const_value(g, t) for t in inputs[1:3])
-        shape = ir.shape_of(g, inputs[0])
+        shape = ir.shape_of(g, d["raw_inputs"][0])
         return begin is not None and size is not None and all(
             k == axis or (int(begin[k]) == 0 and (int(size[k]) == -1 or int(size[k]) == shape[k]))
             for k in range(rank))
@@ -260,10 +263,6 @@ def _slices_only(g, d, rank, axis) -> bool:
         return False
     shift = lambda k: k - (1 if axes[axis][0] is None and k > axis else 0)  # noqa: E731
     return all(k == axis or (whole and out == shift(k)) for k, (out, whole) in enumerate(axes))
-
-
-def _shrinks(g, d, axis) -> bool:
-    return d["op"] == "StridedSlice" and ir.slice_axes(g, d)[axis][0] is None
 
 
 def _only_axis(g, axes, rank, axis) -> bool:

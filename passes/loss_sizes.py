@@ -58,17 +58,20 @@ def _axes(g, tensor, depth) -> set | None:
         return _axes(g, inputs[0], depth - 1)
     if op == "Fill" and _shape_of_rank(g, inputs[0]) is not None:
         return set(range(_shape_of_rank(g, inputs[0])))
-    if op == "Prod" and _shape_of_rank(g, inputs[0]) is not None:
-        return set(range(_shape_of_rank(g, inputs[0])))
-    if op == "StridedSlice" and _shape_of_rank(g, inputs[0]) is not None:
+    if op == "Prod":  # of a shape, or of a slice of one (prod(shape(z)[1:]): no batch)
+        rank = _shape_of_rank(g, inputs[0])
+        return set(range(rank)) if rank is not None else _axes(g, inputs[0], depth - 1)
+    rank = _shape_of_rank(g, inputs[0]) if op == "StridedSlice" else None
+    if rank is not None:  # shape(z)[k], shape(z)[a:b]; negative bounds count from the end
         begin, end = (ir.const_value(g, t) for t in inputs[1:3])
         if begin is None or end is None or len(begin) != 1:
             return None
-        start = int(begin[0])
-        if d["attrs"].get("shrink_axis_mask", 0) & 1:
+        mask = lambda name: d["attrs"].get(name, 0) & 1  # noqa: E731
+        start = 0 if mask("begin_mask") else int(begin[0]) % max(rank, 1)
+        if mask("shrink_axis_mask"):
             return {start}
-        stop = _shape_of_rank(g, inputs[0]) if d["attrs"].get("end_mask", 0) & 1 else int(end[0])
-        return set(range(start, stop))
+        stop = rank if mask("end_mask") else int(end[0]) + (rank if int(end[0]) < 0 else 0)
+        return set(range(start, min(stop, rank)))
     return None
 
 
@@ -95,7 +98,7 @@ def _shape_of_rank(g, tensor) -> int | None:
         return None if value is None or np.ndim(value) != 1 else len(value)
     if d["op"] != "Shape" or not d["inputs"]:
         return None
-    shape = ir.shape_of(g, d["inputs"][0])
+    shape = ir.shape_of(g, d["raw_inputs"][0])  # (as read: unit axes kept)
     return None if shape is None else len(shape)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from passes import ir
 from passes.errors import LOSS_HOW_TO as _HOW_TO, LossNotFoundError
 from passes.loss_constants import evaluate
+from passes.row_axes import axis_in
 
 
 def data_operand(g, node, inputs, params, verb):
@@ -76,17 +77,24 @@ def unmasked(g, output, params):
 
 def check_class_weights(g, kind, terminal, output, weighted_at):
     """A categorical loss whose terms keep the class axis (``y * log_softmax(z)``)
-    must not be weighted unequally across classes: that is no log-likelihood."""
+    must not be weighted unequally across classes: that is no log-likelihood.
+    The terms may hold unit axes ``z`` lacks (``log_softmax(z)[:, None]``,
+    which the IR sees through): the classes' axis is ``z``'s last there."""
     terms_shape = ir.shape_of(g, ir.tensor_name(terminal))
     output_shape = ir.shape_of(g, output)
-    if kind != "categorical" or not terms_shape or not output_shape \
-            or len(terms_shape) != len(output_shape):
-        return
+    if kind != "categorical" or not terms_shape or not output_shape or (
+            len(terms_shape) != len(output_shape) and g.nodes[terminal]["op"] != "Mul"):
+        return  # (the Mul form keeps every axis; the others reduce the classes')
     output_rank = len(terms_shape)
+    classes = axis_in(output_shape, terms_shape, len(output_shape) - 1) - output_rank
     for node, weight, other in weighted_at:
-        other_shape, weight_shape = ir.shape_of(g, other), ir.shape_of(g, weight)
-        if other_shape is None or len(other_shape) != output_rank:
+        now = ir.shape_of(g, other)
+        if now is None or len(now) != output_rank:
             continue
-        if weight_shape is None or (weight_shape and weight_shape[-1] != 1):
+        other_shape, weight_shape = (  # as the op reads them (unit axes kept)
+            ir.read_shape(g, node, t) if t in g.nodes[node]["inputs"] else ir.shape_of(g, t)
+            for t in (other, weight))
+        at = axis_in(now, other_shape or now, output_rank + classes) - len(other_shape or now)
+        if weight_shape is None or (len(weight_shape) >= -at and weight_shape[at] != 1):
             raise LossNotFoundError(f"op {node!r} weighs the classes of a categorical loss "
                                     f"(may differ from class to class); {_HOW_TO}")

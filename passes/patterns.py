@@ -150,7 +150,7 @@ def _conv_bias_ok(g, m) -> bool:
 
 def _merges_leading(g, m) -> bool:
     """Tensordot: Reshape [.., d] -> [N, d], MatMul, Reshape [N, o] -> [.., o]."""
-    before = ir.shape_of(g, g.nodes[m["flat"]]["inputs"][0])
+    before = ir.shape_of(g, g.nodes[m["flat"]]["raw_inputs"][0])  # (as read: unit axes kept)
     flat = g.nodes[m["flat"]]["shapes"][0]
     after = g.nodes[m["unflat"]]["shapes"][0]
     if before is None or flat is None or after is None or len(before) < 3:

@@ -23,8 +23,12 @@ _PER_LEADING = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool"
 
 
 def axis_after(g, d, sources, r, rows, data, rank):
-    """The rows' axis in ``d``'s output, or None where the op mixes rows."""
-    op, a = d["op"], r.axis
+    """The rows' axis in ``d``'s output, or None where the op mixes rows.
+    The op's constants index its inputs as it reads them: ``a`` there."""
+    op = d["op"]
+    a = next((axis_as_read(g, t, raw, r.axis) for s, t, raw in zip(
+        sources, d["inputs"], d["raw_inputs"]) if s in rows), r.axis)
+    r = r._replace(axis=a)
     if op == "Transpose":
         perm = ir.const_value(g, d["inputs"][1])
         return None if perm is None else [int(p) for p in perm].index(a)
@@ -79,10 +83,8 @@ def axis_after(g, d, sources, r, rows, data, rank):
         return a if pads is not None and not any(pads[a]) else None
     if op == "Tile" and sources[0] in rows:  # kept where that axis is not repeated
         multiples = ir.const_value(g, d["inputs"][1])
-        at = axis_in(ir.shape_of(g, d["inputs"][0]) or (), ir.shape_of(
-            g, d["raw_inputs"][0]) or (), a)
-        return at if multiples is not None and at < len(multiples) and int(
-            multiples[at]) == 1 else None  # (the op's rank is its raw input's)
+        return a if multiples is not None and a < len(multiples) and int(
+            multiples[a]) == 1 else None
     if ((op == "Pack" and all(s in rows for s in sources))  # stacked, or one-hot (-1: last):
             or (op == "OneHot" and sources[0] in rows)):  # one axis added at ``axis``
         at = int(d["attrs"].get("axis", 0 if op == "Pack" else -1)) % rank
@@ -122,11 +124,14 @@ def _axis_after_slice(g, d, a):
 
 
 def _axis_after_reduction(g, d, a):
-    """The rows' axis ``a`` of a reduction's input in its output, or None
-    where the reduction runs along it (or its axes are not a constant)."""
-    axes = reduced_axes(g, d)
-    if (axes is None or a in axes  # (an input seen through unit axes: its axes differ)
-            or ir.shape_of(g, d["raw_inputs"][0]) != ir.shape_of(g, d["inputs"][0])):
+    """The rows' axis ``a`` of a reduction's input (as it reads it) in its
+    output, or None where the reduction runs along it (or its axes are not a
+    constant)."""
+    axes, raw = ir.const_value(g, d["inputs"][1]), ir.shape_of(g, d["raw_inputs"][0])
+    if axes is None or not raw:
+        return None
+    axes = {int(x) % len(raw) for x in ([axes] if axes.ndim == 0 else axes)}
+    if a in axes:
         return None
     return a if d["attrs"].get("keep_dims") else a - sum(x < a for x in axes)
 
@@ -200,3 +205,15 @@ def axis_in(shape, raw, axis) -> int:
     before = sum(dim != 1 for dim in shape[:axis])
     kept = [k for k, dim in enumerate(raw) if dim != 1]
     return kept[before] if before < len(kept) else axis
+
+
+def axis_as_read(g, tensor, raw, axis):
+    """``axis`` of ``tensor``, an op's input in the IR, in ``raw``, the input
+    as the op reads it (``axis_in``); a negative one counts from the end in
+    both. None stays None."""
+    shape, read = ir.shape_of(g, tensor), ir.shape_of(g, raw)
+    if axis is None or not shape or not read or tuple(shape) == tuple(read):
+        return axis
+    if axis < 0:
+        return axis_in(shape, read, len(shape) + axis) - len(read)
+    return axis_in(shape, read, axis)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from passes import batch_flow, ir
+from passes import batch_flow, ir, row_axes
 
 
 def unflatten_rows(groups, rows, g) -> dict:
@@ -48,15 +48,29 @@ def unflatten_rows(groups, rows, g) -> dict:
         out[key] = []
         for pattern, roles, use in items:
             # a lookup added over the batch (ids without an example axis): its sum
-            source = ir.split_tensor(use.output if use.attrs.get("ids_broadcast") or not
-                                     use.inputs else use.inputs[0])[0]
-            attrs = _recorded(key[0], use.attrs, rows.get(source))
-            if rows.get(source) is None and "unsupported" not in attrs:
+            tensor = use.output if use.attrs.get("ids_broadcast") or not use.inputs else \
+                use.inputs[0]
+            source, r = _rows_as_read(g, rows, tensor)
+            attrs = _recorded(key[0], use.attrs, r)
+            if r is None and "unsupported" not in attrs:
                 attrs = _other_rows(g, key[0], attrs, source)
             if attrs is not use.attrs:
                 use = dataclasses.replace(use, attrs=attrs)
             out[key].append((pattern, roles, use))
     return out
+
+
+def _rows_as_read(g, rows, tensor):
+    """``(node, rows)`` of the use's input ``tensor`` as the layer reads it:
+    one a pass saw through (a unit-axis reshape, ``passes.canonicalize``)
+    holds the rows of the node that stands for it, on the axis where the
+    layer's input (its shapes, its ``batch_axis``) has them."""
+    now = ir.resolve(g, tensor)
+    source = ir.split_tensor(now)[0]
+    r = rows.get(source)
+    if r is not None and now != tensor:
+        r = r._replace(axis=row_axes.axis_as_read(g, now, tensor, r.axis))
+    return source, r
 
 
 def _recorded(kind, attrs, r):
