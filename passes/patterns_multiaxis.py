@@ -204,8 +204,8 @@ def _bias_ok(g, m, out_role) -> bool:
     if (k is None or output_perm(g, m) is not None or not bias or out is None or before is None
             or len(bias) >= len(out)):
         return False
-    if None in out[1:] + before[1:] or math.prod(out[1:]) != math.prod(before[1:]):
-        return False  # the sum is no wider than the projection (unit axes aside)
+    if not _no_wider(out, before, bias):
+        return False
     if (math.prod(bias) != math.prod(kernel_shape(g, m)[k:])
             or not ir.same_shape(out[-len(bias):], bias)):
         return False
@@ -217,6 +217,16 @@ def _bias_ok(g, m, out_role) -> bool:
     squeeze = lambda dims: tuple(d for d in dims if d != 1)
     return (shape is not None and squeeze(shape) == squeeze(bias) and len(shape) <= len(out)
             and ir.same_shape(out[len(out) - len(shape):], tuple(shape)))
+
+
+def _no_wider(out, before, bias) -> bool:
+    """The sum ``out`` is no wider than the projection ``before`` (unit axes
+    aside): equal sizes past the batch; with positions known at run time only
+    (``[None, None]``), the same rank and ``before`` ending in ``bias``'s
+    sizes, the only axes a bias of fewer axes than ``out`` could widen."""
+    if None not in out[1:] + before[1:]:
+        return math.prod(out[1:]) == math.prod(before[1:])
+    return ir.same_shape(out, before) and tuple(before[len(before) - len(bias):]) == tuple(bias)
 
 
 def _permuted_bias_ok(g, m, k, bias, out) -> bool:
