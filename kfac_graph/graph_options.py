@@ -19,7 +19,10 @@ it. ``call_options(mode)`` is a context manager under which calls of
 The setting is per thread and per call (``tf.function`` keys an optimised
 graph by it, so every call of one function must use the same mode); it is
 restored on exit. The graph TensorFlow runs computes the same values either
-way; only its rewrites (and the time they take) differ.
+way in float32 and float64; its rewrites (and the time they take) differ,
+and where a model computes in a lower precision (``mixed_bfloat16``) a
+rewrite may reorder or fuse its roundings, so the values differ at that
+precision.
 """
 from __future__ import annotations
 
