@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from kfac_graph.optimizer import exact_fisher
+from kfac_graph.optimizer import exact_fisher, loss_state
 from kfac_graph.optimizer import vectors as vec
 from kfac_graph.optimizer.distributed import is_replica_local
 from kfac_graph.optimizer.example_cuts import batch_tensor
@@ -36,6 +36,10 @@ class SingleDeviceCore(StepCore):
 
     def loss_and_gradients(self, args, registration, scheduled) -> Gradients:
         opt = self.opt
+        # what the loss writes (moving statistics, seeds), as the pass starts:
+        # the damping rule's run of the loss starts there too (loss_state.py)
+        self._written = loss_state.written(opt.fn.tf_function, args)
+        self._before = loss_state.snapshot(self._written)
         variables = list(registration.variables)
         first = batch_tensor(args, "kg.KFAC")
         scale = curvature_scale(registration, tf.shape(first)[0], opt.dtype)
@@ -57,7 +61,9 @@ class SingleDeviceCore(StepCore):
         self.opt.estimator.refresh_inverses(damping=damping, mask=mask)
 
     def batch_loss(self, args):
-        return self.opt.fn.tf_function(*args)
+        """The loss from the state the step's pass started from, the state the
+        pass left put back (``loss_state.second_run``)."""
+        return loss_state.second_run(self.opt.fn.tf_function, args, self._written, self._before)
 
     def fisher_forms(self, args, vectors, forward=None):
         """``(forms, part)``: ``[[u_a . F u_b]]`` with the exact Fisher ``F`` of

@@ -1,0 +1,70 @@
+"""The damping rule's run of the loss at the new parameters starts from the
+state the step's pass started from and leaves the state that pass left
+(``kfac_graph/optimizer/loss_state.py``): a loss with dropout compares its
+two losses under one draw, and batch normalisation's moving statistics and
+the seed generators move once a step, as with the rule off. Before, the
+rule's run drew a new mask (``rho`` compared two masks) and updated the
+moving statistics a second time on every adaptation step."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+
+L = keras.layers
+
+
+@pytest.fixture
+def float64():
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+
+
+def _problem():
+    keras.utils.set_random_seed(0)
+    # batch normalisation of the input: its batch statistics do not depend on
+    # the parameters, so its moving mean counts the updates
+    model = keras.Sequential([keras.Input((6,)), L.BatchNormalization(momentum=0.5),
+                              L.Dense(8, activation="tanh"), L.Dropout(0.5), L.Dense(3)])
+    x = tf.random.stateless_normal([8, 6], seed=[1, 2], dtype=tf.float64) + 3.0
+    y = tf.constant([0, 1, 2, 0, 1, 2, 0, 1])
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss_fn = kg.auto_register(lambda x, y: ce(y, model(x, training=True)))
+    return model, loss_fn, x, y
+
+
+def _state(model):
+    moving = [v for v in model.non_trainable_variables if "moving_mean" in v.path]
+    seeds = [v for v in model.non_trainable_variables if "seed_generator" in v.path]
+    return moving[0].numpy().copy(), seeds[0].numpy().copy()
+
+
+def _steps(adapt, steps=3, **options):
+    model, loss_fn, x, y = _problem()
+    opt = kg.KFAC(loss_fn, momentum_type="regular", adapt_damping=adapt,
+                  damping_adaptation_interval=1, **options)
+    rhos = []
+    for _ in range(steps):
+        opt.step(x, y)
+        rhos.append(float(opt.rho.numpy()))
+    assert int(opt.skipped_steps.numpy()) == 0
+    return _state(model), rhos
+
+
+def test_moving_statistics_and_seeds_move_once_a_step(float64):
+    (moving_on, seeds_on), _ = _steps(adapt=True)
+    (moving_off, seeds_off), _ = _steps(adapt=False)
+    np.testing.assert_allclose(moving_on, moving_off, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(seeds_on, seeds_off)
+    # (three updates of momentum 0.5 from 0 reach 7/8 of the batch mean)
+    _, _, x, _ = _problem()
+    np.testing.assert_allclose(moving_on, 0.875 * np.mean(x.numpy(), 0), rtol=1e-10)
+
+
+def test_rho_compares_the_losses_of_one_draw(float64):
+    """A step of learning rate 1e-6 changes the loss by its linear term, so
+    rho is 1 to first order; two dropout masks would put it far off."""
+    _, rhos = _steps(adapt=True, learning_rate=1e-6)
+    np.testing.assert_allclose(rhos, 1.0, atol=1e-3)
