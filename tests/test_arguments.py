@@ -101,7 +101,7 @@ def test_a_sparse_tensor_made_inside_the_function_is_exact(problem):
     assert np.isfinite(float(dp.step(x, y)))
 
 
-@pytest.mark.parametrize("extra", [True, None, "scaled"])
+@pytest.mark.parametrize("extra", [pytest.param(True, marks=pytest.mark.slow), None, "scaled"])
 def test_python_constants_beside_the_tensors(problem, extra):
     model, loss, x, y = problem
 

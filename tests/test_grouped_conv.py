@@ -186,7 +186,7 @@ def float64():
     yield
 
 
-@pytest.mark.parametrize("name", ["conv2d", "channels_first",
+@pytest.mark.parametrize("name", ["conv2d", pytest.param("channels_first", marks=SLOW),
                                   pytest.param("conv2d_more", marks=SLOW),
                                   pytest.param("conv1d", marks=SLOW)])
 def test_keras_grouped_convs_verify_and_train(name, float64):

@@ -125,7 +125,8 @@ def _kinds(reg):
 
 
 @pytest.mark.parametrize("family", [
-    "bert", "gpt2", "llama", "deberta", pytest.param("gemma", marks=pytest.mark.slow)])
+    "bert", "gpt2", "llama", *(pytest.param(f, marks=pytest.mark.slow)  # (DeBERTa's batch of
+                               for f in ("deberta", "gemma"))])  # one and training: fast set)
 def test_backbone_registers_and_per_example_gradients_are_exact_float64(family):
     loss_fn, args, backbone = _model(family, "float64")
     # Llama's and Gemma's RMSNorm normalise in float32 whatever the model's

@@ -89,6 +89,7 @@ def _per_token_loss(model, masked=False):
     return loss
 
 
+@pytest.mark.slow  # the same model through kfac-rewrite's signature: the test below
 def test_keras_sequence_model_under_an_input_signature():
     """Keras Dense layers on sequences are dense layers on ``[B, T, d]``, and
     the per-token logits keep their class count: per-example gradients equal
