@@ -33,3 +33,11 @@ def _keras_dtypes():
     yield
     keras.config.set_floatx(floatx)
     global_state.set_global_attribute("dtype_policy", policy)
+
+
+@pytest.fixture
+def keras_float64():
+    """Keras layers and losses in float64 (floatx and the global policy, which
+    Keras may have cached from floatx; ``_keras_dtypes`` puts both back)."""
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")

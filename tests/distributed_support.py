@@ -145,21 +145,6 @@ def logical_devices(n):
 # earlier run gave them ("Shape mismatch in the collective instance"). The
 # configs APART run in a process of their own (mode "mirrored_apart").
 APART = ("regular_blocks",)
-# the configs the fast test set trains; the others' tests run under -m slow
-FAST = ("regular",)
-
-
-def selected_ids(items):
-    """The parameter ids of the test ``items``."""
-    return {part for item in items if "[" in item.nodeid
-            for part in item.nodeid.split("[", 1)[1].rstrip("]").split("-")}
-
-
-def selected(items):
-    """The configs that the selected test ``items`` read (by their parameter
-    ids): a fixture trains those alone."""
-    ids = selected_ids(items)
-    return [c for c in CONFIGS if c in ids]
 
 
 def run_mirrored(devices, out, configs, options=True):

@@ -8,18 +8,11 @@ moving statistics a second time on every adaptation step."""
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
 
 L = keras.layers
-
-
-@pytest.fixture
-def float64():
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
 
 
 def _problem():
@@ -53,7 +46,7 @@ def _steps(adapt, steps=3, **options):
     return _state(model), rhos
 
 
-def test_moving_statistics_and_seeds_move_once_a_step(float64):
+def test_moving_statistics_and_seeds_move_once_a_step(keras_float64):
     (moving_on, seeds_on), _ = _steps(adapt=True)
     (moving_off, seeds_off), _ = _steps(adapt=False)
     np.testing.assert_allclose(moving_on, moving_off, rtol=0, atol=1e-12)
@@ -63,7 +56,7 @@ def test_moving_statistics_and_seeds_move_once_a_step(float64):
     np.testing.assert_allclose(moving_on, 0.875 * np.mean(x.numpy(), 0), rtol=1e-10)
 
 
-def test_rho_compares_the_losses_of_one_draw(float64):
+def test_rho_compares_the_losses_of_one_draw(keras_float64):
     """A step of learning rate 1e-6 changes the loss by its linear term, so
     rho is 1 to first order; two dropout masks would put it far off."""
     _, rhos = _steps(adapt=True, learning_rate=1e-6)

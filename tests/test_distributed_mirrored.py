@@ -16,6 +16,7 @@ targets on each replica, so it is not compared.
 """
 
 import distributed_runner
+import distributed_selection
 import distributed_support
 import numpy as np
 import pytest
@@ -27,18 +28,16 @@ RTOL, ATOL = 1e-6, 1e-10
 
 
 # 2 devices in the fast set; 4 (two minutes more) under -m slow, as are the
-# configs but regular momentum's (distributed_support.FAST; the quadratic
+# configs but regular momentum's (distributed_selection.FAST; the quadratic
 # model's forms stay in the fast set through qmodel_batch_fraction's run)
-CONFIGS = [c if c in distributed_support.FAST else pytest.param(c, marks=pytest.mark.slow)
-           for c in distributed_support.CONFIGS]
+CONFIGS = distributed_selection.params()
 
 
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)],
                 ids=["2_devices", "4_devices"])
 def mirrored(request, tmp_path_factory):
     out, n = tmp_path_factory.mktemp("mirrored"), request.param
-    configs = distributed_support.selected(
-        item for item in request.session.items if item.module is request.module)
+    configs = distributed_selection.selected(distributed_selection.module_items(request))
     results = dict(distributed_runner.run("mirrored", out / f"r{n}.npz", devices=n,
                                           configs=configs))
     if set(configs) & set(distributed_support.APART):  # in a process of their own

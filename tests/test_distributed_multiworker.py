@@ -7,6 +7,7 @@ Modes "exact" and "empirical" (see test_distributed_mirrored.py). The workers
 also run ``KFACModel.fit`` and ``DPModel.fit`` against one device."""
 
 import distributed_runner
+import distributed_selection
 import distributed_support
 import numpy as np
 import pytest
@@ -15,19 +16,18 @@ import pytest
 @pytest.fixture(scope="module")
 def workers(request, tmp_path_factory):
     """The workers run what the selected tests read alone."""
-    items = [item for item in request.session.items if item.module is request.module]
-    parts = [p for p in ("fixed", "poisson") if p in distributed_support.selected_ids(items)]
+    items = distributed_selection.module_items(request)
+    parts = [p for p in ("fixed", "poisson") if p in distributed_selection.selected_ids(items)]
     if any(item.originalname == test_keras_fit_on_two_workers_matches_one_device.__name__
            for item in items):
         parts.append("keras")
+    configs = distributed_selection.selected(items)
     return distributed_runner.run_workers(tmp_path_factory.mktemp("workers") / "w.npz",
-                                          configs=distributed_support.selected(items), parts=parts)
+                                          configs=configs, parts=parts)
 
 
 # regular momentum in the fast set, the other configs under -m slow
-@pytest.mark.parametrize("config", [
-    c if c in distributed_support.FAST else pytest.param(c, marks=pytest.mark.slow)
-    for c in distributed_support.CONFIGS])
+@pytest.mark.parametrize("config", distributed_selection.params())
 def test_two_workers_match_single_device(workers, config):
     params, _, _ = distributed_support.train(config)
     reference = np.concatenate([p.ravel() for p in params])

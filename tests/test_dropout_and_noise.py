@@ -25,12 +25,6 @@ B = 5
 L = keras.layers
 
 
-@pytest.fixture
-def float64():
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-
-
 def _model(kind):
     keras.utils.set_random_seed(0)
     if kind == "dropout":
@@ -75,7 +69,7 @@ def _gradient(variables, loss):
 
 
 @pytest.mark.parametrize("kind", ["dropout", "spatial", "augmentation"])
-def test_per_example_gradients_are_of_the_batch_calls_draw(float64, kind):
+def test_per_example_gradients_are_of_the_batch_calls_draw(keras_float64, kind):
     model, x, y = _model(kind)
     loss = kg.auto_register(lambda x, y: _ce(model, x, y))
     reg = loss.registration(x, y)
@@ -104,7 +98,7 @@ def test_per_example_gradients_are_of_the_batch_calls_draw(float64, kind):
         np.testing.assert_allclose(got.mean(0), want, rtol=1e-10, atol=1e-12)
 
 
-def test_verify_skips_the_batch_of_one_and_checks_the_mean_of_one_draw(float64):
+def test_verify_skips_the_batch_of_one_and_checks_the_mean_of_one_draw(keras_float64):
     model, x, y = _model("dropout")
     report = kg.verify(lambda x, y: _ce(model, x, y), x, y, estimation_mode="exact")
     assert report.passed, report.table()
@@ -135,7 +129,7 @@ def test_verify_skips_the_mean_where_ops_keep_their_state_in_the_kernel():
 
 
 @pytest.mark.parametrize("where", ["once", "each_term"])
-def test_verify_on_a_sum_loss_with_a_weight_penalty(float64, where):
+def test_verify_on_a_sum_loss_with_a_weight_penalty(keras_float64, where):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), L.Dense(
         3, kernel_regularizer=keras.regularizers.L2(0.1), bias_regularizer="l1",
@@ -154,7 +148,7 @@ def test_verify_on_a_sum_loss_with_a_weight_penalty(float64, where):
     assert any("(B - 1) dR" in n for n in report.notes) == (where == "once")
 
 
-def test_dp_sgd_clips_the_gradients_of_the_draw_it_steps_on(float64):
+def test_dp_sgd_clips_the_gradients_of_the_draw_it_steps_on(keras_float64):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((6,)), L.Dense(8, activation="tanh"), L.Dropout(0.5),
                               L.Dense(3)])
@@ -186,7 +180,7 @@ def test_dp_sgd_clips_the_gradients_of_the_draw_it_steps_on(float64):
 
 
 @pytest.mark.parametrize("form", ["expand", "reshape"])
-def test_a_mean_over_a_unit_axis_of_the_per_example_loss(float64, form):
+def test_a_mean_over_a_unit_axis_of_the_per_example_loss(keras_float64, form):
     """``mean(mean(reshape(ce, [B, -1]), 1))``: canonicalize drops the unit
     axis, and the inner mean's axis 1 was read on the ``[B]`` tensor left,
     as axis 0, the batch's: the loss read as ``1/B`` times a mean. A generic

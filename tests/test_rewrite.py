@@ -17,25 +17,15 @@ from tensorflow.core.protobuf import saved_model_pb2
 import kfac_graph as kg
 from kfac_graph import emit
 from tools import kfac_rewrite
+from fresh_process import NO_LIBRARY
 
 STEPS, SAVE_AT, BATCH = 20, 10, 32
 SIGNATURE = [tf.TensorSpec([None, 8, 8, 1], tf.float64), tf.TensorSpec([None], tf.int32)]
 
 # Run by a fresh interpreter: kfac_graph is neither importable nor imported.
-RUNNER = textwrap.dedent("""
-    import importlib.abc, os, sys
+RUNNER = NO_LIBRARY + textwrap.dedent("""
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     here = sys.argv[1]
-    sys.path[:] = [p for p in sys.path if p and not os.path.isdir(os.path.join(p, "kfac_graph"))]
-    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
-
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("kfac_graph", "passes", "tools"):
-                raise ImportError(f"{name} must not be imported")
-            return None
-
-    sys.meta_path.insert(0, Block())
     import numpy as np
     import tensorflow as tf
 

@@ -25,25 +25,15 @@ import tensorflow as tf
 
 import kfac_graph as kg
 from kfac_graph import emit
+from fresh_process import NO_LIBRARY
 from per_example_reference import one_example_loop
 
 B, T, D, STEPS = 3, 5, 6, 6
 L = keras.layers
 SIGNATURE = [tf.TensorSpec([None, None, D], tf.float64), tf.TensorSpec([None, None], tf.int32)]
 
-RUNNER = textwrap.dedent("""
-    import importlib.abc, os, sys
+RUNNER = NO_LIBRARY + textwrap.dedent("""
     here = sys.argv[1]
-    sys.path[:] = [p for p in sys.path if p and not os.path.isdir(os.path.join(p, "kfac_graph"))]
-    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
-
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("kfac_graph", "passes", "tools"):
-                raise ImportError(f"{name} must not be imported")
-            return None
-
-    sys.meta_path.insert(0, Block())
     import numpy as np
     import tensorflow as tf
 
