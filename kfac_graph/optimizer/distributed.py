@@ -65,11 +65,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from kfac_graph.optimizer import exact_fisher
+from kfac_graph.optimizer import exact_fisher, loss_state
 from kfac_graph.optimizer import vectors as vec
 from kfac_graph.optimizer.example_cuts import batch_tensor
 from kfac_graph.optimizer.step_core import Gradients, StepCore, curvature_scale, forward_backward
-from kfac_graph.taps import is_trace_constant
+from kfac_graph.taps import LayerTaps, is_trace_constant
 
 SYNC_MODES = ("lazy", "eager")
 _SUPPORTED = (
@@ -235,7 +235,7 @@ class ReplicatedCore(StepCore):
         averaged; ``statistics_ok`` covers every replica's statistics and the
         mirrored state."""
         opt, strategy = self.opt, self.strategy
-        packed, local_snapshot = strategy.run(
+        packed, local_snapshot, self._loss_state_before = strategy.run(
             self._replica_fn("gradients", self._gradients), args=(scheduled,) + tuple(args)
         )
         _, unpack = self._gradients_layout
@@ -256,18 +256,20 @@ class ReplicatedCore(StepCore):
         )
 
     def _gradients(self, scheduled, *args):
-        """Per replica: ``(packed [loss, grads, non-finite flag, batch], snapshot)``."""
+        """Per replica: ``(packed [loss, grads, non-finite flag, batch], snapshot,
+        before)``; ``before``: the state the loss writes, as the pass starts."""
         opt = self.opt
         variables = list(opt.registration.variables)
         local = self._local_state()
         snapshot = [v.read_value() for v in local]
+        before = loss_state.snapshot(loss_state.written(opt.registration))
         loss, grads, _ = forward_backward(opt, args, variables, scheduled)
         flagged = 1 - tf.cast(vec.all_finite([v.read_value() for v in local]), opt.dtype)
         first = batch_tensor(args, "kg.KFAC")
         batch = tf.cast(tf.shape(first)[0], opt.dtype)
         packed, unpack = _pack([loss] + list(grads) + [flagged, batch])
         self._gradients_layout = (packed.shape, unpack)
-        return packed, snapshot
+        return packed, snapshot, before
 
     def _restore(self, applied, snapshot):
         """Per replica: put back the statistics of a skipped step."""
@@ -357,9 +359,20 @@ class ReplicatedCore(StepCore):
 
     # -- batch-dependent parts of the update ------------------------------------------------
     def batch_loss(self, args):
-        """The loss on every replica's share at the current parameters, reduced."""
-        fn = self._replica_fn("loss", lambda *a: self.opt.fn.tf_function(*a))
-        return self.strategy.reduce(self._loss_op, self.strategy.run(fn, args=args), axis=None)
+        """The registered graph's loss on every replica's share, reduced (a
+        Keras loss divides itself by the replicas, ``frontends.one_device``),
+        each run from its replica's ``before`` (``loss_state.second_run``)."""
+        opt = self.opt
+
+        def loss(before, *a):
+            def run():
+                return LayerTaps.build(opt.estimator.build(*a), a).loss
+
+            return loss_state.second_run(run, loss_state.written(opt.registration), before)
+
+        fn = self._replica_fn("loss", loss)
+        losses = self.strategy.run(fn, args=(self._loss_state_before,) + tuple(args))
+        return self.strategy.reduce(self._loss_op, losses, axis=None)
 
     def fisher_forms(self, args, vectors, forward=None):
         """``(forms, part)``: ``[[u_a . F u_b]]``, ``F`` the exact Fisher of the

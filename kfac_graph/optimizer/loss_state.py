@@ -11,13 +11,16 @@ new parameters, for
 Run as it is, that second run drew other random numbers than the first (so
 ``rho`` compared the losses of two dropout masks) and updated the moving
 statistics a second time (six updates in five steps with the rule every
-fifth). ``second_run(fn, args, written, before)`` runs it from the state the
+fifth). ``second_run(run, written, before)`` runs it from the state the
 step's first run started from, ``before``, so both losses share one draw,
 and puts back the state the first run left: one update and one draw a step.
 
-``written(fn, args)``: the variables ``fn``'s traced graph writes (by an
+``written(registration)``: the variables the registered graph writes (by an
 assignment, a scatter, or a stateful random op on the variable); its
-top-level graph only (a write inside a loop's body is not seen).
+top-level graph only (a write inside a loop's body is not seen). Reads and
+writes go through ``variable.handle``: under ``tf.distribute`` that is the
+replica's own copy in ``strategy.run``, so each replica snapshots and puts
+back its own state.
 """
 from __future__ import annotations
 
@@ -29,17 +32,14 @@ _WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "Rn
 _WRITE_PREFIXES = ("ResourceScatter", "Stateful")
 
 
-def written(fn, args) -> list:
-    """The variables ``fn(*args)`` (a ``tf.function``) writes, in a fixed order."""
-    graph = fn.get_concrete_function(*args).graph
-    internal_to_external = {id(internal): external for external, internal in graph.captures}
-    handles = {id(v.handle): v for v in graph.variables}
+def written(registration) -> list:
+    """The variables the registered graph writes, in a fixed order."""
+    placeholders = registration.variable_placeholders
     found = {}
-    for op in graph.get_operations():
-        if not (op.type in _WRITES or op.type.startswith(_WRITE_PREFIXES)) or not op.inputs:
+    for node in registration.graph_def.node:
+        if not (node.op in _WRITES or node.op.startswith(_WRITE_PREFIXES)) or not node.input:
             continue
-        external = internal_to_external.get(id(op.inputs[0]))
-        variable = handles.get(id(external)) if external is not None else None
+        variable = placeholders.get(node.input[0].split(":")[0])
         if variable is not None:
             found.setdefault(id(variable), variable)
     return list(found.values())
@@ -47,19 +47,25 @@ def written(fn, args) -> list:
 
 def snapshot(variables) -> list:
     """Reads of ``variables`` now (a later assignment copies on write)."""
-    return [v.value() for v in variables]
+    return [tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=v.dtype) for v in variables]
 
 
-def second_run(fn, args, variables, before):
-    """``fn(*args)`` run from the state ``before`` (a ``snapshot`` of
+def _assign(variables, values):
+    return [tf.raw_ops.AssignVariableOp(resource=v.handle, value=value)
+            for v, value in zip(variables, values)]
+
+
+def second_run(run, variables, before):
+    """``run()`` (the loss) from the state ``before`` (a ``snapshot`` of
     ``variables``), leaving ``variables`` as they were found."""
     if not variables:
-        return fn(*args)
+        return run()
     after = snapshot(variables)
-    for v, value in zip(variables, before):
-        v.assign(value)
-    loss = fn(*args)
+    _assign(variables, before)
+    # ordered after the assignments by the function's automatic control
+    # dependencies on those resources (an import of a graph inside
+    # ``tf.control_dependencies`` does not build)
+    loss = run()
     with tf.control_dependencies([loss]):
-        for v, value in zip(variables, after):
-            v.assign(value)
-        return tf.identity(loss)
+        with tf.control_dependencies(_assign(variables, after)):
+            return tf.identity(loss)

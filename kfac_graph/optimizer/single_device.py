@@ -38,7 +38,7 @@ class SingleDeviceCore(StepCore):
         opt = self.opt
         # what the loss writes (moving statistics, seeds), as the pass starts:
         # the damping rule's run of the loss starts there too (loss_state.py)
-        self._written = loss_state.written(opt.fn.tf_function, args)
+        self._written = loss_state.written(registration)
         self._before = loss_state.snapshot(self._written)
         variables = list(registration.variables)
         first = batch_tensor(args, "kg.KFAC")
@@ -63,7 +63,8 @@ class SingleDeviceCore(StepCore):
     def batch_loss(self, args):
         """The loss from the state the step's pass started from, the state the
         pass left put back (``loss_state.second_run``)."""
-        return loss_state.second_run(self.opt.fn.tf_function, args, self._written, self._before)
+        return loss_state.second_run(lambda: self.opt.fn.tf_function(*args), self._written,
+                                     self._before)
 
     def fisher_forms(self, args, vectors, forward=None):
         """``(forms, part)``: ``[[u_a . F u_b]]`` with the exact Fisher ``F`` of
