@@ -12,7 +12,8 @@ Per registered layer (``verify_report.VerifyReport`` holds the rows):
    whose axis 0 is the batch is sliced); for a loss with data weights, times
    the ratio of the example's token weights in the batch to those on its own
    (``verify_weights``). Skipped when a layer couples the examples (batch
-   normalisation in training mode): then no layer's entry
+   normalisation in training mode) or the loss reads statistics of the
+   batch's data without data weights (``verify_notes``): then no layer's entry
    is a batch-of-one gradient, each is the example's contribution; and when
    the loss draws random numbers (dropout), as a batch of one draws its own
    (``verify_draws``: there check 1 compares one draw, or is skipped);
@@ -43,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from kfac_graph import layers
-from kfac_graph import verify_draws, verify_fisher, verify_weights
+from kfac_graph import verify_draws, verify_fisher, verify_notes, verify_weights
 from kfac_graph.verify_state import SavedState
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.normaliser_coupling import coupling_layers
@@ -53,7 +54,7 @@ from kfac_graph.per_example.rules import default_registry
 from kfac_graph.registration import GraphVariable
 from kfac_graph.taps import LayerTaps
 from kfac_graph.verify_report import Check, LayerCheck, VerifyReport
-from passes import ir, precision
+from passes import ir
 
 # (rtol, atol) by the loosest dtype among the variables and the loss
 TOLERANCES = {"float64": (1e-8, 1e-12), "float32": (1e-3, 1e-7),
@@ -97,16 +98,20 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
                                                           replace=False)))
         gradient = _cached(fn, ("verify_gradient", id(reg)), lambda: _gradient_function(fn, reg))
         _trace_relaxed(gradient, args, batch)
-        reference = [g.numpy() for g in state.run(gradient, *args)]
+        drawn, kernel_state = verify_draws.drawing_ops(reg)
+        batch_gradient = _cached(fn, ("verify_traced_gradient", id(reg)), lambda: (
+            verify_draws.traced_gradient(fn, reg, args))) if drawn else gradient
+        reference = [g.numpy() for g in state.run(batch_gradient, *args)]
         if reg.loss.reduction == "sum" and any(np.any(p.numpy()) for p in once):
             # example i alone holds a penalty added once to the sum: B copies in the sum
             reference = [r + (batch - 1) * p.numpy() for r, p in zip(reference, once)]
             more_notes.append(_ONCE)
         coupling = coupling_layers(reg) or reg.coupling
         ones, one_note, one_error = {}, "", ""
-        drawn, kernel_state = verify_draws.drawing_ops(reg)
         if coupling:
             one_note = "couples examples"
+        elif verify_notes.batch_statistics(reg):
+            one_note = "batch statistics"
         elif drawn:
             one_note = "draws random numbers"
         elif picked:
@@ -152,8 +157,8 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
                                tuple(checks)))
     model = LayerCheck("(whole model)", "", "per_example_gradient_norms",
                        (_norms_check("norms", model_norm, _example_norms(pxg), tol),))
-    notes = (_notes(reg, coupling, one_error) + tuple(verify_draws.note(drawn, kernel_state))
-             + tuple(more_notes))
+    notes = (verify_notes.notes(reg, coupling, one_error)
+             + tuple(verify_draws.note(drawn, kernel_state)) + tuple(more_notes))
     return VerifyReport(tuple(rows), model, batch, reg.loss.reduction, picked, dtype,
                         tol[0], tol[1], estimation_mode, time.perf_counter() - start, notes)
 
@@ -332,7 +337,7 @@ def _tolerances(fn, reg, args):
     precise as float32)."""
     names = {tf.as_dtype(v.dtype).name for v in reg.variables}
     names |= _output_dtypes(reg)
-    names.update(narrow for _, _, narrow in _narrowing(reg))
+    names.update(narrow for _, _, narrow in verify_notes.narrowing(reg))
     try:
         names.add(tf.as_dtype(fn.concrete_function(*args).structured_outputs.dtype).name)
     except (AttributeError, TypeError, ValueError):
@@ -353,44 +358,3 @@ def _output_dtypes(reg) -> set:
             if node in reg.ir:
                 out.add(reg.ir.nodes[node]["dtypes"][index])
     return out
-
-
-def _narrowing(reg):
-    """``passes.precision``'s ops that narrow a float on the way to the loss
-    to less than every variable's (a float32 model fed float64 data is not
-    news)."""
-    found = tuple(reg.ir.graph.get("narrowing", ())) if reg.ir is not None else ()
-    widths = [precision.WIDTH.get(tf.as_dtype(v.dtype).name, 0) for v in reg.variables]
-    least = min((w for w in widths if w), default=0)
-    return tuple(entry for entry in found if precision.WIDTH[entry[2]] < least)
-
-
-def _notes(reg, coupling, one_error):
-    notes = []
-    if coupling:
-        named = coupling[0] + (f" and {len(coupling) - 1} more" if len(coupling) > 1 else "")
-        norm = bool(set(coupling) - set(reg.coupling))  # layers, not the pass's ops
-        where = (f"batch normalisation in training mode ({named})" if norm else
-                 f"the loss at op {named} (batch statistics, or two tensors of examples combined)")
-        notes.append(f"{where} couples the examples: every per-example gradient is the "
-                     "example's contribution to the batch gradient, not a batch-of-one gradient, "
-                     "so one-example is skipped"
-                     + (" (call the model with training=False to check it)" if norm else ""))
-    elif one_error:
-        notes.append(verify_weights.skip_note(one_error)
-                     or f"one-example skipped: fn fails on a batch of one: {one_error}")
-    notes += verify_weights.notes(reg, one_error)
-    if reg.padded_to_longest:
-        notes.append(f"op {reg.padded_to_longest[0]!r} pads each example to the batch's longest "
-                     "row: where the padding is not masked out, an example's gradient alone "
-                     "differs from its share of the batch's (one-example), and DP-SGD refuses "
-                     "the loss; give every example one fixed length")
-    narrowing = _narrowing(reg)
-    if narrowing:
-        op, wide, narrow = narrowing[0]
-        more = f" and {len(narrowing) - 1} more op(s)" if len(narrowing) > 1 else ""
-        notes.append(f"the loss computes in {narrow} at {op}{more} ({wide} in): its gradients "
-                     f"and Fisher are only as precise as {narrow}, so are the tolerances (a "
-                     "mixed-precision policy, or a Keras layer without dtype= in a float64 model, "
-                     "which takes the float32 policy)")
-    return tuple(notes)
