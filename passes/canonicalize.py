@@ -29,13 +29,16 @@ seen.
 An ``Einsum`` of a variable first and a computed tensor second (``"oi,bi->bo"``,
 ``"io,bi->bo"``: the weights on the left, as papers write ``W x``) is read
 with its operands and their subscripts swapped (``"bi,oi->bo"``): the same
-product, with the kernel second, where the dense patterns read it.
+product, with the kernel second, where the dense patterns read it; so is a
+batched matmul with a 2-D variable on the left (``tf.matmul(W, x)``,
+``tf.linalg.matvec(W, x)``: ``passes.weights_left``).
 """
 from __future__ import annotations
 
 import networkx as nx
 
 from passes import ir
+from passes.weights_left import MATMULS, weights_left
 
 _ALWAYS = frozenset({"Identity", "Snapshot", "ReadVariableOp"})
 _UNIT_AXES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
@@ -71,6 +74,8 @@ def canonicalize(graph: nx.DiGraph) -> nx.DiGraph:
         g.remove_node(node)
     for node in [n for n, d in g.nodes(data=True) if d["op"] == "Einsum"]:
         _kernel_second(g, node)
+    for node in [n for n, d in g.nodes(data=True) if d["op"] in MATMULS]:
+        weights_left(g, node)
     g.graph["output"] = ir.resolve(g, g.graph["output"])
     return g
 

@@ -28,6 +28,7 @@ from passes.matcher import find_matches, role_output
 from passes.catalogue import LAYER_PATTERNS
 from passes.unflatten_rows import unflatten_rows
 from passes.patterns import Pattern, einsum_kernel_layout, var_shape, weighted_roles, whole_kernel
+from passes.patterns_reshaped import kernel_matrix
 from passes.patterns_stacked import STACKED_PATTERNS
 from passes.patterns_multiaxis import (einsum_perms, kernel_in_axes, kernel_perm, part_rows,
                                       slice_rows)
@@ -53,13 +54,14 @@ class Use:
     nodes of the match. ``attrs``: the main op's attributes plus ``op``,
     ``input_shape``, ``output_shape`` and, where it applies,
     ``transpose_kernel``, ``kernel_in_axes`` (a dense kernel of rank > 2: how
-    many leading axes are contracted; ``kernel_perm``: of the kernel after a
-    Transpose, ``passes.patterns_multiaxis``; ``stacked_rows``: the rows of
-    a kernel made of several variables, ``x @ W + h @ R`` read as ``[x, h] @
-    [W; R]``, ``passes.patterns_stacked``), ``ids_broadcast`` (a lookup whose ids
-    have no batch axis, added over the batch; ``row_range``: those ids are
-    ``range(*row_range)``, a table slice or its rows broadcast over the
-    batch), for scale-and-shift ``normalizer``,
+    many leading axes are contracted; ``kernel_matrix``: ``(d_in, d_out)`` of
+    a kernel reshaped to another matrix, ``passes.patterns_reshaped``;
+    ``kernel_perm``: of the kernel after a Transpose, ``passes.patterns_multiaxis``;
+    ``stacked_rows``: the rows of a kernel made of several variables, ``x @ W
+    + h @ R`` read as ``[x, h] @ [W; R]``, ``passes.patterns_stacked``),
+    ``ids_broadcast`` (a lookup whose ids have no batch axis, added over the
+    batch; ``row_range``: those ids are ``range(*row_range)``, a table slice
+    or its rows broadcast over the batch), for scale-and-shift ``normalizer``,
     ``operand_shapes`` and ``scale_broadcast`` (``passes.scale_shift_use``),
     ``unsupported`` (why the form has no exact layer of its kind: the layer
     then becomes generic), ``parts`` (per variable, the box of it the use
@@ -204,6 +206,8 @@ def _use(g, pattern: Pattern, roles) -> Use:
         k = kernel_in_axes(g, roles)
         if k is not None:
             attrs["kernel_in_axes"] = k
+        if kernel_matrix(g, roles) is not None:  # passes.patterns_reshaped
+            attrs["kernel_matrix"] = kernel_matrix(g, roles)
         attrs.update(einsum_perms(g, roles, attrs["input_shape"]))
         if "w2" in roles:  # a stacked kernel: the rows each variable gives it
             attrs["stacked_rows"] = tuple(int(var_shape(g, roles[r])[0]) for r in ("w", "w2"))

@@ -22,6 +22,7 @@ import networkx as nx
 
 from passes import ir
 from passes.einsum_2d import einsum_2d_form
+from passes.bias_axes import bias_fits, dense_channel_axis, var_shape  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +79,6 @@ def _attr(name, value):
     return lambda data: data["attrs"].get(name, value) == value
 
 
-def var_shape(g, node) -> tuple:
-    """The variable's (a part's or an adapter kernel's own) static shape; () when unknown."""
-    if g.nodes[node].get("part") is not None or g.nodes[node].get("lora") is not None:
-        return g.nodes[node]["shapes"][0]
-    return g.graph["variables"][g.nodes[node]["variable"]].shape or ()
-
-
 # --- dense -----------------------------------------------------------------
 
 def einsum_kernel_layout(equation: str) -> str | None:
@@ -106,40 +100,6 @@ def _dense_op(data) -> bool:
 
 def _dense_kernel_ok(g, m) -> bool:
     return len(var_shape(g, m["w"])) == 2
-
-
-def bias_fits(g, m, channel_axis) -> bool:
-    """Whether the variable ``m['b']`` added by ``m['add']`` is a bias ``[C]``
-    along ``channel_axis`` of ``m['op']``'s output; on the last axis also one
-    stored with leading unit axes, ``[1, .., 1, C]`` (raw code's
-    ``tf.Variable(tf.zeros([1, d]))``), added by an Add (its per-example
-    gradients take the variable's shape, ``invariants.to_variable_shape``)."""
-    bias_shape = var_shape(g, m["b"])
-    out_shape = g.nodes[m["op"]]["shapes"][0]
-    if not bias_shape or out_shape is None or len(bias_shape) > len(out_shape):
-        return False
-    if len(bias_shape) != 1 and (
-            any(d != 1 for d in bias_shape[:-1]) or g.nodes[m["add"]]["op"] == "BiasAdd"
-            or channel_axis % len(out_shape) != len(out_shape) - 1):
-        return False
-    if g.nodes[m["add"]]["op"] == "BiasAdd":
-        # the BiasAdd's own channel axis must be the layer's (Keras's `add`
-        # writes a channels-first bias as an NHWC BiasAdd when C equals W)
-        fmt = g.nodes[m["add"]]["attrs"].get("data_format", "NHWC")
-        own = 1 if fmt.startswith("NC") else -1
-        if own % len(out_shape) != channel_axis % len(out_shape):
-            return False
-    elif channel_axis != -1:
-        # An Add: the raw bias operand must broadcast along the channel axis.
-        raw = [t for t in g.nodes[m["add"]]["raw_inputs"]
-               if ir.resolve(g, t) == ir.tensor_name(m["b"])]
-        shape = ir.shape_of(g, raw[0]) if raw else None
-        rank = len(out_shape)
-        if shape is None or len(shape) != rank:
-            return shape is not None and len(shape) == 1 and channel_axis in (-1, rank - 1)
-        axes = [i for i, d in enumerate(shape) if d != 1]
-        return axes in ([channel_axis % rank], [])
-    return out_shape[channel_axis] in (bias_shape[-1], None)
 
 
 def _conv_bias_ok(g, m) -> bool:
@@ -183,7 +143,7 @@ DENSE_BIAS = Pattern(
     {"x": ANY, "op": MATMUL, "w": VAR_PART, "b": VAR, "add": ADD},
     (("x", "op", 0), ("w", "op", 1), ("op", "add", None), ("b", "add", None)),
     anchor="op", output="add", params=("w", "b"), inputs=(("op", "in", 0),),
-    check=lambda g, m: _dense_kernel_ok(g, m) and bias_fits(g, m, -1))
+    check=lambda g, m: _dense_kernel_ok(g, m) and bias_fits(g, m, dense_channel_axis(g, m)))
 DENSE = Pattern(
     "dense", "dense",
     {"x": ANY, "op": MATMUL, "w": VAR_PART},
@@ -325,7 +285,7 @@ DENSE_TRANSPOSED_BIAS = Pattern(
     {"x": ANY, "op": MATMUL, "t": ops("Transpose"), "w": VAR, "b": VAR, "add": ADD},
     (("x", "op", 0), ("w", "t", 0), ("t", "op", 1), ("op", "add", None), ("b", "add", None)),
     anchor="op", output="add", params=("w", "b"), inputs=(("op", "in", 0),),
-    check=lambda g, m: _transposed_kernel(g, m) and bias_fits(g, m, -1))
+    check=lambda g, m: _transposed_kernel(g, m) and bias_fits(g, m, dense_channel_axis(g, m)))
 DENSE_TRANSPOSED = Pattern(
     "dense_transposed", "dense",
     {"x": ANY, "op": MATMUL, "t": ops("Transpose"), "w": VAR},

@@ -265,8 +265,8 @@ class FullyConnectedKroneckerBlock(KroneckerBlock):
 
     Options: `diagonal_input`, `diagonal_output` keep only that factor's
     diagonal.  Inputs `[B, ..., d_in]` with middle axes count as positions.
-    A multi-axis kernel (`attrs["kernel_in_axes"]` = k) is `[d_in, d_out]`
-    row-major, `d_in = prod(shape[:k])`, and its bias (any shape) `[d_out]`.
+    A kernel of another shape is the matrix `[d_in, d_out]` the op reads it as,
+    row-major (`dense.kernel_matrix_shape`), and its bias (any shape) `[d_out]`.
     """
 
     def __init__(
@@ -280,7 +280,7 @@ class FullyConnectedKroneckerBlock(KroneckerBlock):
         **kwargs,
     ):
         super().__init__(var_shapes, attrs, **kwargs)
-        d_in, d_out = dense.matrix_shape(self.var_shapes[0], self.attrs.get("kernel_in_axes"))
+        d_in, d_out = dense.kernel_matrix_shape(self.var_shapes[0], self.attrs)
         has_bias = len(self.var_shapes) > 1
         self._out_width = d_out
         self.input_factor = factors_kron.DenseInputFactor(

@@ -30,7 +30,10 @@ rule reshapes `dW_i` (and `db_i`, a bias of the output's trailing axes with
 `d_out` entries) back to the variables' shapes. A kernel contracted on a
 later axis (`"btd,ndh->btnh"`: the op applies `W' = transpose(W, perm)`,
 `attrs["kernel_perm"]`) is the same layer on `W'`, its gradient transposed
-back by the inverse permutation.
+back by the inverse permutation. A kernel that the op reads as another
+matrix, `K = reshape(W, [d_in, d_out])` row-major (a flat parameter vector;
+`attrs["kernel_matrix"] = (d_in, d_out)`, `passes/patterns_reshaped.py`), is
+the layer on `K`, `dW_i = reshape(dK_i, W.shape)`.
 
 Stacked kernels (a sum of products `x @ W + h @ R (+ b)` sharing one
 output, a recurrent cell's; `attrs["stacked_rows"]` = the rows of each
@@ -194,6 +197,15 @@ def matrix_shape(kernel_shape, kernel_in_axes=None) -> tuple:
     return int(np.prod(kernel_shape[:k])), int(np.prod(kernel_shape[k:]))
 
 
+def kernel_matrix_shape(kernel_shape, attrs) -> tuple:
+    """`(d_in, d_out)` of a kernel stored in `kernel_shape` that a use with
+    attributes `attrs` applies: `attrs["kernel_matrix"]` where the op reads
+    it as another matrix, else `matrix_shape` (`kernel_in_axes`)."""
+    if attrs.get("kernel_matrix"):
+        return tuple(int(d) for d in attrs["kernel_matrix"])
+    return matrix_shape(kernel_shape, attrs.get("kernel_in_axes"))
+
+
 def applied_kernel_shape(layer, use) -> tuple:
     """The kernel's shape as use `use` applies it: the variable's, permuted
     by `use_attrs[use]["kernel_perm"]` when the op transposes it first."""
@@ -212,10 +224,11 @@ def spec(layer, use):
     """`DenseSpec` of one use: a bias if the layer has a variable after its
     kernel's; the kernel transposed if the op multiplies by `W^T`; the
     variables' shapes for a multi-axis kernel (the kernel's as applied, and
-    its permutation); a stacked kernel's rows."""
+    its permutation, or the kernel read as another matrix); a stacked kernel's rows."""
     attrs = layer.use_attrs[use]
-    shapes = variable_shapes(layer) if attrs.get("kernel_in_axes") else [(), ()]
-    if attrs.get("kernel_in_axes"):
+    reshaped = attrs.get("kernel_in_axes") or attrs.get("kernel_matrix")
+    shapes = variable_shapes(layer) if reshaped else [(), ()]
+    if reshaped:
         shapes[0] = applied_kernel_shape(layer, use)
     return DenseSpec(has_bias=len(layer.variables) == kernel_variables(layer) + 1,
                      kernel_rows=tuple(attrs.get("stacked_rows", ())),
@@ -264,8 +277,10 @@ def applied_operands(attrs, kernel_shape, tensors, grads, batch=None):
     rows = attrs.get("stacked_rows")
     if attrs.get("input_perm"):  # an Einsum contracting an earlier axis: it moved last
         tensors = [tf.transpose(t, attrs["input_perm"]) for t in tensors]
-    if attrs.get("output_perm"):  # an Einsum's output axes, to positions then outputs
-        grads = [tf.transpose(g, attrs["output_perm"]) for g in grads]
+    if attrs.get("output_perm"):  # an Einsum's output axes, to positions then outputs (its
+        out = attrs.get("output_shape")  # unit axes back first: matvec's, squeezed before a bias)
+        grads = [tf.transpose(reshape_like(g, out) if out and g.shape.rank != len(out) else g,
+                              attrs["output_perm"]) for g in grads]
     if "run_time_rows" in attrs:
         tensors, grads = split_operands(tensors, grads, 0, batch)
     if attrs.get("batch_axis"):  # the examples on a later axis (time-major): moved first
@@ -288,7 +303,8 @@ def applied_operands(attrs, kernel_shape, tensors, grads, batch=None):
     if shape:
         grads = [reshape_like(g, (*shape[:-1], g.shape[-1])) for g in grads]
     if a.shape.rank and a.shape[-1] is None:  # a width the trace lost (a bincount's)
-        d_in = kernel_shape[-1] if attrs.get("transpose_kernel") else kernel_shape[0]
+        matrix = attrs.get("kernel_matrix") or kernel_shape
+        d_in = matrix[-1] if attrs.get("transpose_kernel") else matrix[0]
         a = tf.ensure_shape(a, [*a.shape[:-1], d_in])
     return a, list(grads)
 
