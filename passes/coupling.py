@@ -110,7 +110,12 @@ def batch_statistics(g: nx.DiGraph, rows: dict, output: str | None) -> tuple[str
     for the batch), but clipping them bounds no one example's influence
     (removing it changes the others' terms), so DP-SGD refuses such a loss.
     A tensor's size (``Shape``, ``Size``) or a value-free ``OnesLike``
-    carries no example's data."""
+    carries no example's data. Where the row tracker lost the examples (a
+    detector's label encoder: ``BroadcastTo``, a gather by flattened
+    ``[B * G]`` ids), a data tensor leading with the batch holds them first
+    (``lenient_rows``), as for the meets: RetinaNet's
+    ``sum(labels > -1)`` over the batch's anchors, read from such labels,
+    was missed and DP-SGD ran."""
     if not output:
         return ()
     target = ir.node_of(g, output)
@@ -125,10 +130,17 @@ def batch_statistics(g: nx.DiGraph, rows: dict, output: str | None) -> tuple[str
                 stack.append(nxt)
     weighted = ir.reachable_from(g, (n for n, d in g.nodes(data=True) if d.get("variable")))
     before = nx.ancestors(g, target) | {target}
-    out = []
+    out, lenient = [], None
     for node in nx.topological_sort(g.subgraph(before & seen - weighted)):
         d = g.nodes[node]
-        if _reduces_rows(g, d, [ir.split_tensor(t)[0] for t in d["inputs"]], rows):
+        sources = [ir.split_tensor(t)[0] for t in d["inputs"]]
+        if d["op"] in row_axes.REDUCTIONS and sources and sources[0] not in rows:
+            if lenient is None:  # (only where the strict rows were lost: one more walk)
+                lenient = lenient_rows(g, ir.reachable_from(g, g.graph["arguments"]))
+            found = _reduces_rows(g, d, sources, lenient)
+        else:
+            found = _reduces_rows(g, d, sources, rows)
+        if found:
             out.append(node)
     return tuple(out)
 
