@@ -219,8 +219,10 @@ def check_padding_mask(mask, sampling: Sampling | None, owner: str = "kg.DPModel
         raise ValueError(f"{owner}: sample_weight and class_weight are not supported (a third "
                          "element is read only as the padding mask of "
                          "kg.privacy.poisson_batches)")
-    if not np.all(np.isin(np.asarray(mask), (0, 1))):
+    shape = np.shape(mask)  # (a causal LM's [B, T] padding mask as weights: not one per example)
+    if len(shape) != 1 or not np.all(np.isin(np.asarray(mask), (0, 1))):
+        held = "other values" if len(shape) == 1 else f"shape {list(shape)}, not [batch]"
         raise ValueError(f"{owner}: the dataset's third element is read as the padding mask of "
-                         "kg.privacy.poisson_batches (0 or 1 per example), and it holds other "
-                         "values: a weight would scale each clipped gradient past the clip norm; "
+                         f"kg.privacy.poisson_batches (0 or 1 per example), and it holds {held}: "
+                         "a weight would scale each clipped gradient past the clip norm; "
                          "give sample weights with arrays (fit(x, y, sample_weight=w))")
