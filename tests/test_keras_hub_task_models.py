@@ -152,7 +152,7 @@ def _retinanet():
     return task, tuple(tf.constant(a) for a in (rng.normal(size=(B, 32, 32, 3)), boxes, labels))
 
 
-@pytest.mark.slow  # a detector's first trace and K-FAC steps, about 60 s
+@pytest.mark.slow  # a detector's first trace and K-FAC steps, about 85 s
 def test_retinanet_compiled_loss(keras_float64):
     task, args = _retinanet()
 
@@ -192,7 +192,7 @@ def test_retinanet_compiled_loss(keras_float64):
     assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0, losses
 
 
-@pytest.mark.slow  # two fits of a ResNet and a ViT, about 80 s
+@pytest.mark.slow  # two fits of a ResNet and a ViT, about 85 s
 def test_image_classifiers_fit_with_label_smoothing():
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(8, 16, 16, 3)).astype("float32"), np.eye(4)[rng.integers(0, 4, 8)]
@@ -221,7 +221,7 @@ def test_image_classifiers_fit_with_label_smoothing():
     assert np.isfinite(dp.fit(x, y, batch_size=4, epochs=1, verbose=0).history["loss"]).all()
 
 
-@pytest.mark.slow  # a segmenter's trace and K-FAC steps, about 40 s
+@pytest.mark.slow  # a segmenter's trace and K-FAC steps, about 30 s
 def test_deeplab_per_pixel_loss_with_ignored_pixels(keras_float64):
     keras.utils.set_random_seed(0)
     encoder = M.ResNetBackbone(
