@@ -16,8 +16,8 @@ step's first run started from, ``before``, so both losses share one draw,
 and puts back the state the first run left: one update and one draw a step.
 
 ``written(registration)``: the variables the registered graph writes (by an
-assignment, a scatter, or a stateful random op on the variable); its
-top-level graph only (a write inside a loop's body is not seen). Reads and
+assignment, a scatter, or a stateful random op on the variable), its
+function calls inlined (a write inside a loop's body is not seen). Reads and
 writes go through ``variable.handle``: under ``tf.distribute`` that is the
 replica's own copy in ``strategy.run``, so each replica snapshots and puts
 back its own state.
