@@ -113,6 +113,7 @@ def test_a_batch_of_one_registers_as_a_batch_of_three(kind):
             np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-10, err_msg=v.name)
 
 
+@pytest.mark.slow
 def test_fit_with_a_last_batch_of_one():
     """Five examples in batches of two: the last batch holds one."""
     model = _model("lstm")

@@ -154,7 +154,7 @@ def test_steps_that_make_no_progress_hand_over(monkeypatch):
     assert last == pytest.approx(first, rel=0.2)  # no step was taken
 
 
-@pytest.mark.parametrize("run_eagerly", [False, True])
+@pytest.mark.parametrize("run_eagerly", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_kfac_model_fit_hands_over_with_the_learning_rate_it_was_given(monkeypatch,
                                                                        run_eagerly):
     """``kg.KFACModel.fit`` (its step traced, or eager): the hand-over happens

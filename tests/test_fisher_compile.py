@@ -82,7 +82,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "conv" else n
+                                  for n in sorted(CASES)])  # (conv: conv_diag in the fast set)
 def test_xla_matches_eager(name):
     cls, shapes, attrs, data_fn = CASES[name](np.random.default_rng(0))
     batches = [data_fn() for _ in range(2)]

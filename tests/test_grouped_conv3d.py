@@ -251,6 +251,7 @@ def test_keras_verifies_and_trains(float64):
         assert losses[-1] < losses[0], (approximations, losses)
 
 
+@pytest.mark.slow
 def test_keras_trains_under_xla(float64):
     """The whole step compiled with XLA (the split Conv3Ds, their gradients)."""
     loss_fn, args, _ = _keras_case(groups=4, padding="valid")

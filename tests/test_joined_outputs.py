@@ -243,6 +243,7 @@ def test_a_loss_that_falls_below_zero_is_not_capped_at_zero(float64):
     assert sum(abs(v) < 1e-3 for v in losses) <= 1 and min(losses) < -0.5, losses
 
 
+@pytest.mark.slow
 def test_kfac_under_xla_trains_two_heads():
     """The joined output is split again by a SplitV, whose gradients XLA
     differentiates twice (a Slice's XLA gradient has no gradient)."""

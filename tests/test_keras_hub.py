@@ -125,8 +125,9 @@ def _kinds(reg):
 
 
 @pytest.mark.parametrize("family", [
-    "bert", "gpt2", "llama", *(pytest.param(f, marks=pytest.mark.slow)  # (DeBERTa's batch of
-                               for f in ("deberta", "gemma"))])  # one and training: fast set)
+    "bert", "llama", *(pytest.param(f, marks=pytest.mark.slow)  # (DeBERTa's batch of one
+                       for f in ("gpt2", "deberta", "gemma"))])  # and training, GPT-2's
+    # float32 check: fast set)
 def test_backbone_registers_and_per_example_gradients_are_exact_float64(family):
     loss_fn, args, backbone = _model(family, "float64")
     # Llama's and Gemma's RMSNorm normalise in float32 whatever the model's

@@ -276,6 +276,7 @@ def test_embedding_adapter_is_a_lookup_and_a_dense_layer():
     assert losses_[-1] < losses_[0] and int(opt.skipped_steps) == 0, losses_
 
 
+@pytest.mark.slow
 def test_int8_quantized_layers_with_adapters():
     """``model.quantize("int8")`` then ``enable_lora`` (Keras's QLoRA recipe):
     the frozen int8 kernels apply through a custom gradient (the inputs are

@@ -234,6 +234,7 @@ def test_a_term_weighted_by_data_beside_another(float64):
     assert reg.loss.kind == "ggn" and len(reg.per_example_extras) == 1, reg.loss
 
 
+@pytest.mark.slow
 def test_terms_divided_by_a_count_of_the_batch(float64):
     """Both terms summed over the batch and divided by its count of positive
     anchors (a RetinaNet's normaliser): a sum over the examples, example i's
@@ -296,6 +297,7 @@ def _two_output_model():
                                 keras.layers.Dense(2, name="value")(h)])
 
 
+@pytest.mark.slow
 def test_keras_fit_takes_a_loss_per_output():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 5)).astype("float32")

@@ -108,7 +108,8 @@ def test_verify_checks_the_fisher_of_a_weighted_per_token_loss_in_exact_mode():
         "pass"] * 3, report.table()
 
 
-@pytest.mark.parametrize("mode", ["sampled", "empirical", "exact"])
+@pytest.mark.parametrize("mode", ["sampled", "empirical",
+                                  pytest.param("exact", marks=pytest.mark.slow)])
 def test_a_masked_token_contributes_nothing_to_the_fisher(mode):
     """Changing the ids and targets of masked tokens leaves the dense layers'
     full blocks as they were (the samples of other tokens are drawn row by
@@ -225,6 +226,7 @@ def test_lstm_language_model_with_a_masked_mean_equals_the_loop():
     assert report.passed, report.table()
 
 
+@pytest.mark.slow
 def test_kfac_trains_and_dpsgd_runs_on_an_lstm_language_model():
     model = _lstm_lm()
     fn = _registered(model)

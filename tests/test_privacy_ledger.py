@@ -37,6 +37,7 @@ def _composed(phases, accountant):
     return acc.get_epsilon(1e-5)
 
 
+@pytest.mark.slow
 def test_epsilon_composes_the_phases_of_two_fits(tmp_path):
     dp, x, y = _dp()
     dp.fit(x, y, batch_size=65, epochs=5, verbose=0)  # 2 steps an epoch at q = 0.5

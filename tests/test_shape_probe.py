@@ -357,6 +357,7 @@ class _Saved(tf.Module):
         self.loss = tf.function(_per_token_loss(model, masked=True), input_signature=SIGNATURE)
 
 
+@pytest.mark.slow
 def test_kfac_rewrite_of_a_keras_sequence_model(tmp_path):
     """A per-token loss with a padding mask: the rewritten SavedModel's
     per-example gradients equal those of the function traced in process with

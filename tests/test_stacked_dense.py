@@ -149,6 +149,7 @@ def test_kernel_also_used_alone_keeps_one_layer_per_product():
         np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=RTOL, atol=1e-12, err_msg=v.name)
 
 
+@pytest.mark.slow
 def test_kfac_trains_the_stacked_cell_under_xla():
     loss_fn, _, _, _ = _pair()
     args = _data()

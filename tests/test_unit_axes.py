@@ -160,7 +160,8 @@ def test_a_dense_layer_on_positions_behind_a_unit_axis_keeps_its_bias(float64):
                                    rtol=1e-10)
 
 
-@pytest.mark.parametrize("layout", ["flattened_rows", "time_major"])
+@pytest.mark.parametrize("layout", ["flattened_rows",
+                                    pytest.param("time_major", marks=pytest.mark.slow)])
 def test_a_dense_layer_on_rows_behind_a_unit_axis(float64, layout):
     """A Dense on ``reshape(h, [-1, d])[:, None]`` (``[B T, 1, d]`` rows) or
     on a time-major ``[T, 1, B, d]``: the layer's input is the tensor as it
@@ -252,7 +253,8 @@ def test_per_token_forms_with_the_batch_and_positions_unknown(float64, form):
 
 
 
-@pytest.mark.parametrize("form", ["leading", "trailing", "terms_expanded"])
+@pytest.mark.parametrize("form", ["leading", "trailing",
+                                  pytest.param("terms_expanded", marks=pytest.mark.slow)])
 def test_class_weights_on_terms_with_a_unit_axis_are_no_token_weights(float64, form):
     """``-sum(w * y[:, None] * log_softmax(z)[:, None])`` with per-class
     weights ``w`` (``[C]``, or ``[C, 1]`` against ``[B, C, 1]`` terms; or the
