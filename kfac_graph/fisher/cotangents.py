@@ -3,7 +3,8 @@ estimation mode (``FisherEstimator``'s module docstring states the modes).
 
 ``at_output(reg, taps, mode, seeds, position_columns) -> (cotangents,
 sources)``: per cotangent ``c`` (held fixed), the ``[B]`` per-example
-scalars ``sum z . c`` whose parameter gradients are the per-example
+scalars ``sum z . c`` (over every axis of ``z`` but the first: a ``[B]``
+output's are ``z * c``) whose parameter gradients are the per-example
 gradients. A likelihood kind draws targets (sampled) or reads the data's
 (empirical) and takes ``d(-log p)/dz`` at them, or takes the columns of its
 Fisher square root (exact); each token's cotangent is scaled by the square
@@ -49,10 +50,11 @@ def at_output(reg, taps, mode, seeds=(), position_columns="shared"):
             c = tf.gradients(-tf.reduce_sum(dist0.log_prob(y)), z0)[0]
             c = token_weights.scaled(w, kind, c)
             cotangents.append(c if len(targets) == 1 else weight * c)
-    batch_axes = list(range(1, z.shape.rank - 1))
-    per_example = lambda t: tf.reduce_sum(t, axis=batch_axes) if batch_axes else t  # noqa: E731
+    # every axis but the examples' (a [B] output, one value per example, has none)
+    axes = list(range(1, z.shape.rank))
+    per_example = lambda t: tf.reduce_sum(t, axis=axes) if axes else t  # noqa: E731
     cotangents = [tf.stop_gradient(c) for c in cotangents]
-    return cotangents, [per_example(tf.reduce_sum(z * c, axis=-1)) for c in cotangents]
+    return cotangents, [per_example(z * c) for c in cotangents]
 
 
 def exact_columns(dist, z, position_columns="shared"):

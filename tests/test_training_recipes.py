@@ -1,0 +1,196 @@
+"""Training recipes as keras.io and the TensorFlow tutorials write them, each
+tiny, in float64, against one-example tapes, the batch gradient, ``kg.verify``
+and a few ``kg.KFAC`` and ``kg.DPSGD`` steps.
+
+- Knowledge distillation (Keras's ``Distiller``): ``KLDivergence`` of the
+  softened teacher and student, times ``T**2``, plus ``alpha`` times the
+  student's cross-entropy. With the teacher under ``tf.stop_gradient`` (its
+  variables trainable) it was registered: 2 teacher layers with zero
+  per-example gradients, its logits joined to the loss's Gauss-Newton
+  output, and K-FAC's third step moved the student 0.016 away from the
+  frozen teacher's (``passes/gradient_stops.py``). A CLIP-style trainable
+  temperature ``logits * exp(s)`` is a scale used twice.
+- WGAN-GP's critic loss ``mean(critic(fake)) - mean(critic(real)) +
+  lambda * mean((|d critic(x_hat) / d x_hat| - 1)^2)``, the penalty taken
+  with a ``tf.GradientTape`` inside the loss: the difference of two reduced
+  terms stopped the loss pass ("cannot read a loss through op 'sub'", a
+  ``LossNotFoundError``); it is read as ``a + (-1) b`` now
+  (``loss_terms.reduced_difference``). The loss is opaque (no
+  distribution): per-example gradients exact, DP-SGD runs, K-FAC's default
+  refuses in one line, its empirical Fisher trains.
+- A model output of one value per example (``[B]``) beside a generic
+  variable (the penalty alone on a conv critic, whose kernel is used by a
+  convolution and its transpose; a regression on ``(x @ w)[:, 0] *
+  sin(t)``): the Fisher's per-example sources summed ``z * c`` over the
+  batch (``[1]``, not ``[B]``), and K-FAC and ``kg.verify``'s Fisher check
+  stopped (``kfac_graph/fisher/cotangents.py``).
+- A siamese network (one encoder on two inputs, a contrastive margin loss on
+  the pair's distance): shared layers with 2 uses, exact. Triplet loss with
+  in-batch hardest-negative mining couples the examples (DP-SGD refuses);
+  with given triples, exact.
+"""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kfac_graph as kg
+from per_example_reference import assert_matches_loop
+
+L = keras.layers
+B = 5
+
+
+def _batch_mean_matches(fn, args, reg, rtol=1e-10):
+    pxg = kg.per_example_gradients(fn, *args)
+    with tf.GradientTape() as tape:
+        loss = fn(*args)
+    for v, g, b in zip(reg.variables, pxg, tape.gradient(loss, list(reg.variables))):
+        b = tf.zeros_like(v) if b is None else b
+        np.testing.assert_allclose(tf.reduce_mean(g, 0), b, rtol=rtol, atol=1e-12, err_msg=v.name)
+
+
+def _kfac_runs(fn, args, steps=3, **kwargs):
+    opt = kg.KFAC(fn, **kwargs)
+    losses = [float(opt.step(*args)) for _ in range(steps)]
+    assert int(opt.skipped_steps.numpy()) == 0 and np.all(np.isfinite(losses)), losses
+    return losses
+
+
+def _dp_runs(fn, args):
+    dp = kg.DPSGD(fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.5, seed=0)
+    assert np.isfinite(float(dp.step(*args)))
+
+
+def _distillation(teacher_mode, temperature="constant"):
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    teacher = keras.Sequential([keras.Input((4,)), L.Dense(6, activation="relu"), L.Dense(3)])
+    student = keras.Sequential([keras.Input((4,)), L.Dense(5, activation="relu"), L.Dense(3)])
+    teacher.trainable = teacher_mode != "frozen"
+    kl = keras.losses.KLDivergence()
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    log_scale = tf.Variable(0.5, dtype=tf.float64, name="logit_scale")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        t = teacher(x, training=False)
+        if teacher_mode == "stop_gradient":
+            t = tf.stop_gradient(t)
+        z = student(x, training=True)
+        if temperature == "trainable":  # CLIP's logit_scale
+            soft = kl(tf.nn.softmax(t * tf.exp(log_scale)), tf.nn.softmax(z * tf.exp(log_scale)))
+        else:
+            soft = kl(tf.nn.softmax(t / 3.0), tf.nn.softmax(z / 3.0)) * 3.0 ** 2
+        return 0.9 * soft + 0.1 * ce(y, z)
+    args = (tf.constant(rng.normal(size=(B, 4))), tf.constant(rng.integers(0, 3, B)))
+    return loss_fn, args, student
+
+
+@pytest.mark.slow
+def test_distillation_with_a_trainable_temperature(keras_float64):
+    fn, args, _ = _distillation("frozen", "trainable")
+    reg = assert_matches_loop(fn, args, rtol=1e-10)
+    scale = [layer for layer in reg.layers if layer.variables[0].name.startswith("logit_scale")]
+    assert [(layer.kind, layer.uses) for layer in scale] == [("scale_and_shift", 2)]
+    assert not reg.generic_variables
+    assert kg.verify(fn, *args, estimation_mode="exact").passed
+    losses = _kfac_runs(fn, args)
+    assert losses[-1] < losses[0]
+    _dp_runs(fn, args)
+
+
+def _rank1_regression():
+    rng = np.random.default_rng(0)
+    w = tf.Variable(rng.normal(size=(4, 1)), name="w")
+    t = tf.Variable(0.3, dtype=tf.float64, name="t")
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.square((x @ w)[:, 0] * tf.sin(t) - y))
+    return loss_fn, (tf.constant(rng.normal(size=(B, 4))), tf.constant(rng.normal(size=(B,))))
+
+
+def _conv_gradient_penalty():
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(3)
+    critic = keras.Sequential([keras.Input((4, 4, 1)), L.Conv2D(2, 3, padding="same"),
+                               L.Flatten(), L.Dense(1)])
+
+    @kg.auto_register
+    def loss_fn(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            pred = critic(x)
+        norm = tf.sqrt(tf.reduce_sum(tf.square(tape.gradient(pred, x)), axis=[1, 2, 3]))
+        return tf.reduce_mean((norm - 1.0) ** 2)
+    return loss_fn, (tf.constant(rng.normal(size=(B, 4, 4, 1))),)
+
+
+@pytest.mark.parametrize("build", [_rank1_regression, _conv_gradient_penalty],
+                         ids=["rank1_regression", "conv_gradient_penalty"])
+def test_a_one_value_per_example_output_beside_a_generic_variable(keras_float64, build):
+    fn, args = build()
+    reg = assert_matches_loop(fn, args, rtol=1e-10)
+    assert reg.generic_variables, reg.summary()
+    report = kg.verify(fn, *args, estimation_mode="exact")
+    assert report.passed, report.table()
+    losses = _kfac_runs(fn, args)
+    assert losses[-1] < losses[0], losses
+
+
+def _siamese():
+    """keras.io's siamese network with a contrastive loss (its
+    BatchNormalization left out: in training mode it couples the examples)."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(1)
+    inp = keras.Input((5, 5, 1))
+    h = L.Flatten()(L.AveragePooling2D(2)(L.Conv2D(2, 3, activation="tanh")(inp)))
+    embedding = keras.Model(inp, L.Dense(3, activation="tanh")(h))
+    a, b = keras.Input((5, 5, 1)), keras.Input((5, 5, 1))
+    distance = L.Lambda(lambda v: keras.ops.sqrt(keras.ops.maximum(keras.ops.sum(
+        keras.ops.square(v[0] - v[1]), axis=1, keepdims=True), 1e-7)))([embedding(a), embedding(b)])
+    model = keras.Model([a, b], L.Dense(1, activation="sigmoid")(distance))
+
+    @kg.auto_register
+    def loss_fn(x1, x2, y):
+        pred = model([x1, x2])
+        return keras.ops.mean((1 - y) * keras.ops.square(pred)
+                              + y * keras.ops.square(keras.ops.maximum(1.0 - pred, 0)))
+    args = (tf.constant(rng.normal(size=(B, 5, 5, 1))), tf.constant(rng.normal(size=(B, 5, 5, 1))),
+            tf.constant(rng.integers(0, 2, (B, 1)).astype("float64")))
+    return loss_fn, args
+
+
+@pytest.mark.slow
+def test_a_siamese_network_shares_its_encoder(keras_float64):
+    fn, args = _siamese()
+    reg = assert_matches_loop(fn, args, rtol=1e-10)
+    assert [layer.uses for layer in reg.layers] == [2, 2, 1] and not reg.generic_variables
+    assert not reg.coupling
+    assert kg.verify(fn, *args, estimation_mode="exact").passed
+    losses = _kfac_runs(fn, args)
+    assert losses[-1] < losses[0], losses
+    _dp_runs(fn, args)
+
+
+def test_triplet_loss_with_in_batch_hardest_negatives_couples(keras_float64):
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(2)
+    embed = keras.Sequential([keras.Input((4,)), L.Dense(6, activation="relu"), L.Dense(3)])
+
+    @kg.auto_register
+    def loss_fn(x, labels):
+        e = tf.math.l2_normalize(embed(x), axis=1)
+        sq = tf.reduce_sum(tf.square(e), 1)
+        d = tf.maximum(sq[:, None] - 2.0 * e @ tf.transpose(e) + sq[None, :], 0.0)
+        same = tf.cast(tf.equal(labels[:, None], labels[None, :]), d.dtype)
+        positive = tf.reduce_max(d * (same - tf.eye(6, dtype=d.dtype)), 1)
+        negative = tf.reduce_min(d + tf.reduce_max(d, 1, keepdims=True) * same, 1)
+        return tf.reduce_mean(tf.maximum(positive - negative + 0.5, 0.0))
+    args = (tf.constant(rng.normal(size=(6, 4))), tf.constant([0, 0, 1, 1, 2, 2]))
+    reg = loss_fn.registration(*args)
+    assert reg.coupling, reg.summary()
+    _batch_mean_matches(loss_fn, args, reg)
+    with pytest.raises(kg.KfacGraphError, match="couples the examples"):
+        kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.5).step(*args)
