@@ -23,8 +23,9 @@ negative log-likelihood's terms ``l_i``
   (``kfac_graph.token_weights.own_terms``), the loss being linear in them.
 
 Contract: ``split_sum(g, node, inputs, data, params) -> (data_terms,
-penalties)`` sorts an ``Add``/``AddN``'s inputs; ``combine(node, found)``
-builds the loss's match from the walks down each data term
+penalties)`` sorts an ``Add``/``AddN``'s inputs (or a ``Sub``'s, where
+``reduced_difference``: the second term's coefficient negated);
+``combine(node, found)`` builds the loss's match from the walks down each data term
 (``found``: per term, its likelihood match or the examples-first match the
 walk stopped below, or the error). One likelihood keeps its Fisher; with
 two (a model with two outputs, each with its loss) or none, the loss is
@@ -50,6 +51,19 @@ def split_sum(g, node, inputs, data, params):
     trained = [t for t in inputs if ir.split_tensor(t)[0] in params]
     data_terms = [t for t in trained if ir.split_tensor(t)[0] in data]
     return data_terms, [t for t in trained if t not in data_terms]
+
+
+def reduced_difference(op, inputs, data, params, reduced) -> bool:
+    """Whether a ``Sub`` is a sum ``a + (-1) b`` of two data terms: both
+    depend on the data and the variables, and the difference is taken
+    above every tensor of examples (``reduced``), on the reduced terms
+    (``mean(critic(fake)) - mean(critic(real))``, a WGAN critic's loss:
+    example i's own loss is ``critic(fake_i) - critic(real_i)``). A
+    difference of per-example tensors (below) stays where the walk stops,
+    read as the examples' terms there (opaque or Gauss-Newton)."""
+    nodes = [ir.split_tensor(t)[0] for t in inputs]
+    return op == "Sub" and reduced and len(set(inputs)) == 2 and all(
+        n in params and n in data for n in nodes)
 
 
 def combine(node, found):

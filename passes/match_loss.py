@@ -3,8 +3,8 @@
 Contract: ``match_loss(g, kind=None) -> LossMatch`` on a canonical IR. It walks
 back from the scalar loss through the batch reduction (``Mean``, ``Sum``,
 ``Neg``, multiplication or division by a constant, an added term that does
-not depend on the data such as a weight penalty) to the op that computes the
-per-example negative log-likelihood, and returns
+not depend on the data such as a weight penalty, a difference of reduced
+terms) to the op that computes the per-example negative log-likelihood:
 
 - ``kind``: ``"categorical"`` (softmax cross-entropy, sparse or dense
   targets; ``-sum(y * log_softmax(z))``, also written out on clipped
@@ -250,7 +250,8 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
             else:
                 coefficient /= divisor
             tensor = inputs[0]
-        elif op in ("AddV2", "Add", "AddN"):
+        elif op in ("AddV2", "Add", "AddN") or loss_terms.reduced_difference(
+                op, inputs, data, params, not opaque):
             terms, added = loss_terms.split_sum(g, node, inputs, data, params)
             penalties += added
             if not batch_mean and _examples_first(d["shapes"][index], rows.get(node), batch):
@@ -258,7 +259,8 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
             if len(terms) == 1:
                 tensor = terms[0]
                 continue
-            found = [(t, *_attempt(g, rows, t, coefficient, batch_mean, nodes)) for t in terms]
+            found = [(t, *_attempt(g, rows, t, coefficient * (-1.0 if op == "Sub" and k else 1.0),
+                                   batch_mean, nodes)) for k, t in enumerate(terms)]
             match = loss_terms.combine(node, found)
             return dataclasses.replace(match, penalties=tuple(penalties) + match.penalties,
                                        summed_penalties=tuple(summed) + match.summed_penalties,

@@ -100,6 +100,63 @@ def test_distillation_with_a_trainable_temperature(keras_float64):
     _dp_runs(fn, args)
 
 
+def _critic_loss(penalty=True, difference=True):
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(3)
+    critic = keras.Sequential([keras.Input((4,)), L.Dense(6), L.LeakyReLU(0.2),
+                               L.Dense(6, activation="tanh"), L.Dense(1)])
+
+    def gradient_penalty(real, fake, eps):
+        x_hat = eps * real + (1 - eps) * fake
+        with tf.GradientTape() as tape:
+            tape.watch(x_hat)
+            pred = critic(x_hat)
+        norm = tf.sqrt(tf.reduce_sum(tf.square(tape.gradient(pred, x_hat)), axis=1))
+        return tf.reduce_mean((norm - 1.0) ** 2)
+
+    @kg.auto_register
+    def loss_fn(real, fake, eps):
+        loss = tf.reduce_mean(critic(fake)) - tf.reduce_mean(critic(real))
+        return loss + 10.0 * gradient_penalty(real, fake, eps) if penalty else loss
+    args = (tf.constant(rng.normal(size=(B, 4))), tf.constant(rng.normal(size=(B, 4)) + 1.0),
+            tf.constant(rng.uniform(size=(B, 1))))
+    return loss_fn, args
+
+
+@pytest.mark.parametrize("penalty", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_wgan_critics_difference_of_means_is_read(keras_float64, penalty):
+    fn, args = _critic_loss(penalty)
+    reg = assert_matches_loop(fn, args, rtol=1e-10)
+    assert reg.loss.kind == "opaque" and reg.loss.reduction == "mean" and not reg.coupling
+    assert len(reg.per_example_extras) == 1 + penalty
+    _batch_mean_matches(fn, args, reg)
+    _dp_runs(fn, args)
+    if penalty:
+        assert kg.verify(fn, *args).passed
+        with pytest.raises(kg.KfacGraphError, match="the loss is opaque"):
+            kg.KFAC(fn).step(*args)
+        losses = _kfac_runs(fn, args, 4, estimation_mode="empirical", momentum_type="regular")
+        assert losses[-1] < losses[0], losses
+
+
+def test_a_difference_of_per_example_tensors_stays_where_the_walk_stops(keras_float64):
+    """Below the examples' tensors a ``Sub`` is not split: a triplet loss's
+    ``dp - dn`` under a ``maximum`` keeps its Gauss-Newton reading."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(2)
+    embed = keras.Sequential([keras.Input((4,)), L.Dense(6, activation="relu"), L.Dense(3)])
+
+    @kg.auto_register
+    def loss_fn(a, p, n):
+        ea, ep, en = embed(a), embed(p), embed(n)
+        dp = tf.reduce_sum(tf.square(ea - ep), -1)
+        return tf.reduce_mean(tf.nn.softplus(dp - tf.reduce_sum(tf.square(ea - en), -1)))
+    args = tuple(tf.constant(rng.normal(size=(B, 4))) for _ in range(3))
+    reg = assert_matches_loop(loss_fn, args, rtol=1e-10)
+    assert reg.loss.kind == "ggn" and [layer.uses for layer in reg.layers] == [3, 3]
+    _kfac_runs(loss_fn, args)
+
+
 def _rank1_regression():
     rng = np.random.default_rng(0)
     w = tf.Variable(rng.normal(size=(4, 1)), name="w")
