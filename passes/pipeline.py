@@ -2,7 +2,9 @@
 
 ``run(traced, loss=None) -> PassResult`` unrolls the loops whose trip count
 is static (``passes.unroll``, at most ``max_loop_iterations`` each), imports
-the traced graph into the IR, marks where it computes in a narrower float
+the traced graph into the IR, marks the variables the loss's gradient never
+reaches (``passes.gradient_stops``: behind a ``StopGradient`` on every path)
+not trainable, marks where it computes in a narrower float
 than its inputs (precision), canonicalizes it, reads static slices of
 variables as parts of them (variable_parts), marks low-rank adapters'
 kernels (lora), writes ``tf.nn.l2_loss`` out as ``0.5 * sum(x * x)``
@@ -28,6 +30,7 @@ from passes.errors import KfacGraphError, TraceError
 from passes.coupling import batch_statistics, coupling_ops, padded_to_longest
 from passes.example_rows import graph_rows
 from passes.gradient_coupling import replayed_coupling
+from passes.gradient_stops import unreached
 from passes.grouped_conv3d import split_grouped_conv3d
 from passes.lora import mark_lora
 from passes.match_layers import LayerMatch, match_layers
@@ -102,7 +105,8 @@ def run(traced: frontends.Traced, loss: str | None = None,
 
 def _prepared(g, timings=None):
     """The IR after the passes that precede matching, each timed."""
-    for name, step in (("precision", mark_narrowing), ("canonicalize", canonicalize),
+    for name, step in (("gradient_stops", unreached), ("precision", mark_narrowing),
+                       ("canonicalize", canonicalize),
                        ("variable_parts", mark_parts), ("lora", mark_lora)):
         start = time.perf_counter()
         g = step(g)

@@ -87,6 +87,22 @@ def _distillation(teacher_mode, temperature="constant"):
     return loss_fn, args, student
 
 
+def test_distillation_with_a_teacher_under_stop_gradient_is_the_frozen_teachers(keras_float64):
+    runs = {}
+    for mode in ("frozen", "stop_gradient"):
+        fn, args, student = _distillation(mode)
+        reg = assert_matches_loop(fn, args, rtol=1e-10)
+        students = {id(v) for w in student.weights for v in (w, getattr(w, "value", w))}
+        assert len(reg.layers) == 2 and all(id(v) in students for v in reg.variables), \
+            reg.summary()
+        assert "kfac_joined_outputs" not in reg.loss.output, reg.summary()
+        runs[mode] = _kfac_runs(fn, args, estimation_mode="exact")
+        runs[mode + " weights"] = [v.numpy() for v in student.weights]
+    np.testing.assert_allclose(runs["stop_gradient"], runs["frozen"], rtol=1e-12)
+    for a, b in zip(runs["stop_gradient weights"], runs["frozen weights"]):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.slow
 def test_distillation_with_a_trainable_temperature(keras_float64):
     fn, args, _ = _distillation("frozen", "trainable")
