@@ -65,6 +65,7 @@ import tensorflow as tf
 
 from kfac_graph import keras_train_loop
 from kfac_graph.auto_register import auto_register
+from kfac_graph.keras_compute_loss import ModelComputeLoss, loss_function, uses_compute_loss
 from kfac_graph.keras_loss import OutputsLoss, as_loss as _as_loss
 from kfac_graph.keras_optimizer import KFACKerasOptimizer
 from kfac_graph.optimizer.kfac import KFAC
@@ -89,12 +90,16 @@ def _check_kfac_options(kfac_options: dict) -> None:
 
 
 @keras.saving.register_keras_serializable(package="kfac_graph")
-class KFACModel(keras.Model):
+class KFACModel(ModelComputeLoss, keras.Model):
     """``model`` trained by K-FAC through ``fit`` (see the module docstring).
 
     ``loss``: a ``keras.losses.Loss``, a Keras loss name, or
     ``fn(y_true, y_pred)`` (reduced by a mean if it returns per-example
-    values); may also be given to ``compile``. ``loss_kind``: passed to
+    values); may also be given to ``compile``. A model whose class overrides
+    ``compute_loss`` (keras-hub's ``RetinaNetObjectDetector``, a subclassed
+    model) trains, given no loss or its own compiled one, on
+    ``model.compute_loss(x, y, model(x, training=True), sample_weight)``
+    (``keras_compute_loss.py``). ``loss_kind``: passed to
     ``kg.auto_register(loss=...)`` when the pass cannot read the loss.
     ``**kfac_options``: ``kg.KFAC``'s keywords (``learning_rate``,
     ``damping``, ``momentum``, ``momentum_type``, ``estimation_mode``, ...),
@@ -113,9 +118,10 @@ class KFACModel(keras.Model):
         self._kfac_built = False
         self._step_function = None
         self._loss_weights = None  # compile()'s, per output
+        self._own_loss = False  # trains on the model's own compute_loss
         self._shim = KFACKerasOptimizer(
             learning_rate=kfac_options.get("learning_rate", _kfac_default("learning_rate")))
-        if loss is not None:
+        if loss is not None or uses_compute_loss(model, None):
             self._make_kfac(loss)
         if model.built:
             self.built = True
@@ -165,7 +171,7 @@ class KFACModel(keras.Model):
                               "(its statistics are lost)", stacklevel=2)
             self._loss_weights = weights
             self._make_kfac(loss if loss is not None else self._loss_spec)
-        if self._loss_spec is None:
+        if self._loss_spec is None and not self._own_loss:
             _as_loss(None)  # raises
         kwargs.setdefault("jit_compile", False)
         # under mixed_float16 Keras wraps the optimizer in a LossScaleOptimizer; the shim
@@ -207,8 +213,9 @@ class KFACModel(keras.Model):
     # -- training -----------------------------------------------------------------------
     def _make_kfac(self, loss):
         inner = self.model
-        loss_fn, keras_loss = _as_loss(loss, getattr(inner, "output_names", None) or (),
-                                       self._loss_weights)
+        self._own_loss = uses_compute_loss(inner, loss, self._loss_weights, "kg.KFACModel")
+        loss_fn, keras_loss = (loss_function(inner), None) if self._own_loss else _as_loss(
+            loss, getattr(inner, "output_names", None) or (), self._loss_weights)
 
         def kfac_loss(x, y, *sample_weight):  # the weights, where fit has them
             y_pred = inner(x, training=True)
@@ -222,6 +229,7 @@ class KFACModel(keras.Model):
             return value
 
         kfac_loss.__name__ = f"{inner.name}_loss"
+        kfac_loss = loss_fn if self._own_loss else kfac_loss
         self._loss_spec = loss
         self._keras_loss = keras_loss
         self._outputs_loss = loss_fn if isinstance(loss_fn, OutputsLoss) else None
@@ -248,7 +256,8 @@ class KFACModel(keras.Model):
         if self.kfac is None:
             _as_loss(None)
         weights = () if sample_weight is None else (sample_weight,)
-        if weights and not isinstance(self._keras_loss, keras.losses.Loss) and not (
+        if weights and not self._own_loss and not isinstance(
+                self._keras_loss, keras.losses.Loss) and not (
                 self._outputs_loss and all(isinstance(fn, keras.losses.Loss)
                                            for fn in self._outputs_loss.fns)):
             raise ValueError("KFACModel.fit: sample_weight and class_weight need a "

@@ -9,7 +9,8 @@
 ``DPModel`` is a ``keras.Model`` wrapping ``model`` (``call`` delegates to
 it). Its step privatises the gradient of ``loss(x, y) = loss_obj(y,
 model(x, training=True))`` (``kg.dp_gradients``: clipping, mask, noise,
-normalisation) and hands it to the compiled Keras optimizer (any of them:
+normalisation; a model overriding ``compute_loss`` trains on it,
+``keras_compute_loss.py``) and hands it to the compiled Keras optimizer (any of them:
 SGD, Adam, ...; optimizers only post-process the private gradient). The
 constructor's keywords are ``kg.DPSGD``'s (``clipping``,
 ``automatic_clipping``, ``seed``, ``secure_mode``, ``method``).
@@ -70,8 +71,7 @@ import keras
 import tensorflow as tf
 
 from kfac_graph.auto_register import auto_register
-from kfac_graph import keras_train_loop
-from kfac_graph import options
+from kfac_graph import keras_compute_loss as own, keras_train_loop, options
 from kfac_graph.keras_loss import OutputsLoss, as_loss as _as_loss
 from kfac_graph.privacy.privatize import OPTIONS, check_clip, privatize
 from kfac_graph.privacy import accounting, replicas
@@ -81,7 +81,7 @@ from kfac_graph.privacy.sampling import check_padding_mask, sample_arrays
 
 
 @keras.saving.register_keras_serializable(package="kfac_graph")
-class DPModel(LedgerAccounting, keras.Model):
+class DPModel(LedgerAccounting, own.ModelComputeLoss, keras.Model):
     """``model`` trained by DP-SGD through ``fit`` (see the module docstring)."""
 
     def __init__(self, model, loss=None, l2_norm_clip=1.0, noise_multiplier=1.0, *,
@@ -122,10 +122,10 @@ class DPModel(LedgerAccounting, keras.Model):
         if sample_rate is not None or num_examples is not None or batch_size is not None:
             self.sampling = accounting.Sampling.make(sampling, sample_rate, num_examples,
                                                      batch_size)
-        self._loss_spec = None
+        self._loss_spec, self._own_loss = None, False  # (own: the model's compute_loss)
         self._loss_weights = None  # compile()'s, per output
         self._step_function = None
-        if loss is not None:
+        if loss is not None or own.uses_compute_loss(model, None):
             self._set_loss(loss)
         if model.built:
             self.built = True
@@ -146,7 +146,7 @@ class DPModel(LedgerAccounting, keras.Model):
         if loss is not None or weights != self._loss_weights:
             self._loss_weights = weights
             self._set_loss(loss if loss is not None else self._loss_spec)
-        if self._loss_spec is None:
+        if self._loss_spec is None and not self._own_loss:
             _as_loss(None)  # raises: no loss
         replicas.check_strategy(self._distribute_strategy, self.model)
         kwargs.setdefault("jit_compile", False)
@@ -239,8 +239,9 @@ class DPModel(LedgerAccounting, keras.Model):
     # -- training -----------------------------------------------------------------------
     def _set_loss(self, loss):
         inner = self.model
-        loss_fn, keras_loss = _as_loss(loss, getattr(inner, "output_names", None) or (),
-                                       self._loss_weights)
+        self._own_loss = own.uses_compute_loss(inner, loss, self._loss_weights, "kg.DPModel")
+        loss_fn, keras_loss = (own.loss_function(inner), None) if self._own_loss else _as_loss(
+            loss, getattr(inner, "output_names", None) or (), self._loss_weights)
         per_example = (loss_fn.per_example if isinstance(loss_fn, OutputsLoss) else
                        keras_loss.call if isinstance(keras_loss, keras.losses.Loss) else keras_loss)
 
@@ -251,6 +252,7 @@ class DPModel(LedgerAccounting, keras.Model):
             return value
 
         dp_loss.__name__ = f"{inner.name}_loss"
+        dp_loss = loss_fn if self._own_loss else dp_loss
         self._loss_spec, self._keras_loss, self._per_example_loss = loss, keras_loss, per_example
         self._outputs_loss = loss_fn if isinstance(loss_fn, OutputsLoss) else None
         self.loss_fn = auto_register(dp_loss, loss=self.loss_kind)
@@ -261,7 +263,7 @@ class DPModel(LedgerAccounting, keras.Model):
         weights = ()
         if isinstance(mask, tuple):  # fit's arrays with sample weights: (w,) or (w, mask)
             weights, mask = mask[:1], (mask[1] if len(mask) > 1 else None)
-            if not isinstance(self._keras_loss, keras.losses.Loss) and not (
+            if not self._own_loss and not isinstance(self._keras_loss, keras.losses.Loss) and not (
                     self._outputs_loss and all(isinstance(fn, keras.losses.Loss)
                                                for fn in self._outputs_loss.fns)):
                 raise ValueError("kg.DPModel.fit: sample_weight needs a keras.losses.Loss (a "
@@ -294,12 +296,14 @@ class DPModel(LedgerAccounting, keras.Model):
         return logs
 
     def _dp_step(self, x, y, key, mask=None, *weights):
-        y_pred = None
-        with keras.StatelessScope(collect_losses=True) as scope:  # add_loss terms
-            y_pred = self.model(x, training=True)
-        penalties = [tf.cast(v, tf.float32) for v in list(scope.losses) + [
-            v.regularizer(v) for v in self.model.trainable_weights
-            if getattr(v, "regularizer", None) is not None]]
+        if self._own_loss:  # the model's compute_loss at the real rows, before the update
+            logged = own.loss_at_live_rows(self.model, x, y, mask, *weights)
+        else:
+            with keras.StatelessScope(collect_losses=True) as scope:  # add_loss terms
+                y_pred = self.model(x, training=True)
+            penalties = [tf.cast(v, tf.float32) for v in list(scope.losses) + [
+                v.regularizer(v) for v in self.model.trainable_weights
+                if getattr(v, "regularizer", None) is not None]]
         expected = self.sampling.batch_size if mask is not None else None
         if mask is not None and expected is None:
             raise ValueError("kg.DPModel: padded Poisson batches need the expected batch size "
@@ -324,6 +328,8 @@ class DPModel(LedgerAccounting, keras.Model):
         # under mixed_float16 Keras wraps the optimizer in a LossScaleOptimizer, which
         # divides by its scale: the private gradient is of the unscaled loss
         getattr(self.optimizer, "inner_optimizer", self.optimizer).apply_gradients(pairs)
+        if self._own_loss:
+            return own.log_step(self, *logged)
         return self._step_logs(x, y, y_pred, mask, *weights,
                                penalty=tf.add_n(penalties) if penalties else 0.0)
 
