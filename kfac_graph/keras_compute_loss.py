@@ -10,12 +10,18 @@ term) trains under Keras's ``fit`` on
                                     sample_weight=w)
 
 and the wrappers, given no ``loss=`` (or the model's compiled loss itself,
-``loss=model.loss``), train on the same function. Under ``tf.distribute``
-Keras scales that value by ``1 / replicas`` (``scale_loss_for_distribution``,
-for summed gradients) and logs it times ``replicas``; the wrappers' loss is
-the value times ``replicas`` too (each replica's own loss; K-FAC and DP-SGD
-average the replicas themselves). ``evaluate`` reports the model's
-``compute_loss`` at ``training=False``, as Keras's does for the model.
+``loss=model.loss``), train on the same function. ``evaluate`` reports
+``L`` at ``model(x, training=False)``, as Keras's does for the model.
+
+Under ``tf.distribute`` Keras's mean losses and ``add_loss`` terms divide
+themselves by the number of replicas ``R`` (``scale_loss_for_distribution``,
+for a sum of the replicas' gradients), a summed loss or a term the override
+computes itself does not, and Keras logs ``R`` times the whole: a model
+mixing them logs neither the one-device loss nor a consistent one. Here
+``L`` is computed as one device computes it (``passes.frontends.one_device``
+hides the strategy; the registration is traced so too), so the wrappers'
+step, logged and evaluated losses are the one-device ones; K-FAC and DP-SGD
+reduce the replicas themselves.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ import inspect
 
 import keras
 import tensorflow as tf
+
+from passes.frontends import one_device
 
 
 def overrides_compute_loss(model) -> bool:
@@ -55,21 +63,20 @@ def compute_loss(model, x, y, y_pred, sample_weight=None, training=True):
     return model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
 
 
-def unscaled(value):
-    """``value`` times the replicas in sync: Keras's ``1 / replicas`` undone."""
-    value = tf.convert_to_tensor(value)
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    return value * tf.cast(replicas, value.dtype) if replicas > 1 else value
+def one_device_loss(model, x, y, y_pred, sample_weight=None, training=True):
+    """``compute_loss`` as one device computes it (no ``1 / R`` anywhere)."""
+    with one_device():
+        return tf.convert_to_tensor(compute_loss(model, x, y, y_pred, sample_weight, training))
 
 
 def loss_function(model):
-    """``fn(x, y, *sample_weight) -> scalar``: ``L`` above (unscaled), at
+    """``fn(x, y, *sample_weight) -> scalar``: ``L`` above (one device's), at
     ``model(x, training=True)``. The model's ``losses`` (``add_loss``,
     regularizers) are in it where its ``compute_loss`` adds them (Keras's
     does)."""
     def fn(x, y, *sample_weight):
         y_pred = model(x, training=True)
-        return unscaled(compute_loss(model, x, y, y_pred, *(sample_weight or (None,))))
+        return one_device_loss(model, x, y, y_pred, *(sample_weight or (None,)))
 
     fn.__name__ = f"{model.name}_compute_loss"
     return fn
@@ -86,18 +93,22 @@ def loss_at_live_rows(model, x, y, mask=None, sample_weight=None):
             lambda t: None if t is None else tf.boolean_mask(t, keep), (x, y, sample_weight))
     with keras.StatelessScope(collect_losses=True):
         y_pred = model(x, training=True)
-        value = unscaled(compute_loss(model, x, y, y_pred, sample_weight))
+        value = one_device_loss(model, x, y, y_pred, sample_weight)
     return value, y_pred, x, y, sample_weight
 
 
 class ModelComputeLoss:
     """Mixin for the wrappers: where they train on the wrapped model's
     ``compute_loss`` (``self._own_loss``), Keras's ``evaluate`` (its
-    ``test_step`` calls ``compute_loss``) reports that, not a compiled loss."""
+    ``test_step`` calls ``compute_loss``) reports that, not a compiled loss:
+    one device's value over ``R`` (Keras's ``test_step`` multiplies by
+    ``R``), so each replica logs its share's one-device loss."""
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         if getattr(self, "_own_loss", False):
-            return compute_loss(self.model, x, y, y_pred, sample_weight, training)
+            value = one_device_loss(self.model, x, y, y_pred, sample_weight, training)
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            return value / tf.cast(replicas, value.dtype) if replicas > 1 else value
         return super().compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                     training=training)
 

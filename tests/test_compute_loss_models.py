@@ -11,6 +11,11 @@ trained from its documented targets (``loss=task.loss`` failed on output
 names). References: ``kg.KFAC`` on the same function written by hand, and
 Keras's own ``fit`` with SGD (which calls the override).
 """
+import json
+import os
+import subprocess
+import sys
+
 import keras
 import keras_hub
 import numpy as np
@@ -184,3 +189,58 @@ def test_retinanet_fits_from_boxes_and_labels(keras_float64):
     dp.compile(optimizer=keras.optimizers.SGD(0.01))
     with pytest.raises(kg.KfacGraphError, match="couples the examples|statistic of the whole"):
         dp.fit(x, y, batch_size=b, epochs=1, verbose=0)
+
+
+def _mirrored_runs():
+    """(In a fresh process with 2 logical CPUs.) Each wrapper's fit (2
+    epochs) and evaluate on ``AuxModel``, on one device and under
+    ``MirroredStrategy``: ``{kind: [(losses, evaluated, weights)] * 2}``."""
+    x, y, _ = _data(16)
+    runs = {}
+    for kind in ("kfac", "dp"):
+        for strategy in (None, tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])):
+            keras.utils.set_random_seed(0)
+            with strategy.scope() if strategy else tf.init_scope():
+                model = _aux_model()
+                if kind == "kfac":
+                    wrapper = kg.KFACModel(model, damping=1e-2, estimation_mode="exact")
+                    wrapper.compile()
+                else:
+                    wrapper = kg.DPModel(model, l2_norm_clip=1e9, noise_multiplier=0.0)
+                    wrapper.compile(optimizer=keras.optimizers.SGD(0.1))
+            data = ((x, y) if kind == "kfac" else
+                    (kg.privacy.fixed_size_batches((x, y), 16, steps=1, seed=0),))
+            history = wrapper.fit(*data, batch_size=None if kind == "dp" else 8, epochs=2,
+                                  shuffle=False, verbose=0).history["loss"]
+            runs.setdefault(kind, []).append((history, wrapper.evaluate(
+                x, y, batch_size=16, verbose=0), [v.numpy().tolist() for v in model.weights]))
+    return runs
+
+
+@pytest.mark.slow  # a fresh process, four fits, about 40 s
+def test_under_mirrored_strategy_the_losses_are_one_devices(tmp_path):
+    """The model's compute_loss mixes a Keras mean (which divides itself by the
+    replicas under a strategy) and its own mean (which does not): the step,
+    the logged loss and ``evaluate`` are one device's (before, unscaled as
+    Keras unscales the whole, DPModel logged 1.56 for 1.32 and evaluate
+    0.764 for 0.744)."""
+    out = tmp_path / "runs.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this kfac_graph
+    proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
+                                                "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for kind, (one, mirrored) in json.loads(out.read_text()).items():
+        np.testing.assert_allclose(mirrored[0], one[0], rtol=1e-9, err_msg=kind)
+        np.testing.assert_allclose(mirrored[1], one[1], rtol=1e-9, err_msg=kind)
+        for a, b in zip(mirrored[2], one[2]):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12, err_msg=kind)
+
+
+if __name__ == "__main__":
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    with open(sys.argv[1], "w") as f:
+        json.dump(_mirrored_runs(), f)
