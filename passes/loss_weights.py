@@ -5,9 +5,9 @@ masked with or divided by (a padding mask, Keras's ``sample_weight`` and
 Contract: each helper takes the IR ``g``, the op ``node`` on the loss's
 path, its ``inputs`` and ``params`` (the nodes that depend on trainable
 variables) and returns the path tensor to walk on, or raises
-``LossNotFoundError`` naming the op. A weight is data: it never reads a
-variable (trainable or not: a loss scale held in a variable is refused),
-so the loss stays linear in its terms and token ``t`` of
+``LossNotFoundError`` naming the op. A weight is data: it reads no
+trained variable (a non-trainable one, an annealed KL weight, is read when
+the loss runs, as an argument is), so the loss stays linear in its terms and token ``t`` of
 example ``i`` weighs ``dL/dterms[i, t]`` with the data held fixed.
 """
 from __future__ import annotations
@@ -36,10 +36,14 @@ def data_operand(g, node, inputs, params, verb):
 
 
 def check_data(g, node, tensor, what):
-    """A weight or divisor is data: computed from the arguments and constants.
-    One read from a variable (a loss scale held in a non-trainable
-    variable, a dynamic loss scale) is refused, naming the op."""
-    variables = [n for n, d in g.nodes(data=True) if d["op"] == "Variable"]
+    """A weight or divisor is data: computed from the arguments, constants
+    and variables that are not trained (a KL weight annealed by a callback,
+    a loss scale; a teacher's behind a gradient stop, ``gradient_stops``),
+    all read when the loss runs. One read from a trained variable is
+    refused, naming the op."""
+    info = g.graph.get("variables", {})
+    variables = [n for n, d in g.nodes(data=True) if d["op"] == "Variable"
+                 and getattr(info.get(d.get("variable")), "trainable", True)]
     if ir.split_tensor(tensor)[0] in ir.value_dependents(g, variables):  # (not a shape of one)
         raise LossNotFoundError(f"op {node!r} {what} read from a variable (weights and "
                                 f"divisors must be data); {_HOW_TO}")

@@ -267,3 +267,44 @@ def test_triplet_loss_with_in_batch_hardest_negatives_couples(keras_float64):
     _batch_mean_matches(loss_fn, args, reg)
     with pytest.raises(kg.KfacGraphError, match="couples the examples"):
         kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.5).step(*args)
+
+
+def test_a_weight_held_in_a_non_trainable_variable_is_read_when_the_loss_runs(keras_float64):
+    """A KL weight annealed by a callback (``beta * kl`` beside the
+    likelihood) and a distillation's ``T**2`` held in non-trainable
+    variables are weights read at run time, as an argument is: per-example
+    gradients equal the loop after the variable changes (no new trace), and
+    the ``T**2`` loss trains as with a Python constant. Before, both were
+    refused ("multiplies two non-constant tensors, one read from a
+    variable")."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    dense, head = L.Dense(5, activation="tanh"), L.Dense(3)
+    beta = tf.Variable(0.5, trainable=False, dtype=tf.float64)
+
+    @kg.auto_register
+    def annealed(x, y):
+        h = dense(x)
+        ce = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, head(h)))
+        return ce + beta * tf.reduce_mean(tf.reduce_sum(h ** 2, 1))
+    args = (tf.constant(rng.normal(size=(B, 4))), tf.constant(rng.integers(0, 3, B)))
+    for value in (0.5, 2.0):
+        beta.assign(value)
+        reg = assert_matches_loop(annealed, args, rtol=1e-10)
+    assert [layer.kind for layer in reg.layers] == ["dense", "dense"], reg.summary()
+    opt = kg.KFAC(annealed)
+    for k in range(4):
+        beta.assign(0.25 * k)
+        opt.step(*args)
+    assert int(opt.skipped_steps) == 0
+    _dp_runs(annealed, args)
+
+    runs = []
+    for held in ("constant", "variable"):
+        fn, args, student = _distillation("frozen")
+        square = tf.Variable(9.0, trainable=False, dtype=tf.float64)
+        scaled = kg.auto_register(lambda x, y: (fn(x, y) * (square if held == "variable"
+                                                            else 9.0)))
+        assert_matches_loop(scaled, args, rtol=1e-10)
+        runs.append(_kfac_runs(scaled, args))
+    np.testing.assert_allclose(runs[0], runs[1], rtol=1e-12)
