@@ -41,9 +41,3 @@ def keras_float64():
     Keras may have cached from floatx; ``_keras_dtypes`` puts both back)."""
     keras.config.set_floatx("float64")
     keras.config.set_dtype_policy("float64")
-
-
-def pytest_collection_modifyitems(config, items):
-    """The longest test files first (``schedule_order.py``)."""
-    from schedule_order import longest_first
-    items[:] = longest_first(items)
