@@ -100,7 +100,7 @@ def verify(fn, *args, examples: int = 4, directions: int = 2, rules=None,
         _trace_relaxed(gradient, args, batch)
         drawn, kernel_state = verify_draws.drawing_ops(reg)
         batch_gradient = _cached(fn, ("verify_traced_gradient", id(reg)), lambda: (
-            verify_draws.traced_gradient(fn, reg, args))) if drawn else gradient
+            _gradient_function(fn.concrete_function(*args), reg))) if drawn else gradient
         reference = [g.numpy() for g in state.run(batch_gradient, *args)]
         if reg.loss.reduction == "sum" and any(np.any(p.numpy()) for p in once):
             # example i alone holds a penalty added once to the sum: B copies in the sum
@@ -176,7 +176,9 @@ def _cached(fn, key, make):
 
 def _gradient_function(fn, reg):
     """A ``tf.function``: the gradient of ``fn(*args)`` with respect to the
-    registration's variables (zeros where unconnected), by GradientTape."""
+    registration's variables (zeros where unconnected), by GradientTape;
+    ``fn`` the registered function, or one concrete function of it (the
+    trace the registration read, where the loss draws when traced)."""
     variables = list(reg.variables)
 
     @tf.function(autograph=False)

@@ -14,15 +14,13 @@ batch's masks), and their mean (or sum) is that run's batch gradient.
   compares one draw. Ops that keep their state in the kernel
   (``tf.random.uniform``, tf_keras's default ``Dropout``) draw anew on
   every run of a function: there the check is skipped too. The batch
-  gradient is that of the registration's own trace of ``fn``
-  (``traced_gradient``): a loss may draw when traced, too (Keras's
+  gradient is that of the registration's own trace of ``fn``: a loss may draw when traced, too (Keras's
   ``AugMix`` picks each chain's ops by Python's ``random.choice``), and then
   every trace computes another loss; a reference traced anew compared the
-  per-example gradients with another loss's gradient and FAILED the mean.
+  per-example gradients with another loss's gradient and FAILED the mean
+  (``verify`` differentiates ``fn.concrete_function(*args)`` there).
 """
 from __future__ import annotations
-
-import tensorflow as tf
 
 # op types that draw (the key and algorithm lookups draw nothing)
 _DRAWS = ("Random", "Multinomial", "TruncatedNormal", "StatefulUniform",
@@ -57,21 +55,3 @@ def note(drawn, kernel_state) -> list[str]:
             f"own, so one-example is skipped; {how} (dropout? call the model with "
             "training=False to check the rest)"]
 
-
-def traced_gradient(fn, reg, args):
-    """A ``tf.function``: the gradient of ``fn``'s concrete function for
-    ``args`` (the trace the registration read) with respect to the
-    registration's variables, zeros where unconnected."""
-    concrete = fn.concrete_function(*args)
-    variables = list(reg.variables)
-
-    @tf.function(autograph=False)
-    def gradient(*call_args):
-        with tf.GradientTape() as tape:
-            tape.watch(variables)
-            loss = concrete(*call_args)
-        grads = tape.gradient(loss, variables,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return [tf.convert_to_tensor(g) for g in grads]
-
-    return gradient

@@ -17,12 +17,12 @@ import subprocess
 import sys
 
 import keras
-import keras_hub
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
+from retinanet_reference import images_and_boxes, tiny_retinanet
 
 B = 4
 
@@ -133,44 +133,20 @@ def test_which_loss_the_wrappers_take(keras_float64):
         kg.DPModel(plain).compile()
 
 
-def _retinanet():
-    keras.utils.set_random_seed(0)
-    m = keras_hub.models
-    encoder = m.ResNetBackbone(
-        input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 8],
-        stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block",
-        image_shape=(32, 32, 3))
-    backbone = m.RetinaNetBackbone(image_encoder=encoder, min_level=3, max_level=4, use_p5=False,
-                                   image_shape=(32, 32, 3))
-    return m.RetinaNetObjectDetector(backbone, num_classes=3, pre_logits_num_conv_layers=1,
-                                     preprocessor=None)  # compiled: Huber and focal, summed
-
-
-def _boxes(n, seed=0):
-    rng = np.random.default_rng(seed)
-    boxes, labels = np.zeros((n, 2, 4)), rng.integers(0, 3, (n, 2)).astype("float64")
-    for i in range(n):
-        for j in range(2):
-            y0, x0, h, w = *rng.uniform(0, 4, 2), *rng.uniform(26, 28, 2)
-            boxes[i, j] = [y0, x0, y0 + h, x0 + w]
-    boxes[2::3, 1], labels[2::3, 1] = -1, -1  # some images have one box
-    return rng.normal(size=(n, 32, 32, 3)), {"boxes": boxes, "labels": labels}
-
-
 @pytest.mark.slow  # two detectors' traces and K-FAC steps, about 90 s
 def test_retinanet_fits_from_boxes_and_labels(keras_float64):
     """``KFACModel(task).fit(images, {"boxes", "labels"})`` as keras-hub's
     docs train it equals ``kg.KFAC`` on ``task.compute_loss`` (the label
     encoder, the batch's count of positive anchors); ``DPModel`` refuses it."""
     n, b = 6, 3
-    x, y = _boxes(n)
+    x, y = images_and_boxes(n)
     opts = dict(damping=1e-2, learning_rate=0.05)
-    task = _retinanet()
+    task = tiny_retinanet()
     kmodel = kg.KFACModel(task, **opts)
     kmodel.compile()
     got = kmodel.fit(x, y, batch_size=b, shuffle=False, verbose=0).history["loss"]
     assert int(kmodel.kfac.skipped_steps) == 0 and np.isfinite(got).all()
-    ref = _retinanet()
+    ref = tiny_retinanet()
 
     def loss(x, y):  # a copy of y: RetinaNet's compute_loss converts its boxes in place
         return ref.compute_loss(x=x, y=dict(y), y_pred=ref(x, training=True), sample_weight=None)
@@ -185,7 +161,7 @@ def test_retinanet_fits_from_boxes_and_labels(keras_float64):
     want = float(task.compute_loss(x=x[:b], y=part, y_pred=task(x[:b], training=False),
                                    sample_weight=None))
     assert kmodel.evaluate(x[:b], part, batch_size=b, verbose=0) == pytest.approx(want, rel=1e-6)
-    dp = kg.DPModel(_retinanet(), l2_norm_clip=1.0, noise_multiplier=1.0)
+    dp = kg.DPModel(tiny_retinanet(), l2_norm_clip=1.0, noise_multiplier=1.0)
     dp.compile(optimizer=keras.optimizers.SGD(0.01))
     with pytest.raises(kg.KfacGraphError, match="couples the examples|statistic of the whole"):
         dp.fit(x, y, batch_size=b, epochs=1, verbose=0)

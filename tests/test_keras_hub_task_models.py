@@ -25,6 +25,7 @@ from keras import ops
 
 import kfac_graph as kg
 from per_example_reference import assert_matches_loop
+from retinanet_reference import images_and_boxes, tiny_retinanet
 
 B = 3
 M = keras_hub.models
@@ -132,24 +133,10 @@ def test_dp_model_refuses_per_token_weights_from_a_dataset():
 
 
 def _retinanet():
-    keras.utils.set_random_seed(0)
-    encoder = M.ResNetBackbone(
-        input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 8],
-        stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block",
-        image_shape=(32, 32, 3))
-    backbone = M.RetinaNetBackbone(image_encoder=encoder, min_level=3, max_level=4, use_p5=False,
-                                   image_shape=(32, 32, 3))
-    task = M.RetinaNetObjectDetector(backbone, num_classes=3, pre_logits_num_conv_layers=1,
-                                     preprocessor=None)
+    task = tiny_retinanet()
     task.compile()  # its defaults: Huber and BinaryFocalCrossentropy, both summed
-    rng = np.random.default_rng(0)
-    boxes, labels = np.zeros((B, 2, 4)), rng.integers(0, 3, (B, 2)).astype("float64")
-    for i in range(B):
-        for j in range(2):
-            y0, x0, h, w = *rng.uniform(0, 4, 2), *rng.uniform(26, 28, 2)
-            boxes[i, j] = [y0, x0, y0 + h, x0 + w]
-    boxes[2, 1], labels[2, 1] = -1, -1  # one image has one box
-    return task, tuple(tf.constant(a) for a in (rng.normal(size=(B, 32, 32, 3)), boxes, labels))
+    images, y = images_and_boxes(B)
+    return task, tuple(tf.constant(a) for a in (images, y["boxes"], y["labels"]))
 
 
 @pytest.mark.slow  # a detector's first trace and K-FAC steps, about 85 s

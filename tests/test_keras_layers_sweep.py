@@ -16,7 +16,7 @@ call's draw, and DP-SGD refuses the loss in one line.
 - AugMix picks each chain's ops by Python's ``random.choice`` when traced,
   so every trace is another loss; the mean check's reference was traced
   anew (FAILED at ~0.3-0.6): it now differentiates the registration's own
-  trace (``verify_draws.traced_gradient``);
+  trace (``verify.py``);
 - a loss that reads statistics of the batch's data in its features (inputs
   standardised by the batch's moments; MelSpectrogram's ``top_db`` floor at
   the batch's maximum) holds them at the batch's values in every
