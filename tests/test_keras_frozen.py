@@ -8,6 +8,7 @@ a frozen layer registers nothing, gets no per-example gradient, and
 `MirroredStrategy`) leave it as it is, as `model.trainable_variables` does.
 """
 import contextlib
+import sys
 
 import keras
 import numpy as np
@@ -120,3 +121,21 @@ def test_float8_scales_are_refused():
     loss_fn = _loss(model)
     with pytest.raises(kg.TraceError, match="which Keras overwrites with its gradient"):
         loss_fn.registration(*_data())
+
+
+def test_a_layer_frozen_after_a_registration_is_read_without_a_second_scan(monkeypatch):
+    """The first registration finds each captured variable's Keras variable
+    among the process's objects and the variable remembers it; a new
+    registration after ``backbone.trainable = False`` reads the flag as it is
+    then, with no scan of the heap (``gc.get_objects`` made to fail) where
+    Keras 2 is not imported."""
+    backbone, model = _model(lambda backbone, model: None)
+    args = _data()
+    assert len(_loss(model).registration(*args).variables) == 8
+    from passes import keras_frozen
+    monkeypatch.delitem(sys.modules, "tf_keras", raising=False)  # Keras 2's flags: always scanned
+    monkeypatch.setattr(keras_frozen.gc, "get_objects", lambda *a: pytest.fail("scanned"))
+    backbone.trainable = False
+    reg = _loss(model).registration(*args)
+    assert {v.name for v in reg.variables} == {v.value.name for v in model.trainable_variables}
+    assert len(reg.variables) == 2
