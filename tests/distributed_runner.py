@@ -18,12 +18,15 @@ def _env():
     return env
 
 
-def run(mode, out, devices=2, timeout=240, configs=None):
-    """Runs one mode in a subprocess (on ``configs`` where it trains them);
+def run(mode, out, devices=2, timeout=240, configs=None, options=None):
+    """Runs one mode in a subprocess (on ``configs`` where it trains them, and
+    the mirrored runs ``options`` names, ``distributed_selection.selected_options``);
     the npz it wrote."""
     cmd = [sys.executable, SUPPORT, mode, "--devices", str(devices), "--out", str(out)]
     if configs is not None:
         cmd += ["--configs", ",".join(configs)]
+    if options is not None:
+        cmd += ["--options", options]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{mode} on {devices} devices failed:\n{proc.stderr[-4000:]}"
     return np.load(out)

@@ -30,3 +30,27 @@ def selected(items):
     ids): a fixture trains those alone."""
     ids = selected_ids(items)
     return [c for c in CONFIGS if c in ids]
+
+
+# the mirrored runs beside the configs' (distributed_support.OPTIONS, and the
+# checkpoint round trip) -> the test that reads them
+OPTION_TESTS = {
+    "qmodel_fraction": "test_qmodel_batch_fraction_takes_each_replicas_first_examples",
+    "spread": "test_spread_covariances_take_each_replicas_own_slice",
+    "stride": "test_spread_slices_every_other_step_take_each_replicas_own_slice",
+    "checkpoint": "test_checkpoint_resume_matches_uninterrupted",
+}
+
+
+def selected_options(items):
+    """``"option:sync:sync,..."``: the runs of ``OPTION_TESTS`` that the
+    selected test ``items`` read, with the statistics syncs they read (a
+    test without a sync parameter reads the lazy run)."""
+    out = []
+    for option, test in OPTION_TESTS.items():
+        mine = [i for i in items if i.originalname == test]
+        if mine:
+            ids = selected_ids(mine)
+            syncs = [s for s in ("lazy", "eager") if s in ids] or ["lazy"]
+            out.append(":".join([option, *syncs]))
+    return ",".join(out)

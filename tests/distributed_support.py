@@ -32,15 +32,9 @@ STEPS, BATCH = 20, 16
 # burn-in; qmodel the exact Fisher forms; all refresh inverses every 3 steps;
 # regular_blocks keeps its factors in diagonal blocks (factor_blocks.py)
 CONFIGS = {
-    "regular": dict(
-        momentum_type="regular",
-        estimation_mode="exact",
-        inverse_update_period=3,
-        num_burnin_steps=2,
-        damping=1e-2,
-        damping_adaptation_interval=2,
-        l2_reg=1e-3,
-    ),
+    "regular": dict(momentum_type="regular", estimation_mode="exact", inverse_update_period=3,
+                    num_burnin_steps=2, damping=1e-2, damping_adaptation_interval=2,
+                    l2_reg=1e-3),
     "qmodel": dict(
         momentum_type="qmodel", estimation_mode="empirical", inverse_update_period=3, damping=1e-2
     ),
@@ -147,22 +141,21 @@ def logical_devices(n):
 APART = ("regular_blocks",)
 
 
-def run_mirrored(devices, out, configs, options=True):
-    """``configs``, then (with ``options``) the quadratic model's leading
-    examples and spread covariances."""
+def run_mirrored(devices, out, configs, options):
+    """``configs``, then the runs ``options`` names (``{run: syncs}``, from
+    ``OPTIONS`` and ``"checkpoint"``)."""
     names = logical_devices(devices)
     results = {}
     for config in configs:
-        mirrored_config(config, names, out, results)
-    if options:
-        mirrored_options(devices, names, results)
+        mirrored_config(config, names, out, results, options.get("checkpoint", ()))
+    mirrored_options(devices, names, results, options)
     np.savez(out, **results)
 
 
-def mirrored_config(config, names, out, results):
+def mirrored_config(config, names, out, results, checkpoint_syncs):
     """``config``'s single-device reference and its lazy and eager mirrored
-    runs (losses, reduced bytes, replica spread, skips, a NaN batch, a
-    checkpoint round trip) into ``results``."""
+    runs (losses, reduced bytes, replica spread, skips, a NaN batch, and for
+    the syncs of ``checkpoint_syncs`` a checkpoint round trip) into ``results``."""
     import tensorflow as tf
 
     from kfac_graph.optimizer.reduction_counter import ReductionCounter
@@ -187,26 +180,30 @@ def mirrored_config(config, names, out, results):
         results[key + "_replica_spread"] = np.array(spread)
         results[key + "_skipped"] = np.array(int(opt.skipped_steps.numpy()))
         results[key + "_nan_batch"] = nan_batch_changes_nothing(opt)
-        results[key + "_checkpoint"] = checkpoint_round_trip(
-            config, names, sync, os.path.dirname(os.path.abspath(out))
-        )
+        if sync in checkpoint_syncs:
+            results[key + "_checkpoint"] = checkpoint_round_trip(
+                config, names, sync, os.path.dirname(os.path.abspath(out)))
 
 
-def mirrored_options(devices, names, results):
-    """``qmodel_batch_fraction`` and ``spread_covariances`` on the replicas
-    against one device's run on reordered batches, into ``results``."""
-    # the quadratic model's forms on each replica's first half: those of one
-    # device's first half, the batch reordered to put the replicas' first
-    against_reordered(results, "qmodel_fraction", "qmodel", names, leading_order(devices, 0.5),
-                      ("lazy",), qmodel_batch_fraction=0.5)
-    # spread covariances: each replica's statistics are those of its own slice
-    against_reordered(results, "spread", "regular", names, slice_order(devices, 2),
-                      ("lazy", "eager"), cov_update_period=2, spread_covariances=True)
-    # a slice every 2nd step of period 4: two slice steps a period, each the
-    # replicas' own
-    against_reordered(results, "stride", "regular", names, slice_order(devices, 2),
-                      ("lazy", "eager"), cov_update_period=4, spread_covariances=True,
-                      slice_stride=2)
+# option -> (config, one device's batch order, options), runs against one device's on
+# reordered batches: each replica's forms on its own first half (qmodel_fraction), its
+# statistics from its own slice (spread), a slice every 2nd step of period 4 (stride)
+OPTIONS = {
+    "qmodel_fraction": ("qmodel", lambda n: leading_order(n, 0.5),
+                        dict(qmodel_batch_fraction=0.5)),
+    "spread": ("regular", lambda n: slice_order(n, 2),
+               dict(cov_update_period=2, spread_covariances=True)),
+    "stride": ("regular", lambda n: slice_order(n, 2),
+               dict(cov_update_period=4, spread_covariances=True, slice_stride=2)),
+}
+
+
+def mirrored_options(devices, names, results, selection):
+    """The ``OPTIONS`` runs ``selection`` names (``{option: syncs}``) into ``results``."""
+    for key, syncs in selection.items():
+        if key in OPTIONS:
+            config, order, options = OPTIONS[key]
+            against_reordered(results, key, config, names, order(devices), syncs, **options)
 
 
 def against_reordered(results, key, config, names, order, syncs, **options):
@@ -215,7 +212,6 @@ def against_reordered(results, key, config, names, order, syncs, **options):
     statistics sync of ``syncs``, and of one device's run on the batches as
     they are (``unordered``)."""
     import tensorflow as tf
-
     flat = lambda params: np.concatenate([p.ravel() for p in params])  # noqa: E731
     results[f"{key}/reference"] = flat(train(config, order=order, **options)[0])
     for sync in syncs:
@@ -378,12 +374,16 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated")
     parser.add_argument("--parts", default="keras,fixed,poisson", help="worker: comma-separated")
+    parser.add_argument("--options", default=",".join(f"{o}:lazy:eager" for o in (
+        *OPTIONS, "checkpoint")), help="mirrored: option:sync:sync,...")
     args = parser.parse_args()
     configs = [c for c in args.configs.split(",") if c]
+    options = {o.split(":")[0]: tuple(o.split(":")[1:]) for o in args.options.split(",") if o}
     if args.mode == "mirrored":
-        run_mirrored(args.devices, args.out, [c for c in configs if c not in APART])
+        run_mirrored(args.devices, args.out, [c for c in configs if c not in APART], options)
     elif args.mode == "mirrored_apart":
-        run_mirrored(args.devices, args.out, [c for c in configs if c in APART], options=False)
+        run_mirrored(args.devices, args.out, [c for c in configs if c in APART],
+                     {"checkpoint": options.get("checkpoint", ())})
     elif args.mode == "keras":
         run_keras(args.devices, args.out)
     elif args.mode == "dp_keras":

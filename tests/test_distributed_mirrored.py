@@ -31,18 +31,23 @@ RTOL, ATOL = 1e-6, 1e-10
 # configs but regular momentum's (distributed_selection.FAST; the quadratic
 # model's forms stay in the fast set through qmodel_batch_fraction's run)
 CONFIGS = distributed_selection.params()
+# the eager sync's runs of the options and the checkpoint under -m slow (its
+# equality to one device is in the fast set through test_replicas_match_single_device)
+EAGER_SLOW = ["lazy", pytest.param("eager", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)],
                 ids=["2_devices", "4_devices"])
 def mirrored(request, tmp_path_factory):
     out, n = tmp_path_factory.mktemp("mirrored"), request.param
-    configs = distributed_selection.selected(distributed_selection.module_items(request))
+    items = distributed_selection.module_items(request)
+    configs = distributed_selection.selected(items)
+    options = distributed_selection.selected_options(items)
     results = dict(distributed_runner.run("mirrored", out / f"r{n}.npz", devices=n,
-                                          configs=configs))
+                                          configs=configs, options=options))
     if set(configs) & set(distributed_support.APART):  # in a process of their own
         results.update(distributed_runner.run("mirrored_apart", out / f"apart{n}.npz",
-                                              devices=n, configs=configs))
+                                              devices=n, configs=configs, options=options))
     return results
 
 
@@ -70,7 +75,7 @@ def test_qmodel_batch_fraction_takes_each_replicas_first_examples(mirrored):
     assert np.max(np.abs(got - mirrored["qmodel_fraction/unordered"])) > 1e-6
 
 
-@pytest.mark.parametrize("sync", ["lazy", "eager"])
+@pytest.mark.parametrize("sync", EAGER_SLOW)
 def test_spread_covariances_take_each_replicas_own_slice(mirrored, sync):
     """With ``spread_covariances`` each replica folds in a slice of its own
     share: the run equals one device's on batches reordered so that its
@@ -81,7 +86,7 @@ def test_spread_covariances_take_each_replicas_own_slice(mirrored, sync):
     assert np.max(np.abs(got - mirrored["spread/unordered"])) > 1e-6
 
 
-@pytest.mark.parametrize("sync", ["lazy", "eager"])
+@pytest.mark.parametrize("sync", EAGER_SLOW)
 def test_spread_slices_every_other_step_take_each_replicas_own_slice(mirrored, sync):
     """Slices every 2nd step (the stride an overhead budget may pick) fold in
     in a branch on each replica alike: the run equals one device's on
@@ -101,7 +106,7 @@ def test_non_finite_batch_is_skipped_on_every_replica(mirrored, config, sync):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("sync", ["lazy", "eager"])
+@pytest.mark.parametrize("sync", EAGER_SLOW)
 def test_checkpoint_resume_matches_uninterrupted(mirrored, config, sync):
     """Saved after 10 steps and restored into fresh variables and a fresh
     optimizer under a new strategy, 10 more steps end where 20 straight do
