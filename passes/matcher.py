@@ -35,7 +35,9 @@ def pattern_graph(pattern: Pattern) -> nx.DiGraph:
 def find_matches(g: nx.DiGraph, pattern: Pattern, claimed: set[str],
                  undirected=None) -> Iterator[dict[str, str]]:
     p = pattern_graph(pattern)
-    radius = max(nx.single_source_shortest_path_length(p.to_undirected(), pattern.anchor).values())
+    shape = nx.Graph(list(p.edges))  # the roles' links alone (to_undirected deep-copies the specs)
+    shape.add_nodes_from(p)
+    radius = max(nx.single_source_shortest_path_length(shape, pattern.anchor).values())
     undirected = undirected if undirected is not None else g.to_undirected(as_view=True)
     anchor_spec = pattern.nodes[pattern.anchor]
     for anchor in list(g.nodes):
