@@ -90,7 +90,7 @@ def _check_kfac_options(kfac_options: dict) -> None:
 
 
 @keras.saving.register_keras_serializable(package="kfac_graph")
-class KFACModel(ModelComputeLoss, keras.Model):
+class KFACModel(keras_train_loop.WrapperPlumbing, ModelComputeLoss, keras.Model):
     """``model`` trained by K-FAC through ``fit`` (see the module docstring).
 
     ``loss``: a ``keras.losses.Loss``, a Keras loss name, or
@@ -125,15 +125,6 @@ class KFACModel(ModelComputeLoss, keras.Model):
             self._make_kfac(loss)
         if model.built:
             self.built = True
-
-    # -- Keras plumbing -------------------------------------------------------------------
-    def call(self, inputs, training=None):
-        return self.model(inputs, training=training)
-
-    def export(self, filepath, *args, **kwargs):
-        """Keras's ``export`` of the wrapped model, whose ``call`` this is (the
-        artifact serves without kfac_graph)."""
-        return self.model.export(filepath, *args, **kwargs)
 
     def fit(self, *args, callbacks=None, **kwargs):
         """Keras's ``fit``. Under ``momentum_type="qmodel"`` the step size is the
@@ -219,11 +210,10 @@ class KFACModel(ModelComputeLoss, keras.Model):
 
         def kfac_loss(x, y, *sample_weight):  # the weights, where fit has them
             y_pred = inner(x, training=True)
-            if isinstance(loss_fn, OutputsLoss):  # each output's loss as Keras scales it
-                value = tf.add_n([_unscaled(fn, v) for fn, v in loss_fn.values(
-                    y, y_pred, *sample_weight)])
-            else:
-                value = _unscaled(loss_fn, loss_fn(y, y_pred, *sample_weight))
+            # (each output's loss as Keras scales it, OutputsLoss), traced as one device
+            # traces it (passes.frontends.one_device): a Keras loss is not divided by
+            # the replicas, K-FAC averages the replicas' (optimizer/distributed.py)
+            value = loss_fn(y, y_pred, *sample_weight)
             if inner.losses:
                 value = value + tf.add_n([tf.cast(v, value.dtype) for v in inner.losses])
             return value
@@ -239,15 +229,6 @@ class KFACModel(ModelComputeLoss, keras.Model):
         self._kfac_built = False
         self._weighted = None  # whether the steps pass sample weights, once built
         self._step_function = None
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        """Keras's build before the first step under a strategy, learning the
-        input shapes from one replica's share of the first batch: Keras 3.15
-        reduces the batch across replicas for that, which fails under
-        ``MultiWorkerMirroredStrategy`` (for any model)."""
-        if self._distribute_strategy is None or iterator is None:
-            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
-        keras_train_loop.symbolic_build(self, iterator)
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -330,23 +311,3 @@ class KFACModel(ModelComputeLoss, keras.Model):
         if y_pred is not None:
             keras_train_loop.log_output_losses(self, y, y_pred, sample_weight)
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-    def make_train_function(self, force=False):
-        """Python drives the steps; each step is K-FAC's compiled step plus a
-        compiled metric update (``steps_per_execution`` batches per call)."""
-        if self.train_function is not None and not force:
-            return self.train_function
-
-        self.train_function = keras_train_loop.python_driven(self)
-        return self.train_function
-
-
-def _unscaled(loss_fn, value):
-    """A Keras loss's value without the ``1 / replicas`` factor Keras puts on mean
-    losses under ``tf.distribute`` (its convention for summed gradients): K-FAC
-    takes each replica's own mean and averages the replicas' (``distributed.py``)."""
-    mean = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
-    if not isinstance(loss_fn, keras.losses.Loss) or loss_fn.reduction not in mean:
-        return value
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    return value * tf.cast(replicas, value.dtype) if replicas > 1 else value

@@ -2,8 +2,33 @@
 Python drives the steps (so that what a step reports outside the graph,
 such as epsilon, can join the logs), each step one call of the model's own
 compiled ``train_step``; ``steps_per_execution`` batches per call. Also
-their build before the first step under a strategy (``symbolic_build``)."""
+their build before the first step under a strategy (``symbolic_build``),
+and the Keras plumbing both wrappers share (``WrapperPlumbing``)."""
 import tensorflow as tf
+
+
+class WrapperPlumbing:
+    """Mixin for the wrappers (a ``keras.Model`` holding the trained model as
+    ``self.model``): ``call`` and ``export`` are the wrapped model's (the
+    artifact serves without kfac_graph); Keras's build under a strategy is
+    ``symbolic_build``'s; the ``train_function`` is ``python_driven``."""
+
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    def export(self, filepath, *args, **kwargs):
+        """Keras's ``export`` of the wrapped model, whose ``call`` this is."""
+        return self.model.export(filepath, *args, **kwargs)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if self._distribute_strategy is None or iterator is None:
+            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        symbolic_build(self, iterator)
+
+    def make_train_function(self, force=False):
+        if self.train_function is None or force:
+            self.train_function = python_driven(self)
+        return self.train_function
 
 
 def python_driven(model):

@@ -81,7 +81,8 @@ from kfac_graph.privacy.sampling import check_padding_mask, sample_arrays
 
 
 @keras.saving.register_keras_serializable(package="kfac_graph")
-class DPModel(LedgerAccounting, own.ModelComputeLoss, keras.Model):
+class DPModel(LedgerAccounting, keras_train_loop.WrapperPlumbing, own.ModelComputeLoss,
+              keras.Model):
     """``model`` trained by DP-SGD through ``fit`` (see the module docstring)."""
 
     def __init__(self, model, loss=None, l2_norm_clip=1.0, noise_multiplier=1.0, *,
@@ -129,15 +130,6 @@ class DPModel(LedgerAccounting, own.ModelComputeLoss, keras.Model):
             self._set_loss(loss)
         if model.built:
             self.built = True
-
-    # -- Keras plumbing -------------------------------------------------------------------
-    def call(self, inputs, training=None):
-        return self.model(inputs, training=training)
-
-    def export(self, filepath, *args, **kwargs):
-        """Keras's ``export`` of the wrapped model, whose ``call`` this is (the
-        artifact serves without kfac_graph)."""
-        return self.model.export(filepath, *args, **kwargs)
 
     def compile(self, optimizer="sgd", loss=None, metrics=None, **kwargs):
         """Keras's ``compile``; ``optimizer`` applies the private gradient.
@@ -228,13 +220,6 @@ class DPModel(LedgerAccounting, own.ModelComputeLoss, keras.Model):
             callbacks.insert(0, _EpochEpsilon(self))
         return super().fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
                            validation_data=validation_data, **kwargs)
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        """Keras's build under a strategy, from one replica's share of the first
-        batch (``keras_train_loop.symbolic_build``)."""
-        if self._distribute_strategy is None or iterator is None:
-            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
-        keras_train_loop.symbolic_build(self, iterator)
 
     # -- training -----------------------------------------------------------------------
     def _set_loss(self, loss):
@@ -366,15 +351,6 @@ class DPModel(LedgerAccounting, own.ModelComputeLoss, keras.Model):
                 lambda t: None if t is None else tf.boolean_mask(t, tf.cast(mask, tf.bool)),
                 (x, y, y_pred, metric_weight))
         return self.compute_metrics(x, y, y_pred, sample_weight=metric_weight)
-
-    def make_train_function(self, force=False):
-        """Python drives the steps (so epsilon joins the logs); each step is one
-        compiled call."""
-        if self.train_function is not None and not force:
-            return self.train_function
-
-        self.train_function = keras_train_loop.python_driven(self)
-        return self.train_function
 
 
 class _EpochEpsilon(keras.callbacks.Callback):
