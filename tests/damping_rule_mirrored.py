@@ -2,7 +2,9 @@
 CPU devices, in a fresh process (logical devices must be set before
 TensorFlow starts), and writes what ``test_damping_rule_state.py`` checks
 to an npz: ``rho`` at each step, and each replica's moving mean and seed
-state after the steps.
+state after the steps; and the refusal of a batch norm with synchronized
+statistics (``optimizer/synchronized_statistics.py``), with whether the
+model's variables were left as they were.
 
     python tests/damping_rule_mirrored.py --out m.npz
 
@@ -53,8 +55,22 @@ def main(out):
         variable = [v for v in model.non_trainable_variables if name in v.path][0]
         return np.stack([np.asarray(t) for t in variable.value.values])
 
+    # a batch norm with synchronized statistics: refused in one line, nothing written
+    with strategy.scope():
+        synced = keras.Sequential([keras.Input((6,)), L.BatchNormalization(synchronized=True),
+                                   L.Dense(3)])
+        synced_fn = kg.auto_register(lambda x, y: ce(y, synced(x, training=True)))
+        synced_opt = kg.KFAC(synced_fn, momentum_type="regular")
+    before = [np.asarray(t) for v in synced.variables for t in v.value.values]
+    try:
+        synced_opt.step(x, y)
+        refusal = ""
+    except kg.KfacGraphError as e:
+        refusal = str(e)
+    after = [np.asarray(t) for v in synced.variables for t in v.value.values]
     np.savez(out, rhos=rhos, x=x.numpy(), moving=copies("moving_mean"),
-             seeds=copies("seed_generator"), skipped=int(opt.skipped_steps.numpy()))
+             seeds=copies("seed_generator"), skipped=int(opt.skipped_steps.numpy()),
+             refusal=refusal, unchanged=all(np.array_equal(a, b) for a, b in zip(before, after)))
 
 
 if __name__ == "__main__":
