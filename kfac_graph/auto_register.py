@@ -6,6 +6,7 @@ pass, and caches the ``Registration`` for that signature.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -69,16 +70,17 @@ class RegisteredFunction:
         return self._inline(*args)
 
     def concrete_function(self, *args):
-        return _concrete(self._tf_function, args, self.__name__)
+        return _concrete(self._tf_function, args, self.__name__)[0]
 
     @tf.autograph.experimental.do_not_convert  # the pass is plain Python, also when traced
     def registration(self, *args) -> Registration:
         """The registration for these arguments' input signature (cached)."""
-        concrete = _concrete(self._tf_function, args, self.__name__)
+        concrete, reads = _concrete(self._tf_function, args, self.__name__)
         key = id(concrete)
         cached = self._cache.get(key)
         if cached is None or cached[0] is not concrete:
-            traced = passes.frontends.from_concrete_function(concrete, name=self.__name__)
+            traced = dataclasses.replace(passes.frontends.from_concrete_function(
+                concrete, name=self.__name__), replica_reads=reads)
             cached = (concrete, registration_from_pass(
                 passes.run(traced, self.loss_kind, self.max_loop_iterations)))
             self._cache[key] = cached
@@ -177,7 +179,7 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                                          for m in result.layers for k in m.variables
                                          if k in traced.constraints),
                         dict(traced.resources), result.batch_statistics,
-                        result.padded_to_longest)
+                        result.padded_to_longest, traced.replica_reads)
 
 
 # ops that take a variable's handle without reading its value
@@ -195,10 +197,13 @@ def user_variable(variable):
 
 
 def _concrete(tf_function, args, name):
+    """``(concrete function, where it read across replicas)``, traced as one
+    device (Keras's losses are not divided by the replicas: ``passes.one_device``)."""
     passes.frontends.check_dense_arguments(args, name)
     try:
-        with passes.frontends.one_device():  # Keras's losses: not divided by the replicas
-            return tf_function.get_concrete_function(*args)
+        with passes.frontends.one_device() as probe:
+            concrete = tf_function.get_concrete_function(*args)
     except (TypeError, ValueError) as e:
         raise passes.TraceError(f"could not trace {name}: {passes.frontends.error_line(e)}") from e
+    return concrete, passes.frontends.replica_reads(concrete, probe)
 

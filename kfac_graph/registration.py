@@ -165,7 +165,9 @@ class Registration:
     ``passes.coupling.batch_statistics``; DP-SGD refuses such a loss), and
     ``padded_to_longest`` (the ops that pad ragged data to the batch's
     longest row, ``passes.coupling.padded_to_longest``; DP-SGD refuses
-    those too)."""
+    those too), and ``replica_reads`` (the name scopes where the trace read
+    across replicas, each answered with one device's own values:
+    ``passes.one_device``; K-FAC refuses such a loss under several replicas)."""
     layers: tuple[Layer, ...]
     loss: LossSpec
     graph_def: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -187,6 +189,7 @@ class Registration:
                                                               compare=False)
     batch_statistics: tuple[str, ...] = ()
     padded_to_longest: tuple[str, ...] = ()
+    replica_reads: tuple[str, ...] = ()
 
     @property
     def variables(self) -> tuple:

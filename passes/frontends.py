@@ -7,7 +7,6 @@ turns a ``Traced`` into the IR of ``passes.ir``.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -18,6 +17,7 @@ import tensorflow as tf
 from google.protobuf import message
 
 from passes import callbacks, custom_gradients, inline, ir, keras_frozen
+from passes.one_device import one_device  # noqa: F401  (passes.frontends.one_device)
 from passes.errors import LoadError, TraceError
 from passes.table_shapes import shaped_table_finds
 
@@ -42,6 +42,8 @@ class Traced:
     applies to the variable after each update (``keras_frozen.flags``).
     ``resources``: placeholder node -> the captured resource handle it
     stands for, other than a variable's (a lookup table's).
+    ``replica_reads``: the name scopes where the trace read across replicas
+    (``passes.one_device``; one device's trace reads its own values there).
     """
     graph_def: Any
     arguments: tuple[str, ...]
@@ -56,29 +58,7 @@ class Traced:
     probed_values: dict = dataclasses.field(default_factory=dict)
     constraints: dict = dataclasses.field(default_factory=dict)
     resources: dict = dataclasses.field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def one_device():
-    """Functions traced within see no ``tf.distribute`` strategy: the one in
-    scope, or the replica's, is hidden from ``tf.distribute.get_strategy()``
-    (a function graph copies the strategy stack of the graph it is traced
-    from). Keras's losses divide the loss by the number of replicas under a
-    strategy (``scale_loss_for_distribution``), for a sum of the replicas'
-    gradients; a registration is the batch's loss as one device computes
-    it (the distributed step reduces the replicas itself, and per-example
-    gradients are of that loss). Traced so, under 2 replicas, a Keras loss's
-    per-example gradients were half the true ones."""
-    graph = tf.compat.v1.get_default_graph()
-    stack = graph._distribution_strategy_stack  # pylint: disable=protected-access
-    if not stack:
-        yield
-        return
-    graph._distribution_strategy_stack = []  # pylint: disable=protected-access
-    try:
-        yield
-    finally:
-        graph._distribution_strategy_stack = stack  # pylint: disable=protected-access
+    replica_reads: tuple = ()
 
 
 def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) -> Traced:
@@ -86,11 +66,21 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) -> Trac
     if it is one) as one device (``one_device``) and returns its graph."""
     tf_fn = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
     try:
-        with one_device():
+        with one_device() as probe:
             concrete = tf_fn.get_concrete_function(*args, **(kwargs or {}))
     except (TypeError, ValueError) as e:
         raise TraceError(f"could not trace {_name(fn)}: {error_line(e)}") from e
-    return from_concrete_function(concrete, name=_name(fn))
+    return dataclasses.replace(from_concrete_function(concrete, name=_name(fn)),
+                               replica_reads=replica_reads(concrete, probe))
+
+
+def replica_reads(concrete, probe) -> tuple:
+    """Where ``concrete``'s trace read across replicas (``passes.one_device``):
+    ``probe``'s record, kept on the function's graph for a later trace that
+    finds it in ``tf.function``'s cache."""
+    if probe.reads:
+        concrete.graph.kfac_graph_replica_reads = tuple(probe.reads)
+    return getattr(concrete.graph, "kfac_graph_replica_reads", ())
 
 
 def from_concrete_function(concrete, name: str = "fn", extra_variables=(),

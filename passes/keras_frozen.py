@@ -97,19 +97,18 @@ def _scan(captured, keras_variable, legacy_layer):
         if container is not None:
             ids[id(container())] = id(v)
     owners, legacy_frozen = {id(v): [] for v in captured}, set()
-    keras_types = subclasses(keras_variable)  # a set lookup: faster than isinstance
+    keras_types = _subclasses(keras_variable)  # a set lookup: faster than isinstance
     for obj in gc.get_objects():
         if type(obj) in keras_types:
-            for i in {ids[i] for i in held_ids(getattr(obj, "_value", None)) if i in ids}:
+            for i in {ids[i] for i in _held(getattr(obj, "_value", None)) if i in ids}:
                 owners[i].append(obj)
         elif legacy_layer is not None and isinstance(obj, legacy_layer) and not obj.trainable:
-            legacy_frozen.update(ids[i] for w in obj.weights for i in held_ids(w) if i in ids)
+            legacy_frozen.update(ids[i] for w in obj.weights for i in _held(w) if i in ids)
     return owners, legacy_frozen
 
 
-def subclasses(cls) -> set:
-    """``cls`` (if not None) and its subclasses, at any depth (``type(obj) in``
-    the set is faster than ``isinstance`` over a scan of every object)."""
+def _subclasses(cls) -> set:
+    """``cls`` (if not None) and its subclasses, at any depth."""
     out, todo = set(), [cls] if cls is not None else []
     while todo:
         c = todo.pop()
@@ -142,7 +141,7 @@ def _remembered_owners(captured):
     return owners
 
 
-def held_ids(variable) -> list[int]:
+def _held(variable) -> list[int]:
     """``id``s of ``variable`` and, for a ``tf.distribute`` variable, of its
     per-replica components (what a replica's traced step captures)."""
     if variable is None:

@@ -57,8 +57,8 @@ def main(out):
 
     # a batch norm with synchronized statistics: refused in one line, nothing written
     with strategy.scope():
-        synced = keras.Sequential([keras.Input((6,)), L.BatchNormalization(synchronized=True),
-                                   L.Dense(3)])
+        synced = keras.Sequential([keras.Input((6,)), L.BatchNormalization(
+            synchronized=True, name="synced_norm"), L.Dense(3)])
         synced_fn = kg.auto_register(lambda x, y: ce(y, synced(x, training=True)))
         synced_opt = kg.KFAC(synced_fn, momentum_type="regular")
     before = [np.asarray(t) for v in synced.variables for t in v.value.values]

@@ -98,13 +98,14 @@ def test_under_mirrored_strategy_each_replica_restores_its_own_state(mirrored):
 
 
 def test_synchronized_batch_statistics_are_refused_under_two_replicas(mirrored):
-    """``BatchNormalization(synchronized=True)``: each replica's K-FAC step runs
-    the registered loss, one device's, with its own share's statistics; the
-    model trained exactly as with ``synchronized=False`` (parameters 0.0998
-    from one device's after 3 steps on 2 replicas, equal to the unsynchronized
-    run's to the last digit). Now one line, naming the layer, and the model's
-    variables untouched."""
-    assert "BatchNormalization" in str(mirrored["refusal"])
-    assert "synchronized=True" in str(mirrored["refusal"])
-    assert "\n" not in str(mirrored["refusal"])
+    """``BatchNormalization(synchronized=True)`` all-reduces its moments across
+    the replicas; each replica's K-FAC step runs the registered loss, one
+    device's, with its own share's statistics: the model trained exactly as
+    with ``synchronized=False`` (parameters 0.0998 from one device's after 3
+    steps on 2 replicas, equal to the unsynchronized run's to the last
+    digit). Now one line, naming where the loss reads across replicas, and
+    the model's variables untouched."""
+    refusal = str(mirrored["refusal"])
+    assert "reads across replicas at " in refusal and "/synced_norm" in refusal, refusal
+    assert "\n" not in refusal
     assert bool(mirrored["unchanged"])

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from kfac_graph.optimizer import exact_fisher, loss_state, synchronized_statistics
+from kfac_graph.optimizer import exact_fisher, loss_state, replica_reads
 from kfac_graph.optimizer import vectors as vec
 from kfac_graph.optimizer.example_cuts import batch_tensor
 from kfac_graph.optimizer.step_core import Gradients, StepCore, curvature_scale, forward_backward
@@ -219,7 +219,7 @@ class ReplicatedCore(StepCore):
 
     # -- the step's seams (step_core.StepCore) --------------------------------------------
     def prepare(self, args):
-        synchronized_statistics.refuse(self.opt.registration, self.num_replicas)
+        replica_reads.refuse(self.opt.registration, self.num_replicas)
         return self.distribute(args), self.opt.registration
 
     def rollback_state(self) -> list:
