@@ -16,6 +16,7 @@ from absl import logging
 from tensorflow.python.autograph.core import ag_ctx
 
 import passes
+import passes.keras_reach
 import passes.loss_bounds
 import passes.match_loss
 import passes.unroll
@@ -80,7 +81,8 @@ class RegisteredFunction:
         cached = self._cache.get(key)
         if cached is None or cached[0] is not concrete:
             traced = dataclasses.replace(passes.frontends.from_concrete_function(
-                concrete, name=self.__name__), replica_reads=reads)
+                concrete, name=self.__name__,
+                reached=passes.keras_reach.reached(self.python_function)), replica_reads=reads)
             cached = (concrete, registration_from_pass(
                 passes.run(traced, self.loss_kind, self.max_loop_iterations)))
             self._cache[key] = cached

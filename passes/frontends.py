@@ -16,7 +16,7 @@ import networkx as nx
 import tensorflow as tf
 from google.protobuf import message
 
-from passes import callbacks, custom_gradients, inline, ir, keras_frozen
+from passes import callbacks, custom_gradients, inline, ir, keras_frozen, keras_reach
 from passes.one_device import one_device  # noqa: F401  (passes.frontends.one_device)
 from passes.errors import LoadError, TraceError
 from passes.table_shapes import shaped_table_finds
@@ -70,8 +70,8 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) -> Trac
             concrete = tf_fn.get_concrete_function(*args, **(kwargs or {}))
     except (TypeError, ValueError) as e:
         raise TraceError(f"could not trace {_name(fn)}: {error_line(e)}") from e
-    return dataclasses.replace(from_concrete_function(concrete, name=_name(fn)),
-                               replica_reads=replica_reads(concrete, probe))
+    traced = from_concrete_function(concrete, name=_name(fn), reached=keras_reach.reached(fn))
+    return dataclasses.replace(traced, replica_reads=replica_reads(concrete, probe))
 
 
 def replica_reads(concrete, probe) -> tuple:
@@ -84,7 +84,7 @@ def replica_reads(concrete, probe) -> tuple:
 
 
 def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
-                           source: str | None = None) -> Traced:
+                           source: str | None = None, reached=None) -> Traced:
     """The ``Traced`` of a concrete function (traced here or loaded: then
     ``source`` names where from, and Python callbacks are refused, see
     ``callbacks.py``)."""
@@ -105,7 +105,7 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
     for v in list(getattr(concrete, "variables", ())) + list(graph.variables) + list(extra_variables):
         by_handle.setdefault(id(v.handle), v)
     placeholders, objects, infos, constraints = {}, {}, {}, {}
-    flags = keras_frozen.flags(by_handle.values())
+    flags = keras_frozen.flags(by_handle.values(), reached)
     for external, internal in graph.captures:
         var = by_handle.get(id(external))
         if internal.dtype != tf.resource or var is None:

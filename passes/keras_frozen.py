@@ -49,7 +49,7 @@ class Flags(NamedTuple):
 
 
 @tf.autograph.experimental.do_not_convert  # plain Python, also when traced under autograph
-def flags(variables) -> Flags:
+def flags(variables, reached=None) -> Flags:
     """``id``s of the trainable ``tf.Variable`` objects in ``variables``
     whose Keras variable is not trainable, or that a frozen Keras 2 layer
     holds (under ``tf.distribute``, a replica's copy counts as its mirrored
@@ -58,7 +58,9 @@ def flags(variables) -> Flags:
     training's scales: the optimizer assigns them what their custom gradient
     computes, so they are no parameters); and the constraint (``NonNeg``,
     ``MaxNorm``, ...) Keras's optimizers apply after each update, where the
-    Keras variable (Keras 3) or the ``tf.Variable`` itself (Keras 2) has one."""
+    Keras variable (Keras 3) or the ``tf.Variable`` itself (Keras 2) has one.
+    ``reached``: what the traced function reaches (``keras_reach.reached``),
+    read instead of scanning where it accounts for every captured variable."""
     keras_variable = getattr(sys.modules.get("keras"), "Variable", None)
     legacy_layer = getattr(getattr(sys.modules.get("tf_keras"), "layers", None), "Layer", None)
     captured = {id(v): v for v in variables if v.trainable}
@@ -66,7 +68,10 @@ def flags(variables) -> Flags:
                                 if v.trainable and getattr(v, "constraint", None) is not None})
     if (keras_variable is None and legacy_layer is None) or not captured:
         return out
-    owners = _remembered_owners(captured.values()) if legacy_layer is None else None
+    owners = None
+    if legacy_layer is None:
+        owners = _reached_owners(captured.values(), reached) or _remembered_owners(
+            captured.values())
     if owners is None:
         owners, legacy_frozen = _scan(captured.values(), keras_variable, legacy_layer)
         out.frozen.update(legacy_frozen)
@@ -116,6 +121,27 @@ def _subclasses(cls) -> set:
             out.add(c)
             todo.extend(c.__subclasses__())
     return out
+
+
+def _reached_owners(captured, reached):
+    """``{id(v): [its Keras variables]}`` from ``reached``; None unless each
+    captured variable is held by a reached Keras variable or was reached
+    itself as a plain ``tf.Variable``."""
+    if reached is None:
+        return None
+    held_by, plain = {}, {id(v) for v in reached.plain}
+    for obj in reached.keras:
+        for i in _held(getattr(obj, "_value", None)):
+            held_by.setdefault(i, []).append(obj)
+    owners = {}
+    for v in captured:
+        container = getattr(v, "_distributed_container", None)
+        keys = [id(v)] + ([id(container())] if container is not None else [])
+        found = [obj for k in keys for obj in held_by.get(k, ())]
+        if not found and not plain & set(keys):
+            return None
+        owners[id(v)] = found
+    return owners
 
 
 def _remember_owners(captured, owners):

@@ -139,3 +139,36 @@ def test_a_layer_frozen_after_a_registration_is_read_without_a_second_scan(monke
     reg = _loss(model).registration(*args)
     assert {v.name for v in reg.variables} == {v.value.name for v in model.trainable_variables}
     assert len(reg.variables) == 2
+
+
+def test_a_fresh_models_flags_are_read_from_what_the_loss_holds(monkeypatch):
+    """A loss closing over its model: the Keras variables are found by walking
+    what the function holds (``passes/keras_reach.py``), with no scan of the
+    process's objects; a model behind an object the walk cannot look into
+    (``__slots__``) falls back to the scan, with the same flags."""
+    from passes import keras_frozen
+    monkeypatch.delitem(sys.modules, "tf_keras", raising=False)
+    args = _data()
+    scans = []
+    real = keras_frozen.gc.get_objects
+    monkeypatch.setattr(keras_frozen.gc, "get_objects", lambda *a: scans.append(1) or real(*a))
+    _, model = _model(_frozen_first_dense)
+    reg = _loss(model).registration(*args)
+    assert {v.name for v in reg.variables} == {v.value.name for v in model.trainable_variables}
+    assert not scans
+
+    class Holder:
+        __slots__ = ("model",)
+
+    holder = Holder()
+    _, holder.model = _model(_frozen_first_dense)
+
+    @kg.auto_register
+    def hidden(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, holder.model(x, training=False)))
+
+    reg = hidden.registration(*args)
+    assert scans
+    assert {v.name for v in reg.variables} == {
+        v.value.name for v in holder.model.trainable_variables}
