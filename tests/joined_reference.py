@@ -37,10 +37,17 @@ def brute_ggn(variables, outputs, on_outputs, args):
 def brute_blocks(layers, outputs, on_outputs, args):
     """``brute_ggn``'s diagonal blocks, one per Keras layer of ``layers``,
     from one pass over the examples."""
-    variables = [v for layer in layers for v in layer.trainable_variables]
+    return brute_group_blocks([layer.trainable_variables for layer in layers], outputs,
+                              on_outputs, args)
+
+
+def brute_group_blocks(groups, outputs, on_outputs, args):
+    """``brute_ggn``'s diagonal blocks, one per list of variables in
+    ``groups``, from one pass over the examples."""
+    variables = [v for group in groups for v in group]
     full, out, start = brute_ggn(variables, outputs, on_outputs, args), [], 0
-    for layer in layers:
-        n = sum(int(np.prod(v.shape)) for v in layer.trainable_variables)
+    for group in groups:
+        n = sum(int(np.prod(v.shape)) for v in group)
         out.append(full[start:start + n, start:start + n])
         start += n
     return out

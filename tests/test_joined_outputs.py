@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 import kfac_graph as kg
-from joined_reference import block, brute_blocks, brute_ggn
+from joined_reference import block, brute_blocks, brute_group_blocks
 from per_example_reference import assert_matches_loop
 
 B, D = 6, 4
@@ -71,9 +71,10 @@ def test_two_heads_are_joined_and_their_blocks_are_brute_force(float64):
         est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
                                  approximations={"dense": "full"})
         est.update(*args)
-        for name in ("trunk", "value"):
-            variables = model.get_layer(name).trainable_variables
-            want = brute_ggn(variables, lambda x, y, t: model(x), _head_loss(second), args)
+        names = ("trunk", "value")  # both blocks from one brute-force pass
+        wants = brute_blocks([model.get_layer(n) for n in names], lambda x, y, t: model(x),
+                             _head_loss(second), args)
+        for name, want in zip(names, wants):
             np.testing.assert_allclose(block(reg, est, name), want, rtol=1e-8,
                                        atol=1e-12)
         assert kg.verify(fn, *args, estimation_mode="exact").passed
@@ -150,10 +151,9 @@ def test_an_output_that_feeds_another_is_joined(float64):
     est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
                              approximations={"dense": "full"})
     est.update(*args)
-    for variable in (w, v):
-        np.testing.assert_allclose(_rawblock(reg, est, variable),
-                                   brute_ggn([variable], outputs, on_outputs, args),
-                                   rtol=1e-8, atol=1e-12)
+    for variable, want in zip((w, v), brute_group_blocks([[w], [v]], outputs, on_outputs,
+                                                         args)):
+        np.testing.assert_allclose(_rawblock(reg, est, variable), want, rtol=1e-8, atol=1e-12)
 
 
 def test_a_gaussian_with_a_predicted_scale_is_joined(float64):
@@ -221,9 +221,10 @@ def test_outputs_of_two_layers_are_joined(float64):
     est = kg.FisherEstimator(fn, estimation_mode="exact", cov_ema_decay=0.0,
                              approximations={"dense": "full"})
     est.update(*args)
-    for name in ("trunk", "mean", "log_var"):
-        variables = model.get_layer(name).trainable_variables
-        want = brute_ggn(variables, lambda x, y, t: model(x), on_outputs, args)
+    names = ("trunk", "mean", "log_var")  # the three blocks from one brute-force pass
+    wants = brute_blocks([model.get_layer(n) for n in names], lambda x, y, t: model(x),
+                         on_outputs, args)
+    for name, want in zip(names, wants):
         np.testing.assert_allclose(block(reg, est, name), want, rtol=1e-8, atol=1e-12)
 
 

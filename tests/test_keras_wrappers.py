@@ -127,8 +127,8 @@ def test_kfac_model_warns_that_qmodel_reads_no_learning_rate_callback():
         fitted.compile()
         callback = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr)
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fitted.fit(x, np.zeros(N, "int32"), batch_size=8, epochs=1, verbose=0,
+            warnings.simplefilter("always")  # fit warns before its first step: 0 epochs
+            fitted.fit(x, np.zeros(N, "int32"), batch_size=8, epochs=0, verbose=0,
                        callbacks=[callback])
         said = [str(w.message) for w in caught if "qmodel" in str(w.message)]
         assert bool(said) == warns, said

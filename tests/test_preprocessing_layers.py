@@ -6,6 +6,7 @@ is a run-time value), so the Dense after them read ``[B, None]``: the pass
 registered it, then per-example norms stopped on ``None + int`` and the
 K-FAC statistics on ``reshape(a, [-1, None])``. The width is the kernel's
 ``d_in``; per-example gradients, the exact Fisher and K-FAC run on it.
+Counts run with ``-m slow`` (multi-hot's bincount in the fast set).
 """
 import keras
 import numpy as np
@@ -24,7 +25,10 @@ def float64():
     keras.config.set_dtype_policy("float64")
 
 
-@pytest.mark.parametrize("mode", ["multi_hot", "one_hot", "count"])
+# counts under -m slow: the same ops as multi_hot's (a DenseBincount of run-time
+# width, binary_output off), which stays in the fast set beside one_hot's OneHot
+@pytest.mark.parametrize("mode", ["multi_hot", "one_hot",
+                                  pytest.param("count", marks=pytest.mark.slow)])
 def test_dense_on_category_encoding(float64, mode):
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
