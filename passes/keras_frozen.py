@@ -19,15 +19,17 @@ per-example gradient, no update); and the constraints Keras's optimizers
 apply after each update (``kernel_constraint=...``), which ``kg.KFAC`` and
 ``kg.DPSGD`` apply too (``Registration.apply_constraints``).
 
-Neither the variable nor its Keras variable points back to its owner, so
-the Keras variables alive in the process are looked up among the objects
-the garbage collector tracks (0.05-0.15 s in a process holding a model),
-and each captured variable then keeps weak references to the Keras
-variables found holding it (none for a plain ``tf.Variable``): a later
-registration of the same variables reads them, with no scan, and reads
-their flags as they are then. Keras 2's flags are its layers', looked up on
-every call. Nothing is looked up where neither Keras is imported or no
-captured variable is trainable.
+Neither the variable nor its Keras variable points back to its owner. The
+Keras variables are first looked for in what the traced function holds
+(``passes.keras_reach``: its closure, globals, a model's variables); where
+that does not account for every captured variable, among the objects the
+garbage collector tracks (0.05-0.15 s in a process holding a model), after
+which each captured variable keeps weak references to the Keras variables
+found holding it (none for a plain ``tf.Variable``), so a later
+registration of the same variables needs no scan. Either way the flags are
+read as they are then. Keras 2's flags are its layers', looked up on every
+call. Nothing is looked up where neither Keras is imported or no captured
+variable is trainable.
 A registration reads the flags when it is made: unfreezing a layer later
 needs a new registration (a new ``kg.auto_register`` function), as Keras's
 ``fit`` needs ``make_train_function(force=True)``.
