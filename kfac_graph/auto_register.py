@@ -6,7 +6,6 @@ pass, and caches the ``Registration`` for that signature.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -80,9 +79,9 @@ class RegisteredFunction:
         key = id(concrete)
         cached = self._cache.get(key)
         if cached is None or cached[0] is not concrete:
-            traced = dataclasses.replace(passes.frontends.from_concrete_function(
+            traced = passes.frontends.from_concrete_function(
                 concrete, name=self.__name__,
-                reached=passes.keras_reach.reached(self.python_function)), replica_reads=reads)
+                reached=passes.keras_reach.reached(self.python_function), replica_reads=reads)
             cached = (concrete, registration_from_pass(
                 passes.run(traced, self.loss_kind, self.max_loop_iterations)))
             self._cache[key] = cached

@@ -70,8 +70,8 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) -> Trac
             concrete = tf_fn.get_concrete_function(*args, **(kwargs or {}))
     except (TypeError, ValueError) as e:
         raise TraceError(f"could not trace {_name(fn)}: {error_line(e)}") from e
-    traced = from_concrete_function(concrete, name=_name(fn), reached=keras_reach.reached(fn))
-    return dataclasses.replace(traced, replica_reads=replica_reads(concrete, probe))
+    return from_concrete_function(concrete, name=_name(fn), reached=keras_reach.reached(fn),
+                                  replica_reads=replica_reads(concrete, probe))
 
 
 def replica_reads(concrete, probe) -> tuple:
@@ -84,10 +84,13 @@ def replica_reads(concrete, probe) -> tuple:
 
 
 def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
-                           source: str | None = None, reached=None) -> Traced:
+                           source: str | None = None, reached=None,
+                           replica_reads: tuple = ()) -> Traced:
     """The ``Traced`` of a concrete function (traced here or loaded: then
     ``source`` names where from, and Python callbacks are refused, see
-    ``callbacks.py``)."""
+    ``callbacks.py``); ``reached``: what the traced Python function holds
+    (``keras_reach.reached``), ``replica_reads``: where its trace read across
+    replicas (``replica_reads``)."""
     graph = concrete.graph
     # what the function returns: once a tape has differentiated it, the graph
     # also outputs the intermediates its gradient reads
@@ -136,7 +139,7 @@ def from_concrete_function(concrete, name: str = "fn", extra_variables=(),
         callbacks.refuse_callbacks(graph_def, name, source)
     return Traced(graph_def, arguments, inline.follow(renames, loss.name),
                   infos, placeholders, objects, name, constraints=constraints,
-                  resources=resources)
+                  resources=resources, replica_reads=replica_reads)
 
 
 def freeze_captured_constants(graph_def, captures):

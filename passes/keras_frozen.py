@@ -23,13 +23,10 @@ Neither the variable nor its Keras variable points back to its owner. The
 Keras variables are first looked for in what the traced function holds
 (``passes.keras_reach``: its closure, globals, a model's variables); where
 that does not account for every captured variable, among the objects the
-garbage collector tracks (0.05-0.15 s in a process holding a model), after
-which each captured variable keeps weak references to the Keras variables
-found holding it (none for a plain ``tf.Variable``), so a later
-registration of the same variables needs no scan. Either way the flags are
-read as they are then. Keras 2's flags are its layers', looked up on every
-call. Nothing is looked up where neither Keras is imported or no captured
-variable is trainable.
+garbage collector tracks (0.05-0.15 s in a process holding a model).
+Either way the flags are read as they are then. Keras 2's flags are its
+layers', looked up among those objects on every call. Nothing is looked up
+where neither Keras is imported or no captured variable is trainable.
 A registration reads the flags when it is made: unfreezing a layer later
 needs a new registration (a new ``kg.auto_register`` function), as Keras's
 ``fit`` needs ``make_train_function(force=True)``.
@@ -38,7 +35,6 @@ from __future__ import annotations
 
 import gc
 import sys
-import weakref
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -70,14 +66,10 @@ def flags(variables, reached=None) -> Flags:
                                 if v.trainable and getattr(v, "constraint", None) is not None})
     if (keras_variable is None and legacy_layer is None) or not captured:
         return out
-    owners = None
-    if legacy_layer is None:
-        owners = _reached_owners(captured.values(), reached) or _remembered_owners(
-            captured.values())
+    owners = _reached_owners(captured.values(), reached) if legacy_layer is None else None
     if owners is None:
         owners, legacy_frozen = _scan(captured.values(), keras_variable, legacy_layer)
         out.frozen.update(legacy_frozen)
-        _remember_owners(captured.values(), owners)
     for i, held_by in owners.items():
         for obj in held_by:
             if not obj.trainable:
@@ -89,20 +81,11 @@ def flags(variables, reached=None) -> Flags:
     return out
 
 
-# a captured tf.Variable's attribute: weak references to the Keras variables holding it
-_OWNERS = "_kfac_graph_keras_owners"
-
-
 def _scan(captured, keras_variable, legacy_layer):
     """``({id(v): [Keras variables holding v]}, {ids held by a frozen Keras 2
     layer})`` for the captured variables ``captured``, from one pass over the
     objects the garbage collector tracks."""
-    ids = {}
-    for v in captured:
-        ids[id(v)] = id(v)
-        container = getattr(v, "_distributed_container", None)
-        if container is not None:
-            ids[id(container())] = id(v)
+    ids = {k: id(v) for v in captured for k in _keys(v)}
     owners, legacy_frozen = {id(v): [] for v in captured}, set()
     keras_types = _subclasses(keras_variable)  # a set lookup: faster than isinstance
     for obj in gc.get_objects():
@@ -137,8 +120,7 @@ def _reached_owners(captured, reached):
             held_by.setdefault(i, []).append(obj)
     owners = {}
     for v in captured:
-        container = getattr(v, "_distributed_container", None)
-        keys = [id(v)] + ([id(container())] if container is not None else [])
+        keys = _keys(v)
         found = [obj for k in keys for obj in held_by.get(k, ())]
         if not found and not plain & set(keys):
             return None
@@ -146,27 +128,11 @@ def _reached_owners(captured, reached):
     return owners
 
 
-def _remember_owners(captured, owners):
-    for v in captured:
-        try:
-            setattr(v, _OWNERS, tuple(weakref.ref(obj) for obj in owners[id(v)]))
-        except (AttributeError, TypeError):  # a variable type that takes no attributes
-            pass
-
-
-def _remembered_owners(captured):
-    """``{id(v): [its Keras variables alive]}`` as remembered by ``_remember_owners``;
-    None if a captured variable has not been seen (or an owner was collected)."""
-    owners = {}
-    for v in captured:
-        refs = getattr(v, "__dict__", {}).get(_OWNERS)
-        if refs is None:
-            return None
-        held_by = [r() for r in refs]
-        if any(obj is None for obj in held_by):
-            return None
-        owners[id(v)] = held_by
-    return owners
+def _keys(variable) -> list[int]:
+    """The ``id``s a captured variable is known by: its own and, for a
+    replica's copy, its mirrored variable's."""
+    container = getattr(variable, "_distributed_container", None)
+    return [id(variable)] + ([id(container())] if container is not None else [])
 
 
 def _held(variable) -> list[int]:

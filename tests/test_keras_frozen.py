@@ -124,11 +124,9 @@ def test_float8_scales_are_refused():
 
 
 def test_a_layer_frozen_after_a_registration_is_read_without_a_second_scan(monkeypatch):
-    """The first registration finds each captured variable's Keras variable
-    among the process's objects and the variable remembers it; a new
-    registration after ``backbone.trainable = False`` reads the flag as it is
-    then, with no scan of the heap (``gc.get_objects`` made to fail) where
-    Keras 2 is not imported."""
+    """A new registration after ``backbone.trainable = False`` reads the flag
+    as it is then, from the Keras variables the loss holds, with no scan of
+    the heap (``gc.get_objects`` made to fail) where Keras 2 is not imported."""
     backbone, model = _model(lambda backbone, model: None)
     args = _data()
     assert len(_loss(model).registration(*args).variables) == 8
