@@ -43,6 +43,8 @@ class RegisteredFunction:
             "kg.auto_register", "max_loop_iterations", max_loop_iterations, options.Integer(0))
         self._tf_function = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
         self._cache: dict[Any, tuple[Any, Registration]] = {}
+        self._probe = False  # (probe_copy's: registrations log nothing)
+        self._exact = None  # traces at the arguments' own sizes (registration)
         # as tf.function converts: partials, callable objects and methods too,
         # and a function AutoGraph cannot convert runs as it is; converted even
         # where the caller's trace has AutoGraph off (the K-FAC step's)
@@ -60,6 +62,20 @@ class RegisteredFunction:
         """The ``tf.function`` the registration traces."""
         return self._tf_function
 
+    def probe_copy(self) -> "RegisteredFunction":
+        """This function and its options, to probe a signature with: a
+        ``tf.function`` of its own, whose traces serve none of this one's
+        registrations (``tf.function`` serves a call from any trace general
+        enough for it: a registration at unknown sizes would then answer
+        later ones at known sizes), and registrations that log nothing."""
+        fn = self.python_function
+        if hasattr(fn, "get_concrete_function"):
+            fn = tf.function(fn.python_function, input_signature=fn.input_signature)
+        copy = RegisteredFunction(fn, loss=self.loss_kind,
+                                  max_loop_iterations=self.max_loop_iterations)
+        copy._probe = True
+        return copy
+
     def inline(self, *args):
         """The loss traced into the caller's graph, converted by AutoGraph as
         ``tf.function`` converts it, but not as a nested function call. A
@@ -76,6 +92,12 @@ class RegisteredFunction:
     def registration(self, *args) -> Registration:
         """The registration for these arguments' input signature (cached)."""
         concrete, reads = _concrete(self._tf_function, args, self.__name__)
+        if not _traced_at(concrete, args) and self._tf_function.input_signature is None:
+            # a trace at unknown sizes serves these arguments: the pass would read a
+            # mean over such a size as a run-time divisor, not as the constant it is
+            if self._exact is None:
+                self._exact = tf.function(self._tf_function.python_function)
+            concrete, reads = _concrete(self._exact, args, self.__name__)
         key = id(concrete)
         cached = self._cache.get(key)
         if cached is None or cached[0] is not concrete:
@@ -83,7 +105,8 @@ class RegisteredFunction:
                 concrete, name=self.__name__,
                 reached=passes.keras_reach.reached(self.python_function), replica_reads=reads)
             cached = (concrete, registration_from_pass(
-                passes.run(traced, self.loss_kind, self.max_loop_iterations)))
+                passes.run(traced, self.loss_kind, self.max_loop_iterations),
+                warn=not self._probe))
             self._cache[key] = cached
         return cached[1]
 
@@ -113,7 +136,8 @@ def register_graph_def(graph_def, output: str, arguments=(), loss: str | None = 
     return registration_from_pass(passes.run(traced, loss, max_loop_iterations))
 
 
-def registration_from_pass(result: passes.PassResult) -> Registration:
+def registration_from_pass(result: passes.PassResult, warn: bool = True) -> Registration:
+    """The pass's result as a ``Registration``; ``warn``: log ``_warn_about``'s notes."""
     traced = result.traced
 
     def variable(key):
@@ -130,28 +154,9 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
               use_attrs=tuple(dict(u.attrs) for u in m.uses),
               ops=tuple(u.ops for u in m.uses), reason=m.reason)
         for m in result.layers)
-    generic = [layer.name for layer in layers if layer.kind == "generic"]
-    if generic:
-        logging.warning("kfac_graph: %d variable(s) are registered as generic (why: "
-                        "reg.summary()): %s", len(generic), ", ".join(generic))
+    if warn:
+        _warn_about(layers, result)
     lm = result.loss
-    if result.coupling:
-        logging.warning("kfac_graph: the loss couples the examples at op %s (batch statistics, "
-                        "two tensors of examples combined, the batch reordered or mixed, or "
-                        "a custom gradient whose function reads across the examples): "
-                        "a per-example gradient is that "
-                        "example's share of the batch gradient, not a batch-of-one gradient",
-                        ", ".join(repr(op) for op in result.coupling[:3]))
-    if lm.terms is None and lm.reason:
-        logging.warning("kfac_graph: the loss is named %r, but the pass read no per-example "
-                        "terms (%s): a per-example gradient is that example's share of the "
-                        "batch gradient (B times it for a mean), its own gradient only where "
-                        "the loss is a mean or sum of terms of one example each",
-                        lm.kind, lm.reason)
-    if lm.kind == "opaque":
-        logging.warning("kfac_graph: the loss is read as opaque per-example terms %s (%s): "
-                        "per-example gradients work; a Fisher needs a loss the pass reads",
-                        lm.terms, lm.reason)
     read = [] if lm.kind in passes.match_loss.KINDS else [(lm.terms, lm.terms_coefficient)]
     nonnegative = passes.loss_bounds.nonnegative(result.graph, [*read, *lm.extras,
                                                                 *lm.penalties])
@@ -183,6 +188,33 @@ def registration_from_pass(result: passes.PassResult) -> Registration:
                         result.padded_to_longest, traced.replica_reads)
 
 
+def _warn_about(layers, result):
+    """Logs what a user of this registration should know: generic variables,
+    examples coupled by the loss, a loss read without per-example terms."""
+    generic = [layer.name for layer in layers if layer.kind == "generic"]
+    if generic:
+        logging.warning("kfac_graph: %d variable(s) are registered as generic (why: "
+                        "reg.summary()): %s", len(generic), ", ".join(generic))
+    lm = result.loss
+    if result.coupling:
+        logging.warning("kfac_graph: the loss couples the examples at op %s (batch statistics, "
+                        "two tensors of examples combined, the batch reordered or mixed, or "
+                        "a custom gradient whose function reads across the examples): "
+                        "a per-example gradient is that "
+                        "example's share of the batch gradient, not a batch-of-one gradient",
+                        ", ".join(repr(op) for op in result.coupling[:3]))
+    if lm.terms is None and lm.reason:
+        logging.warning("kfac_graph: the loss is named %r, but the pass read no per-example "
+                        "terms (%s): a per-example gradient is that example's share of the "
+                        "batch gradient (B times it for a mean), its own gradient only where "
+                        "the loss is a mean or sum of terms of one example each",
+                        lm.kind, lm.reason)
+    if lm.kind == "opaque":
+        logging.warning("kfac_graph: the loss is read as opaque per-example terms %s (%s): "
+                        "per-example gradients work; a Fisher needs a loss the pass reads",
+                        lm.terms, lm.reason)
+
+
 # ops that take a variable's handle without reading its value
 _HANDLE_ONLY = frozenset({"VariableShape", "NoOp"})
 
@@ -195,6 +227,19 @@ def user_variable(variable):
     if container is None:  # resource variables keep it on their handle
         container = getattr(getattr(variable, "handle", None), "_distributed_container", None)
     return variable if container is None else container()
+
+
+def _traced_at(concrete, args) -> bool:
+    """Whether ``concrete`` was traced at the sizes of ``args`` (``tf.function``
+    serves a call from any trace general enough for it)."""
+    specs = tf.nest.flatten(concrete.structured_input_signature[0])
+    given = tf.nest.flatten(args)
+    if len(specs) != len(given):
+        return True
+    return all(s.shape.as_list() == tf.TensorShape(a.shape).as_list()
+               for s, a in zip(specs, given)
+               if isinstance(s, tf.TensorSpec) and s.shape.rank is not None
+               and hasattr(a, "shape"))
 
 
 def _concrete(tf_function, args, name):

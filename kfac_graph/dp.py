@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from kfac_graph import options
+from kfac_graph import options, relaxed_shapes
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.privacy.ledger import Ledger, TracedOption, new_noise
 from kfac_graph.privacy import noise as noise_lib
@@ -102,8 +102,13 @@ class DPSGD:
         self.fn.registration(*args)  # the pass runs eagerly, never under autograph
         if self._step_function is None:
             # autograph=False: nothing here branches on tensors, and autograph would
-            # convert every function the step calls, the pass included (~20 s, once)
-            self._step_function = tf.function(self._step_impl, autograph=False)
+            # convert every function the step calls, the pass included (~20 s, once);
+            # batches of new shapes: one more trace, with the sizes that changed unknown
+            # (per-example gradients are exact there; nothing is averaged across steps)
+            problem = lambda specs: relaxed_shapes.registration_problem(  # noqa: E731
+                self.fn, self.fn.registration(*args), specs, curvature=False)
+            self._step_function = relaxed_shapes.Relaxed(self._step_impl, problem, "kg.DPSGD",
+                                                         autograph=False)
         if mask is None:
             return self._step_function(*args)
         return self._step_function(*args, mask=mask)

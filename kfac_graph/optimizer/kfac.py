@@ -83,11 +83,9 @@ the whole batch (``distributed.py``, ``sync_statistics`` there).
 """
 from __future__ import annotations
 
-import inspect
-
 import tensorflow as tf
 
-from kfac_graph import graph_options, options
+from kfac_graph import graph_options, relaxed_shapes
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.fisher.estimator import FisherEstimator
 from kfac_graph.optimizer import costs as costs_lib, damping as damping_lib, distributed
@@ -138,6 +136,9 @@ class KFAC(tf.Module):
     with ``overhead_budget``; ``covariance_slices.py``).
     ``graph_optimization``: ``"off"`` (default) skips Grappler's rewrites
     of the step's graph, ``"default"`` keeps TensorFlow's (``kfac_graph/graph_options.py``).
+    ``relax_shapes``: a batch of a new shape runs one more step traced with the sizes that
+    changed unknown, where it computes what a trace at its own shapes would (else, and with
+    False, each new shape traces the step; ``kfac_graph/relaxed_shapes.py``).
     ``summary_writer``: a ``tf.summary`` writer; loss, damping, learning
     rate, momentum, rho and each factor's trace are written every
     ``summary_period`` steps. ``sync_statistics``: under ``tf.distribute``,
@@ -162,14 +163,8 @@ class KFAC(tf.Module):
 
     @classmethod
     def check_options(cls, owner: str | None = "kg.KFAC", prefix: str = "", **values) -> dict:
-        """``values`` (keywords of ``KFAC``) checked by ``OPTIONS``, and
-        ``min_damping <= damping`` (the default damping if not given): a one-line
-        ``ValueError`` naming ``owner`` and ``prefix + option``; returns them converted."""
-        given = options.check_all(owner, cls.OPTIONS, values, prefix)
-        damping = given.get("damping", inspect.signature(cls).parameters["damping"].default)
-        options.check_at_most(owner, prefix + "min_damping", given.get("min_damping"),
-                              prefix + "damping", damping)
-        return given
+        """``values`` (keywords of ``KFAC``) checked and converted (``kfac_options.check``)."""
+        return kfac_options.check(cls, owner, prefix, values)
 
     def __init__(self, fn, learning_rate: float = 0.1, damping: float = 0.1,
                  momentum: float = 0.9, momentum_type: str = "qmodel", l2_reg: float = 0.0,
@@ -187,7 +182,7 @@ class KFAC(tf.Module):
                  factor_block_size: int | None = None, jit_compile="auto", summary_writer=None,
                  summary_period: int = 1,
                  sync_statistics: str = "lazy", graph_optimization: str = "off",
-                 name: str | None = None):
+                 relax_shapes: bool = True, name: str | None = None):
         KFAC.check_options(**{k: v for k, v in locals().items() if k in KFAC.OPTIONS})
         super().__init__(name=name or "kfac")
         self.fn = fn if isinstance(fn, RegisteredFunction) else auto_register(fn)
@@ -222,7 +217,7 @@ class KFAC(tf.Module):
         self.min_damping = (damping_lib.default_min_damping(damping) if min_damping is None
                             else float(min_damping))
         self.jit_compile = jit_compile
-        self.graph_optimization = graph_optimization
+        self.graph_optimization, self.relax_shapes = graph_optimization, bool(relax_shapes)
         self.summary_writer = summary_writer
         self.summary_period = int(summary_period)
         self.initial = dict(learning_rate=float(learning_rate), damping=float(damping),
@@ -366,7 +361,12 @@ class KFAC(tf.Module):
         if self.whole_step_jit and self._replicated is None:
             core = tf.function(core, jit_compile=True, autograph=False)
         self._compiled.core = core
-        self._compiled.step = tf.function(self._step, autograph=False)
+        problem = lambda specs: relaxed_shapes.registration_problem(  # noqa: E731
+            self.fn, self.registration, specs)
+        relax = self.relax_shapes and self._replicated is None
+        self._compiled.step = (relaxed_shapes.Relaxed(self._step, problem, "kg.KFAC",
+                                                      autograph=False)
+                               if relax else tf.function(self._step, autograph=False))
 
     def cost_summary(self) -> str:
         """The counted multiply-adds per layer, the periods and the counted

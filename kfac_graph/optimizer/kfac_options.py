@@ -1,6 +1,7 @@
 """What each ``kg.KFAC`` option takes (``kfac_graph/options.py`` checks them):
 ``KFAC.OPTIONS`` is this table; the estimator's options are
 ``FisherEstimator``'s own."""
+import inspect
 import types
 
 from kfac_graph import graph_options, options
@@ -31,7 +32,7 @@ OPTIONS = types.MappingProxyType({
     "jit_compile": options.OneOf((True, False, "auto")),
     "summary_period": options.Integer(1),
     "sync_statistics": options.OneOf(distributed.SYNC_MODES),
-    "graph_optimization": options.OneOf(graph_options.MODES)})
+    "graph_optimization": options.OneOf(graph_options.MODES), "relax_shapes": options.Boolean()})
 del _EST
 
 
@@ -43,3 +44,14 @@ def learning_rate_schedule(learning_rate) -> tuple:
     if not callable(learning_rate):
         return None, learning_rate
     return learning_rate, float(learning_rate(0))
+
+
+def check(cls, owner, prefix, values) -> dict:
+    """``values`` (keywords of ``cls``, ``kg.KFAC``) checked by ``OPTIONS``, and
+    ``min_damping <= damping`` (the default damping if not given): a one-line
+    ``ValueError`` naming ``owner`` and ``prefix + option``; returns them converted."""
+    given = options.check_all(owner, OPTIONS, values, prefix)
+    damping = given.get("damping", inspect.signature(cls).parameters["damping"].default)
+    options.check_at_most(owner, prefix + "min_damping", given.get("min_damping"),
+                          prefix + "damping", damping)
+    return given

@@ -71,7 +71,7 @@ import keras
 import tensorflow as tf
 
 from kfac_graph.auto_register import auto_register
-from kfac_graph import keras_compute_loss as own, keras_train_loop, options
+from kfac_graph import keras_compute_loss as own, keras_train_loop, options, relaxed_shapes
 from kfac_graph.keras_loss import OutputsLoss, as_loss as _as_loss
 from kfac_graph.privacy.privatize import OPTIONS, check_clip, privatize
 from kfac_graph.privacy import accounting, replicas
@@ -269,8 +269,10 @@ class DPModel(LedgerAccounting, keras_train_loop.WrapperPlumbing, own.ModelCompu
         if self._step_function is None:
             step = self._dp_step if strategy is None else (
                 lambda *a: strategy.run(self._dp_step, args=a))
-            self._step_function = step if self.run_eagerly else tf.function(step,
-                                                                            autograph=False)
+            self._step_function = step if self.run_eagerly else (
+                tf.function(step, autograph=False) if strategy is not None
+                else relaxed_shapes.Relaxed(step, self._relaxed_problem(x, y, *weights),
+                                            "kg.DPModel.fit", autograph=False))
         self.loss_fn.registration(*first((x, y, *weights)))  # the pass runs eagerly
         key = self.noise.next_key()
         logs = (self._step_function(x, y, key) if mask is None and not weights
@@ -279,6 +281,14 @@ class DPModel(LedgerAccounting, keras_train_loop.WrapperPlumbing, own.ModelCompu
         if self.sampling is not None and self.accountant == "rdp":
             logs["epsilon"] = self.epsilon()
         return logs
+
+    def _relaxed_problem(self, x, y, *weights):
+        """The step's check for a batch of a new shape (``relaxed_shapes``):
+        its arguments ``(x, y, key[, mask, *weights])`` are the loss's
+        ``(x, y, *weights)`` with the noise key and the mask."""
+        reg = self.loss_fn.registration(x, y, *weights)
+        return lambda specs: relaxed_shapes.registration_problem(
+            self.loss_fn, reg, (*specs[:2], *specs[4:]), curvature=False)
 
     def _dp_step(self, x, y, key, mask=None, *weights):
         if self._own_loss:  # the model's compute_loss at the real rows, before the update

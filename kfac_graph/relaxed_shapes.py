@@ -1,0 +1,197 @@
+"""A step traced once for the batches of a new shape, not once per shape.
+
+A ``tf.function`` traces again for every new shape of its tensor
+arguments. For a K-FAC or DP-SGD step that is the whole cold start again
+(the loss, its registration, every rule and block): paid by the last,
+partial batch of an epoch and by every new sequence length. ``Relaxed``
+traces the first batch at its exact shapes (static sizes: the fastest
+step, loops unrolled), and every batch of another shape through one more
+function whose signature leaves unknown (``None``) each size that
+differed from the first batch's; a later batch that differs in another
+size widens it, traced once more. Keras's ``fit`` does the same
+(``reduce_retracing``).
+
+The relaxed step must compute what a trace at the batch's own shapes
+would. ``check(specs)`` says whether it does (None) or why not (a line):
+``registration_problem`` for a step whose state is shared by every trace
+(K-FAC's factors, read as a moving average across steps of either). Then
+that batch is traced at its own shapes, as before, and an absl warning
+says why, once per signature. Arguments other than dense tensors and
+arrays, and keyword arguments, always go to the exact function; so does a
+batch whose relaxed step stops while tracing (the warning names the error).
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from passes.errors import KfacGraphError
+
+
+def signature(args):
+    """``args`` with each leaf a ``tf.TensorSpec`` of its shape and dtype, or
+    None if a leaf is not a dense tensor or a NumPy array."""
+    leaves = tf.nest.flatten(args)
+    if not all(isinstance(a, (tf.Tensor, np.ndarray)) for a in leaves):
+        return None
+    return tf.nest.pack_sequence_as(
+        args, [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in leaves])
+
+
+def widen(old, new):
+    """The most specific signature both fit (a size that differs is None), or
+    None where their structures, ranks or dtypes differ."""
+    try:
+        tf.nest.assert_same_structure(old, new)
+    except (ValueError, TypeError):
+        return None
+    out = []
+    for a, b in zip(tf.nest.flatten(old), tf.nest.flatten(new)):
+        if a.dtype != b.dtype or a.shape.rank is None or a.shape.rank != b.shape.rank:
+            return None
+        out.append(tf.TensorSpec(a.shape.most_specific_compatible_shape(b.shape), a.dtype))
+    return tf.nest.pack_sequence_as(old, out)
+
+
+def _fits(spec, sig) -> bool:
+    return all(s.is_compatible_with(x) for s, x in zip(tf.nest.flatten(spec), tf.nest.flatten(sig)))
+
+
+def _key(sig):
+    return tuple((tuple(s.shape.as_list()), s.dtype.name) for s in tf.nest.flatten(sig))
+
+
+def _unknown(spec) -> str:
+    sizes = [f"axis {i} of argument {k}" for k, s in enumerate(tf.nest.flatten(spec))
+             for i, d in enumerate(s.shape.as_list()) if d is None]
+    return ", ".join(sizes) or "no size"
+
+
+class Relaxed:
+    """``function`` as a ``tf.function`` (``options``) traced once at the first
+    batch's shapes and once for the others (module docstring). ``owner``
+    names the step in the warning."""
+
+    def __init__(self, function, check, owner: str, **options):
+        self._function, self._check, self._owner, self._options = function, check, owner, options
+        self.exact = tf.function(function, **options)
+        self.relaxed = None  # (signature, tf.function)
+        self._first = None
+        self._exact_keys = set()
+        self._refused = {}  # key of a widened signature -> why
+        self._warned = set()
+
+    def __call__(self, *args, **kwargs):
+        return self._route(args, kwargs)(*args, **kwargs)
+
+    def get_concrete_function(self, *args, **kwargs):
+        """The concrete function a call with these arguments runs."""
+        return self._route(args, kwargs).get_concrete_function(*args, **kwargs)
+
+    def _route(self, args, kwargs):
+        """The ``tf.function`` for these arguments (made, and checked, here)."""
+        sig = signature(args)
+        if kwargs or sig is None:
+            return self.exact
+        key = _key(sig)
+        if self._first is None:
+            self._first = sig
+            self._exact_keys.add(key)
+        if key in self._exact_keys:
+            return self.exact
+        if self.relaxed is not None and _fits(self.relaxed[0], sig):
+            return self.relaxed[1]
+        wider = widen(self.relaxed[0] if self.relaxed is not None else self._first, sig)
+        why = "their structure, ranks or dtypes differ" if wider is None else self._why(wider)
+        if why is None:
+            function = tf.function(self._function, input_signature=list(wider), **self._options)
+            try:  # (a step that cannot be traced there runs as before, at known sizes)
+                function.get_concrete_function(*wider)
+            except (KfacGraphError, ValueError, TypeError, NotImplementedError) as error:
+                why = f"tracing there stops: {type(error).__name__}: " + (
+                    str(error).strip().splitlines() or [""])[0]
+            else:
+                self.relaxed = (wider, function)
+                return function
+        refused = _key(wider) if wider is not None else key
+        self._refused[refused] = why
+        if refused not in self._warned:
+            self._warned.add(refused)
+            logging.warning("%s: a batch of shapes %s traces the step again at its own shapes, "
+                            "not once with %s unknown: %s", self._owner, list(key),
+                            "the sizes" if wider is None else _unknown(wider), why)
+        self._exact_keys.add(key)
+        return self.exact
+
+    def _why(self, wider):
+        known = self._refused.get(_key(wider))
+        return known if known is not None else self._check(wider)
+
+    def experimental_get_tracing_count(self) -> int:
+        """Traces so far, of the exact function and the relaxed one."""
+        count = self.exact.experimental_get_tracing_count()
+        return count + (0 if self.relaxed is None else
+                        self.relaxed[1].experimental_get_tracing_count())
+
+
+def registration_problem(fn, registration, specs, curvature: bool = True) -> str | None:
+    """None if ``fn`` registered at ``specs`` has ``registration``'s layers
+    (kinds, variables, attributes up to sizes left unknown) and, with
+    ``curvature``, its loss (kind, reduction, scale, weights and divisors):
+    a step traced there then computes, and folds into shared statistics,
+    what one at known sizes does. Else why not, one line (a loop over an
+    axis left unknown is not unrolled; a mean over it divides by its size
+    at run time, in the tokens' weights, but by a constant ``scale`` at
+    known sizes: the factors' moving averages would mix the two)."""
+    try:  # (on a copy: the step's later traces at known sizes must not find this one)
+        other = fn.probe_copy().registration(*specs)
+    except KfacGraphError as error:
+        return str(error).splitlines()[0]
+    kinds = {id(v): layer.kind for layer in registration.layers for v in layer.variables}
+    for layer in other.layers:
+        for v in layer.variables:
+            if kinds.get(id(v)) != layer.kind:
+                return (f"{v.name} registers as {layer.kind} there, not {kinds.get(id(v))}"
+                        + (f" ({layer.reason})" if layer.reason else ""))
+    if len(other.layers) != len(registration.layers):
+        return "its layers group the variables otherwise there"
+    for old, new in zip(registration.layers, other.layers):
+        if [id(v) for v in old.variables] != [id(v) for v in new.variables]:
+            return f"layer {old.name!r} holds other variables there"
+        for a, b in [(old.attrs, new.attrs), *zip(old.use_attrs, new.use_attrs)]:
+            if not _agree(dict(a), dict(b)):
+                return f"layer {old.name!r} is read otherwise there ({_first_difference(a, b)})"
+    if not curvature:
+        return None
+    old, new = registration.loss, other.loss
+    if (old.kind, old.reduction, old.blocks) != (new.kind, new.reduction, new.blocks):
+        return f"its loss reads as {new.kind} ({new.reduction}), not {old.kind} ({old.reduction})"
+    if new.divisors and len(new.divisors) != len(old.divisors):
+        return (f"its loss divides by {new.divisors[-1]} at run time there, by a constant at "
+                "known sizes (mean over an axis left unknown; a masked mean, sum(l * mask) / "
+                "sum(mask), reads the same at any size)")
+    if (old.scale, len(old.weights), len(old.divisors)) != (
+            new.scale, len(new.weights), len(new.divisors)):
+        return f"its loss reads with scale {new.scale:g} there, not {old.scale:g}"
+    return None
+
+
+def _agree(a, b) -> bool:
+    """Equal, where ``b`` may have None for any size of ``a``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_agree(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_agree(x, y) for x, y in zip(a, b))
+    if b is None and (a is None or isinstance(a, (int, np.integer))):
+        return True
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(a, b)
+    return bool(a == b)
+
+
+def _first_difference(a, b) -> str:
+    for k in sorted(set(a) | set(b)):
+        if not _agree(a.get(k), b.get(k)):
+            return f"{k}: {a.get(k)!r} against {b.get(k)!r}"
+    return "attributes differ"

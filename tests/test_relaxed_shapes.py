@@ -1,0 +1,222 @@
+"""Batches of a new shape: one more trace with the sizes that changed unknown
+(``kfac_graph/relaxed_shapes.py``), equal to a trace at their own shapes.
+
+References: ``kg.KFAC(relax_shapes=False)`` on the same batches (a trace per
+shape, as before), and for DP-SGD a loop of one-example tapes. The last,
+partial batch of an epoch and a new sequence length used to trace the whole
+step again."""
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+from absl import logging
+
+import kfac_graph as kg
+from kfac_graph import relaxed_shapes
+
+L = keras.layers
+
+
+def _token_model(conv=True):
+    keras.utils.set_random_seed(0)
+    body = [L.Conv1D(6, 3, strides=2, padding="same", activation="tanh"),
+            L.LayerNormalization()] if conv else [L.Dense(6, activation="tanh")]
+    return keras.Sequential([keras.Input((None,), dtype="int32"), L.Embedding(11, 5), *body,
+                             L.Dense(8, activation="tanh"), L.Dense(11)])
+
+
+def _loss(model, reduction):
+    @kg.auto_register
+    def loss(x, y):
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, model(x))
+        if reduction == "sum":  # over tokens, then the mean over the batch
+            return tf.reduce_mean(tf.reduce_sum(ce, 1))
+        if reduction == "masked":
+            mask = tf.cast(y > 1, ce.dtype)
+            return tf.reduce_sum(ce * mask) / tf.reduce_sum(mask)
+        return tf.reduce_mean(ce)
+    return loss
+
+
+def _batches(shapes, stride=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(tf.constant(rng.integers(0, 11, (b, t)), tf.int32),
+             tf.constant(rng.integers(0, 11, (b, -(-t // stride))), tf.int32))
+            for b, t in shapes]
+
+
+def _train(batches, reduction, conv=True, **options):
+    model = _token_model(conv)
+    opt = kg.KFAC(_loss(model, reduction), **options)
+    losses = [float(opt.step(x, y)) for x, y in batches]
+    return losses, [v.numpy() for v in model.trainable_variables], opt
+
+
+def _assert_same(a, b, tol=1e-10):
+    np.testing.assert_allclose(a[0], b[0], rtol=tol, atol=tol)
+    for u, v in zip(a[1], b[1]):
+        np.testing.assert_allclose(u, v, rtol=tol, atol=tol)
+
+
+def test_new_lengths_and_batch_sizes_trace_once_more(keras_float64):
+    """A sum over tokens reads alike at any size: one relaxed trace takes
+    every later shape (a Conv1D, strided with SAME padding, and a
+    LayerNormalization read their sizes at run time), and the steps equal
+    a trace per shape."""
+    batches = _batches([(4, 6), (4, 9), (3, 7)])
+    options = dict(momentum_type="regular", learning_rate=0.05, damping=0.1)
+    relaxed = _train(batches, "sum", **options)
+    exact = _train(batches, "sum", relax_shapes=False, **options)
+    _assert_same(relaxed, exact)
+    # the first shape, then all the others
+    assert relaxed[2]._compiled.step.experimental_get_tracing_count() == 2
+    assert exact[2]._compiled.step.experimental_get_tracing_count() == 3
+
+
+def test_mean_over_tokens_keeps_a_trace_per_length(keras_float64, monkeypatch):
+    """A mean over tokens divides by T: a constant scale at known sizes, the
+    tokens' weights at run time when T is unknown, and the factors' moving
+    averages would mix the two. A new batch size is relaxed (T known); a new
+    length is traced at its own shapes, with one warning that says why."""
+    warnings = []
+    monkeypatch.setattr(logging, "warning", lambda fmt, *a: warnings.append(fmt % a))
+    batches = _batches([(4, 6), (3, 6), (4, 9), (2, 9)], stride=1)
+    options = dict(momentum_type="regular", learning_rate=0.05, damping=0.1)
+    relaxed = _train(batches, "mean", conv=False, **options)
+    exact = _train(batches, "mean", conv=False, relax_shapes=False, **options)
+    _assert_same(relaxed, exact)
+    step = relaxed[2]._compiled.step
+    assert step.relaxed[0][0].shape.as_list() == [None, 6]
+    # (4, 6); (None, 6); (4, 9) and (2, 9) at their own shapes
+    assert step.experimental_get_tracing_count() == 4
+    assert len(warnings) == 1, warnings
+    assert "kg.KFAC: a batch of shapes" in warnings[0]
+    assert "divides by the size of axis 1" in warnings[0]
+    assert "masked mean" in warnings[0]
+
+
+@pytest.mark.slow
+def test_masked_mean_over_tokens_traces_once_more(keras_float64):
+    """A masked mean, sum(ce * mask) / sum(mask), divides by data at any
+    size: new lengths share one relaxed trace (K-FAC's defaults)."""
+    batches = _batches([(4, 6), (4, 9), (3, 7)], stride=1)
+    relaxed = _train(batches, "masked", conv=False)
+    exact = _train(batches, "masked", conv=False, relax_shapes=False)
+    _assert_same(relaxed, exact)
+    assert relaxed[2]._compiled.step.experimental_get_tracing_count() == 2
+
+
+@pytest.mark.slow
+def test_a_recurrent_loop_over_an_unknown_length_stays_exact(keras_float64, monkeypatch):
+    """An LSTM's loop over T unrolls at a known length only: at an unknown
+    one its cell would be generic, so new lengths keep their own traces."""
+    warnings = []
+    monkeypatch.setattr(logging, "warning", lambda fmt, *a: warnings.append(fmt % a))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None,), dtype="int32"), L.Embedding(11, 4),
+                              L.LSTM(4, return_sequences=True), L.Dense(11)])
+    loss = _loss(model, "sum")
+    opt = kg.KFAC(loss, momentum_type="regular", learning_rate=0.05)
+    for x, y in _batches([(3, 5), (3, 7)], stride=1):
+        opt.step(x, y)
+    assert opt._compiled.step.relaxed is None
+    assert len(warnings) == 1 and "registers as generic there, not dense" in warnings[0], warnings
+    assert "not unrolled" in warnings[0]
+
+
+def test_dpsgd_partial_batch_and_new_length_against_one_example_tapes(keras_float64):
+    """kg.DPSGD without noise on batches of three shapes: the clipped mean of
+    per-example gradients from a loop of one-example tapes, step by step."""
+    model = _token_model(conv=True)
+    loss = _loss(model, "mean")
+    clip, rate = 0.05, 0.5
+    opt = kg.DPSGD(loss, learning_rate=rate, l2_norm_clip=clip, noise_multiplier=0.0, seed=1)
+    for x, y in _batches([(4, 6), (3, 6), (4, 9)]):
+        before = [v.numpy() for v in model.trainable_variables]
+        clipped = []
+        for i in range(x.shape[0]):
+            with tf.GradientTape() as tape:
+                value = loss(x[i:i + 1], y[i:i + 1])
+            grads = tape.gradient(value, model.trainable_variables)
+            grads = [tf.convert_to_tensor(g).numpy() for g in grads]
+            norm = np.sqrt(sum(np.sum(g ** 2) for g in grads))
+            clipped.append([g * min(1.0, clip / norm) for g in grads])
+        opt.step(x, y)
+        for k, v in enumerate(model.trainable_variables):
+            expected = before[k] - rate * np.mean([c[k] for c in clipped], axis=0)
+            np.testing.assert_allclose(v.numpy(), expected, rtol=1e-9, atol=1e-12)
+    assert opt._step_function.experimental_get_tracing_count() == 2
+
+
+def test_kfac_model_fit_batches_of_new_sizes(keras_float64):
+    """KFACModel.fit over batches of 4, 3 and 2 examples (the last of an
+    epoch is often partial): the steps at 3 and 2 share one relaxed trace,
+    and equal a trace per size."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(9, 3)), rng.integers(0, 4, 9)
+    batches = [(x[:4], y[:4]), (x[4:7], y[4:7]), (x[7:], y[7:])]
+    out = []
+    for relax in (True, False):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), L.Dense(5, activation="tanh"), L.Dense(4)])
+        wrapped = kg.KFACModel(model, momentum_type="regular", learning_rate=0.05,
+                               relax_shapes=relax)
+        wrapped.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        wrapped.fit((b for b in batches), epochs=1, steps_per_epoch=3, shuffle=False,
+                    verbose=0)
+        out.append([v.numpy() for v in model.trainable_variables])
+        assert wrapped.kfac._compiled.step.experimental_get_tracing_count() == (2 if relax else 3)
+    for u, v in zip(*out):
+        np.testing.assert_allclose(u, v, rtol=1e-10, atol=1e-12)
+
+
+def test_signatures_widen_only_where_sizes_differ():
+    a = relaxed_shapes.signature((tf.zeros([4, 6]), np.zeros([4], np.int32)))
+    b = relaxed_shapes.signature((tf.zeros([3, 6]), np.zeros([3], np.int32)))
+    wide = relaxed_shapes.widen(a, b)
+    assert [s.shape.as_list() for s in wide] == [[None, 6], [None]]
+    assert relaxed_shapes.widen(a, relaxed_shapes.signature((tf.zeros([4]), np.zeros([4])))) \
+        is None  # a rank or dtype that differs is traced at its own shapes
+    assert relaxed_shapes.signature((tf.zeros([2]), 3.0)) is None  # a Python number: exact
+
+
+def test_a_registration_at_known_sizes_after_one_at_unknown_sizes():
+    """tf.function serves a call from any trace general enough for it: after
+    a registration at [None, None] one at [2, 5] read the mean over tokens
+    as a run-time divisor (scale 1). It is now traced at its own sizes."""
+    w = tf.Variable(tf.ones([3, 2]))
+
+    @kg.auto_register
+    def loss(x, y):
+        logits = tf.einsum("btj,jk->btk", x, w)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+    unknown = loss.registration(tf.TensorSpec([None, None, 3]), tf.TensorSpec([None, None],
+                                                                              tf.int32))
+    known = loss.registration(tf.zeros([2, 5, 3]), tf.zeros([2, 5], tf.int32))
+    assert (unknown.loss.scale, len(unknown.loss.divisors)) == (1.0, 1)
+    assert (known.loss.scale, known.loss.divisors) == (0.2, ())
+
+
+def test_dp_model_fit_partial_last_batch(keras_float64):
+    """kg.DPModel.fit without noise or clipping over batches of 4, 3 and 3:
+    Keras's SGD on the same batches; the batches of 3 run one relaxed step."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(10, 3)), rng.integers(0, 4, 10)
+    batches = [(x[:4], y[:4]), (x[4:7], y[4:7]), (x[7:], y[7:])]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    out = []
+    for private in (True, False):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), L.Dense(5, activation="tanh"), L.Dense(4)])
+        wrapped = (kg.DPModel(model, loss=loss, l2_norm_clip=1e9, noise_multiplier=0.0,
+                              sampling=None) if private else model)
+        wrapped.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        wrapped.fit((b for b in batches), epochs=1, steps_per_epoch=3, shuffle=False,
+                    verbose=0)
+        out.append([v.numpy() for v in model.trainable_variables])
+        if private:  # (4,), then (None,) once
+            assert wrapped._step_function.relaxed[0][0].shape.as_list() == [None, 3]
+            assert wrapped._step_function.experimental_get_tracing_count() == 2
+    for u, v in zip(*out):
+        np.testing.assert_allclose(u, v, rtol=1e-10, atol=1e-12)
