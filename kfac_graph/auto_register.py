@@ -43,7 +43,6 @@ class RegisteredFunction:
             "kg.auto_register", "max_loop_iterations", max_loop_iterations, options.Integer(0))
         self._tf_function = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
         self._cache: dict[Any, tuple[Any, Registration]] = {}
-        self._probe = False  # (probe_copy's: registrations log nothing)
         self._exact = None  # traces at the arguments' own sizes (registration)
         # as tf.function converts: partials, callable objects and methods too,
         # and a function AutoGraph cannot convert runs as it is; converted even
@@ -62,20 +61,6 @@ class RegisteredFunction:
         """The ``tf.function`` the registration traces."""
         return self._tf_function
 
-    def probe_copy(self) -> "RegisteredFunction":
-        """This function and its options, to probe a signature with: a
-        ``tf.function`` of its own, whose traces serve none of this one's
-        registrations (``tf.function`` serves a call from any trace general
-        enough for it: a registration at unknown sizes would then answer
-        later ones at known sizes), and registrations that log nothing."""
-        fn = self.python_function
-        if hasattr(fn, "get_concrete_function"):
-            fn = tf.function(fn.python_function, input_signature=fn.input_signature)
-        copy = RegisteredFunction(fn, loss=self.loss_kind,
-                                  max_loop_iterations=self.max_loop_iterations)
-        copy._probe = True
-        return copy
-
     def inline(self, *args):
         """The loss traced into the caller's graph, converted by AutoGraph as
         ``tf.function`` converts it, but not as a nested function call. A
@@ -89,8 +74,9 @@ class RegisteredFunction:
         return _concrete(self._tf_function, args, self.__name__)[0]
 
     @tf.autograph.experimental.do_not_convert  # the pass is plain Python, also when traced
-    def registration(self, *args) -> Registration:
-        """The registration for these arguments' input signature (cached)."""
+    def registration(self, *args, quiet: bool = False) -> Registration:
+        """The registration for these arguments' input signature (cached);
+        ``quiet``: a new one logs nothing (``registration_from_pass``)."""
         concrete, reads = _concrete(self._tf_function, args, self.__name__)
         if not _traced_at(concrete, args) and self._tf_function.input_signature is None:
             # a trace at unknown sizes serves these arguments: the pass would read a
@@ -106,7 +92,7 @@ class RegisteredFunction:
                 reached=passes.keras_reach.reached(self.python_function), replica_reads=reads)
             cached = (concrete, registration_from_pass(
                 passes.run(traced, self.loss_kind, self.max_loop_iterations),
-                warn=not self._probe))
+                warn=not quiet))
             self._cache[key] = cached
         return cached[1]
 

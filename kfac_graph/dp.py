@@ -99,8 +99,8 @@ class DPSGD:
         return int(self.iterations.numpy())
 
     def step(self, *args, mask=None):
-        self.fn.registration(*args)  # the pass runs eagerly, never under autograph
         if self._step_function is None:
+            self.fn.registration(*args)  # the pass runs eagerly, never under autograph
             # autograph=False: nothing here branches on tensors, and autograph would
             # convert every function the step calls, the pass included (~20 s, once);
             # batches of new shapes: one more trace, with the sizes that changed unknown

@@ -12,11 +12,10 @@ size widens it, traced once more. Keras's ``fit`` does the same
 (``reduce_retracing``).
 
 The relaxed step must compute what a trace at the batch's own shapes
-would. ``check(specs)`` says whether it does (None) or why not (a line):
-``registration_problem`` for a step whose state is shared by every trace
-(K-FAC's factors, read as a moving average across steps of either). Then
-that batch is traced at its own shapes, as before, and an absl warning
-says why, once per signature. Arguments other than dense tensors and
+would. ``check(specs)`` says whether it does (None) or why not (a line;
+``registration_problem`` registers the loss at the unknown sizes and
+compares). Where it does not, that batch is traced at its own shapes, as
+before, and an absl warning says why, once per signature. Arguments other than dense tensors and
 arrays, and keyword arguments, always go to the exact function; so does a
 batch whose relaxed step stops while tracing (the warning names the error).
 """
@@ -105,8 +104,10 @@ class Relaxed:
         wider = widen(self.relaxed[0] if self.relaxed is not None else self._first, sig)
         why = "their structure, ranks or dtypes differ" if wider is None else self._why(wider)
         if why is None:
-            function = tf.function(self._function, input_signature=list(wider), **self._options)
             try:  # (a step that cannot be traced there runs as before, at known sizes)
+                # (positional arguments alone: a signature fits any defaults they follow)
+                function = tf.function(lambda *a: self._function(*a),
+                                       input_signature=list(wider), **self._options)
                 function.get_concrete_function(*wider)
             except (KfacGraphError, ValueError, TypeError, NotImplementedError) as error:
                 why = f"tracing there stops: {type(error).__name__}: " + (
@@ -137,15 +138,19 @@ class Relaxed:
 
 def registration_problem(fn, registration, specs, curvature: bool = True) -> str | None:
     """None if ``fn`` registered at ``specs`` has ``registration``'s layers
-    (kinds, variables, attributes up to sizes left unknown) and, with
-    ``curvature``, its loss (kind, reduction, scale, weights and divisors):
-    a step traced there then computes, and folds into shared statistics,
-    what one at known sizes does. Else why not, one line (a loop over an
-    axis left unknown is not unrolled; a mean over it divides by its size
-    at run time, in the tokens' weights, but by a constant ``scale`` at
-    known sizes: the factors' moving averages would mix the two)."""
-    try:  # (on a copy: the step's later traces at known sizes must not find this one)
-        other = fn.probe_copy().registration(*specs)
+    (kinds and variables) and, with ``curvature``, the attributes its blocks
+    read (up to sizes left unknown) and its loss's reading (kind, reduction,
+    scale, weights and divisors): a step traced there then computes, and
+    folds into statistics shared with the other traces, what one at known
+    sizes does. Else why not, in one line: a loop over an axis left unknown
+    is not unrolled (its cell's variables are generic); a mean over it
+    divides by its size at run time, in the tokens' weights, but by a
+    constant ``scale`` at known sizes, and the factors' moving averages
+    would mix the two. Without ``curvature`` (DP-SGD: per-example gradients
+    are exact at any size, and nothing is kept across steps) the layers'
+    kinds alone are compared, so that no layer falls to the generic rule."""
+    try:  # (quiet; the step traced there finds it, a registration at known sizes never does)
+        other = fn.registration(*specs, quiet=True)
     except KfacGraphError as error:
         return str(error).splitlines()[0]
     kinds = {id(v): layer.kind for layer in registration.layers for v in layer.variables}
@@ -154,16 +159,17 @@ def registration_problem(fn, registration, specs, curvature: bool = True) -> str
             if kinds.get(id(v)) != layer.kind:
                 return (f"{v.name} registers as {layer.kind} there, not {kinds.get(id(v))}"
                         + (f" ({layer.reason})" if layer.reason else ""))
+    if not curvature:
+        return None
     if len(other.layers) != len(registration.layers):
         return "its layers group the variables otherwise there"
     for old, new in zip(registration.layers, other.layers):
         if [id(v) for v in old.variables] != [id(v) for v in new.variables]:
             return f"layer {old.name!r} holds other variables there"
         for a, b in [(old.attrs, new.attrs), *zip(old.use_attrs, new.use_attrs)]:
-            if not _agree(dict(a), dict(b)):
+            a, b = _block_attrs(a), _block_attrs(b)
+            if not _agree(a, b):
                 return f"layer {old.name!r} is read otherwise there ({_first_difference(a, b)})"
-    if not curvature:
-        return None
     old, new = registration.loss, other.loss
     if (old.kind, old.reduction, old.blocks) != (new.kind, new.reduction, new.blocks):
         return f"its loss reads as {new.kind} ({new.reduction}), not {old.kind} ({old.reduction})"
@@ -175,6 +181,18 @@ def registration_problem(fn, registration, specs, curvature: bool = True) -> str
             new.scale, len(new.weights), len(new.divisors)):
         return f"its loss reads with scale {new.scale:g} there, not {old.scale:g}"
     return None
+
+
+# How a use's op is read: the layer rules read these from the registration the
+# step was traced with (a Keras EinsumDense is a BatchMatMulV2 at known sizes,
+# an Einsum at unknown ones); the blocks, made once, read the others.
+_OP_READING = frozenset({"op", "equation", "transpose_a", "transpose_b", "adj_x", "adj_y",
+                         "input_shape", "output_shape", "operand_shapes", "input_perm",
+                         "output_perm", "grad_perm", "batch_axis", "run_time_rows"})
+
+
+def _block_attrs(attrs) -> dict:
+    return {k: v for k, v in dict(attrs).items() if k not in _OP_READING}
 
 
 def _agree(a, b) -> bool:

@@ -18,11 +18,20 @@ L = keras.layers
 
 
 def _token_model(conv=True):
+    """Ids ``[B, T]`` -> logits ``[B, T', 11]`` (``T' = ceil(T / 2)`` with
+    ``conv``: a strided Conv1D, a LayerNormalization and a causal
+    MultiHeadAttention, whose projections are BatchMatMulV2s at known sizes
+    and Einsums at unknown ones)."""
     keras.utils.set_random_seed(0)
-    body = [L.Conv1D(6, 3, strides=2, padding="same", activation="tanh"),
-            L.LayerNormalization()] if conv else [L.Dense(6, activation="tanh")]
-    return keras.Sequential([keras.Input((None,), dtype="int32"), L.Embedding(11, 5), *body,
-                             L.Dense(8, activation="tanh"), L.Dense(11)])
+    ids = keras.Input((None,), dtype="int32")
+    h = L.Embedding(11, 6)(ids)
+    if conv:
+        h = L.LayerNormalization()(L.Conv1D(6, 3, strides=2, padding="same",
+                                            activation="tanh")(h))
+        h = h + L.MultiHeadAttention(2, 3)(h, h, use_causal_mask=True)
+    else:
+        h = L.Dense(6, activation="tanh")(h)
+    return keras.Model(ids, L.Dense(11)(L.Dense(8, activation="tanh")(h)))
 
 
 def _loss(model, reduction):
@@ -60,9 +69,9 @@ def _assert_same(a, b, tol=1e-10):
 
 def test_new_lengths_and_batch_sizes_trace_once_more(keras_float64):
     """A sum over tokens reads alike at any size: one relaxed trace takes
-    every later shape (a Conv1D, strided with SAME padding, and a
-    LayerNormalization read their sizes at run time), and the steps equal
-    a trace per shape."""
+    every later shape (a Conv1D, strided with SAME padding, a
+    LayerNormalization and attention read their sizes at run time), and
+    the steps equal a trace per shape."""
     batches = _batches([(4, 6), (4, 9), (3, 7)])
     options = dict(momentum_type="regular", learning_rate=0.05, damping=0.1)
     relaxed = _train(batches, "sum", **options)

@@ -266,6 +266,10 @@ class DPModel(LedgerAccounting, keras_train_loop.WrapperPlumbing, own.ModelCompu
                 self.model(first(x), training=False)
             if self._step_function is None and not self.optimizer.built:
                 self.optimizer.build(self.trainable_variables)
+        if self._step_function is None or strategy is not None:
+            # the pass runs eagerly, not inside strategy.run's trace; on one device the
+            # first shape's is enough (the step checks a new shape's, relaxed_shapes)
+            self.loss_fn.registration(*first((x, y, *weights)))
         if self._step_function is None:
             step = self._dp_step if strategy is None else (
                 lambda *a: strategy.run(self._dp_step, args=a))
@@ -273,7 +277,6 @@ class DPModel(LedgerAccounting, keras_train_loop.WrapperPlumbing, own.ModelCompu
                 tf.function(step, autograph=False) if strategy is not None
                 else relaxed_shapes.Relaxed(step, self._relaxed_problem(x, y, *weights),
                                             "kg.DPModel.fit", autograph=False))
-        self.loss_fn.registration(*first((x, y, *weights)))  # the pass runs eagerly
         key = self.noise.next_key()
         logs = (self._step_function(x, y, key) if mask is None and not weights
                 else self._step_function(x, y, key, mask, *weights))
