@@ -43,7 +43,7 @@ class RegisteredFunction:
             "kg.auto_register", "max_loop_iterations", max_loop_iterations, options.Integer(0))
         self._tf_function = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
         self._cache: dict[Any, tuple[Any, Registration]] = {}
-        self._exact = None  # traces at the arguments' own sizes (registration)
+        self._own: dict = {}  # traces of its own, by the arguments (_concrete_here)
         # as tf.function converts: partials, callable objects and methods too,
         # and a function AutoGraph cannot convert runs as it is; converted even
         # where the caller's trace has AutoGraph off (the K-FAC step's)
@@ -61,6 +61,27 @@ class RegisteredFunction:
         """The ``tf.function`` the registration traces."""
         return self._tf_function
 
+    def _concrete_here(self, args):
+        """``(concrete function, replica reads)`` of a trace made at these
+        arguments' own sizes inside ``one_device``'s probe. ``tf.function``
+        serves a call from any trace general enough for it: a trace at
+        unknown sizes (where the pass reads a mean over such a size as a
+        run-time divisor, not the constant it is here), or the user's own
+        earlier trace, made outside the probe, whose reads across replicas
+        are unknown. Then the function is traced again, by a ``tf.function``
+        of its own kept for these arguments."""
+        concrete, reads = _concrete(self._tf_function, args, self.__name__)
+        signature = getattr(self._tf_function, "input_signature", None)
+        python = getattr(self._tf_function, "python_function", None)
+        if python is None or reads is not None and (
+                signature is not None or _traced_at(concrete, args)):
+            return concrete, reads or ()
+        key = _arguments_key(args)
+        if key not in self._own:
+            own = tf.function(python, input_signature=signature)
+            self._own[key] = _concrete(own, args, self.__name__)
+        return self._own[key]
+
     def inline(self, *args):
         """The loss traced into the caller's graph, converted by AutoGraph as
         ``tf.function`` converts it, but not as a nested function call. A
@@ -71,19 +92,13 @@ class RegisteredFunction:
         return self._inline(*args)
 
     def concrete_function(self, *args):
-        return _concrete(self._tf_function, args, self.__name__)[0]
+        return self._concrete_here(args)[0]
 
     @tf.autograph.experimental.do_not_convert  # the pass is plain Python, also when traced
     def registration(self, *args, quiet: bool = False) -> Registration:
         """The registration for these arguments' input signature (cached);
         ``quiet``: a new one logs nothing (``registration_from_pass``)."""
-        concrete, reads = _concrete(self._tf_function, args, self.__name__)
-        if not _traced_at(concrete, args) and self._tf_function.input_signature is None:
-            # a trace at unknown sizes serves these arguments: the pass would read a
-            # mean over such a size as a run-time divisor, not as the constant it is
-            if self._exact is None:
-                self._exact = tf.function(self._tf_function.python_function)
-            concrete, reads = _concrete(self._exact, args, self.__name__)
+        concrete, reads = self._concrete_here(args)
         key = id(concrete)
         cached = self._cache.get(key)
         if cached is None or cached[0] is not concrete:
@@ -228,14 +243,29 @@ def _traced_at(concrete, args) -> bool:
                and hasattr(a, "shape"))
 
 
+def _arguments_key(args) -> tuple:
+    """Tensors and arrays by shape and dtype, Python values by value, other
+    objects (a model, a function) by identity."""
+    def key(a):
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            return ("tensor", tuple(tf.TensorShape(a.shape).as_list()), tf.as_dtype(a.dtype).name)
+        if a is None or isinstance(a, (bool, int, float, str)):
+            return (type(a).__name__, a)
+        return ("object", id(a))
+    return tuple(key(a) for a in tf.nest.flatten(args))
+
+
 def _concrete(tf_function, args, name):
     """``(concrete function, where it read across replicas)``, traced as one
     device (Keras's losses are not divided by the replicas: ``passes.one_device``)."""
     passes.frontends.check_dense_arguments(args, name)
+    count = getattr(tf_function, "experimental_get_tracing_count", None)
+    before = count() if count is not None else None
     try:
         with passes.frontends.one_device() as probe:
             concrete = tf_function.get_concrete_function(*args)
     except (TypeError, ValueError) as e:
         raise passes.TraceError(f"could not trace {name}: {passes.frontends.error_line(e)}") from e
-    return concrete, passes.frontends.replica_reads(concrete, probe)
+    traced = None if count is None else count() != before
+    return concrete, passes.frontends.replica_reads(concrete, probe, traced)
 

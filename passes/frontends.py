@@ -74,13 +74,19 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) -> Trac
                                   replica_reads=replica_reads(concrete, probe))
 
 
-def replica_reads(concrete, probe) -> tuple:
+def replica_reads(concrete, probe, traced: bool | None = None) -> tuple | None:
     """Where ``concrete``'s trace read across replicas (``passes.one_device``):
     ``probe``'s record, kept on the function's graph for a later trace that
-    finds it in ``tf.function``'s cache."""
-    if probe.reads:
+    finds it in ``tf.function``'s cache. ``traced``: whether ``concrete`` was
+    traced inside ``probe`` (None: unknown); if it was not and its graph has
+    no record, it was traced outside any probe, and its reads are unknown
+    (None)."""
+    if traced or probe.reads:
         concrete.graph.kfac_graph_replica_reads = tuple(probe.reads)
-    return getattr(concrete.graph, "kfac_graph_replica_reads", ())
+    recorded = getattr(concrete.graph, "kfac_graph_replica_reads", None)
+    if recorded is None and traced is None:
+        return ()
+    return recorded
 
 
 def from_concrete_function(concrete, name: str = "fn", extra_variables=(),

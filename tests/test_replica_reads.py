@@ -84,3 +84,16 @@ def test_kfac_refuses_reads_across_several_replicas_and_runs_on_one():
     assert int(opt.skipped_steps.numpy()) == 0
     assert any(not np.array_equal(b, v.numpy()) for b, v in zip(before,
                                                                  model.trainable_variables))
+
+
+def test_a_users_function_traced_before_its_registration():
+    """A ``tf.function`` the user traced (called) before registering it: the
+    registration finds that trace in the cache, made outside the probe with
+    no record, and traces the function again inside it."""
+    args = _data()
+    model, _ = _bn_loss(True)
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    traced = tf.function(lambda x, y: ce(y, model(x, training=True)))
+    traced(*args)
+    reads = kg.auto_register(traced).registration(*args).replica_reads
+    assert reads and all("/norm" in r for r in reads), reads
