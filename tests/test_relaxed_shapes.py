@@ -67,13 +67,15 @@ def _assert_same(a, b, tol=1e-10):
         np.testing.assert_allclose(u, v, rtol=tol, atol=tol)
 
 
-def test_new_lengths_and_batch_sizes_trace_once_more(keras_float64):
+@pytest.mark.parametrize("jit_compile", ["auto", pytest.param(True, marks=pytest.mark.slow)])
+def test_new_lengths_and_batch_sizes_trace_once_more(keras_float64, jit_compile):
     """A sum over tokens reads alike at any size: one relaxed trace takes
     every later shape (a Conv1D, strided with SAME padding, a
     LayerNormalization and attention read their sizes at run time), and
     the steps equal a trace per shape."""
     batches = _batches([(4, 6), (4, 9), (3, 7)])
-    options = dict(momentum_type="regular", learning_rate=0.05, damping=0.1)
+    options = dict(momentum_type="regular", learning_rate=0.05, damping=0.1,
+                   jit_compile=jit_compile)  # (True: XLA compiles each shape, traced once)
     relaxed = _train(batches, "sum", **options)
     exact = _train(batches, "sum", relax_shapes=False, **options)
     _assert_same(relaxed, exact)
