@@ -12,7 +12,8 @@ size widens it, traced once more. Keras's ``fit`` does the same
 (``reduce_retracing``).
 
 The relaxed step must compute what a trace at the batch's own shapes
-would. ``check(specs)`` says whether it does (None) or why not (a line;
+would. ``check(first, specs)`` (the first batch's signature, the widened
+one) says whether it does (None) or why not (a line;
 ``registration_problem`` registers the loss at the unknown sizes and
 compares). Where it does not, that batch is traced at its own shapes, as
 before, and an absl warning says why, once per signature. Arguments other than dense tensors and
@@ -127,7 +128,7 @@ class Relaxed:
 
     def _why(self, wider):
         known = self._refused.get(_key(wider))
-        return known if known is not None else self._check(wider)
+        return known if known is not None else self._check(self._first, wider)
 
     def experimental_get_tracing_count(self) -> int:
         """Traces so far, of the exact function and the relaxed one."""
@@ -138,8 +139,9 @@ class Relaxed:
 
 def registration_problem(fn, registration, specs, curvature: bool = True) -> str | None:
     """None if ``fn`` registered at ``specs`` has ``registration``'s layers
-    (kinds and variables) and, with ``curvature``, the attributes its blocks
-    read (up to sizes left unknown) and its loss's reading (kind, reduction,
+    (kinds and variables) and variables, in its order (callers' lists align
+    with it), and, with ``curvature``, the attributes its blocks read (up to
+    sizes left unknown) and its loss's reading (kind, reduction,
     scale, weights and divisors): a step traced there then computes, and
     folds into statistics shared with the other traces, what one at known
     sizes does. Else why not, in one line: a loop over an axis left unknown
@@ -148,7 +150,8 @@ def registration_problem(fn, registration, specs, curvature: bool = True) -> str
     constant ``scale`` at known sizes, and the factors' moving averages
     would mix the two. Without ``curvature`` (DP-SGD: per-example gradients
     are exact at any size, and nothing is kept across steps) the layers'
-    kinds alone are compared, so that no layer falls to the generic rule."""
+    kinds and the variables' order alone are compared, so that no layer
+    falls to the generic rule and the gradients come in the same order."""
     try:  # (quiet; the step traced there finds it, a registration at known sizes never does)
         other = fn.registration(*specs, quiet=True)
     except KfacGraphError as error:
@@ -159,6 +162,8 @@ def registration_problem(fn, registration, specs, curvature: bool = True) -> str
             if kinds.get(id(v)) != layer.kind:
                 return (f"{v.name} registers as {layer.kind} there, not {kinds.get(id(v))}"
                         + (f" ({layer.reason})" if layer.reason else ""))
+    if [id(v) for v in other.variables] != [id(v) for v in registration.variables]:
+        return "its variables come in another order there"
     if not curvature:
         return None
     if len(other.layers) != len(registration.layers):

@@ -231,3 +231,22 @@ def test_dp_model_fit_partial_last_batch(keras_float64):
             assert wrapped._step_function.experimental_get_tracing_count() == 2
     for u, v in zip(*out):
         np.testing.assert_allclose(u, v, rtol=1e-10, atol=1e-12)
+
+
+def test_per_example_gradients_and_norms_of_new_shapes(keras_float64):
+    """kg.per_example_gradients and _norms called eagerly on new lengths and
+    batch sizes: one relaxed trace each, equal to a fresh registration's."""
+    model = _token_model(conv=True)
+    loss = _loss(model, "mean")
+    for x, y in _batches([(4, 6), (3, 9), (2, 7)]):
+        fresh = _loss(model, "mean")
+        for got, want in zip(kg.per_example_gradients(loss, x, y),
+                             kg.per_example_gradients(fresh, x, y)):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10, atol=1e-13)
+        np.testing.assert_allclose(kg.per_example_gradient_norms(loss, x, y).numpy(),
+                                   kg.per_example_gradient_norms(fresh, x, y).numpy(),
+                                   rtol=1e-10)
+    for want in ("grads", "norms"):
+        step = loss.derived[("per_example", want, id(None))]
+        assert step.relaxed[0][0].shape.as_list() == [None, None]
+        assert step.experimental_get_tracing_count() == 2

@@ -361,7 +361,7 @@ class KFAC(tf.Module):
         if self.whole_step_jit and self._replicated is None:
             core = tf.function(core, jit_compile=True, autograph=False)
         self._compiled.core = core
-        problem = lambda specs: relaxed_shapes.registration_problem(  # noqa: E731
+        problem = lambda first, specs: relaxed_shapes.registration_problem(  # noqa: E731
             self.fn, self.registration, specs)
         relax = self.relax_shapes and self._replicated is None
         self._compiled.step = (relaxed_shapes.Relaxed(self._step, problem, "kg.KFAC",

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops.parallel_for import gradients as pfor_gradients
 
-from kfac_graph import graph_options, invariants, layers
+from kfac_graph import graph_options, invariants, layers, relaxed_shapes
 from kfac_graph.auto_register import RegisteredFunction, auto_register
 from kfac_graph.layers import uses as uses_lib
 from kfac_graph.per_example.rules import RuleRegistry, default_registry
@@ -242,8 +242,7 @@ def per_example_gradients(fn, *args, rules: RuleRegistry | None = None,
     ``"default"`` keeps TensorFlow's (``kfac_graph/graph_options.py``);
     inside a ``tf.function`` the caller's graph decides."""
     fn = _registered(fn)
-    reg = fn.registration(*args)
-    return list(graph_options.eager_call(_compiled(fn, reg, "grads", rules), args,
+    return list(graph_options.eager_call(_compiled(fn, "grads", rules), args,
                                         graph_optimization))
 
 
@@ -254,30 +253,36 @@ def per_example_gradient_norms(fn, *args, rules: RuleRegistry | None = None,
     cost model says that is cheaper. ``graph_optimization`` as for
     ``per_example_gradients``."""
     fn = _registered(fn)
-    reg = fn.registration(*args)
-    return graph_options.eager_call(_compiled(fn, reg, "norms", rules), args,
-                                    graph_optimization)
+    return graph_options.eager_call(_compiled(fn, "norms", rules), args, graph_optimization)
 
 
-def _compiled(fn: RegisteredFunction, reg: Registration, want: str, rules):
-    """One ``tf.function`` per registration, wanted result and rule set,
-    cached on the registered function."""
-    key = ("per_example", want, id(reg), id(rules))
+def _compiled(fn: RegisteredFunction, want: str, rules):
+    """One function per wanted result and rule set, cached on the registered
+    function: traced at the first arguments' shapes, and once more with the
+    sizes that changed unknown for arguments of other shapes, where the loss
+    registers the same kinds of layers there (``relaxed_shapes``; the rules
+    are exact at any size, and nothing is kept between calls)."""
+    key = ("per_example", want, id(rules))
     cached = fn.derived.get(key)
     if cached is not None:
         return cached
     registry = rules or default_registry()
 
-    # autograph=False: nothing here branches on tensors, and a KfacGraphError
-    # raised while tracing reaches the caller as it is (one line)
-    @tf.function(autograph=False)
-    def run(*args):
+    def per_example(*args):
+        reg = fn.registration(*args)
         taps = LayerTaps.build(reg, args, read_variables=reg.generic_variables)
         per_layer = per_layer_results(reg, taps, registry, want)
         if want == "grads":
             return [g for grads in per_layer for g in grads]
         return model_norms(per_layer)
 
+    # autograph=False: nothing here branches on tensors, and a KfacGraphError
+    # raised while tracing reaches the caller as it is (one line)
+    run = relaxed_shapes.Relaxed(
+        per_example, lambda first, wider: relaxed_shapes.registration_problem(
+            fn, fn.registration(*first), wider, curvature=False),
+        f"kg.per_example_{'gradients' if want == 'grads' else 'gradient_norms'}",
+        autograph=False)
     fn.derived[key] = run
     return run
 
