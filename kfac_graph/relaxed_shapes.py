@@ -78,7 +78,8 @@ class Relaxed:
         self.exact = tf.function(function, **options)
         self.relaxed = None  # (signature, tf.function)
         self._first = None
-        self._exact_keys = set()
+        self._routes = {}  # shapes and dtypes -> the function that runs them
+        self._traced = [self.exact]  # and every relaxed one (a widened one replaces the last)
         self._refused = {}  # key of a widened signature -> why
         self._warned = set()
 
@@ -90,15 +91,20 @@ class Relaxed:
         return self._route(args, kwargs).get_concrete_function(*args, **kwargs)
 
     def _route(self, args, kwargs):
-        """The ``tf.function`` for these arguments (made, and checked, here)."""
-        sig = signature(args)
-        if kwargs or sig is None:
+        """The ``tf.function`` for these arguments (made, and checked, here;
+        remembered by their shapes and dtypes)."""
+        leaves = tf.nest.flatten(args)
+        if kwargs or not all(isinstance(a, (tf.Tensor, np.ndarray)) for a in leaves):
             return self.exact
-        key = _key(sig)
+        key = tuple((tuple(a.shape), tf.as_dtype(a.dtype).name) for a in leaves)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = self._new_route(signature(args), key)
+        return route
+
+    def _new_route(self, sig, key):
         if self._first is None:
             self._first = sig
-            self._exact_keys.add(key)
-        if key in self._exact_keys:
             return self.exact
         if self.relaxed is not None and _fits(self.relaxed[0], sig):
             return self.relaxed[1]
@@ -115,6 +121,10 @@ class Relaxed:
                     str(error).strip().splitlines() or [""])[0]
             else:
                 self.relaxed = (wider, function)
+                self._traced.append(function)
+                # routes to an earlier relaxed function: to this wider one
+                self._routes = {k: function if r is not self.exact else r
+                                for k, r in self._routes.items()}
                 return function
         refused = _key(wider) if wider is not None else key
         self._refused[refused] = why
@@ -123,7 +133,6 @@ class Relaxed:
             logging.warning("%s: a batch of shapes %s traces the step again at its own shapes, "
                             "not once with %s unknown: %s", self._owner, list(key),
                             "the sizes" if wider is None else _unknown(wider), why)
-        self._exact_keys.add(key)
         return self.exact
 
     def _why(self, wider):
@@ -131,10 +140,8 @@ class Relaxed:
         return known if known is not None else self._check(self._first, wider)
 
     def experimental_get_tracing_count(self) -> int:
-        """Traces so far, of the exact function and the relaxed one."""
-        count = self.exact.experimental_get_tracing_count()
-        return count + (0 if self.relaxed is None else
-                        self.relaxed[1].experimental_get_tracing_count())
+        """Traces so far, of the exact function and the relaxed ones."""
+        return sum(f.experimental_get_tracing_count() for f in self._traced)
 
 
 def registration_problem(fn, registration, specs, curvature: bool = True) -> str | None:

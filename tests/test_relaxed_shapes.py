@@ -73,7 +73,7 @@ def test_new_lengths_and_batch_sizes_trace_once_more(keras_float64, jit_compile)
     every later shape (a Conv1D, strided with SAME padding, a
     LayerNormalization and attention read their sizes at run time), and
     the steps equal a trace per shape."""
-    batches = _batches([(4, 6), (4, 9), (3, 7)])
+    batches = _batches([(4, 6), (3, 9), (2, 7)])
     options = dict(momentum_type="regular", learning_rate=0.05, damping=0.1,
                    jit_compile=jit_compile)  # (True: XLA compiles each shape, traced once)
     relaxed = _train(batches, "sum", **options)
@@ -110,7 +110,7 @@ def test_mean_over_tokens_keeps_a_trace_per_length(keras_float64, monkeypatch):
 def test_masked_mean_over_tokens_traces_once_more(keras_float64):
     """A masked mean, sum(ce * mask) / sum(mask), divides by data at any
     size: new lengths share one relaxed trace (K-FAC's defaults)."""
-    batches = _batches([(4, 6), (4, 9), (3, 7)], stride=1)
+    batches = _batches([(4, 6), (3, 9), (2, 7)], stride=1)
     relaxed = _train(batches, "masked", conv=False)
     exact = _train(batches, "masked", conv=False, relax_shapes=False)
     _assert_same(relaxed, exact)
@@ -142,7 +142,7 @@ def test_dpsgd_partial_batch_and_new_length_against_one_example_tapes(keras_floa
     loss = _loss(model, "mean")
     clip, rate = 0.05, 0.5
     opt = kg.DPSGD(loss, learning_rate=rate, l2_norm_clip=clip, noise_multiplier=0.0, seed=1)
-    for x, y in _batches([(4, 6), (3, 6), (4, 9)], stride=1):
+    for x, y in _batches([(4, 6), (3, 9), (2, 6)], stride=1):
         before = [v.numpy() for v in model.trainable_variables]
         clipped = []
         for i in range(x.shape[0]):
@@ -250,3 +250,20 @@ def test_per_example_gradients_and_norms_of_new_shapes(keras_float64):
         step = loss.derived[("per_example", want, id(None))]
         assert step.relaxed[0][0].shape.as_list() == [None, None]
         assert step.experimental_get_tracing_count() == 2
+
+
+def test_a_later_size_widens_the_relaxed_signature_once_more():
+    """[4, 6] exactly; [3, 6] relaxed to [None, 6]; [3, 7] widens it to
+    [None, None], which then takes [3, 6] too; a batch of the first shape
+    keeps its exact trace, and a Python number goes to it as well."""
+    calls = []
+    step = relaxed_shapes.Relaxed(lambda x: 2.0 * x, lambda first, wider: calls.append(wider),
+                                  "test", autograph=False)
+    for shape in ([4, 6], [3, 6], [3, 7], [3, 6], [4, 6], [5, 9]):
+        x = tf.random.normal(shape)
+        np.testing.assert_allclose(step(x).numpy(), 2.0 * x.numpy())
+    assert [w[0].shape.as_list() for w in calls] == [[None, 6], [None, None]]
+    assert step.relaxed[0][0].shape.as_list() == [None, None]
+    assert step.experimental_get_tracing_count() == 3
+    assert step.get_concrete_function(tf.zeros([4, 6])) is step.exact.get_concrete_function(
+        tf.zeros([4, 6]))
