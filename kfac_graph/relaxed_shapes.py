@@ -16,9 +16,10 @@ would. ``check(first, specs)`` (the first batch's signature, the widened
 one) says whether it does (None) or why not (a line;
 ``registration_problem`` registers the loss at the unknown sizes and
 compares). Where it does not, that batch is traced at its own shapes, as
-before, and an absl warning says why, once per signature. Arguments other than dense tensors and
-arrays, and keyword arguments, always go to the exact function; so does a
-batch whose relaxed step stops while tracing (the warning names the error).
+before, and an absl warning says why, once per signature. Arguments other
+than dense tensors and arrays, and keyword arguments, always go to the
+exact function; so does a batch whose relaxed step stops while tracing
+(the warning names the error).
 """
 from __future__ import annotations
 
