@@ -105,10 +105,9 @@ class DPSGD:
             # convert every function the step calls, the pass included (~20 s, once);
             # batches of new shapes: one more trace, with the sizes that changed unknown
             # (per-example gradients are exact there; nothing is averaged across steps)
-            problem = lambda first, specs: relaxed_shapes.registration_problem(  # noqa: E731
-                self.fn, self.fn.registration(*first), specs, curvature=False)
-            self._step_function = relaxed_shapes.Relaxed(self._step_impl, problem, "kg.DPSGD",
-                                                         autograph=False)
+            self._step_function = relaxed_shapes.Relaxed(
+                self._step_impl, relaxed_shapes.kinds_check(self.fn), "kg.DPSGD",
+                autograph=False)
         if mask is None:
             return self._step_function(*args)
         return self._step_function(*args, mask=mask)

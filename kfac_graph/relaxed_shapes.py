@@ -226,3 +226,13 @@ def _first_difference(a, b) -> str:
         if not _agree(a.get(k), b.get(k)):
             return f"{k}: {a.get(k)!r} against {b.get(k)!r}"
     return "attributes differ"
+
+
+def kinds_check(fn, loss_args=lambda specs: specs):
+    """``Relaxed``'s check for a step whose results are exact at any size and
+    keep nothing across calls (DP-SGD, per-example gradients):
+    ``registration_problem`` without ``curvature``, against ``fn``'s
+    registration at the first signature. ``loss_args``: the loss's
+    arguments among the step's."""
+    return lambda first, specs: registration_problem(
+        fn, fn.registration(*loss_args(first)), loss_args(specs), curvature=False)

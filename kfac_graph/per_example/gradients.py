@@ -279,8 +279,7 @@ def _compiled(fn: RegisteredFunction, want: str, rules):
     # autograph=False: nothing here branches on tensors, and a KfacGraphError
     # raised while tracing reaches the caller as it is (one line)
     run = relaxed_shapes.Relaxed(
-        per_example, lambda first, wider: relaxed_shapes.registration_problem(
-            fn, fn.registration(*first), wider, curvature=False),
+        per_example, relaxed_shapes.kinds_check(fn),
         f"kg.per_example_{'gradients' if want == 'grads' else 'gradient_norms'}",
         autograph=False)
     fn.derived[key] = run

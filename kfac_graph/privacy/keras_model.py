@@ -275,8 +275,10 @@ class DPModel(LedgerAccounting, keras_train_loop.WrapperPlumbing, own.ModelCompu
                 lambda *a: strategy.run(self._dp_step, args=a))
             self._step_function = step if self.run_eagerly else (
                 tf.function(step, autograph=False) if strategy is not None
-                else relaxed_shapes.Relaxed(step, self._relaxed_problem, "kg.DPModel.fit",
-                                            autograph=False))
+                # the step's (x, y, key[, mask, *weights]): the loss's (x, y, *weights)
+                else relaxed_shapes.Relaxed(
+                    step, relaxed_shapes.kinds_check(self.loss_fn, lambda s: (*s[:2], *s[4:])),
+                    "kg.DPModel.fit", autograph=False))
         key = self.noise.next_key()
         logs = (self._step_function(x, y, key) if mask is None and not weights
                 else self._step_function(x, y, key, mask, *weights))
@@ -284,15 +286,6 @@ class DPModel(LedgerAccounting, keras_train_loop.WrapperPlumbing, own.ModelCompu
         if self.sampling is not None and self.accountant == "rdp":
             logs["epsilon"] = self.epsilon()
         return logs
-
-    def _relaxed_problem(self, first, specs):
-        """The step's check for a batch of a new shape (``relaxed_shapes``): its
-        arguments ``(x, y, key[, mask, *weights])`` are the loss's ``(x, y,
-        *weights)`` with the noise key and the mask."""
-        loss_args = lambda s: (*s[:2], *s[4:])  # noqa: E731
-        return relaxed_shapes.registration_problem(
-            self.loss_fn, self.loss_fn.registration(*loss_args(first)), loss_args(specs),
-            curvature=False)
 
     def _dp_step(self, x, y, key, mask=None, *weights):
         if self._own_loss:  # the model's compute_loss at the real rows, before the update
