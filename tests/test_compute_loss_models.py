@@ -96,6 +96,7 @@ def test_kfac_model_fit_equals_kfac_on_the_models_compute_loss(keras_float64):
     assert kmodel.evaluate(x, y, batch_size=2 * B, verbose=0) == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.slow  # compute_loss: the KFACModel case above (fast)
 def test_dp_model_without_noise_or_clipping_is_sgd_on_compute_loss(keras_float64):
     x, y, _ = _data()
     plain = _aux_model()

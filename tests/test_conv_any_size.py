@@ -135,6 +135,7 @@ def test_kfac_steps_traced_at_any_size_equal_the_static_ones(name):
     assert losses[0][1] < losses[0][0]  # the first step, no momentum yet, goes down
 
 
+@pytest.mark.slow  # at any size: test_kfac_steps_traced_at_any_size_equal_the_static_ones
 def test_a_3d_step_of_any_size_compiles_with_xla():
     """3-D patches at a size known at run time only are depth slabs of 2-D
     patches (``layers/run_time_patches``), which XLA compiles
@@ -151,6 +152,7 @@ def test_a_3d_step_of_any_size_compiles_with_xla():
             np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=v.name)
 
 
+@pytest.mark.slow  # at any size: test_kfac_steps_traced_at_any_size_equal_the_static_ones
 def test_kfac_rewrite_of_images_of_any_size(tmp_path):
     """``kfac-rewrite`` traces its steps with the SavedModel's signature,
     ``[None, None, None, 3]``: the rewritten model's per-example gradients

@@ -97,6 +97,7 @@ def test_conv1d_dilated_first_and_middle_layers():
     assert report.passed, report.table()
 
 
+@pytest.mark.slow  # dilated forms' gradients and blocks against brute force stay fast
 def test_dilated_forms_train_with_kfac():
     """Conv1D (same, valid, causal), then DepthwiseConv2D and SeparableConv2D."""
     layers = [*_conv1d_stack(), keras.layers.Reshape((2, 5, 3), dtype=F64),

@@ -104,6 +104,7 @@ def test_unreduced_and_summed_losses(reduction):
     assert history.history["loss"][0] == pytest.approx(float(loss), rel=1e-5)
 
 
+@pytest.mark.slow  # loss_weights: test_keras_fit.py's K-FAC case in the fast set
 def test_loss_weights_weigh_each_outputs_loss():
     """``compile(loss_weights=...)``: the step and the logged loss are Keras's
     SGD's on the weighted sum (before, the plain sum: 3.04 where Keras logged

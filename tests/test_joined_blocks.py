@@ -49,6 +49,7 @@ def test_every_block_is_brute_force(float64, monkeypatch):
     assert kg.verify(fn, *args).passed
 
 
+@pytest.mark.slow  # the blocks: test_every_block_is_brute_force (fast)
 def test_260_pixels_are_read_in_blocks_and_the_defaults_train_them(float64):
     fn, args, *_ = _registered(260)
     reg = fn.registration(*args)

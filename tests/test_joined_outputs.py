@@ -80,6 +80,7 @@ def test_two_heads_are_joined_and_their_blocks_are_brute_force(float64):
         assert kg.verify(fn, *args, estimation_mode="exact").passed
 
 
+@pytest.mark.slow  # fit on joined outputs: the brute-force tests in the fast set
 def test_keras_fit_with_a_loss_per_output_trains_with_the_defaults():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, D)).astype("float32")
@@ -95,6 +96,7 @@ def test_keras_fit_with_a_loss_per_output_trains_with_the_defaults():
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0], losses
 
 
+@pytest.mark.slow  # fit on joined outputs: the brute-force tests above in the fast set
 def test_keras_fit_with_sample_weights_per_output(float64):
     """``fit(..., sample_weight={"label": w1, "value": w2})``: each output's
     loss takes its own weights (before, KFACModel refused sample weights

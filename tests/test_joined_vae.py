@@ -49,6 +49,7 @@ def _keras_vae(seed=0, pixels=6):
     return encoder, decoder, outputs, on_outputs, args
 
 
+@pytest.mark.slow  # the KL term's blocks: test_vae_kl_term_is_in_the_encoder_blocks (fast)
 def test_keras_vae_with_a_layer_per_code_statistic(float64):
     """Before: the KL term had no output (its ``z_mean`` and ``z_log_var``
     meet only below it), so it was in no curvature."""

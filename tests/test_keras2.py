@@ -100,6 +100,7 @@ def test_keras_fit_wrappers():
         kg.DPModel(model, loss=loss)
 
 
+@pytest.mark.slow  # Keras 2's sequence model (fast) above; SavedModel rewrites: test_rewrite.py
 def test_a_keras2_saved_model_is_rewritten(tmp_path):
     """A SavedModel of a Keras 2 model with an embedding (its lookup colocated
     with the table's handle, named as the caller's graph names it): rewritten,

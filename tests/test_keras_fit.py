@@ -49,6 +49,7 @@ def test_fit_with_metrics_and_callbacks(tmp_path):
     assert model.predict(x[:5], verbose=0).shape == (5, 3)
 
 
+@pytest.mark.slow  # K-FAC's state round-trips in test_optimizer.py's checkpoint test (fast)
 def test_checkpoint_restores_kfac_state(tmp_path):
     """Weights and K-FAC's state (factors, inverses, counters) round-trip
     through save_weights/load_weights, also into a model not trained yet."""
@@ -178,7 +179,8 @@ def test_loss_weights_weigh_each_outputs_loss():
     t = rng.normal(size=(32, 2)).astype("float32")
     mse = keras.losses.MeanSquaredError()
     runs = []
-    for value_loss, weights in ((mse, {"label": 1.0, "value": 10.0}), (lambda a, b: 10.0 * mse(a, b), None)):
+    for value_loss, weights in ((mse, {"label": 1.0, "value": 10.0}),
+                                (lambda a, b: 10.0 * mse(a, b), None)):
         keras.utils.set_random_seed(0)
         i = keras.Input((6,))
         h = keras.layers.Dense(8, activation="tanh")(i)

@@ -93,7 +93,7 @@ def test_one_frozen_layer_inside_a_trained_backbone():
                                                        _values(backbone.layers[-1].weights)))
 
 
-@pytest.mark.parametrize("mirrored", [False, True])
+@pytest.mark.parametrize("mirrored", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_kfac_model_fit_keeps_a_frozen_backbone(mirrored):
     """Also under ``tf.distribute`` (one device), where the step captures each
     mirrored variable's per-replica component, which does not point back."""

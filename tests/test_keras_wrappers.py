@@ -41,7 +41,7 @@ def _two_outputs():
     return model, x, y, losses
 
 
-@pytest.mark.parametrize("wrapper", ["kfac", "dp"])
+@pytest.mark.parametrize("wrapper", [pytest.param("kfac", marks=pytest.mark.slow), "dp"])
 def test_each_outputs_loss_is_logged(wrapper):
     model, x, y, losses = _two_outputs()
     if wrapper == "kfac":

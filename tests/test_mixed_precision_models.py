@@ -114,7 +114,8 @@ def _per_example(build, dtype=None):
 
 @pytest.mark.parametrize("build,policy,layer_level", [
     (_gpt2, "mixed_float16", False), (_cnn, "mixed_bfloat16", True),
-    (_recurrent("lstm"), "mixed_float16", False), (_recurrent("gru"), "mixed_float16", False)],
+    (_recurrent("lstm"), "mixed_float16", False),
+    pytest.param(_recurrent("gru"), "mixed_float16", False, marks=pytest.mark.slow)],
     ids=["gpt2-fp16", "cnn-layer-bf16", "lstm-fp16", "gru-fp16"])
 def test_per_example_gradients_under_a_16_bit_policy(build, policy, layer_level,
                                                      restore_policy):

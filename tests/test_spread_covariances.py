@@ -131,6 +131,7 @@ def test_a_slice_every_other_step_is_a_period_of_half_as_many_slices(jit_compile
     assert int(opt.skipped_steps) == 0 and int(opt.iterations) == len(batches)
 
 
+@pytest.mark.slow  # the spread's steps: the estimator fed by hand (fast)
 def test_xla_step_equals_the_plain_tensorflow_step():
     runs = []
     for jit in (False, True):

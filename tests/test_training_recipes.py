@@ -87,6 +87,7 @@ def _distillation(teacher_mode, temperature="constant"):
     return loss_fn, args, student
 
 
+@pytest.mark.slow  # a recipe's model; the recipes' one-line cases stay fast
 def test_distillation_with_a_teacher_under_stop_gradient_is_the_frozen_teachers(keras_float64):
     runs = {}
     for mode in ("frozen", "stop_gradient"):
@@ -269,6 +270,7 @@ def test_triplet_loss_with_in_batch_hardest_negatives_couples(keras_float64):
         kg.DPSGD(loss_fn, learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.5).step(*args)
 
 
+@pytest.mark.slow  # a recipe's model; the recipes' one-line cases stay fast
 def test_a_weight_held_in_a_non_trainable_variable_is_read_when_the_loss_runs(keras_float64):
     """A KL weight annealed by a callback (``beta * kl`` beside the
     likelihood) and a distillation's ``T**2`` held in non-trainable
