@@ -159,6 +159,7 @@ def test_dpsgd_partial_batch_and_new_length_against_one_example_tapes(keras_floa
     assert opt._step_function.experimental_get_tracing_count() == 2
 
 
+@pytest.mark.slow  # KFACModel.fit steps through kg.KFAC's relaxed step, checked above
 def test_kfac_model_fit_batches_of_new_sizes(keras_float64):
     """KFACModel.fit over batches of 4, 3 and 2 examples (the last of an
     epoch is often partial): the steps at 3 and 2 share one relaxed trace,
