@@ -226,7 +226,6 @@ def main(argv):
         for _ in range(FLAGS.per_example_rounds):
             for mode, times in rounds.items():
                 times.append(per_example_times(model_name, graph_optimization=mode))
-        pxg, pxg_on = (mean_times(rounds["off"]), mean_times(rounds["default"]))
         base = adam["first step"]
         rows.append((model_name, "Adam first step", adam["first step"], 1.0))
         rows.append((model_name, "Adam later step", adam["later step"],
@@ -240,6 +239,9 @@ def main(argv):
             for label, seconds in parts.items():
                 rows.append((model_name, f"  in the trace: {label}", seconds, seconds / base))
         rows.append((model_name, "batch gradient, first call", grad["first call"], 1.0))
+        if not FLAGS.per_example_rounds:
+            continue
+        pxg, pxg_on = (mean_times(rounds["off"]), mean_times(rounds["default"]))
         rows.append((model_name, "per_example_gradients, first call", pxg["first call"],
                      pxg["first call"] / grad["first call"]))
         rows.append((model_name, "per_example_gradients, later call", pxg["later call"],

@@ -139,6 +139,18 @@ class LossSpec:
         """Whether tokens (or examples) carry weights read from data."""
         return bool(self.weights or self.divisors)
 
+    @property
+    def size_scaled(self) -> bool:
+        """Whether the loss divides by sizes known at run time alone (a plain
+        mean over an axis traced as ``None``) and has no data weights: its
+        tokens then weigh alike, ``w_it = s`` (``1/T``), and ``s`` is read at
+        run time as a factor of the curvature's scale, not of the tokens
+        (``LayerTaps.size_scale``), as the constant ``scale`` holds it at
+        known sizes; so the Fisher's tokens, and the factors, read alike at
+        any size. A size is named in words; a data tensor's name has no space."""
+        return (not self.weights and bool(self.divisors)
+                and all(" " in d for d in self.divisors))
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Registration:

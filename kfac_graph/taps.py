@@ -28,7 +28,11 @@ summed per example; weighted by the tokens' weights) or None, with
 (``Registration.per_example_extras``) are in it; ``penalties``: the loss's
 weight-penalty terms (``LossSpec.penalties``); ``token_weights``: for a loss with
 data weights (``LossSpec.weighted``), each token's weight ``w_it`` laid out
-like the model output's tokens (``kfac_graph.token_weights``), else None. A
+like the model output's tokens (``kfac_graph.token_weights``), else None;
+for a loss that divides by sizes known at run time alone
+(``LossSpec.size_scaled``: ``w_it = s``, ``1/T`` of a plain mean) they are
+None and ``size_scale`` is ``s``, a factor of the curvature's scale (the
+Fisher's tokens unweighted, as at known sizes: ``optimizer/step_pass.py``). A
 ``tf.py_function`` in the graph re-runs its Python function for each
 backward pass (``_callback_gradient``; see ``passes/callbacks.py``), and a
 grouped ``Conv2D`` gets a gradient the CPU can run (``grouped_conv_grad``).
@@ -62,6 +66,7 @@ class LayerTaps:
     batch: Any = None
     per_example_problem: str = ""
     token_weights: tf.Tensor | None = None
+    size_scale: tf.Tensor | None = None
     penalties: tuple[tf.Tensor, ...] = ()
     # what is computed once per forward pass for every caller (the loss's Hessian at z)
     derived: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -122,13 +127,15 @@ class LayerTaps:
         model_output = tensors.get(loss_spec.output) if loss_spec.output else None
         batch = _batch_of(flat_args, model_output)
         per_example, problem = None, "the loss pass found no per-example loss terms"
-        weights = None
+        weights = size_scale = None
         if reg.per_example_loss:
             terms, coefficient = tensors[reg.per_example_loss], reg.per_example_coefficient
             if loss_spec.weighted:
                 weights, terms = token_weights.read(reg, tensors[reg.output], terms,
                                                     model_output, batch)
                 coefficient = 1.0
+                if loss_spec.size_scaled and weights is not None:  # (every token's w alike)
+                    size_scale, weights = tf.reduce_max(weights), None
             per_example, problem = _per_example_terms(terms, batch, model_output)
             if per_example is not None:
                 per_example = per_example * as_dtype(coefficient, per_example.dtype)
@@ -148,7 +155,8 @@ class LayerTaps:
                          for layer in reg.layers),
             outputs=tuple(tuple(tensors[t] for t in layer.outputs) for layer in reg.layers),
             variable_reads=reads, batch=batch, per_example_problem=problem,
-            token_weights=weights, penalties=tuple(tensors[t] for t in loss_spec.penalties))
+            token_weights=weights, size_scale=size_scale,
+            penalties=tuple(tensors[t] for t in loss_spec.penalties))
 
     @property
     def batch_size(self):

@@ -39,6 +39,8 @@ def ratios(fn, reg, args, one_args: dict, cache: dict, rtol: float):
     """``({i: r_i}, "")``, or ``({}, why not)`` for the picked examples
     ``one_args`` (``{i: args[i:i+1]}``). ``cache``: where the traced
     functions are kept (``fn.derived``)."""
+    if reg.loss.size_scaled:  # (w_it = 1/T alike in the batch and on one example)
+        return {i: 1.0 for i in one_args}, ""
     key = ("verify_token_weights", id(reg))
     if key not in cache:
         cache[key] = token_weights_function(reg)

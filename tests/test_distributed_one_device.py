@@ -7,7 +7,9 @@ it in one line. A Keras loss object, which divides
 itself by the replicas when traced under a strategy, is traced as one
 device sees it (``passes.frontends.one_device``): its per-example gradients
 inside the scope, and ``kg.KFAC``'s steps on 2 replicas (a Huber loss, kind
-ggn), equal one device's. In a fresh process with 2 logical CPUs."""
+ggn; a plain mean over tokens traced with their count unknown, whose ``1/T``
+each replica reads at run time), equal one device's. In a fresh process with
+2 logical CPUs."""
 import json
 import os
 import subprocess
@@ -61,7 +63,27 @@ single = kfac_huber(make())
 with strategy.scope():
     replicated_model = make()
 replicated = kfac_huber(replicated_model)
+# a plain mean over tokens traced with their count unknown: 1/T read at run time as
+# a factor of the curvature's scale (LossSpec.size_scaled), each replica's alike
+ids = tf.constant(rng.integers(0, 7, (8, 5)), tf.int32)
+def tokens():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((None,), dtype="int32"),
+                             keras.layers.Embedding(7, 4, dtype="float64"),
+                             keras.layers.Dense(7, dtype="float64")])
+def kfac_tokens(model, spec):
+    loss = tf.function(lambda a, b: tf.reduce_mean(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(b, model(a))), input_signature=spec)
+    opt = kg.KFAC(kg.auto_register(loss), **config)
+    for _ in range(3):
+        opt.step(ids, ids)
+    return [v.numpy() for v in model.trainable_variables]
+single_tokens = kfac_tokens(tokens(), [tf.TensorSpec([8, 5], tf.int32)] * 2)
+with strategy.scope():
+    replicated_tokens_model = tokens()
+replicated_tokens = kfac_tokens(replicated_tokens_model, [tf.TensorSpec([None, None], tf.int32)] * 2)
 print(json.dumps({
+    "kfac_tokens": max(float(np.abs(a - b).max()) for a, b in zip(single_tokens, replicated_tokens)),
     "keras_per_example": max(float(np.abs(g - w).max()) for g, w in zip(got_keras, want_keras)),
     "kfac_keras_loss": max(float(np.abs(a - b).max()) for a, b in zip(single, replicated)),
     "per_example": max(float(np.abs(g - w).max()) for g, w in zip(got, want)),
@@ -82,6 +104,7 @@ def test_mirrored_model_on_one_device():
     # 2 replicas, and K-FAC's steps on half the loss
     assert out["keras_per_example"] < 1e-12
     assert out["kfac_keras_loss"] < 1e-10
+    assert out["kfac_tokens"] < 1e-10
     assert len(out["copies"]) == 4 and max(out["copies"]) < 1e-12
     assert out["refusal"].startswith("kg.DPModel: its model is under a tf.distribute strategy")
     assert "\n" not in out["refusal"]

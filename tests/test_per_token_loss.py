@@ -318,6 +318,33 @@ def test_a_mean_over_positions_known_at_run_time_only(reduce):
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-10)
 
 
+def test_a_plain_mean_at_a_run_time_length_has_the_static_blocks():
+    """A plain mean over positions traced with T unknown divides by T at run
+    time (``LossSpec.size_scaled``): ``1/T`` is read as a factor of the
+    curvature's scale, as the constant ``scale`` holds it at known sizes, so
+    the estimator's blocks (which leave the scale out) are the static
+    trace's. Before, its tokens were weighted by ``1/T`` and its blocks were
+    T times smaller than at a known length."""
+    _, logits_of, (x, y) = _tokens_with_a_generic_variable(steps=5, seed=1)
+
+    def loss(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits_of(x)))
+
+    spec = [tf.TensorSpec([None, None], tf.int32)] * 2
+    static, dynamic = kg.auto_register(loss), kg.auto_register(
+        tf.function(loss, input_signature=spec))
+    assert dynamic.registration(x, y).loss.size_scaled
+    assert not static.registration(x, y).loss.weighted
+    blocks = []
+    for fn in (static, dynamic):
+        est = kg.FisherEstimator(fn, estimation_mode="exact")
+        est.update(x, y)
+        blocks.append([b.full_matrix().numpy() for b in est.blocks])
+    for a, b in zip(*blocks):
+        np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-14)
+    assert kg.verify(dynamic, x, y, estimation_mode="exact").passed
+
+
 # loss(ce [B, T], logits) -> scalar: divisors and means whose reading depends on
 # whether they count the batch (T = 6 is a multiple of B = 3: a size's value
 # alone cannot tell)

@@ -43,6 +43,8 @@ def _loss(model, reduction):
         if reduction == "masked":
             mask = tf.cast(y > 1, ce.dtype)
             return tf.reduce_sum(ce * mask) / tf.reduce_sum(mask)
+        if reduction == "weighted_mean":
+            return tf.reduce_mean(ce * tf.cast(y > 1, ce.dtype))
         return tf.reduce_mean(ce)
     return loss
 
@@ -84,22 +86,46 @@ def test_new_lengths_and_batch_sizes_trace_once_more(keras_float64, jit_compile)
     assert exact[2]._compiled.step.experimental_get_tracing_count() == 3
 
 
-def test_mean_over_tokens_keeps_a_trace_per_length(keras_float64, monkeypatch):
-    """A mean over tokens divides by T: a constant scale at known sizes, the
-    tokens' weights at run time when T is unknown, and the factors' moving
-    averages would mix the two. A new batch size is relaxed (T known); a new
-    length is traced at its own shapes, with one warning that says why."""
+@pytest.mark.parametrize("options", [
+    dict(momentum_type="regular", learning_rate=0.05, damping=0.1),
+    # statistics every other step: the other steps take the registered graph's pass
+    dict(momentum_type="regular", learning_rate=0.05, damping=0.1, cov_update_period=2),
+    pytest.param({}, marks=pytest.mark.slow)], ids=["regular", "cov2", "defaults"])
+def test_mean_over_tokens_reads_its_length_at_run_time(keras_float64, monkeypatch, options):
+    """A plain mean over tokens divides by T: a constant ``scale`` at known
+    sizes, and at an unknown length a size read at run time as a factor of
+    the curvature's scale (``LossSpec.size_scaled``), so the Fisher's tokens
+    and the factors read alike: new batch sizes and lengths share one
+    relaxed trace, with no warning, and equal a trace per shape."""
     warnings = []
     monkeypatch.setattr(logging, "warning", lambda fmt, *a: warnings.append(fmt % a))
     batches = _batches([(4, 6), (3, 6), (4, 9), (2, 9)], stride=1)
-    options = dict(momentum_type="regular", learning_rate=0.05, damping=0.1)
     relaxed = _train(batches, "mean", conv=False, **options)
     exact = _train(batches, "mean", conv=False, relax_shapes=False, **options)
     _assert_same(relaxed, exact)
     step = relaxed[2]._compiled.step
+    assert step.relaxed[0][0].shape.as_list() == [None, None]
+    # (4, 6); (None, 6), widened to (None, None) by (4, 9), which takes (2, 9)
+    assert step.experimental_get_tracing_count() == 3
+    assert not warnings, warnings
+
+
+def test_mean_of_weighted_tokens_keeps_a_trace_per_length(keras_float64, monkeypatch):
+    """``reduce_mean(ce * mask)`` weighs its tokens by data and divides by T:
+    at an unknown length T is in the tokens' weights, at known ones in the
+    constant ``scale``, and the factors' moving averages would mix the two.
+    A new batch size relaxes; a new length keeps its own trace, with one
+    warning that says why."""
+    warnings = []
+    monkeypatch.setattr(logging, "warning", lambda fmt, *a: warnings.append(fmt % a))
+    batches = _batches([(4, 6), (3, 6), (4, 9)], stride=1)
+    options = dict(momentum_type="regular", learning_rate=0.05, damping=0.1)
+    relaxed = _train(batches, "weighted_mean", conv=False, **options)
+    exact = _train(batches, "weighted_mean", conv=False, relax_shapes=False, **options)
+    _assert_same(relaxed, exact)
+    step = relaxed[2]._compiled.step
     assert step.relaxed[0][0].shape.as_list() == [None, 6]
-    # (4, 6); (None, 6); (4, 9) and (2, 9) at their own shapes
-    assert step.experimental_get_tracing_count() == 4
+    assert step.experimental_get_tracing_count() == 3  # (4, 6); (None, 6); (4, 9)
     assert len(warnings) == 1, warnings
     assert "kg.KFAC: a batch of shapes" in warnings[0]
     assert "divides by the size of axis 1" in warnings[0]

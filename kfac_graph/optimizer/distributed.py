@@ -68,7 +68,8 @@ import tensorflow as tf
 from kfac_graph.optimizer import exact_fisher, loss_state, replica_reads
 from kfac_graph.optimizer import vectors as vec
 from kfac_graph.optimizer.example_cuts import batch_tensor
-from kfac_graph.optimizer.step_core import Gradients, StepCore, curvature_scale, forward_backward
+from kfac_graph.optimizer.step_core import Gradients, StepCore
+from kfac_graph.optimizer.step_pass import curvature_scale, forward_backward
 from kfac_graph.taps import LayerTaps, is_trace_constant
 
 SYNC_MODES = ("lazy", "eager")
@@ -154,9 +155,8 @@ class ReplicatedCore(StepCore):
         """One replica's share of ``args`` (what the registration is traced with)."""
         if any(_is_distributed(a) for a in tf.nest.flatten(args)):
             first = lambda a: self.strategy.experimental_local_results(a)[0]
-            return tf.nest.map_structure(
-                lambda a: first(a) if _is_distributed(a) else a, tuple(args)
-            )
+            return tf.nest.map_structure(lambda a: first(a) if _is_distributed(a) else a,
+                                         tuple(args))
         return tf.nest.map_structure(lambda a: self._share(a, 0), tuple(args))
 
     def distribute(self, args):
@@ -201,9 +201,8 @@ class ReplicatedCore(StepCore):
         ``tf.function`` itself launches it on the first replica's device)."""
         if key not in self._replica_fns:
             jit = self.opt.whole_step_jit
-            self._replica_fns[key] = (
-                tf.function(fn, jit_compile=True, autograph=False) if jit else fn
-            )
+            self._replica_fns[key] = (tf.function(fn, jit_compile=True, autograph=False)
+                                      if jit else fn)
         compiled = self._replica_fns[key]
         return lambda *args: compiled(*args)
 
@@ -239,20 +238,22 @@ class ReplicatedCore(StepCore):
         )
         _, unpack = self._gradients_layout
         reduced = unpack(strategy.reduce(self._loss_op, packed, axis=None))
-        loss, grads, flagged, batch = reduced[0], reduced[1:-2], reduced[-2], reduced[-1]
-        scale = curvature_scale(registration, batch, opt.dtype)
+        loss, grads, flagged, batch, size_scale = (reduced[0], reduced[1:-3], reduced[-3],
+                                                   reduced[-2], reduced[-1])
+        if self._loss_op == SUM:  # (each replica's s alike, step_pass.py)
+            size_scale = size_scale / self.num_replicas
+        scale = curvature_scale(registration, batch, opt.dtype,
+                                size_scale if registration.loss.size_scaled else None)
         if self.sync_statistics == "eager":
             tf.cond(scheduled.do_cov, self._average_statistics, lambda: tf.constant(False))
         statistics_ok = tf.equal(flagged, 0) & vec.all_finite(
-            [v.read_value() for v in self._shared_state()]
-        )
+            [v.read_value() for v in self._shared_state()])
         return Gradients(loss, grads, statistics_ok, scale, None, local_snapshot)
 
     def finish(self, applied, gradients: Gradients):
         """Per replica: a skipped step's statistics put back."""
-        self.strategy.run(
-            self._replica_fn("restore", self._restore), args=(applied, gradients.extra)
-        )
+        self.strategy.run(self._replica_fn("restore", self._restore),
+                          args=(applied, gradients.extra))
 
     def _gradients(self, scheduled, *args):
         """Per replica: ``(packed [loss, grads, non-finite flag, batch], snapshot,
@@ -262,11 +263,13 @@ class ReplicatedCore(StepCore):
         local = self._local_state()
         snapshot = [v.read_value() for v in local]
         before = loss_state.snapshot(loss_state.written(opt.registration))
-        loss, grads, _ = forward_backward(opt, args, variables, scheduled)
+        found = forward_backward(opt, args, variables, scheduled,
+                                 size_scaled=opt.registration.loss.size_scaled)
         flagged = 1 - tf.cast(vec.all_finite([v.read_value() for v in local]), opt.dtype)
         first = batch_tensor(args, "kg.KFAC")
         batch = tf.cast(tf.shape(first)[0], opt.dtype)
-        packed, unpack = _pack([loss] + list(grads) + [flagged, batch])
+        size_scale = tf.ones([], opt.dtype) if found.size_scale is None else found.size_scale
+        packed, unpack = _pack([found.loss] + list(found.grads) + [flagged, batch, size_scale])
         self._gradients_layout = (packed.shape, unpack)
         return packed, snapshot, before
 
@@ -352,8 +355,7 @@ class ReplicatedCore(StepCore):
     def _local_replica_ids(self) -> list:
         """The global indices of this worker's replicas, in device order."""
         ids = self.strategy.experimental_distribute_values_from_function(
-            lambda ctx: ctx.replica_id_in_sync_group
-        )
+            lambda ctx: ctx.replica_id_in_sync_group)
         return [int(i) for i in self.strategy.experimental_local_results(ids)]
 
     # -- batch-dependent parts of the update ------------------------------------------------

@@ -8,7 +8,7 @@ quadratic model's exact Fisher forms differentiate it again (no second
 forward pass, ``exact_fisher.py``). With a longer covariance period the
 quadratic model's step still runs its loss and gradients on the registered
 graph at the top level, for the forms to differentiate, and a branch adds the
-statistics on covariance steps (``step_core.forward_backward``); other steps
+statistics on covariance steps (``step_pass.forward_backward``); other steps
 let a branch pick the pass with or without statistics.
 """
 from __future__ import annotations
@@ -19,8 +19,9 @@ from kfac_graph.optimizer import exact_fisher, loss_state
 from kfac_graph.optimizer import vectors as vec
 from kfac_graph.optimizer.distributed import is_replica_local
 from kfac_graph.optimizer.example_cuts import batch_tensor
-from kfac_graph.optimizer.step_core import (Gradients, StepCore, curvature_scale,
-                                             forms_reuse_forward, forward_backward)
+from kfac_graph.optimizer.step_core import Gradients, StepCore
+from kfac_graph.optimizer.step_pass import (curvature_scale, forms_reuse_forward,
+                                            forward_backward)
 
 
 class SingleDeviceCore(StepCore):
@@ -42,12 +43,13 @@ class SingleDeviceCore(StepCore):
         self._before = loss_state.snapshot(self._written)
         variables = list(registration.variables)
         first = batch_tensor(args, "kg.KFAC")
-        scale = curvature_scale(registration, tf.shape(first)[0], opt.dtype)
-        loss, grads, forward = forward_backward(opt, args, variables, scheduled,
-                                                share_forward=forms_reuse_forward(opt))
+        found = forward_backward(opt, args, variables, scheduled,
+                                 share_forward=forms_reuse_forward(opt),
+                                 size_scaled=registration.loss.size_scaled)
+        scale = curvature_scale(registration, tf.shape(first)[0], opt.dtype, found.size_scale)
         statistics_ok = tf.cond(scheduled.do_cov, self.statistics_finite,
                                 lambda: tf.constant(True))
-        return Gradients(loss, grads, statistics_ok, scale, forward)
+        return Gradients(found.loss, found.grads, statistics_ok, scale, found.forward)
 
     def statistics_finite(self):
         """Whether the moving averages a covariance update writes are finite.

@@ -8,7 +8,7 @@ into the caller's ``tf.function``; on the schedule of step ``t``
    one forward and backward pass; on covariance steps the batch's
    statistics are folded into the estimator's factors, by the same pass or,
    where the quadratic model's forms keep that pass at the top level, by a
-   pass of its own in a branch (``forward_backward``). ``g`` gains
+   pass of its own in a branch (``step_pass.py``). ``g`` gains
    ``l2_reg * theta``;
 2. on inverse steps, and whenever the cached inverses were made for another
    damping (the blocks cache damped inverses; the Levenberg-Marquardt rule
@@ -58,11 +58,9 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from kfac_graph.optimizer import covariance_slices
 from kfac_graph.optimizer import damping as damping_lib
 from kfac_graph.optimizer import update_rules
 from kfac_graph.optimizer import vectors as vec
-from kfac_graph.taps import LayerTaps
 from kfac_graph.layers.scalars import as_dtype
 
 
@@ -82,102 +80,6 @@ class Gradients(NamedTuple):
     curvature_scale: tf.Tensor
     forward: Any = None
     extra: Any = None
-
-
-def curvature_scale(registration, batch_size, dtype):
-    """``c``: the loss's curvature is ``c F`` (``F`` per example, averaged):
-    the loss's ``scale``, times the batch size for a sum."""
-    c = tf.constant(float(registration.loss.scale), dtype)
-    if registration.loss.reduction == "sum":
-        c = c * tf.cast(batch_size, dtype)
-    return c
-
-
-def dense(grads, variables):
-    """Gradients as dense tensors (zeros where a variable is unused)."""
-    out = []
-    for g, v in zip(grads, variables):
-        if g is None:
-            g = tf.zeros(v.shape, v.dtype)
-        out.append(tf.convert_to_tensor(g))
-    return out
-
-
-def forms_reuse_forward(opt) -> bool:
-    """Whether the quadratic model's exact Fisher forms differentiate the
-    step's own forward pass: they are taken on the whole batch, and the update
-    sits at the top level of the step's graph (no burn-in branch around it)."""
-    return (opt.momentum_type == "qmodel" and opt.qmodel_curvature == "exact"
-            and opt.qmodel_batch_fraction >= 1 and not opt.num_burnin_steps)
-
-
-def forward_backward(opt, args, variables, scheduled, share_forward=False):
-    """``(loss, gradients, forward)`` of ``opt.fn`` on ``args`` (one device's or
-    replica's batch) at step ``scheduled``; on covariance steps the batch's
-    statistics are also folded into ``opt.estimator``'s factors. ``forward``: a
-    pass at the top level of the step's graph (``LayerTaps``) that the Fisher
-    forms may differentiate again, else None:
-
-    - every step a covariance step: the estimator's pass, shared by the loss,
-      the gradients and the statistics;
-    - spread covariances: the loss and gradients by the registered graph's pass
-      (with ``share_forward``) or the function's own, and the estimator's pass
-      on the step's slice of the batch (``covariance_slices.py``; in a branch
-      on covariance steps where the slices are ``slice_stride > 1`` steps apart);
-    - otherwise, with ``share_forward``: the registered graph's pass gives the
-      loss and gradients at the top level, and on covariance steps a branch
-      runs the estimator's own pass for the statistics (gradients cannot
-      cross into a branch). A step without statistics runs one forward pass
-      instead of two (the forms' own); a covariance step as many as before;
-    - otherwise a branch picks the estimator's pass or the function's own."""
-    do_cov = scheduled.do_cov
-    if opt.schedule.every_step_updates_covariances:
-        taps = opt.estimator.accumulate_taps(*args)
-        return taps.loss, dense(tf.gradients(taps.loss, variables), variables), taps
-
-    if opt.schedule.spread:
-        covariance_slices.fold_scheduled_slice(opt.estimator, args, scheduled, opt.schedule)
-        if share_forward:
-            return registered_pass(opt, args, variables)
-        return (*plain_gradients(opt, args, variables), None)
-
-    if share_forward:
-        def with_statistics():
-            opt.estimator.accumulate(*args)
-            return tf.constant(True)
-
-        tf.cond(do_cov, with_statistics, lambda: tf.constant(False))
-        return registered_pass(opt, args, variables)
-
-    def with_statistics():
-        loss = opt.estimator.accumulate(*args)
-        return [loss] + dense(tf.gradients(loss, variables), variables)
-
-    def without_statistics():
-        loss, grads = plain_gradients(opt, args, variables)
-        return [loss] + grads
-
-    out = tf.cond(do_cov, with_statistics, without_statistics)
-    return out[0], out[1:], None
-
-
-def registered_pass(opt, args, variables):
-    """``(loss, dense gradients, LayerTaps)`` of the registered graph's pass
-    (no statistics), at the top level of the caller's graph."""
-    taps = LayerTaps.build(opt.estimator.build(*args), args)
-    return taps.loss, dense(tf.gradients(taps.loss, variables), variables), taps
-
-
-def plain_gradients(opt, args, variables):
-    """``(loss, dense gradients)`` of the function's own pass (no statistics), traced
-    inline (``RegisteredFunction.inline``); under a strategy the registered graph's, as
-    a Keras loss there divides itself by the replicas (``frontends.one_device``)."""
-    if tf.distribute.has_strategy():
-        return registered_pass(opt, args, variables)[:2]
-    with tf.GradientTape() as tape:
-        loss = opt.fn.inline(*args)
-    grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return loss, dense(grads, variables)
 
 
 class StepCore:
