@@ -81,9 +81,11 @@ def kfac_tokens(model, spec):
 single_tokens = kfac_tokens(tokens(), [tf.TensorSpec([8, 5], tf.int32)] * 2)
 with strategy.scope():
     replicated_tokens_model = tokens()
-replicated_tokens = kfac_tokens(replicated_tokens_model, [tf.TensorSpec([None, None], tf.int32)] * 2)
+unknown = [tf.TensorSpec([None, None], tf.int32)] * 2
+replicated_tokens = kfac_tokens(replicated_tokens_model, unknown)
 print(json.dumps({
-    "kfac_tokens": max(float(np.abs(a - b).max()) for a, b in zip(single_tokens, replicated_tokens)),
+    "kfac_tokens": max(float(np.abs(a - b).max())
+                       for a, b in zip(single_tokens, replicated_tokens)),
     "keras_per_example": max(float(np.abs(g - w).max()) for g, w in zip(got_keras, want_keras)),
     "kfac_keras_loss": max(float(np.abs(a - b).max()) for a, b in zip(single, replicated)),
     "per_example": max(float(np.abs(g - w).max()) for g, w in zip(got, want)),
