@@ -9,7 +9,10 @@ Models (random weights, ``kg.KFAC`` defaults):
 - ``lm``: a variable-length decoder (ids ``[B, None]``, vocabulary 64, width
   64, two pre-norm blocks of causal ``MultiHeadAttention`` and a GELU MLP,
   learned positions, a masked mean of the tokens' cross-entropy), batch 16
-  at lengths 64, then 48 and 40, as a bucketed language model.
+  at lengths 64, then 48 and 40, as a bucketed language model;
+- ``lm_mean``: the same decoder with Keras's ``SparseCategoricalCrossentropy``
+  on the ``[B, T]`` targets, a plain mean over the tokens (its ``1/T`` read
+  at run time as a factor of the curvature's scale at an unknown length).
 
 For each, in one process, ``relax_shapes=True`` (the default: one more trace
 with the sizes that changed unknown) against ``relax_shapes=False`` (a trace
@@ -19,7 +22,7 @@ steps at the first new shape, and the traces of the step function. The
 machine is shared: compare the two rows of a model, not the seconds across
 runs.
 
-    python benchmarks/new_shapes.py [--models mobilenet_v3_small,lm] [--later 5]
+    python benchmarks/new_shapes.py [--models mobilenet_v3_small,lm,lm_mean] [--later 5]
 """
 from __future__ import annotations
 
@@ -86,7 +89,21 @@ def lm():
     return loss, [batch(64, 0), batch(48, 1), batch(40, 2)]
 
 
-MODELS = {"mobilenet_v3_small": mobilenet, "lm": lm}
+def lm_mean():
+    model = decoder()
+    cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def loss(ids, targets):
+        return cross_entropy(targets, model(ids, training=True))
+
+    def batch(length, seed):
+        ids = np.random.default_rng(seed).integers(0, 64, (16, length + 1))
+        return tf.constant(ids[:, :-1], tf.int32), tf.constant(ids[:, 1:], tf.int32)
+
+    return loss, [batch(64, 0), batch(48, 1), batch(40, 2)]
+
+
+MODELS = {"mobilenet_v3_small": mobilenet, "lm": lm, "lm_mean": lm_mean}
 
 
 def seconds(fn):
