@@ -188,7 +188,7 @@ def registration_problem(fn, registration, specs, curvature: bool = True) -> str
     old, new = registration.loss, other.loss
     if (old.kind, old.reduction, old.blocks) != (new.kind, new.reduction, new.blocks):
         return f"its loss reads as {new.kind} ({new.reduction}), not {old.kind} ({old.reduction})"
-    if new.size_scaled and not old.weights and all(" " in d for d in old.divisors):
+    if new.size_scaled and (old.size_scaled or not old.weighted):
         return None  # (1/T: a constant of scale, or read at run time: the same curvature)
     if new.divisors and len(new.divisors) != len(old.divisors):
         return (f"its loss divides by {new.divisors[-1]} at run time there, by a constant at "

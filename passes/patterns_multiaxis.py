@@ -35,7 +35,8 @@ broadcasts the ids over the batch (``ids_broadcast``). A slice
 keras-hub's ``PositionEmbedding`` slices its table (a part of the variable,
 ``passes.variable_parts``, or the whole table) and broadcasts the rows to
 ``[B, T, D]`` with ``BroadcastTo`` before the sum: the same lookup, its
-rows read from the part's box (``part_rows``).
+rows read from the part's box (``passes.patterns_position``, as is a static
+slice added with no ``BroadcastTo``).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ import math
 import re
 
 from passes import ir
-from passes.patterns import ADD, ANY, EMBEDDING, VAR, VAR_PART, Op, Pattern, ops, var_shape
+from passes.patterns import ADD, ANY, EMBEDDING, VAR, Op, Pattern, ops, var_shape
 from passes.einsum_2d import einsum_2d_form
 from passes.patterns_position import table_slice_rows
 
@@ -350,44 +351,13 @@ POSITION_TABLE_SLICE = Pattern(
     anchor="slice", output="add", params=("w",), inputs=(("slice", "in", 1),),
     check=_slice_broadcast)
 
-def part_rows(g, m) -> tuple[int, int] | None:
-    """``(start, stop)``: the rows of a ``[V, D]`` table that ``m["w"]`` holds
-    (a part of it with every column, or the whole table); else None."""
-    data, whole = g.nodes[m["w"]], g.graph["variables"][g.nodes[m["w"]]["variable"]].shape
-    if whole is None or len(whole) != 2 or None in whole:
-        return None
-    box = data.get("part")
-    if box is None:
-        return 0, int(whole[0])
-    if len(box["begin"]) != 2 or box["begin"][1] != 0 or box["end"][1] != whole[1]:
-        return None
-    return int(box["begin"][0]), int(box["end"][0])
-
-
-def _part_broadcast(g, m) -> bool:
-    """``BroadcastTo(rows [T, D], [B, T, D])`` added to an activation of that shape."""
-    rows, bc, out = part_rows(g, m), _shape(g, m["bc"]), _shape(g, m["add"])
-    return (rows is not None and bc is not None and out is not None and len(bc) == 3
-            and m["x"] != m["bc"] and ir.same_shape(out, bc)
-            and ir.same_shape(bc[1:], (rows[1] - rows[0], var_shape(g, m["w"])[-1])))
-
-
-# keras-hub's PositionEmbedding: table rows broadcast over the batch, then
-# added. Its operand is the broadcast's shape (the runtime makes the ids).
-POSITION_BROADCAST = Pattern(
-    "position_broadcast", "embedding",
-    {"w": VAR_PART, "bc": ops("BroadcastTo"), "x": ANY, "add": ops("AddV2", "Add")},
-    (("w", "bc", 0), ("bc", "add", None), ("x", "add", None)),
-    anchor="bc", output="add", params=("w",), inputs=(("bc", "in", 1),),
-    check=_part_broadcast)
-
 MULTIAXIS_PATTERNS: tuple[Pattern, ...] = (
     PERMUTED_DENSE_UNFLAT_BIAS, PERMUTED_DENSE_UNFLAT, PERMUTED_DENSE_BIAS, PERMUTED_DENSE,
     PERMUTED_SQUEEZED_DENSE_BIAS, PERMUTED_SQUEEZED_DENSE,
     RESHAPED_DENSE_UNFLAT_BIAS, RESHAPED_DENSE_UNFLAT, RESHAPED_DENSE_BIAS, RESHAPED_DENSE,
     SQUEEZED_DENSE_BIAS, SQUEEZED_DENSE, EINSUM_DENSE_BIAS, EINSUM_DENSE,
-    POSITION_EMBEDDING, POSITION_TABLE_SLICE, POSITION_BROADCAST)
+    POSITION_EMBEDDING, POSITION_TABLE_SLICE)
 
 __all__ = ["MULTIAXIS_PATTERNS", "einsum_dense_axes", "einsum_dense_form", "einsum_perms",
            "kernel_in_axes",
-           "slice_rows", "part_rows", "kernel_perm", "output_perm", "Op"]
+           "slice_rows", "kernel_perm", "output_perm", "Op"]

@@ -1,4 +1,4 @@
-"""A position table sliced to a length known at run time only.
+"""Position tables sliced to the sequence's length and added over the batch.
 
 keras-hub's ``PositionEmbedding`` slices its table to the sequence length,
 ``Slice(table, [s, 0], [T, D])``, broadcasts the rows over the batch,
@@ -9,12 +9,14 @@ input signature whose length is ``None`` (a SavedModel for sequences of
 any length) ``T`` comes from ``tf.shape`` at run time. The use is then a
 lookup of ids ``range(s, s + T)`` added over the batch (``ids_broadcast``),
 recorded as ``row_range = (s, None)``: the runtime reads ``T`` from the
-output gradient's positions (``kfac_graph/layers/embedding.py``).
+output gradient's positions (``kfac_graph/layers/embedding.py``). A static
+slice added as it is, ``x + table[:T]`` (no ``BroadcastTo``), is a part
+added over the batch (``POSITION_PART``), the lookup of ids ``range(0, T)``.
 """
 from __future__ import annotations
 
 from passes import ir
-from passes.patterns import ANY, VAR, Pattern, ops, var_shape
+from passes.patterns import ANY, VAR, VAR_PART, Pattern, ops, var_shape
 
 
 def table_slice_rows(g, m) -> tuple[int, int | None] | None:
@@ -52,4 +54,56 @@ POSITION_SLICE_BROADCAST = Pattern(
     anchor="slice", output="add", params=("w",), inputs=(("bc", "in", 1),),
     check=_broadcast_over_the_batch)
 
-POSITION_PATTERNS = (POSITION_SLICE_BROADCAST,)
+def part_rows(g, m) -> tuple[int, int] | None:
+    """``(start, stop)``: the rows of a ``[V, D]`` table that ``m["w"]`` holds
+    (a part of it with every column, or the whole table); else None."""
+    data, whole = g.nodes[m["w"]], g.graph["variables"][g.nodes[m["w"]]["variable"]].shape
+    if whole is None or len(whole) != 2 or None in whole:
+        return None
+    box = data.get("part")
+    if box is None:
+        return 0, int(whole[0])
+    if len(box["begin"]) != 2 or box["begin"][1] != 0 or box["end"][1] != whole[1]:
+        return None
+    return int(box["begin"][0]), int(box["end"][0])
+
+
+def _part_broadcast(g, m) -> bool:
+    """``BroadcastTo(rows [T, D], [B, T, D])`` added to an activation of that shape."""
+    rows, bc, out = part_rows(g, m), ir.shape_of(g, m["bc"]), ir.shape_of(g, m["add"])
+    return (rows is not None and bc is not None and out is not None and len(bc) == 3
+            and m["x"] != m["bc"] and ir.same_shape(out, bc)
+            and ir.same_shape(bc[1:], (rows[1] - rows[0], var_shape(g, m["w"])[-1])))
+
+
+# keras-hub's PositionEmbedding: table rows broadcast over the batch, then
+# added. Its operand is the broadcast's shape (the runtime makes the ids).
+POSITION_BROADCAST = Pattern(
+    "position_broadcast", "embedding",
+    {"w": VAR_PART, "bc": ops("BroadcastTo"), "x": ANY, "add": ops("AddV2", "Add")},
+    (("w", "bc", 0), ("bc", "add", None), ("x", "add", None)),
+    anchor="bc", output="add", params=("w",), inputs=(("bc", "in", 1),),
+    check=_part_broadcast)
+
+
+def _part_added(g, m) -> bool:
+    """A part ``table[start:stop]`` of a ``[V, D]`` table, every column
+    (``passes.variable_parts`` makes a static slice of a variable one),
+    added as it is to a ``[B, stop - start, D]`` activation."""
+    rows, out = part_rows(g, m), ir.shape_of(g, m["add"])
+    return (g.nodes[m["w"]].get("part") is not None and rows is not None and out is not None
+            and len(out) == 3 and m["x"] != m["w"]
+            and ir.same_shape(out[1:], (rows[1] - rows[0], var_shape(g, m["w"])[-1])))
+
+
+# A static slice of a position table added over the batch: a part of the
+# table (read as the lookup of ids range(start, stop)). Its operand is the part.
+POSITION_PART = Pattern(
+    "position_part", "embedding",
+    {"w": VAR_PART, "x": ANY, "add": ops("AddV2", "Add")},
+    (("w", "add", None), ("x", "add", None)),
+    anchor="add", output="add", params=("w",), inputs=(("w", "out", 0),),
+    check=_part_added)
+
+
+POSITION_PATTERNS = (POSITION_SLICE_BROADCAST, POSITION_BROADCAST, POSITION_PART)
