@@ -31,7 +31,7 @@ from passes.patterns import Pattern, einsum_kernel_layout, var_shape, weighted_r
 from passes.patterns_reshaped import kernel_matrix
 from passes.patterns_stacked import STACKED_PATTERNS
 from passes.patterns_multiaxis import einsum_perms, kernel_in_axes, kernel_perm, slice_rows
-from passes.patterns_position import part_rows
+from passes.patterns_position import TABLE_ROWS, part_rows
 from passes.lora import param_key, split_lora
 from passes.tied_embedding import merge_tied
 from passes.unroll import WHILE_OPS
@@ -217,8 +217,8 @@ def _use(g, pattern: Pattern, roles) -> Use:
         attrs["ids_broadcast"] = True
         if "slice" in roles:
             attrs["row_range"] = slice_rows(g, roles)
-        elif "bc" in roles or pattern.name == "position_part":  # rows of the table
-            attrs["row_range"] = part_rows(g, roles)  # broadcast over the batch
+        elif pattern.name in TABLE_ROWS:  # rows of the table added over the batch
+            attrs["row_range"] = part_rows(g, roles)
     if pattern.kind in _CONV_KINDS:
         attrs["kernel_shape"] = whole_kernel(g, roles["w"], ir.shape_of(g, data["raw_inputs"][1]))
         attrs["input_channels"] = _channels(attrs["input_shape"], attrs.get("data_format"))

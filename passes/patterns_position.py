@@ -68,12 +68,18 @@ def part_rows(g, m) -> tuple[int, int] | None:
     return int(box["begin"][0]), int(box["end"][0])
 
 
+def _rows_over_the_batch(g, m, shape) -> bool:
+    """``shape`` is ``[B, stop - start, D]`` for the rows ``part_rows`` reads."""
+    rows = part_rows(g, m)
+    return (rows is not None and shape is not None and len(shape) == 3
+            and ir.same_shape(shape[1:], (rows[1] - rows[0], var_shape(g, m["w"])[-1])))
+
+
 def _part_broadcast(g, m) -> bool:
     """``BroadcastTo(rows [T, D], [B, T, D])`` added to an activation of that shape."""
-    rows, bc, out = part_rows(g, m), ir.shape_of(g, m["bc"]), ir.shape_of(g, m["add"])
-    return (rows is not None and bc is not None and out is not None and len(bc) == 3
-            and m["x"] != m["bc"] and ir.same_shape(out, bc)
-            and ir.same_shape(bc[1:], (rows[1] - rows[0], var_shape(g, m["w"])[-1])))
+    bc = ir.shape_of(g, m["bc"])
+    return (_rows_over_the_batch(g, m, bc) and m["x"] != m["bc"]
+            and ir.same_shape(ir.shape_of(g, m["add"]), bc))
 
 
 # keras-hub's PositionEmbedding: table rows broadcast over the batch, then
@@ -90,10 +96,8 @@ def _part_added(g, m) -> bool:
     """A part ``table[start:stop]`` of a ``[V, D]`` table, every column
     (``passes.variable_parts`` makes a static slice of a variable one),
     added as it is to a ``[B, stop - start, D]`` activation."""
-    rows, out = part_rows(g, m), ir.shape_of(g, m["add"])
-    return (g.nodes[m["w"]].get("part") is not None and rows is not None and out is not None
-            and len(out) == 3 and m["x"] != m["w"]
-            and ir.same_shape(out[1:], (rows[1] - rows[0], var_shape(g, m["w"])[-1])))
+    return (g.nodes[m["w"]].get("part") is not None and m["x"] != m["w"]
+            and _rows_over_the_batch(g, m, ir.shape_of(g, m["add"])))
 
 
 # A static slice of a position table added over the batch: a part of the
@@ -107,3 +111,5 @@ POSITION_PART = Pattern(
 
 
 POSITION_PATTERNS = (POSITION_SLICE_BROADCAST, POSITION_BROADCAST, POSITION_PART)
+# the patterns whose rows are the table's own (``part_rows``: ``row_range``)
+TABLE_ROWS = frozenset({POSITION_BROADCAST.name, POSITION_PART.name})
