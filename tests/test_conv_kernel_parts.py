@@ -57,7 +57,10 @@ def test_kernel_parts_match_loop_and_brute_force(approximation):
                                want, rtol=1e-8, atol=1e-12)
 
 
-@pytest.mark.parametrize("rank", [1, pytest.param(2, marks=pytest.mark.slow)])
+# under -m slow; the kernel parts' blocks and rules stay in the fast set
+# (test_kernel_parts_match_loop_and_brute_force)
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [1, 2])
 def test_keras_conv_lstm(rank):
     keras.config.set_floatx("float64")
     keras.config.set_dtype_policy("float64")

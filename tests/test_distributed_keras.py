@@ -4,8 +4,12 @@ and accuracies of the same ``fit`` on one device (float64, "exact" mode)."""
 
 import distributed_runner
 import numpy as np
+import pytest
 
 
+# under -m slow: kg.KFAC's replicated step stays in the fast set
+# (test_distributed_mirrored.py), as does the Keras wrapper under the strategy (DPModel, below)
+@pytest.mark.slow
 def test_fit_under_mirrored_strategy_matches_one_device(tmp_path):
     r = distributed_runner.run("keras", tmp_path / "keras.npz", devices=2)
     assert int(r["iterations"]) == 8

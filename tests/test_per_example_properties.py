@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import kfac_graph as kg
 
-SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, database=None,
+SETTINGS = settings(max_examples=8, deadline=None, derandomize=True, database=None,
                     phases=[Phase.explicit, Phase.generate],  # no shrinking: bounded time
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])

@@ -68,6 +68,7 @@ def test_position_ids_held_in_a_variable():
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow  # a batch of one on keras-hub's PositionEmbedding: test_keras_hub.py's
 def test_a_batch_of_one_registers_as_any_other_batch():
     """keras-hub's ``PositionEmbedding`` (``broadcast_to(table[:T], shape(h))``
     added to the token embeddings): on a static batch of one the token

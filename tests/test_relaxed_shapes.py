@@ -87,7 +87,9 @@ def test_new_lengths_and_batch_sizes_trace_once_more(keras_float64, jit_compile)
 
 
 @pytest.mark.parametrize("options", [
-    dict(momentum_type="regular", learning_rate=0.05, damping=0.1),
+    # (under -m slow: cov2 in the fast set steps with and without statistics)
+    pytest.param(dict(momentum_type="regular", learning_rate=0.05, damping=0.1),
+                 marks=pytest.mark.slow),
     # statistics every other step: the other steps take the registered graph's pass
     dict(momentum_type="regular", learning_rate=0.05, damping=0.1, cov_update_period=2),
     pytest.param({}, marks=pytest.mark.slow)], ids=["regular", "cov2", "defaults"])
