@@ -162,7 +162,7 @@ def registration_from_pass(result: passes.PassResult, warn: bool = True) -> Regi
     nonnegative = passes.loss_bounds.nonnegative(result.graph, [*read, *lm.extras,
                                                                 *lm.penalties])
     loss = LossSpec(lm.kind, lm.reduction, lm.output, lm.targets, lm.scale, lm.weights,
-                    lm.divisors, lm.reason, lm.penalties, lm.summed_penalties, lm.blocks,
+                    lm.divisors, lm.sizes, lm.reason, lm.penalties, lm.summed_penalties, lm.blocks,
                     nonnegative)
     placeholders = {node: user_variable(traced.objects[key])
                     for node, key in traced.placeholder_variables.items() if key in traced.objects}

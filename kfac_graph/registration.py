@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from kfac_graph import layers as layer_kinds
 from passes.errors import LOSS_HOW_TO
+from passes.loss_sizes import SizeDivisor
 
 KINDS = tuple(layer_kinds.KINDS)
 
@@ -73,11 +74,11 @@ class LossSpec:
     ``l_i = sum_t w_it * -log p(y_it | z_it)``: ``weights`` names the data
     tensors the terms are multiplied (or masked) by, ``divisors`` those the
     loss is divided by (the ``sum(w)`` of a masked mean, a batch statistic
-    held constant for the batch; or a size known at run time only, such as
-    the positions' count T of a mean traced with sizes ``None``, named in
-    words: ``passes/loss_sizes.py``); ``w_it`` is read at run time as the loss's
-    derivative by token ``it``'s term (``LayerTaps.token_weights``), and is 1
-    when both are empty.
+    held constant for the batch), ``sizes`` the divisors that are sizes
+    known at run time only, such as the positions' count T of a mean traced
+    with sizes ``None`` (``passes.loss_sizes.SizeDivisor``); ``w_it`` is read
+    at run time as the loss's derivative by token ``it``'s term
+    (``LayerTaps.token_weights``), and is 1 when all three are empty.
 
     A ``"ggn"`` loss is no likelihood but has a model output
     (``passes.loss_output``: Huber, focal, Poisson, KL, cosine): ``l_i`` is
@@ -112,6 +113,7 @@ class LossSpec:
     scale: float = 1.0
     weights: tuple[str, ...] = ()
     divisors: tuple[str, ...] = ()
+    sizes: tuple[SizeDivisor, ...] = ()
     reason: str = ""
     penalties: tuple[str, ...] = ()
     summed_penalties: tuple[str, ...] = ()
@@ -136,20 +138,32 @@ class LossSpec:
 
     @property
     def weighted(self) -> bool:
+        """Whether tokens (or examples) carry weights read at run time: from
+        data, or sizes known at run time only."""
+        return bool(self.weights or self.divisors or self.sizes)
+
+    @property
+    def data_weighted(self) -> bool:
         """Whether tokens (or examples) carry weights read from data."""
         return bool(self.weights or self.divisors)
 
     @property
     def size_scaled(self) -> bool:
-        """Whether the loss divides by sizes known at run time alone (a plain
-        mean over an axis traced as ``None``) and has no data weights: its
-        tokens then weigh alike, ``w_it = s`` (``1/T``), and ``s`` is read at
+        """Whether the loss divides by sizes known at run time alone (a mean
+        over an axis traced as ``None``): its tokens' weights are then
+        ``w_it = s m_it``, ``s`` the product of ``1 / size`` (``1/T``) and
+        ``m_it`` the data's (1 without data weights), and ``s`` is read at
         run time as a factor of the curvature's scale, not of the tokens
         (``LayerTaps.size_scale``), as the constant ``scale`` holds it at
         known sizes; so the Fisher's tokens, and the factors, read alike at
-        any size. A size is named in words; a data tensor's name has no space."""
-        return (not self.weights and bool(self.divisors)
-                and all(" " in d for d in self.divisors))
+        any size. (A ``"ggn"`` loss's Hessian, and an ``"opaque"`` loss's
+        terms, hold ``s`` themselves.)"""
+        return bool(self.sizes) and self.output is not None and self.kind != "ggn"
+
+    @property
+    def divided_by(self) -> tuple[str, ...]:
+        """The data divisors' names and the sizes' in words."""
+        return self.divisors + tuple(s.words for s in self.sizes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -247,7 +261,7 @@ class Registration:
                       + ")" if loss.kind == "ggn" else "")
                    + (f"; targets {loss.targets}" if loss.targets else "")
                    + (f"; weights {', '.join(loss.weights)}" if loss.weights else "")
-                   + (f"; divided by {', '.join(loss.divisors)}" if loss.divisors else "")
+                   + (f"; divided by {', '.join(loss.divided_by)}" if loss.divided_by else "")
                    + (f"; per-example terms added {extras}" if extras else "")
                    + (f"; penalties {', '.join(loss.penalties)}" if loss.penalties else ""))
         if self.per_example_loss is None and loss.reason:

@@ -153,12 +153,11 @@ def registration_problem(fn, registration, specs, curvature: bool = True) -> str
     scale, weights and divisors): a step traced there then computes, and
     folds into statistics shared with the other traces, what one at known
     sizes does. Else why not, in one line: a loop over an axis left unknown
-    is not unrolled (its cell's variables are generic); a mean of weighted
-    terms over it divides by its size at run time, in the tokens' weights,
-    but by a constant ``scale`` at known sizes, and the factors' moving
-    averages would mix the two (a plain mean reads its size as a factor of
-    the curvature's scale at run time, ``LossSpec.size_scaled``, and
-    relaxes). Without ``curvature`` (DP-SGD: per-example gradients
+    is not unrolled (its cell's variables are generic). A mean over it
+    divides by its size at run time but by a constant ``scale`` at known
+    sizes: its ``1/T`` is read as a factor of the curvature's scale at run
+    time (``LossSpec.size_scaled``), not of the tokens' weights, so the
+    factors' moving averages read alike. Without ``curvature`` (DP-SGD: per-example gradients
     are exact at any size, and nothing is kept across steps) the layers'
     kinds and the variables' order alone are compared, so that no layer
     falls to the generic rule and the gradients come in the same order."""
@@ -188,15 +187,14 @@ def registration_problem(fn, registration, specs, curvature: bool = True) -> str
     old, new = registration.loss, other.loss
     if (old.kind, old.reduction, old.blocks) != (new.kind, new.reduction, new.blocks):
         return f"its loss reads as {new.kind} ({new.reduction}), not {old.kind} ({old.reduction})"
-    if new.size_scaled and (old.size_scaled or not old.weighted):
+    if (len(old.weights), len(old.divisors)) != (len(new.weights), len(new.divisors)):
+        return (f"its loss is weighted by {', '.join(new.weights + new.divisors) or 'no data'} "
+                f"there, not by {', '.join(old.weights + old.divisors) or 'no data'}")
+    if new.size_scaled and not old.size_scaled:
         return None  # (1/T: a constant of scale, or read at run time: the same curvature)
-    if new.divisors and len(new.divisors) != len(old.divisors):
-        return (f"its loss divides by {new.divisors[-1]} at run time there, by a constant at "
-                "known sizes (a mean of weighted terms over an axis left unknown; a masked "
-                "mean, sum(l * mask) / sum(mask), reads the same at any size)")
-    if (old.scale, len(old.weights), len(old.divisors)) != (
-            new.scale, len(new.weights), len(new.divisors)):
-        return f"its loss reads with scale {new.scale:g} there, not {old.scale:g}"
+    if (old.scale, len(old.sizes)) != (new.scale, len(new.sizes)):
+        return (f"its loss reads with scale {new.scale:g} and divides by {len(new.sizes)} "
+                f"sizes there, not {old.scale:g} and {len(old.sizes)}")
     return None
 
 

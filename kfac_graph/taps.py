@@ -30,9 +30,10 @@ weight-penalty terms (``LossSpec.penalties``); ``token_weights``: for a loss wit
 data weights (``LossSpec.weighted``), each token's weight ``w_it`` laid out
 like the model output's tokens (``kfac_graph.token_weights``), else None;
 for a loss that divides by sizes known at run time alone
-(``LossSpec.size_scaled``: ``w_it = s``, ``1/T`` of a plain mean) they are
-None and ``size_scale`` is ``s``, a factor of the curvature's scale (the
-Fisher's tokens unweighted, as at known sizes: ``optimizer/step_pass.py``). A
+(``LossSpec.size_scaled``: ``w_it = s m_it``, ``s`` the ``1/T`` of a mean)
+they are the data's ``m_it`` (None without data weights) and ``size_scale``
+is ``s``, a factor of the curvature's scale (the Fisher's tokens weighted
+as at known sizes: ``optimizer/step_pass.py``). A
 ``tf.py_function`` in the graph re-runs its Python function for each
 backward pass (``_callback_gradient``; see ``passes/callbacks.py``), and a
 grouped ``Conv2D`` gets a gradient the CPU can run (``grouped_conv_grad``).
@@ -111,7 +112,7 @@ class LayerTaps:
         loss_spec = reg.loss
         extra = [loss_spec.output, loss_spec.targets, reg.per_example_loss]
         names += [t for t in extra if t] + list(loss_spec.penalties)
-        names += [t for t, _ in reg.per_example_extras]
+        names += [t for t, _ in reg.per_example_extras] + [s.tensor for s in loss_spec.sizes]
         for layer in reg.layers:
             for use_inputs, output in zip(layer.inputs, layer.outputs):
                 names += list(use_inputs) + [output]
@@ -134,8 +135,10 @@ class LayerTaps:
                 weights, terms = token_weights.read(reg, tensors[reg.output], terms,
                                                     model_output, batch)
                 coefficient = 1.0
-                if loss_spec.size_scaled and weights is not None:  # (every token's w alike)
-                    size_scale, weights = tf.reduce_max(weights), None
+                if loss_spec.size_scaled and weights is not None:  # w_it = s m_it
+                    size_scale = token_weights.size_scale(loss_spec.sizes, tensors, batch,
+                                                          weights.dtype)
+                    weights = weights / size_scale if loss_spec.data_weighted else None
             per_example, problem = _per_example_terms(terms, batch, model_output)
             if per_example is not None:
                 per_example = per_example * as_dtype(coefficient, per_example.dtype)

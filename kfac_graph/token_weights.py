@@ -42,6 +42,23 @@ def read(reg, loss, terms, model_output, batch):
     return fisher_layout(w, reg.loss.kind, model_output), weighted_terms
 
 
+def size_scale(sizes, tensors, batch, dtype):
+    """``s``, the product over ``sizes`` (``passes.loss_sizes.SizeDivisor``)
+    of ``1 / size``, each size read from ``tensors`` (names to the imported
+    graph's tensors) and divided by the batch ``B`` where it is what makes
+    the reduction a mean (``B T / B``): the ``1/T`` of a mean over positions
+    known at run time only, which the tokens' weights ``w_it = s m_it`` hold."""
+    s = tf.ones([], dtype)
+    for size in sizes:
+        t = tensors[size.tensor]
+        value = (tf.cast(t, dtype) if size.axes is None else
+                 tf.cast(tf.reduce_prod(tf.gather(tf.shape(t), list(size.axes))), dtype))
+        if size.over_batch:
+            value = value / tf.cast(batch, dtype)
+        s = s / tf.reshape(value, [])
+    return s
+
+
 def own_terms(reg, loss, terms, batch):
     """A loss's terms weighted by ``k dL/dterms`` (``k``: the batch for a mean
     loss, else 1), whose per-example sums are the examples' own shares: the

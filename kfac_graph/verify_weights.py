@@ -39,7 +39,7 @@ def ratios(fn, reg, args, one_args: dict, cache: dict, rtol: float):
     """``({i: r_i}, "")``, or ``({}, why not)`` for the picked examples
     ``one_args`` (``{i: args[i:i+1]}``). ``cache``: where the traced
     functions are kept (``fn.derived``)."""
-    if reg.loss.size_scaled:  # (w_it = 1/T alike in the batch and on one example)
+    if not reg.loss.data_weighted:  # (w_it = 1/T alike in the batch and on one example)
         return {i: 1.0 for i in one_args}, ""
     key = ("verify_token_weights", id(reg))
     if key not in cache:
@@ -96,6 +96,6 @@ def notes(reg, one_error: str) -> list:
     if not reg.loss.weighted or one_error:
         return []
     return ["the loss weighs its tokens by data (" + ", ".join(
-        reg.loss.weights + reg.loss.divisors) + "): each one-example reference is the gradient "
+        reg.loss.weights + reg.loss.divided_by) + "): each one-example reference is the gradient "
         "on the batch of one times the ratio of the example's token weights in the batch to "
         "those on its own (a divisor such as sum(w) is the batch's)"]

@@ -21,9 +21,17 @@ averages over the examples. ``summed_rank`` and
 ``rows_per_example``: whether what a mean reduces holds more than one row
 per example (``[B, T]``, or ``[B T]`` flattened), whose count the divisor
 then holds too.
+
+``SizeDivisor``: a divisor of the loss that is a size known at run time
+only, as the runtime reads it: ``prod(shape(tensor)[axes])`` (a mean over
+axes left ``None``), or the scalar ``tensor``'s value (a size computed from
+shapes), over the batch ``B`` where that divisor is what makes the
+reduction a mean (``sum(l) / size(l)``, Keras's ``sum_over_batch_size``:
+``B T / B = T``). ``size_divisor`` reads one from a division by a size.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -32,6 +40,36 @@ from passes import ir, loss_logits
 from passes.loss_constants import evaluate
 
 _THROUGH = frozenset({"Cast", "Identity"})
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeDivisor:
+    """``prod(shape(tensor)[axes])`` (``axes`` given) or ``tensor``'s value
+    (``axes`` None), divided by the batch where ``over_batch`` (module
+    docstring)."""
+    tensor: str
+    axes: tuple[int, ...] | None = None
+    over_batch: bool = False
+
+    @property
+    def words(self) -> str:
+        if self.axes is None:
+            what = f"the size {self.tensor}"
+        else:
+            what = f"the size of axis {', '.join(map(str, self.axes))} of {self.tensor}"
+        return what + (" over the batch" if self.over_batch else "")
+
+
+def size_divisor(g, rows, tensor, divisor, batch_mean) -> tuple[bool, SizeDivisor | None]:
+    """A loss ``tensor`` divided by ``divisor``, a size computed from shapes:
+    ``(batch_mean, the size read at run time or None)``. A size that counts
+    the batch (or may: ``counts_the_batch`` None) makes a sum a mean; where
+    what it divides sums one term per example, it is ``B`` itself."""
+    made_mean = not batch_mean and counts_the_batch(g, divisor) is not False
+    batch_mean = batch_mean or made_mean
+    if batch_mean and summed_rank(g, rows, tensor) == 1:
+        return True, None
+    return batch_mean, SizeDivisor(divisor, None, made_mean)
 
 
 def counts_the_batch(g, tensor) -> bool | None:

@@ -33,10 +33,9 @@ terms) to the op that computes the per-example negative log-likelihood:
   statistic, treated as the constant it is for the batch. A weighted loss
   without a mean over the batch (the masked mean) has ``reduction="sum"``:
   its per-example terms, each divided by the batch's ``sum(w)``, sum to it.
-  A size known at run time only (a mean over positions traced with sizes
-  ``None``, a sum divided by ``shape(z)[1]``) is such a divisor too, named
-  in words; a size that counts the batch (``passes/loss_sizes.py``) keeps
-  the reduction a mean.
+  ``sizes``: divisors that are sizes known at run time only (a mean over
+  positions traced at ``None``, a sum divided by ``shape(z)[1]``), as
+  ``loss_sizes.SizeDivisor``s; one that counts the batch makes a mean.
 
 If it cannot read the loss it raises ``LossNotFoundError`` naming the op it
 stopped at; ``kind`` given explicitly is always accepted (with the output and
@@ -81,6 +80,7 @@ class LossMatch:
     terms_coefficient: float = 1.0
     weights: tuple[str, ...] = ()
     divisors: tuple[str, ...] = ()
+    sizes: tuple[loss_sizes.SizeDivisor, ...] = ()
     reason: str = ""  # an "opaque" loss: where and why the walk stopped
     penalties: tuple[str, ...] = ()  # added terms of the variables alone (passes.loss_terms)
     summed_penalties: tuple[str, ...] = ()  # those in every example's term of a summed loss
@@ -158,7 +158,7 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
     nodes = nodes or (_data_nodes(g), _parameter_nodes(g), _batch_size(g))
     data, params, batch = nodes
     tensor = tensor or g.graph["output"]
-    weights, divisors, weighted_at, reader = [], [], [], None  # reader: the op the walk left
+    weights, divisors, sizes, weighted_at, reader = [], [], [], [], None  # reader: op left
     penalties, summed = [], []
     for _ in range(len(g)):
         node, index = ir.split_tensor(tensor)
@@ -169,7 +169,8 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
                                     terms=_as_read(g, reader, tensor),
                                     terms_coefficient=float(coefficient),
                                     weights=tuple(weights), divisors=tuple(divisors),
-                                    penalties=tuple(penalties), summed_penalties=tuple(summed)))
+                                    sizes=tuple(sizes), penalties=tuple(penalties),
+                                    summed_penalties=tuple(summed)))
         reader = node
         op, inputs = d["op"], d["inputs"]
         terminal = _terminal(g, node, params)
@@ -185,8 +186,8 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
                              loss_weights.unmasked(g, _unflatten(g, output), params),
                              targets, float(scale), node,
                              ir.tensor_name(node), float(coefficient),
-                             tuple(weights), tuple(divisors), penalties=tuple(penalties),
-                             summed_penalties=tuple(summed))
+                             tuple(weights), tuple(divisors), tuple(sizes),
+                             penalties=tuple(penalties), summed_penalties=tuple(summed))
         if op == "Mean":
             axes, shape = _axes(g, node)
             if axes is None:
@@ -199,11 +200,11 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
                     if shape[0] is not None and batch:
                         coefficient /= shape[0] / batch
                     elif shape[0] is None and loss_sizes.rows_per_example(rows, inputs[0]) != 1:
-                        divisors.append(f"the rows per example of {inputs[0]}")
+                        sizes.append(loss_sizes.SizeDivisor(inputs[0], (0,), over_batch=True))
                 elif shape[a] is not None:
                     coefficient /= shape[a]
                 else:  # a size known at run time only: the weights' derivative holds it
-                    divisors.append(f"the size of axis {a} of {inputs[0]}")
+                    sizes.append(loss_sizes.SizeDivisor(inputs[0], (a,)))
             tensor = inputs[0]
         elif op in ("Sum",) or op in _PASS_THROUGH or (op == "MatMul" and ones_column(
                 g, inputs[1]) and not any(d["attrs"].get(f"transpose_{s}") for s in "ab")):
@@ -229,10 +230,9 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
                 if from_shapes(g, inputs[1]) and not ir.reads_values_of(
                         g, ir.split_tensor(inputs[1])[0], g.graph["arguments"]):  # a size
                     tensor = inputs[0]
-                    counts = loss_sizes.counts_the_batch(g, inputs[1])
-                    batch_mean = batch_mean or counts is not False
-                    if not batch_mean or loss_sizes.summed_rank(g, rows, tensor) != 1:
-                        divisors.append(f"the size {inputs[1]}")  # the weights' derivative
+                    batch_mean, size = loss_sizes.size_divisor(g, rows, tensor, inputs[1],
+                                                               batch_mean)
+                    sizes += [size] if size is not None else []  # (the weights' derivative)
                     continue
                 if ir.split_tensor(inputs[1])[0] in params:
                     raise LossNotFoundError(f"op {node!r} divides by a tensor that depends on "
@@ -265,7 +265,8 @@ def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=
             return dataclasses.replace(match, penalties=tuple(penalties) + match.penalties,
                                        summed_penalties=tuple(summed) + match.summed_penalties,
                                        weights=tuple(weights) + match.weights,
-                                       divisors=tuple(divisors) + match.divisors)
+                                       divisors=tuple(divisors) + match.divisors,
+                                       sizes=tuple(sizes) + match.sizes)
         else:
             raise LossNotFoundError(f"cannot read a loss through op {node!r} ({op}); {_HOW_TO}")
     raise LossNotFoundError(f"no loss op found; {_HOW_TO}")

@@ -318,23 +318,38 @@ def test_a_mean_over_positions_known_at_run_time_only(reduce):
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-10)
 
 
-def test_a_plain_mean_at_a_run_time_length_has_the_static_blocks():
-    """A plain mean over positions traced with T unknown divides by T at run
-    time (``LossSpec.size_scaled``): ``1/T`` is read as a factor of the
-    curvature's scale, as the constant ``scale`` holds it at known sizes, so
-    the estimator's blocks (which leave the scale out) are the static
-    trace's. Before, its tokens were weighted by ``1/T`` and its blocks were
-    T times smaller than at a known length."""
+RUN_TIME_MEANS = {  # (ce [B, T], weights [B, T]) -> a mean over the tokens
+    "plain": lambda ce, w: tf.reduce_mean(ce),
+    "weighted": lambda ce, w: tf.reduce_mean(ce * w),
+    "keras_sample_weight": None,  # sum(ce * w) / size(ce): sum_over_batch_size
+}
+
+
+@pytest.mark.parametrize("form", list(RUN_TIME_MEANS))
+def test_a_mean_at_a_run_time_length_has_the_static_blocks(form):
+    """A mean over positions traced with T unknown divides by T at run time
+    (``LossSpec.size_scaled``): ``1/T`` is read from the sizes as a factor of
+    the curvature's scale, as the constant ``scale`` holds it at known
+    sizes, and the tokens keep their data's weights, so the estimator's
+    blocks (which leave the scale out) are the static trace's. Before, the
+    tokens were weighted by ``1/T``: the plain mean's blocks were T times
+    smaller than at a known length."""
     _, logits_of, (x, y) = _tokens_with_a_generic_variable(steps=5, seed=1)
 
     def loss(x, y):
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits_of(x)))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits_of(x))
+        w = tf.cast(y > 2, ce.dtype)
+        if RUN_TIME_MEANS[form] is None:
+            return keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+                y, logits_of(x), sample_weight=w)
+        return RUN_TIME_MEANS[form](ce, w)
 
     spec = [tf.TensorSpec([None, None], tf.int32)] * 2
     static, dynamic = kg.auto_register(loss), kg.auto_register(
         tf.function(loss, input_signature=spec))
     assert dynamic.registration(x, y).loss.size_scaled
-    assert not static.registration(x, y).loss.weighted
+    assert not static.registration(x, y).loss.sizes
+    assert static.registration(x, y).loss.weighted == (form != "plain")
     blocks = []
     for fn in (static, dynamic):
         est = kg.FisherEstimator(fn, estimation_mode="exact")

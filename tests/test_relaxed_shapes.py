@@ -45,6 +45,9 @@ def _loss(model, reduction):
             return tf.reduce_sum(ce * mask) / tf.reduce_sum(mask)
         if reduction == "weighted_mean":
             return tf.reduce_mean(ce * tf.cast(y > 1, ce.dtype))
+        if reduction == "keras_sample_weight":  # sum(ce * w) / size(ce): sum_over_batch_size
+            return keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+                y, model(x), sample_weight=tf.cast(y > 1, ce.dtype))
         return tf.reduce_mean(ce)
     return loss
 
@@ -112,23 +115,32 @@ def test_mean_over_tokens_reads_its_length_at_run_time(keras_float64, monkeypatc
     assert not warnings, warnings
 
 
-def test_mean_of_weighted_tokens_keeps_a_trace_per_length(keras_float64, monkeypatch):
-    """``reduce_mean(ce * mask)`` weighs its tokens by data and divides by T:
-    at an unknown length T is in the tokens' weights, at known ones in the
-    constant ``scale``, and the factors' moving averages would mix the two.
-    A new batch size relaxes; a new length keeps its own trace (the exact
-    trace ``relax_shapes=False`` runs), with one warning that says why."""
+@pytest.mark.parametrize("reduction", ["weighted_mean", "keras_sample_weight"])
+def test_mean_of_weighted_tokens_reads_its_length_at_run_time(keras_float64, monkeypatch,
+                                                              reduction):
+    """``reduce_mean(ce * mask)`` and Keras's ``sample_weight`` under
+    ``sum_over_batch_size`` weigh their tokens by data and divide by T (and
+    B): a constant ``scale`` at known sizes; at an unknown length the
+    tokens' weights are ``w_it = s m_it`` with ``s = 1/T`` read from the
+    sizes (``LossSpec.sizes``) as a factor of the curvature's scale and
+    ``m_it`` the data's, so the factors read alike: new lengths share one
+    relaxed trace with no warning, equal to a trace per shape (statistics
+    every other step: the steps without take the registered graph's pass)."""
     warnings = []
     monkeypatch.setattr(logging, "warning", lambda fmt, *a: warnings.append(fmt % a))
-    batches = _batches([(4, 6), (3, 6), (4, 9)], stride=1)
-    options = dict(momentum_type="regular", learning_rate=0.05, damping=0.1)
-    step = _train(batches, "weighted_mean", conv=False, **options)[2]._compiled.step
-    assert step.relaxed[0][0].shape.as_list() == [None, 6]
-    assert step.experimental_get_tracing_count() == 3  # (4, 6); (None, 6); (4, 9)
-    assert len(warnings) == 1, warnings
-    assert "kg.KFAC: a batch of shapes" in warnings[0]
-    assert "divides by the size of axis 1" in warnings[0]
-    assert "masked mean" in warnings[0]
+    batches = _batches([(4, 6), (3, 6), (4, 9), (2, 7)], stride=1)
+    options = dict(momentum_type="regular", learning_rate=0.05, damping=0.1,
+                   cov_update_period=2)
+    relaxed = _train(batches, reduction, conv=False, **options)
+    exact = _train(batches, reduction, conv=False, relax_shapes=False, **options)
+    _assert_same(relaxed, exact)
+    step = relaxed[2]._compiled.step
+    assert step.relaxed[0][0].shape.as_list() == [None, None]
+    assert step.experimental_get_tracing_count() == 3  # (4, 6); (None, 6); (None, None)
+    assert not warnings, warnings
+    reg = relaxed[2].estimator.build(tf.TensorSpec([None, None], tf.int32),
+                                     tf.TensorSpec([None, None], tf.int32))
+    assert reg.loss.size_scaled and reg.loss.data_weighted, reg.summary()
 
 
 @pytest.mark.slow
@@ -231,8 +243,10 @@ def test_a_registration_at_known_sizes_after_one_at_unknown_sizes():
     unknown = loss.registration(tf.TensorSpec([None, None, 3]), tf.TensorSpec([None, None],
                                                                               tf.int32))
     known = loss.registration(tf.zeros([2, 5, 3]), tf.zeros([2, 5], tf.int32))
-    assert (unknown.loss.scale, len(unknown.loss.divisors)) == (1.0, 1)
-    assert (known.loss.scale, known.loss.divisors) == (0.2, ())
+    assert (unknown.loss.scale, unknown.loss.divisors) == (1.0, ())
+    assert [s.words for s in unknown.loss.sizes] == ["the size of axis 1 of " + (
+        unknown.loss.sizes[0].tensor)]
+    assert (known.loss.scale, known.loss.divisors, known.loss.sizes) == (0.2, (), ())
 
 
 def test_dp_model_fit_partial_last_batch(keras_float64):
