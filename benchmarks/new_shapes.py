@@ -12,7 +12,10 @@ Models (random weights, ``kg.KFAC`` defaults):
   at lengths 64, then 48 and 40, as a bucketed language model;
 - ``lm_mean``: the same decoder with Keras's ``SparseCategoricalCrossentropy``
   on the ``[B, T]`` targets, a plain mean over the tokens (its ``1/T`` read
-  at run time as a factor of the curvature's scale at an unknown length).
+  at run time as a factor of the curvature's scale at an unknown length);
+- ``lm_sample_weight``: the same loss with the padding mask as Keras's
+  ``sample_weight`` (``sum(ce * mask) / (B T)``, ``sum_over_batch_size``: a
+  mean of weighted tokens, whose ``1/T`` is read the same way).
 
 For each, in one process, ``relax_shapes=True`` (the default: one more trace
 with the sizes that changed unknown) against ``relax_shapes=False`` (a trace
@@ -22,7 +25,8 @@ steps at the first new shape, and the traces of the step function. The
 machine is shared: compare the two rows of a model, not the seconds across
 runs.
 
-    python benchmarks/new_shapes.py [--models mobilenet_v3_small,lm,lm_mean] [--later 5]
+    python benchmarks/new_shapes.py [--later 5]
+        [--models mobilenet_v3_small,lm,lm_mean,lm_sample_weight]
 """
 from __future__ import annotations
 
@@ -72,13 +76,8 @@ def decoder(vocab=64, width=64, heads=4, blocks=2, max_length=64):
     return keras.Model(ids, L.Dense(vocab)(L.LayerNormalization()(h)))
 
 
-def lm():
-    model = decoder()
-
-    def loss(ids, targets, mask):
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(targets, model(ids, training=True))
-        return tf.reduce_sum(ce * mask) / tf.reduce_sum(mask)
-
+def padded_batches():
+    """Batches of 16 ``(ids, targets, padding mask)`` at lengths 64, 48, 40."""
     def batch(length, seed):
         rng = np.random.default_rng(seed)
         ids = rng.integers(0, 64, (16, length + 1))
@@ -86,7 +85,17 @@ def lm():
         return (tf.constant(ids[:, :-1], tf.int32), tf.constant(ids[:, 1:], tf.int32),
                 tf.constant(mask, tf.float32))
 
-    return loss, [batch(64, 0), batch(48, 1), batch(40, 2)]
+    return [batch(64, 0), batch(48, 1), batch(40, 2)]
+
+
+def lm():
+    model = decoder()
+
+    def loss(ids, targets, mask):
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(targets, model(ids, training=True))
+        return tf.reduce_sum(ce * mask) / tf.reduce_sum(mask)
+
+    return loss, padded_batches()
 
 
 def lm_mean():
@@ -103,7 +112,18 @@ def lm_mean():
     return loss, [batch(64, 0), batch(48, 1), batch(40, 2)]
 
 
-MODELS = {"mobilenet_v3_small": mobilenet, "lm": lm, "lm_mean": lm_mean}
+def lm_sample_weight():
+    model = decoder()
+    cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def loss(ids, targets, mask):
+        return cross_entropy(targets, model(ids, training=True), sample_weight=mask)
+
+    return loss, padded_batches()
+
+
+MODELS = {"mobilenet_v3_small": mobilenet, "lm": lm, "lm_mean": lm_mean,
+          "lm_sample_weight": lm_sample_weight}
 
 
 def seconds(fn):
