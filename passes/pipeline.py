@@ -38,7 +38,6 @@ from passes.joined_outputs import join_outputs
 from passes.l2_loss import written_out
 from passes.match_loss import LossMatch, match_loss
 from passes.precision import mark_narrowing
-from passes.batch_flow import static_batch
 from passes.shape_probe import probed_rows, restore_shapes
 from passes.unroll import DEFAULT_MAX_ITERATIONS, unroll_loops
 from passes.variable_parts import mark_parts
@@ -76,9 +75,10 @@ def run(traced: frontends.Traced, loss: str | None = None,
     timings["import"] = time.perf_counter() - start
     g = _prepared(g, timings)
     start = time.perf_counter()
-    rows = graph_rows(g)
-    if static_batch(g) is None:  # the batch known at run time only: rows from probes
-        rows = probed_rows(traced, lambda t: graph_rows(_prepared(frontends.to_ir(t))), g)
+    # sizes known at run time only (the batch's, a length's): rows from probes too,
+    # the rows of the tensors whose shapes are known first
+    rows = {**probed_rows(traced, lambda t: graph_rows(_prepared(frontends.to_ir(t))), g),
+            **graph_rows(g)}
     timings["rows"] = time.perf_counter() - start
     start = time.perf_counter()
     layers = match_layers(g, rows)

@@ -21,6 +21,9 @@ _PER_LEADING = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool"
                           "MaxPool3D", "AvgPool3D", "ResizeBilinear", "ResizeNearestNeighbor",
                           "ResizeBicubic", "ResizeArea", "ScaleAndTranslate"})
 
+_CROSS_ENTROPY = frozenset({"SparseSoftmaxCrossEntropyWithLogits",
+                            "SoftmaxCrossEntropyWithLogits"})
+
 
 def axis_after(g, d, sources, r, rows, data, rank):
     """The rows' axis in ``d``'s output, or None where the op mixes rows.
@@ -37,6 +40,9 @@ def axis_after(g, d, sources, r, rows, data, rank):
         return None if u == a else a - (u < a)
     if op in ("Softmax", "LogSoftmax"):
         return a if a != rank - 1 else None
+    if op in _CROSS_ENTROPY:  # row n's loss from row n of the logits and of the labels
+        ok = a == 0 and all(s in rows or s not in data for s in sources)
+        return a if ok else None
     if op == "MatMul":
         ok = (a == 0 and sources[0] in rows and sources[1] not in data
               and not d["attrs"].get("transpose_a"))

@@ -177,11 +177,12 @@ def _annotated(traced, gains):
 
 
 def probed_rows(traced, rows_of, g) -> dict:
-    """``{node: Rows}`` of ``g`` (the IR of ``traced``, whose batch is
-    unknown), from ``rows_of`` (a traced graph -> its IR's rows) on
+    """``{node: Rows}`` of ``g`` (the IR of ``traced``, some of whose sizes
+    are unknown), from ``rows_of`` (a traced graph -> its IR's rows) on
     ``traced`` pinned to each of ``ROW_PROBES``: the rows every probe finds
-    with the same ``k`` and axis, ``Rows.batch`` None. ``{}`` when no
-    argument has an unknown size or a probe cannot be imported."""
+    with the same ``k`` and axis, ``Rows.batch`` None unless the batch is
+    known (a length left unknown: ``[B, None]``). ``{}`` when no argument
+    has an unknown size or a probe cannot be imported."""
     args = _unknown_arguments(traced)
     if not args:
         return {}
@@ -195,10 +196,11 @@ def probed_rows(traced, rows_of, g) -> dict:
         others = [o.get(node) for o in rest]
         if node not in g or any(o is None or o.axis != r.axis for o in others):
             continue
+        batch = r.batch if all(o.batch == r.batch for o in others) else None
         if all(o.per_example == r.per_example for o in others):
-            out[node] = r._replace(batch=None)
+            out[node] = r._replace(batch=batch)
         elif r.per_example > 1 and all(o.per_example > 1 for o in others):
-            out[node] = r._replace(batch=None, per_example=None)  # k varies with the length
+            out[node] = r._replace(batch=batch, per_example=None)  # k varies with the length
     return out
 
 

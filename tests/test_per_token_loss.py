@@ -360,6 +360,43 @@ def test_a_mean_at_a_run_time_length_has_the_static_blocks(form):
     assert kg.verify(dynamic, x, y, estimation_mode="exact").passed
 
 
+@pytest.mark.parametrize("spec", [[None, 5], [3, None], [None, None]],
+                         ids=["batch", "length", "both"])
+def test_a_mean_of_flattened_logits_reads_its_rows_at_unknown_sizes(spec):
+    """``reduce_mean(ce(reshape(y, [-1]), reshape(logits, [-1, V])))``: the
+    mean over the ``[B T]`` rows counts ``T`` rows per example. With a size
+    left unknown the rows were not followed through the cross-entropy op
+    (nor through a reshape of a length left unknown), so the mean read as
+    one over the batch alone: scale 1 where the static trace reads
+    ``1/T``, and K-FAC's steps took another trajectory (the per-example
+    gradients, read through the loss's derivative, were right). Now the
+    rows are followed (``passes.row_axes``; probed where a length is
+    unknown, ``passes.shape_probe``) and ``T`` is a size read at run time:
+    the steps equal the static trace's."""
+    variables, logits_of, (x, y) = _tokens_with_a_generic_variable(steps=5, seed=2)
+
+    def loss(x, y):
+        logits = logits_of(x)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            tf.reshape(y, [-1]), tf.reshape(logits, [-1, logits.shape[-1]])))
+
+    start = [v.numpy() for v in variables]
+    runs = []
+    for fn in (kg.auto_register(loss), kg.auto_register(tf.function(
+            loss, input_signature=[tf.TensorSpec(spec, tf.int32)] * 2))):
+        for v, s in zip(variables, start):
+            v.assign(s)
+        opt = kg.KFAC(fn, estimation_mode="exact", momentum_type="regular",
+                      learning_rate=0.1, damping=1e-2)
+        losses = [float(opt.step(x, y)) for _ in range(3)]
+        runs.append((losses, float(opt.curvature_scale), [v.numpy() for v in variables]))
+    (static, c_static, w_static), (dynamic, c_dynamic, w_dynamic) = runs
+    assert c_static == pytest.approx(1 / 5) and c_dynamic == pytest.approx(c_static)
+    np.testing.assert_allclose(dynamic, static, rtol=1e-10)
+    for a, b in zip(w_dynamic, w_static):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
 # loss(ce [B, T], logits) -> scalar: divisors and means whose reading depends on
 # whether they count the batch (T = 6 is a multiple of B = 3: a size's value
 # alone cannot tell)
