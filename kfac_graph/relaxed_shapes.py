@@ -145,6 +145,24 @@ class Relaxed:
         return sum(f.experimental_get_tracing_count() for f in self._traced)
 
 
+def replica_problem(fn, registration, specs, strategy) -> str | None:
+    """``registration_problem`` for a step split over ``strategy``'s
+    replicas: ``registration`` is one replica's (``kg.KFAC`` registers the
+    loss on one replica's share, under the strategy's scope), so ``specs``,
+    the whole batch's signature, are cut to one replica's share (a known
+    batch ``b`` to ``b / n``; an unknown one stays unknown)."""
+    n = strategy.num_replicas_in_sync
+    shares = []
+    for spec in tf.nest.flatten(specs):
+        batch = spec.shape[0] if spec.shape.rank else None
+        if batch is not None and batch % n:
+            return f"a batch of {batch} examples does not split evenly over {n} replicas"
+        shape = spec.shape if batch is None else [batch // n] + spec.shape.as_list()[1:]
+        shares.append(tf.TensorSpec(shape, spec.dtype))
+    with strategy.scope():
+        return registration_problem(fn, registration, tf.nest.pack_sequence_as(specs, shares))
+
+
 def registration_problem(fn, registration, specs, curvature: bool = True) -> str | None:
     """None if ``fn`` registered at ``specs`` has ``registration``'s layers
     (kinds and variables) and variables, in its order (callers' lists align

@@ -7,9 +7,10 @@ it in one line. A Keras loss object, which divides
 itself by the replicas when traced under a strategy, is traced as one
 device sees it (``passes.frontends.one_device``): its per-example gradients
 inside the scope, and ``kg.KFAC``'s steps on 2 replicas (a Huber loss, kind
-ggn; a plain mean over tokens traced with their count unknown, whose ``1/T``
-each replica reads at run time), equal one device's. In a fresh process with
-2 logical CPUs."""
+ggn; a mean of weighted tokens over batches of new lengths and sizes in
+the relaxed step, whose ``1/T`` each replica reads at run time), equal one
+device's traced per shape. In a fresh process with 2 logical
+CPUs."""
 import json
 import os
 import subprocess
@@ -63,31 +64,32 @@ single = kfac_huber(make())
 with strategy.scope():
     replicated_model = make()
 replicated = kfac_huber(replicated_model)
-# a mean of weighted tokens traced with their count unknown: 1/T read at run time as
-# a factor of the curvature's scale (LossSpec.size_scaled), each replica's alike, the
-# tokens keeping their data's weights
-ids = tf.constant(rng.integers(0, 7, (8, 5)), tf.int32)
+# a mean of weighted tokens over batches of new lengths and sizes, in the relaxed
+# replicated step (one more trace, with the sizes that changed unknown): 1/T read at
+# run time as a factor of the curvature's scale (LossSpec.size_scaled), each replica's
+# alike, the tokens keeping their data's weights; against one device traced per shape
+batches = [tf.constant(rng.integers(0, 7, s), tf.int32) for s in [(8, 5), (8, 7), (6, 5)]]
 def tokens():
     keras.utils.set_random_seed(0)
     return keras.Sequential([keras.Input((None,), dtype="int32"),
                              keras.layers.Embedding(7, 4, dtype="float64"),
                              keras.layers.Dense(7, dtype="float64")])
-def kfac_tokens(model, spec):
-    loss = tf.function(lambda a, b: tf.reduce_mean(
+def kfac_tokens(model, relax=True):
+    fn = kg.auto_register(lambda a, b: tf.reduce_mean(
         tf.nn.sparse_softmax_cross_entropy_with_logits(b, model(a))
-        * tf.cast(b > 1, tf.float64)), input_signature=spec)
-    opt = kg.KFAC(kg.auto_register(loss), **config)
-    for _ in range(3):
+        * tf.cast(b > 1, tf.float64)))
+    opt = kg.KFAC(fn, relax_shapes=relax, **config)
+    for ids in batches:
         opt.step(ids, ids)
-    return [v.numpy() for v in model.trainable_variables]
-single_tokens = kfac_tokens(tokens(), [tf.TensorSpec([8, 5], tf.int32)] * 2)
+    return [v.numpy() for v in model.trainable_variables], opt
+single_tokens = kfac_tokens(tokens(), relax=False)[0]
 with strategy.scope():
-    replicated_tokens_model = tokens()
-unknown = [tf.TensorSpec([None, None], tf.int32)] * 2
-replicated_tokens = kfac_tokens(replicated_tokens_model, unknown)
+    relaxed_tokens, relaxed_opt = kfac_tokens(tokens())
+relaxed_traces = relaxed_opt._compiled.step.experimental_get_tracing_count()
 print(json.dumps({
     "kfac_tokens": max(float(np.abs(a - b).max())
-                       for a, b in zip(single_tokens, replicated_tokens)),
+                       for a, b in zip(single_tokens, relaxed_tokens)),
+    "relaxed_traces": relaxed_traces,
     "keras_per_example": max(float(np.abs(g - w).max()) for g, w in zip(got_keras, want_keras)),
     "kfac_keras_loss": max(float(np.abs(a - b).max()) for a, b in zip(single, replicated)),
     "per_example": max(float(np.abs(g - w).max()) for g, w in zip(got, want)),
@@ -108,7 +110,9 @@ def test_mirrored_model_on_one_device():
     # 2 replicas, and K-FAC's steps on half the loss
     assert out["keras_per_example"] < 1e-12
     assert out["kfac_keras_loss"] < 1e-10
+    # (before, a replicated step at a new length kept the first length's 1/T)
     assert out["kfac_tokens"] < 1e-10
+    assert out["relaxed_traces"] == 3  # (8, 5); (8, None); (None, None)
     assert len(out["copies"]) == 4 and max(out["copies"]) < 1e-12
     assert out["refusal"].startswith("kg.DPModel: its model is under a tf.distribute strategy")
     assert "\n" not in out["refusal"]

@@ -217,9 +217,9 @@ class ReplicatedCore(StepCore):
         return [v for v in self.opt.estimator_state if not is_replica_local(v)]
 
     # -- the step's seams (step_core.StepCore) --------------------------------------------
-    def prepare(self, args):
+    def prepare(self, args):  # (the registration of one replica's share at these shapes)
         replica_reads.refuse(self.opt.registration, self.num_replicas)
-        return self.distribute(args), self.opt.registration
+        return self.distribute(args), self.opt.estimator.build(*self.example_args(args))
 
     def rollback_state(self) -> list:
         """The mirrored estimator variables (the cached inverses); each replica
@@ -258,13 +258,12 @@ class ReplicatedCore(StepCore):
     def _gradients(self, scheduled, *args):
         """Per replica: ``(packed [loss, grads, non-finite flag, batch], snapshot,
         before)``; ``before``: the state the loss writes, as the pass starts."""
-        opt = self.opt
-        variables = list(opt.registration.variables)
+        opt, registration = self.opt, self.opt.estimator.build(*args)
         local = self._local_state()
         snapshot = [v.read_value() for v in local]
-        before = loss_state.snapshot(loss_state.written(opt.registration))
-        found = forward_backward(opt, args, variables, scheduled,
-                                 size_scaled=opt.registration.loss.size_scaled)
+        before = loss_state.snapshot(loss_state.written(registration))
+        found = forward_backward(opt, args, list(registration.variables), scheduled,
+                                 size_scaled=registration.loss.size_scaled)
         flagged = 1 - tf.cast(vec.all_finite([v.read_value() for v in local]), opt.dtype)
         first = batch_tensor(args, "kg.KFAC")
         batch = tf.cast(tf.shape(first)[0], opt.dtype)
@@ -386,7 +385,7 @@ class ReplicatedCore(StepCore):
 
         def local(vectors, *a):
             opt = self.opt
-            forms, part = exact_fisher.batch_forms(opt.fn, opt.registration, a, vectors,
+            forms, part = exact_fisher.batch_forms(opt.fn, opt.estimator.build(*a), a, vectors,
                                                    opt.qmodel_batch_fraction)
             forms = tf.cast(tf.stack([tf.stack(row) for row in forms]), tf.float64)
             return (forms, tf.stack([part.loss] + list(part.linear))) if partial else (forms,)

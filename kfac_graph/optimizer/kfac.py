@@ -355,18 +355,18 @@ class KFAC(tf.Module):
 
     def compile_step(self):
         """(Re)makes the compiled step from the options as they are now."""
-        # without XLA the core is traced inline into the step (no nested call);
-        # the replicated core compiles its per-replica functions itself
+        # without XLA the core is traced inline (the replicated one compiles its own)
         core = self._core.step
         if self.whole_step_jit and self._replicated is None:
             core = tf.function(core, jit_compile=True, autograph=False)
         self._compiled.core = core
-        problem = lambda first, specs: relaxed_shapes.registration_problem(  # noqa: E731
-            self.fn, self.registration, specs)
-        relax = self.relax_shapes and self._replicated is None
+        problem = lambda first, specs: (  # noqa: E731  (under a strategy: one replica's share)
+            relaxed_shapes.registration_problem(self.fn, self.registration, specs)
+            if self._replicated is None else relaxed_shapes.replica_problem(
+                self.fn, self.registration, specs, self._replicated.strategy))
         self._compiled.step = (relaxed_shapes.Relaxed(self._step, problem, "kg.KFAC",
                                                       autograph=False)
-                               if relax else tf.function(self._step, autograph=False))
+                               if self.relax_shapes else tf.function(self._step, autograph=False))
 
     def cost_summary(self) -> str:
         """The counted multiply-adds per layer, the periods and the counted

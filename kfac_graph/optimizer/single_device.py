@@ -74,5 +74,5 @@ class SingleDeviceCore(StepCore):
         first examples with ``qmodel_batch_fraction < 1``, and their ``Part``
         (``exact_fisher.batch_forms``)."""
         opt = self.opt
-        return exact_fisher.batch_forms(opt.fn, opt.registration, args, vectors,
+        return exact_fisher.batch_forms(opt.fn, opt.estimator.build(*args), args, vectors,
                                         opt.qmodel_batch_fraction, forward)
