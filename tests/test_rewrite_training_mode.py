@@ -7,7 +7,8 @@ seed generators are variables the step advances), updates a
 BatchNormalization's moving statistics, adds weight penalties (a kernel
 regularizer, an ``add_loss`` term) and projects with an EinsumDense whose
 bias spans two output axes, under ``input_signature=[None, None, D]``: batch
-and sequence length known at run time only. Before, that bias was matched
+and sequence length known at run time only, the length changing from step
+to step. Before, that bias was matched
 to its kernel only when the positions were known (the check that the add
 does not widen the projection multiplied sizes, and an unknown one failed
 it), so under ``[None, None]`` it became a shift layer of its own: another
@@ -95,13 +96,14 @@ class Trainable(tf.Module):
 
 
 def _batches():
-    """One length throughout: where it changes between steps, the ``[None,
-    None]`` trace's factors hold the run-time ``1 / T`` in ``G`` while a
-    static trace's hold it in the loss's scale, and their moving averages mix
-    lengths otherwise (a separate finding, not checked here)."""
+    """A length per step (the mean's ``1/T`` is read at run time as a factor
+    of the curvature's scale, ``LossSpec.size_scaled``, so the factors'
+    moving averages read alike at every length)."""
     rng = np.random.default_rng(1)
-    return {**{f"x{i}": rng.normal(size=(B, T, D)) for i in range(STEPS)},
-            **{f"y{i}": rng.integers(0, 3, (B, T)).astype(np.int32) for i in range(STEPS)}}
+    lengths = [T, T + 2, T, T - 1, T + 1, T][:STEPS]
+    return {**{f"x{i}": rng.normal(size=(B, t, D)) for i, t in enumerate(lengths)},
+            **{f"y{i}": rng.integers(0, 3, (B, t)).astype(np.int32)
+               for i, t in enumerate(lengths)}}
 
 
 def test_a_training_mode_model_trains_alike_rewritten_and_in_process(float64, tmp_path):
