@@ -17,6 +17,10 @@ Models (random weights, ``kg.KFAC`` defaults):
   ``sample_weight`` (``sum(ce * mask) / (B T)``, ``sum_over_batch_size``: a
   mean of weighted tokens, whose ``1/T`` is read the same way).
 
+With ``--replicas R`` the model and the optimizer are made under a
+``MirroredStrategy`` over R logical CPU devices (the batches split over
+them).
+
 For each, in one process, ``relax_shapes=True`` (the default: one more trace
 with the sizes that changed unknown) against ``relax_shapes=False`` (a trace
 per shape, as before), each on a fresh model: the first step, the step at the
@@ -25,7 +29,7 @@ steps at the first new shape, and the traces of the step function. The
 machine is shared: compare the two rows of a model, not the seconds across
 runs.
 
-    python benchmarks/new_shapes.py [--later 5]
+    python benchmarks/new_shapes.py [--later 5] [--replicas 1]
         [--models mobilenet_v3_small,lm,lm_mean,lm_sample_weight]
 """
 from __future__ import annotations
@@ -45,6 +49,8 @@ from char_transformer import AddPositions  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mobilenet_v3_small", "lm"], "models")
 flags.DEFINE_integer("later", 5, "later steps at the first new shape (median)")
+flags.DEFINE_integer("replicas", 1, "above 1: the steps split over this many logical CPU "
+                     "devices (MirroredStrategy; the batches of 16 split evenly)")
 
 L = keras.layers
 
@@ -132,10 +138,11 @@ def seconds(fn):
     return time.perf_counter() - start
 
 
-def run(model_name, relax):
+def run(model_name, relax, strategy):
     keras.utils.set_random_seed(0)
-    loss, (first, new, other) = MODELS[model_name]()
-    opt = kg.KFAC(kg.auto_register(loss), relax_shapes=relax)
+    with strategy.scope():  # (the default strategy's: one device)
+        loss, (first, new, other) = MODELS[model_name]()
+        opt = kg.KFAC(kg.auto_register(loss), relax_shapes=relax)
     start = time.perf_counter()
     opt.step(*first).numpy()
     row = {"first step": time.perf_counter() - start,
@@ -150,7 +157,15 @@ def run(model_name, relax):
 def main(argv):
     del argv
     columns = ["first step", "first new shape", "second new shape", "later step, new shape"]
-    rows = {name: {relax: run(name, relax) for relax in (True, False)} for name in FLAGS.models}
+    strategy = tf.distribute.get_strategy()
+    if FLAGS.replicas > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * FLAGS.replicas)
+        strategy = tf.distribute.MirroredStrategy(
+            [f"/cpu:{i}" for i in range(FLAGS.replicas)])
+    rows = {name: {relax: run(name, relax, strategy) for relax in (True, False)}
+            for name in FLAGS.models}
     print("| model | relax_shapes | " + " | ".join(columns) + " | traces |")
     print("|---|---|" + "---:|" * (len(columns) + 1))
     for name, pair in rows.items():
