@@ -167,17 +167,17 @@ def registration_problem(fn, registration, specs, curvature: bool = True) -> str
     """None if ``fn`` registered at ``specs`` has ``registration``'s layers
     (kinds and variables) and variables, in its order (callers' lists align
     with it), and, with ``curvature``, the attributes its blocks read (up to
-    sizes left unknown) and its loss's reading (kind, reduction,
-    scale, weights and divisors): a step traced there then computes, and
+    sizes left unknown) and its loss's reading (kind, reduction, scale,
+    weights, divisors and sizes): a step traced there then computes, and
     folds into statistics shared with the other traces, what one at known
     sizes does. Else why not, in one line: a loop over an axis left unknown
     is not unrolled (its cell's variables are generic). A mean over it
     divides by its size at run time but by a constant ``scale`` at known
     sizes: its ``1/T`` is read as a factor of the curvature's scale at run
     time (``LossSpec.size_scaled``), not of the tokens' weights, so the
-    factors' moving averages read alike. Without ``curvature`` (DP-SGD: per-example gradients
-    are exact at any size, and nothing is kept across steps) the layers'
-    kinds and the variables' order alone are compared, so that no layer
+    factors' moving averages read alike. Without ``curvature`` (DP-SGD:
+    per-example gradients are exact at any size, and nothing is kept across
+    steps) the layers' kinds and the variables' order alone are compared, so that no layer
     falls to the generic rule and the gradients come in the same order."""
     try:  # (quiet; the step traced there finds it, a registration at known sizes never does)
         other = fn.registration(*specs, quiet=True)

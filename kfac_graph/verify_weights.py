@@ -39,7 +39,7 @@ def ratios(fn, reg, args, one_args: dict, cache: dict, rtol: float):
     """``({i: r_i}, "")``, or ``({}, why not)`` for the picked examples
     ``one_args`` (``{i: args[i:i+1]}``). ``cache``: where the traced
     functions are kept (``fn.derived``)."""
-    if not reg.loss.data_weighted:  # (w_it = 1/T alike in the batch and on one example)
+    if not reg.loss.data_weighted:  # (w_it = s alike in the batch and on one example)
         return {i: 1.0 for i in one_args}, ""
     key = ("verify_token_weights", id(reg))
     if key not in cache:
