@@ -90,11 +90,13 @@ def test_new_lengths_and_batch_sizes_trace_once_more(keras_float64, jit_compile)
 
 
 @pytest.mark.parametrize("options", [
-    # (under -m slow: cov2 in the fast set steps with and without statistics)
+    # all under -m slow: the weighted means below (Keras's sample_weight in the fast
+    # set) take the same path, their tokens' weights apart
     pytest.param(dict(momentum_type="regular", learning_rate=0.05, damping=0.1),
                  marks=pytest.mark.slow),
     # statistics every other step: the other steps take the registered graph's pass
-    dict(momentum_type="regular", learning_rate=0.05, damping=0.1, cov_update_period=2),
+    pytest.param(dict(momentum_type="regular", learning_rate=0.05, damping=0.1,
+                      cov_update_period=2), marks=pytest.mark.slow),
     pytest.param({}, marks=pytest.mark.slow)], ids=["regular", "cov2", "defaults"])
 def test_mean_over_tokens_reads_its_length_at_run_time(keras_float64, monkeypatch, options):
     """A plain mean over tokens divides by T: a constant ``scale`` at known
@@ -115,7 +117,10 @@ def test_mean_over_tokens_reads_its_length_at_run_time(keras_float64, monkeypatc
     assert not warnings, warnings
 
 
-@pytest.mark.parametrize("reduction", ["weighted_mean", "keras_sample_weight"])
+# (reduce_mean(ce * mask) under -m slow: its sizes, an axis's, are in the fast set through
+# test_per_token_loss.py's blocks at a run-time length)
+@pytest.mark.parametrize("reduction", [pytest.param("weighted_mean", marks=pytest.mark.slow),
+                                       "keras_sample_weight"])
 def test_mean_of_weighted_tokens_reads_its_length_at_run_time(keras_float64, monkeypatch,
                                                               reduction):
     """``reduce_mean(ce * mask)`` and Keras's ``sample_weight`` under
