@@ -258,3 +258,32 @@ def test_kfac_under_xla_trains_two_heads():
     opt = kg.KFAC(fn, jit_compile=True)
     losses = [float(opt.step(x, y, t)) for _ in range(8)]
     assert int(opt.skipped_steps) == 0 and losses[-1] < 0.5 * losses[0], losses
+
+
+def test_a_per_token_head_beside_a_per_example_head_stops_in_one_line(float64):
+    """A masked-LM head over ``[B, T, V]`` plus a next-sentence head over
+    ``[B, 2]`` (BERT's pre-training loss) joins two outputs whose Hessian
+    needs each example's own loss; the per-token head's terms come flattened
+    to ``[B T]``, which the joined output's positions do not account for, so
+    ``kg.KFAC`` stops in one line naming them (the empirical Fisher stopped
+    on TensorFlow's "None values not supported"). Per-example gradients,
+    read through the loss's derivative, equal a loop of one-example tapes."""
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((None,), dtype="int32")
+    h = keras.layers.Dense(6, activation="tanh")(keras.layers.Embedding(7, 4)(ids))
+    model = keras.Model(ids, [keras.layers.Dense(7)(h), keras.layers.Dense(2)(h[:, 0])])
+
+    @kg.auto_register
+    def loss(x, y):
+        tokens, pair = model(x)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits
+        return tf.reduce_mean(ce(y, tokens)) + tf.reduce_mean(ce(y[:, 0] % 2, pair))
+
+    rng = np.random.default_rng(0)
+    x, y = (tf.constant(rng.integers(0, 7, (3, 5)), tf.int32) for _ in range(2))
+    assert_matches_loop(loss, (x, y), rtol=1e-9)
+    for options in ({}, dict(estimation_mode="empirical", momentum_type="regular",
+                             learning_rate=0.1, damping=0.1)):
+        with pytest.raises(kg.KfacGraphError, match="needs each example's own loss") as error:
+            kg.KFAC(loss, **options).step(x, y)
+        assert "\n" not in str(error.value) and "leading axis 15" in str(error.value)

@@ -28,6 +28,9 @@ def at_output(reg, taps, mode, seeds=(), position_columns="shared"):
     seed per sample of the sampled mode."""
     kind, w = reg.loss.kind, taps.token_weights
     if taps.model_output is None or (kind, mode) == ("ggn", "empirical"):
+        if taps.per_example_loss is None:  # (before: TensorFlow's "None values not supported")
+            raise KfacGraphError(f"the empirical Fisher needs each example's own loss: "
+                                 f"{taps.per_example_problem}")
         return [None], [taps.per_example_loss]
     z = at_least_float32(taps.model_output)
     z0 = tf.stop_gradient(z)
