@@ -186,7 +186,8 @@ def registration_from_pass(result: passes.PassResult, warn: bool = True) -> Regi
                                          for m in result.layers for k in m.variables
                                          if k in traced.constraints),
                         dict(traced.resources), result.batch_statistics,
-                        result.padded_to_longest, traced.replica_reads)
+                        result.padded_to_longest, traced.replica_reads,
+                        {terms: out for terms, out in lm.heads if terms and out})
 
 
 def _warn_about(layers, result):

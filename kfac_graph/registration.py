@@ -216,6 +216,9 @@ class Registration:
     batch_statistics: tuple[str, ...] = ()
     padded_to_longest: tuple[str, ...] = ()
     replica_reads: tuple[str, ...] = ()
+    # terms tensor -> the model output whose positions lay out its rows (a loss over
+    # several outputs: a per-token head's terms come flattened to [B T])
+    term_outputs: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def variables(self) -> tuple:

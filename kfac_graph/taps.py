@@ -113,6 +113,7 @@ class LayerTaps:
         extra = [loss_spec.output, loss_spec.targets, reg.per_example_loss]
         names += [t for t in extra if t] + list(loss_spec.penalties)
         names += [t for t, _ in reg.per_example_extras] + [s.tensor for s in loss_spec.sizes]
+        names += list(reg.term_outputs.values())
         for layer in reg.layers:
             for use_inputs, output in zip(layer.inputs, layer.outputs):
                 names += list(use_inputs) + [output]
@@ -139,12 +140,14 @@ class LayerTaps:
                     size_scale = token_weights.size_scale(loss_spec.sizes, tensors, batch,
                                                           weights.dtype)
                     weights = weights / size_scale if loss_spec.data_weighted else None
-            per_example, problem = _per_example_terms(terms, batch, model_output)
+            laid_out = lambda name: tensors.get(reg.term_outputs.get(name), model_output)
+            per_example, problem = _per_example_terms(terms, batch,
+                                                      laid_out(reg.per_example_loss))
             if per_example is not None:
                 per_example = per_example * as_dtype(coefficient, per_example.dtype)
             for name, _ in reg.per_example_extras:  # (their weights read as dL/dterms)
                 own, why = _per_example_terms(token_weights.own_terms(
-                    reg, tensors[reg.output], tensors[name], batch), batch, model_output)
+                    reg, tensors[reg.output], tensors[name], batch), batch, laid_out(name))
                 if per_example is None or own is None:
                     per_example, problem = None, problem or why
                     break
