@@ -118,7 +118,7 @@ def test_mean_over_tokens_reads_its_length_at_run_time(keras_float64, monkeypatc
 
 
 # (reduce_mean(ce * mask) under -m slow: its sizes, an axis's, are in the fast set through
-# test_per_token_loss.py's blocks at a run-time length)
+# test_per_token_run_time_sizes.py's blocks at a run-time length)
 @pytest.mark.parametrize("reduction", [pytest.param("weighted_mean", marks=pytest.mark.slow),
                                        "keras_sample_weight"])
 def test_mean_of_weighted_tokens_reads_its_length_at_run_time(keras_float64, monkeypatch,
