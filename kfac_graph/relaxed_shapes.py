@@ -17,11 +17,15 @@ one) says whether it does (None) or why not (a line;
 ``registration_problem`` registers the loss at the unknown sizes and
 compares). Where it does not, that batch is traced at its own shapes, as
 before, and an absl warning says why, once per signature. Arguments other
-than dense tensors and arrays, and keyword arguments, always go to the
-exact function; so does a batch whose relaxed step stops while tracing
-(the warning names the error).
+than dense tensors, arrays and a strategy's per-replica values, and keyword
+arguments, always go to the exact function; so does a batch whose relaxed
+step stops while tracing (the warning names the error). Per-replica values
+(``KFACModel.fit``'s batches under ``tf.distribute``) are signed by their
+``TypeSpec``, whose components, one replica's share each, widen alike.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import tensorflow as tf
@@ -30,14 +34,36 @@ from absl import logging
 from passes.errors import KfacGraphError
 
 
+def _signed(leaf) -> bool:
+    """Whether a leaf of the arguments can take a relaxed signature: a dense
+    tensor, an array, or a strategy's per-replica values of dense tensors."""
+    if isinstance(leaf, tf.distribute.DistributedValues):
+        return all(isinstance(t, tf.Tensor) for t in leaf.values)
+    return isinstance(leaf, (tf.Tensor, np.ndarray))
+
+
+def _spec(leaf):
+    if isinstance(leaf, tf.distribute.DistributedValues):
+        return tf.type_spec_from_value(leaf)  # a PerReplicaSpec: one TensorSpec per replica
+    return tf.TensorSpec(leaf.shape, tf.as_dtype(leaf.dtype))
+
+
 def signature(args):
-    """``args`` with each leaf a ``tf.TensorSpec`` of its shape and dtype, or
-    None if a leaf is not a dense tensor or a NumPy array."""
+    """``args`` with each leaf a ``tf.TensorSpec`` of its shape and dtype (per-replica
+    values: their ``TypeSpec``), or None if a leaf is none of those (``_signed``)."""
     leaves = tf.nest.flatten(args)
-    if not all(isinstance(a, (tf.Tensor, np.ndarray)) for a in leaves):
+    if not all(_signed(a) for a in leaves):
         return None
-    return tf.nest.pack_sequence_as(
-        args, [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in leaves])
+    return tf.nest.pack_sequence_as(args, [_spec(a) for a in leaves])
+
+
+def _wider(a, b):
+    """The most specific spec both fit, or None (another rank, dtype or type)."""
+    if not isinstance(a, tf.TensorSpec) or not isinstance(b, tf.TensorSpec):
+        return a.most_specific_common_supertype([b]) if type(a) is type(b) else None
+    if a.dtype != b.dtype or a.shape.rank is None or a.shape.rank != b.shape.rank:
+        return None
+    return tf.TensorSpec(a.shape.most_specific_compatible_shape(b.shape), a.dtype)
 
 
 def widen(old, new):
@@ -47,24 +73,32 @@ def widen(old, new):
         tf.nest.assert_same_structure(old, new)
     except (ValueError, TypeError):
         return None
-    out = []
-    for a, b in zip(tf.nest.flatten(old), tf.nest.flatten(new)):
-        if a.dtype != b.dtype or a.shape.rank is None or a.shape.rank != b.shape.rank:
-            return None
-        out.append(tf.TensorSpec(a.shape.most_specific_compatible_shape(b.shape), a.dtype))
-    return tf.nest.pack_sequence_as(old, out)
+    out = [_wider(a, b) for a, b in zip(tf.nest.flatten(old), tf.nest.flatten(new))]
+    return None if any(s is None for s in out) else tf.nest.pack_sequence_as(old, out)
 
 
 def _fits(spec, sig) -> bool:
-    return all(s.is_compatible_with(x) for s, x in zip(tf.nest.flatten(spec), tf.nest.flatten(sig)))
+    return all(s.is_compatible_with(x) if isinstance(s, tf.TensorSpec) else x.is_subtype_of(s)
+               for s, x in zip(tf.nest.flatten(spec), tf.nest.flatten(sig)))
+
+
+def _tensor_specs(sig):
+    """The dense ``TensorSpec``s of a signature (a per-replica spec's, one per replica)."""
+    return tf.nest.flatten(sig, expand_composites=True)
 
 
 def _key(sig):
-    return tuple((tuple(s.shape.as_list()), s.dtype.name) for s in tf.nest.flatten(sig))
+    return tuple((tuple(s.shape.as_list()), s.dtype.name) for s in _tensor_specs(sig))
+
+
+def _leaf_key(leaf):
+    if isinstance(leaf, tf.distribute.DistributedValues):
+        return tuple(_leaf_key(t) for t in leaf.values)
+    return tuple(leaf.shape), tf.as_dtype(leaf.dtype).name
 
 
 def _unknown(spec) -> str:
-    sizes = [f"axis {i} of argument {k}" for k, s in enumerate(tf.nest.flatten(spec))
+    sizes = [f"axis {i} of argument {k}" for k, s in enumerate(_tensor_specs(spec))
              for i, d in enumerate(s.shape.as_list()) if d is None]
     return ", ".join(sizes) or "no size"
 
@@ -95,9 +129,9 @@ class Relaxed:
         """The ``tf.function`` for these arguments (made, and checked, here;
         remembered by their shapes and dtypes)."""
         leaves = tf.nest.flatten(args)
-        if kwargs or not all(isinstance(a, (tf.Tensor, np.ndarray)) for a in leaves):
+        if kwargs or not all(_signed(a) for a in leaves):
             return self.exact
-        key = tuple((tuple(a.shape), tf.as_dtype(a.dtype).name) for a in leaves)
+        key = tuple(_leaf_key(a) for a in leaves)
         route = self._routes.get(key)
         if route is None:
             route = self._routes[key] = self._new_route(signature(args), key)
@@ -150,10 +184,15 @@ def replica_problem(fn, registration, specs, strategy) -> str | None:
     replicas: ``registration`` is one replica's (``kg.KFAC`` registers the
     loss on one replica's share, under the strategy's scope), so ``specs``,
     the whole batch's signature, are cut to one replica's share (a known
-    batch ``b`` to ``b / n``; an unknown one stays unknown)."""
+    batch ``b`` to ``b / n``; an unknown one stays unknown; per-replica
+    values' specs hold the shares, which widen to one)."""
     n = strategy.num_replicas_in_sync
     shares = []
     for spec in tf.nest.flatten(specs):
+        if not isinstance(spec, tf.TensorSpec):
+            parts = _tensor_specs(spec)
+            shares.append(functools.reduce(_wider, parts[1:], parts[0]))
+            continue
         batch = spec.shape[0] if spec.shape.rank else None
         if batch is not None and batch % n:
             return f"a batch of {batch} examples does not split evenly over {n} replicas"

@@ -1,0 +1,69 @@
+"""``KFACModel.fit`` under ``tf.distribute`` over batches of new lengths.
+
+Under a strategy Keras hands ``kg.KFAC``'s step per-replica values (each
+replica's share of the batch), not tensors: the relaxed step
+(``kfac_graph/relaxed_shapes.py``) sent them to the exact function, traced
+once per shape, so every new length paid the whole step's trace again (6
+traces for 8 batches of 6 lengths). They are now signed by their
+``TypeSpec`` and widened component by component: the fit over those
+lengths traces the step twice, and ends where the fit traced per shape
+ends (float64, a weighted mean over tokens, whose ``1/T`` each replica
+reads at run time). In a fresh process with 2 logical CPUs."""
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = r"""
+import json, numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+import kfac_graph as kg
+keras.config.set_floatx("float64")
+keras.config.set_dtype_policy("float64")
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+V, LENGTHS = 7, (5, 7, 9, 6, 5, 8, 4, 7)
+rng = np.random.default_rng(0)
+data = [(rng.integers(0, V, (8, t)).astype("int32"), rng.integers(0, V, (8, t)).astype("int32"),
+         (rng.random((8, t)) > 0.3).astype("float64")) for t in LENGTHS]
+
+def fit(relax):
+    dataset = tf.data.Dataset.from_generator(lambda: iter(data), output_signature=(
+        tf.TensorSpec([8, None], tf.int32), tf.TensorSpec([8, None], tf.int32),
+        tf.TensorSpec([8, None], tf.float64)))
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        inner = keras.Sequential([keras.Input((None,), dtype="int32"),
+                                  keras.layers.Embedding(V, 4),
+                                  keras.layers.Dense(6, activation="tanh"),
+                                  keras.layers.Dense(V)])
+        model = kg.KFACModel(inner, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True), estimation_mode="exact", momentum_type="regular",
+            learning_rate=0.1, damping=1e-2, relax_shapes=relax)
+        model.compile()
+    start = [v.numpy() for v in inner.trainable_variables]
+    model.fit(dataset, epochs=1, verbose=0)
+    traces = model.kfac._compiled.step.experimental_get_tracing_count()
+    end = [v.numpy() for v in inner.trainable_variables]
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(start, end))
+    return end, int(model.kfac.iterations.numpy()), traces, moved
+
+relaxed, steps, traces, moved = fit(True)
+exact, exact_steps, exact_traces, _ = fit(False)
+print(json.dumps({"difference": max(float(np.abs(a - b).max()) for a, b in zip(relaxed, exact)),
+                  "moved": moved,
+                  "steps": [steps, exact_steps], "traces": [traces, exact_traces]}))
+"""
+
+
+def test_fit_under_a_strategy_traces_new_lengths_once_more():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["steps"] == [8, 8]
+    # the first length's trace, then one with the length unknown (before: 6, one per length)
+    assert out["traces"] == [2, 6], out
+    assert out["difference"] < 1e-10 and out["moved"] > 1e-2, out
