@@ -174,9 +174,27 @@ class Relaxed:
         known = self._refused.get(_key(wider))
         return known if known is not None else self._check(self._first, wider)
 
+    def takes_exact(self, *args) -> bool:
+        """Whether a call with these arguments runs the exact function (traced
+        at their own shapes)."""
+        return self._route(args, {}) is self.exact
+
     def experimental_get_tracing_count(self) -> int:
         """Traces so far, of the exact function and the relaxed ones."""
         return sum(f.experimental_get_tracing_count() for f in self._traced)
+
+
+def _share(spec):
+    """A per-replica spec's shares widened to one ``TensorSpec``."""
+    parts = _tensor_specs(spec)
+    return functools.reduce(_wider, parts[1:], parts[0])
+
+
+def one_share(specs):
+    """``specs`` with each per-replica spec cut to one replica's share (its
+    shares widened to one): what a loss traced inside ``strategy.run`` sees."""
+    return tf.nest.map_structure(
+        lambda s: s if isinstance(s, tf.TensorSpec) else _share(s), specs)
 
 
 def replica_problem(fn, registration, specs, strategy) -> str | None:
@@ -190,8 +208,7 @@ def replica_problem(fn, registration, specs, strategy) -> str | None:
     shares = []
     for spec in tf.nest.flatten(specs):
         if not isinstance(spec, tf.TensorSpec):
-            parts = _tensor_specs(spec)
-            shares.append(functools.reduce(_wider, parts[1:], parts[0]))
+            shares.append(_share(spec))
             continue
         batch = spec.shape[0] if spec.shape.rank else None
         if batch is not None and batch % n:

@@ -1,4 +1,5 @@
-"""``KFACModel.fit`` under ``tf.distribute`` over batches of new lengths.
+"""``KFACModel.fit`` and ``kg.DPModel.fit`` under ``tf.distribute`` over
+batches of new lengths.
 
 Under a strategy Keras hands ``kg.KFAC``'s step per-replica values (each
 replica's share of the batch), not tensors: the relaxed step
@@ -8,7 +9,10 @@ traces for 8 batches of 6 lengths). They are now signed by their
 ``TypeSpec`` and widened component by component: the fit over those
 lengths traces the step twice, and ends where the fit traced per shape
 ends (float64, a weighted mean over tokens, whose ``1/T`` each replica
-reads at run time). In a fresh process with 2 logical CPUs."""
+reads at run time). ``kg.DPModel.fit`` under a strategy traced its step
+(a plain ``tf.function``) per shape; it relaxes the same way, its loss
+checked and registered on one replica's share, and its noisy steps end
+where one device's fit ends. In a fresh process with 2 logical CPUs."""
 import json
 import os
 import subprocess
@@ -49,11 +53,34 @@ def fit(relax):
     moved = max(float(np.abs(a - b).max()) for a, b in zip(start, end))
     return end, int(model.kfac.iterations.numpy()), traces, moved
 
+def dp_fit(distributed):
+    dataset = tf.data.Dataset.from_generator(lambda: (d[:2] for d in data), output_signature=(
+        tf.TensorSpec([8, None], tf.int32), tf.TensorSpec([8, None], tf.int32)))
+    keras.utils.set_random_seed(0)
+    with strategy.scope() if distributed else tf.init_scope():
+        inner = keras.Sequential([keras.Input((None,), dtype="int32"),
+                                  keras.layers.Embedding(V, 4),
+                                  keras.layers.Dense(V)])
+        model = kg.DPModel(inner, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True), l2_norm_clip=0.5, noise_multiplier=1.1, seed=3,
+            num_examples=64, batch_size=8)
+        model.compile(optimizer=keras.optimizers.SGD(0.5))
+    start = [v.numpy() for v in inner.trainable_variables]
+    model.fit(dataset, epochs=1, verbose=0)
+    end = [v.numpy() for v in inner.trainable_variables]
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(start, end))
+    return end, model._step_function.experimental_get_tracing_count(), moved
+
 relaxed, steps, traces, moved = fit(True)
 exact, exact_steps, exact_traces, _ = fit(False)
+dp, dp_traces, dp_moved = dp_fit(True)
+one_device, _, _ = dp_fit(False)
 print(json.dumps({"difference": max(float(np.abs(a - b).max()) for a, b in zip(relaxed, exact)),
                   "moved": moved,
-                  "steps": [steps, exact_steps], "traces": [traces, exact_traces]}))
+                  "steps": [steps, exact_steps], "traces": [traces, exact_traces],
+                  "dp_difference": max(float(np.abs(a - b).max())
+                                       for a, b in zip(dp, one_device)),
+                  "dp_moved": dp_moved, "dp_traces": dp_traces}))
 """
 
 
@@ -67,3 +94,6 @@ def test_fit_under_a_strategy_traces_new_lengths_once_more():
     # the first length's trace, then one with the length unknown (before: 6, one per length)
     assert out["traces"] == [2, 6], out
     assert out["difference"] < 1e-10 and out["moved"] > 1e-2, out
+    # kg.DPModel.fit alike: two traces (before: 6), the steps one device's, noise included
+    assert out["dp_traces"] == 2, out
+    assert out["dp_difference"] < 1e-10 and out["dp_moved"] > 1e-2, out

@@ -266,26 +266,38 @@ class DPModel(LedgerAccounting, keras_train_loop.WrapperPlumbing, own.ModelCompu
                 self.model(first(x), training=False)
             if self._step_function is None and not self.optimizer.built:
                 self.optimizer.build(self.trainable_variables)
-        if self._step_function is None or strategy is not None:
-            # the pass runs eagerly, not inside strategy.run's trace; on one device the
-            # first shape's is enough (the step checks a new shape's, relaxed_shapes)
-            self.loss_fn.registration(*first((x, y, *weights)))
-        if self._step_function is None:
-            step = self._dp_step if strategy is None else (
-                lambda *a: strategy.run(self._dp_step, args=a))
-            self._step_function = step if self.run_eagerly else (
-                tf.function(step, autograph=False) if strategy is not None
-                # the step's (x, y, key[, mask, *weights]): the loss's (x, y, *weights)
-                else relaxed_shapes.Relaxed(
-                    step, relaxed_shapes.kinds_check(self.loss_fn, lambda s: (*s[:2], *s[4:])),
-                    "kg.DPModel.fit", autograph=False))
         key = self.noise.next_key()
-        logs = (self._step_function(x, y, key) if mask is None and not weights
-                else self._step_function(x, y, key, mask, *weights))
+        args = (x, y, key) if mask is None and not weights else (x, y, key, mask, *weights)
+        # the pass runs eagerly, not inside strategy.run's trace: at the first shape, and
+        # under a strategy at each shape traced at its own sizes (a relaxed step's check
+        # registers one replica's share at the sizes left unknown)
+        if self._step_function is None:
+            self.loss_fn.registration(*first((x, y, *weights)))
+            self._step_function = self._make_step(strategy)
+        elif strategy is not None and (self.run_eagerly or self._step_function.takes_exact(*args)):
+            self.loss_fn.registration(*first((x, y, *weights)))
+        logs = self._step_function(*args)
         logs = dict(logs if strategy is None else self.get_metrics_result())
         if self.sampling is not None and self.accountant == "rdp":
             logs["epsilon"] = self.epsilon()
         return logs
+
+    def _make_step(self, strategy):
+        """The step, relaxed for batches of new shapes (``relaxed_shapes``; under a
+        strategy its per-replica values, the loss checked on one replica's share)."""
+        step = self._dp_step if strategy is None else (
+            lambda *a: strategy.run(self._dp_step, args=a))
+        if self.run_eagerly:
+            return step
+        # the step's (x, y, key[, mask, *weights]): the loss's (x, y, *weights)
+        check = relaxed_shapes.kinds_check(
+            self.loss_fn, lambda s: relaxed_shapes.one_share((*s[:2], *s[4:])))
+        scope = strategy.scope if strategy is not None else contextlib.nullcontext
+
+        def in_scope(first, specs):
+            with scope():
+                return check(first, specs)
+        return relaxed_shapes.Relaxed(step, in_scope, "kg.DPModel.fit", autograph=False)
 
     def _dp_step(self, x, y, key, mask=None, *weights):
         if self._own_loss:  # the model's compute_loss at the real rows, before the update
