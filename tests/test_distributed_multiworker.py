@@ -26,8 +26,10 @@ def workers(request, tmp_path_factory):
                                           configs=configs, parts=parts)
 
 
-# regular momentum in the fast set, the other configs under -m slow
-@pytest.mark.parametrize("config", distributed_selection.params())
+# all under -m slow: the replicated K-FAC step is in the fast set under MirroredStrategy
+# (test_distributed_mirrored.py), the workers' DP-SGD fit here
+@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow)
+                                    for c in distributed_support.CONFIGS])
 def test_two_workers_match_single_device(workers, config):
     params, _, _ = distributed_support.train(config)
     reference = np.concatenate([p.ravel() for p in params])

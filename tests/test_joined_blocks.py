@@ -37,6 +37,7 @@ def _registered(pixels):
     return fn, args, layers, outputs, on_outputs
 
 
+@pytest.mark.slow  # the blocks against the whole Hessian: test_block_curvature_... (fast)
 def test_every_block_is_brute_force(float64, monkeypatch):
     """At 10 pixels with the whole Hessian's budget lowered to 8 values, so
     that the exact Fisher's one column per position and class (14) stays
@@ -49,7 +50,7 @@ def test_every_block_is_brute_force(float64, monkeypatch):
     assert kg.verify(fn, *args).passed
 
 
-@pytest.mark.slow  # the blocks: test_every_block_is_brute_force (fast)
+@pytest.mark.slow  # the blocks: test_every_block_is_brute_force
 def test_260_pixels_are_read_in_blocks_and_the_defaults_train_them(float64):
     fn, args, *_ = _registered(260)
     reg = fn.registration(*args)
