@@ -259,8 +259,9 @@ class Registration:
                    + (f", scale {loss.scale:g}" if loss.scale != 1.0 else "")
                    + (f"; output {loss.output}" if loss.output else "")
                    + (" (curvature: the loss's Hessian there" + (
-                       ", in blocks " + ", ".join(f"{n // k}x({k}x{k})" if n != k else f"{n}x{n}"
-                                                  for n, k in loss.blocks) if loss.blocks else "")
+                       ", in blocks " + ", ".join(
+                           f"{n // k if n else '?'}x({k}x{k})" if n != k else f"{n}x{n}"
+                           for n, k in loss.blocks) if loss.blocks else "")
                       + ")" if loss.kind == "ggn" else "")
                    + (f"; targets {loss.targets}" if loss.targets else "")
                    + (f"; weights {', '.join(loss.weights)}" if loss.weights else "")

@@ -259,13 +259,18 @@ def registration_problem(fn, registration, specs, curvature: bool = True) -> str
             if not _agree(a, b):
                 return f"layer {old.name!r} is read otherwise there ({_first_difference(a, b)})"
     old, new = registration.loss, other.loss
-    if (old.kind, old.reduction, old.blocks) != (new.kind, new.reduction, new.blocks):
+    if (old.kind, old.reduction) != (new.kind, new.reduction):
         return f"its loss reads as {new.kind} ({new.reduction}), not {old.kind} ({old.reduction})"
+    if not _agree(old.blocks, new.blocks):
+        return (f"its loss's Hessian is formed in blocks {new.blocks or 'whole'} there, not "
+                f"{old.blocks or 'whole'}")
     if (len(old.weights), len(old.divisors)) != (len(new.weights), len(new.divisors)):
         return (f"its loss is weighted by {', '.join(new.weights + new.divisors) or 'no data'} "
                 f"there, not by {', '.join(old.weights + old.divisors) or 'no data'}")
     if new.size_scaled and not old.size_scaled:
         return None  # (1/T: a constant of scale, or read at run time: the same curvature)
+    if old.kind == "ggn" and old.scale == new.scale:
+        return None  # (its Hessian is the per-example loss's, 1/T and all)
     if (old.scale, len(old.sizes)) != (new.scale, len(new.sizes)):
         return (f"its loss reads with scale {new.scale:g} and divides by {len(new.sizes)} "
                 f"sizes there, not {old.scale:g} and {len(old.sizes)}")

@@ -49,13 +49,14 @@ def join_outputs(graph_def, g, outputs, terms):
     own = [tf.as_dtype(ir.dtype_of(g, z)) for z in outputs]
     widest = max(own, key=lambda d: d.size)  # mixed precision: float16 codes, float32 logits
     dtype, dtype_name = widest.as_datatype_enum, widest.name
-    sizes = [int(np.prod(s[1:])) for s in shapes]
+    sizes = [int(np.prod(s[1:])) if None not in s[1:] else None for s in shapes]
     new, rewired = [], {}
     for k, (z, n) in enumerate(zip(outputs, sizes)):
         flat = f"{JOINED}/flat_{k}"
-        new += [const_int(f"{flat}/shape", [-1, n]),
-                node(flat, "Reshape", [z, f"{flat}/shape"], T=own[k].as_datatype_enum,
-                     Tshape=INT32)]
+        new += (_rows_shape(z, flat, own[k].as_datatype_enum) if n is None
+                else [const_int(f"{flat}/shape", [-1, n])])
+        new.append(node(flat, "Reshape", [z, f"{flat}/shape"], T=own[k].as_datatype_enum,
+                        Tshape=INT32))
         if own[k] != widest:
             new.append(node(f"{flat}/cast", "Cast", [flat], SrcT=own[k].as_datatype_enum,
                             DstT=dtype))
@@ -73,7 +74,7 @@ def join_outputs(graph_def, g, outputs, terms):
     split = node(parts, "SplitV", [JOINED, f"{parts}/sizes", f"{JOINED}/axis"], T=dtype,
                  Tlen=INT32)
     split.attr["num_split"].i = len(outputs)
-    new += [const_int(f"{parts}/sizes", sizes), split]
+    new += [*_split_sizes(f"{parts}/sizes", sizes, own), split]
     for k, z in enumerate(outputs):
         out, part = f"{JOINED}/out_{k}", f"{parts}:{k}"
         if own[k] != widest:
@@ -95,9 +96,45 @@ def join_outputs(graph_def, g, outputs, terms):
             rewired[ir.tensor_name(*ir.split_tensor(z))] = out
     _rewire(result.node, rewired)
     result.node.extend(new)
-    g.add_node(JOINED, op="ConcatV2", attrs={}, inputs=[], raw_inputs=[],
-               dtypes=[dtype_name], shapes=[(shapes[0][0], sum(sizes))])
+    g.add_node(JOINED, op="ConcatV2", attrs={}, inputs=[], raw_inputs=[], dtypes=[dtype_name],
+               shapes=[(shapes[0][0], None if None in sizes else sum(sizes))])
     return result
+
+
+def _slice(name, vector, start):
+    """``vector[start:start + 1]`` (int32)."""
+    out = node(name, "Slice", [vector, f"{name}/begin", f"{name}/size"], T=INT32, Index=INT32)
+    return [const_int(f"{name}/begin", [start]), const_int(f"{name}/size", [1]), out]
+
+
+def _rows_shape(z, flat, dtype):
+    """Nodes computing ``f"{flat}/shape"``, ``[B, -1]`` from ``z``'s shape at
+    run time (an output whose sizes beyond the batch are not all static)."""
+    dims = node(f"{flat}/dims", "Shape", [z], T=dtype, out_type=INT32)
+    shape = node(f"{flat}/shape", "ConcatV2", [f"{flat}/batch", f"{flat}/rest", f"{flat}/axis"],
+                 T=INT32, Tidx=INT32)
+    shape.attr["N"].i = 2
+    return [dims, *_slice(f"{flat}/batch", f"{flat}/dims", 0),
+            const_int(f"{flat}/rest", [-1]), const_int(f"{flat}/axis", 0), shape]
+
+
+def _split_sizes(name, sizes, own):
+    """Nodes computing ``name``, each output's values per example: constants
+    where every size is static, else read at run time from the flat outputs."""
+    if None not in sizes:
+        return [const_int(name, sizes)]
+    new, pieces = [], []
+    for k, n in enumerate(sizes):
+        piece, flat = f"{name}/{k}", f"{JOINED}/flat_{k}"
+        if n is None:
+            new += [node(f"{piece}/dims", "Shape", [flat], T=own[k].as_datatype_enum,
+                         out_type=INT32), *_slice(piece, f"{piece}/dims", 1)]
+        else:
+            new.append(const_int(piece, [n]))
+        pieces.append(piece)
+    joined = node(name, "ConcatV2", [*pieces, f"{name}/axis"], T=INT32, Tidx=INT32)
+    joined.attr["N"].i = len(pieces)
+    return [*new, const_int(f"{name}/axis", 0), joined]
 
 
 def _rewire(nodes, rewired):

@@ -40,8 +40,7 @@ import tensorflow as tf
 
 from passes import ir
 from passes.coupling import coupling_ops
-from passes.row_axes import axis_as_read
-from passes.loss_constants import evaluate
+from passes.position_heads import LAST_AXIS, REDUCTIONS, SLICES, mixing_op
 
 MAX_CLASSES = 256
 _COMPARISONS = frozenset({
@@ -54,15 +53,12 @@ _PIECEWISE_LINEAR = _COMPARISONS | {
     "ExpandDims", "Squeeze", "SelectV2", "Select", "ClipByValue", "Sign", "BiasAdd", "Floor"}
 # ops that are linear where one input alone varies (a divisor must not vary)
 _BILINEAR = frozenset({"Mul", "RealDiv", "DivNoNan"})
-_LAST_AXIS = frozenset({"Softmax", "LogSoftmax"})
 _LINEAR = frozenset({"Sum", "Mean", "Add", "AddV2", "AddN", "Sub", "Neg", "Identity", "Reshape",
                      "ExpandDims", "Squeeze", "Cast", "BiasAdd", "StopGradient"})  # in z
-_REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod"})
-_SLICES = frozenset({"StridedSlice", "Slice", "Split", "SplitV", "Unpack"})
 # the head below frontier outputs may mix an example's values (its Hessian is
 # formed over all of them) but only with ops TensorFlow differentiates twice
 # as written (not a CTC loss, whose gradient the op computes in its forward)
-_TWICE_DIFFERENTIABLE = (ir.ELEMENTWISE | _LAST_AXIS | _REDUCTIONS | _SLICES | frozenset({
+_TWICE_DIFFERENTIABLE = (ir.ELEMENTWISE | LAST_AXIS | REDUCTIONS | SLICES | frozenset({
     "Reshape", "Transpose", "ExpandDims", "Squeeze", "Pack", "ConcatV2", "MatMul",
     "BatchMatMulV2", "Einsum", "Tile", "BroadcastTo", "GatherV2", "Square", "Shape"}))
 _SOURCE = "\x00variables"
@@ -128,11 +124,12 @@ def frontier_outputs(g: nx.DiGraph, terms: str, params: set, examples_first,
     return outputs, ""
 
 
-def per_position(g, z, terms, params) -> bool:
+def per_position(g, z, terms, params, row_cross_entropy: bool = False) -> bool:
     """Whether the head from ``z`` to ``terms`` is per position of ``z``
-    (``_mixing_op``), so that its Hessian may be formed over ``z``'s last
+    (``position_heads.mixing_op``), so that its Hessian may be formed over ``z``'s last
     axis alone; else it is formed per example, over ``z`` joined."""
-    return _mixing_op(g, z, _head(g, z, ir.node_of(g, terms), params)) is None
+    return mixing_op(g, z, _head(g, z, ir.node_of(g, terms), params),
+                     row_cross_entropy) is None
 
 
 def _through_gradients(g, params) -> set:
@@ -149,7 +146,7 @@ def _refusal(g, z, head, params, curved=True) -> str:
     if shape[-1] > MAX_CLASSES:
         return (f"the model output {z} has {shape[-1]} classes, beyond the {MAX_CLASSES} "
                 "whose loss Hessian is formed")
-    mixing = _mixing_op(g, z, head)
+    mixing = mixing_op(g, z, head)
     if mixing:
         return f"op {mixing!r} mixes the positions or examples of the model output {z}"
     if curved and not any(_curved(g, node, params) for node in head):
@@ -201,80 +198,6 @@ def _curved(g, node, params) -> bool:
     return True
 
 
-def _mixing_op(g, z, head) -> str | None:
-    """The first head op that is not per position of ``z`` (module docstring).
-    Each varying tensor holds ``z``'s class axis at a place counted from its
-    end (-1: last; a transpose that keeps the examples first moves it), or
-    has lost it to a reduction (None): only a tensor that holds it may be
-    reduced, along that axis alone, or go through a softmax, with it last."""
-    classes = ir.shape_of(g, z)[-1]
-    where = {ir.split_tensor(z)[0]: -1}
-    for node in nx.topological_sort(g.subgraph(head)):
-        d = g.nodes[node]
-        op, inputs = d["op"], d["inputs"]
-        places = {axis_as_read(g, t, raw, where[ir.split_tensor(t)[0]])  # (as the op reads it)
-                  for t, raw in zip(inputs, d["raw_inputs"]) if ir.split_tensor(t)[0] in where}
-        held = places - {None}
-        if len(held) > 1:
-            return node
-        place = held.pop() if held else None
-        slot = 1 if op == "Split" else 0  # (axis, value); its axes index the input as read
-        shape = ir.shape_of(g, d["raw_inputs"][slot]) if len(inputs) > slot else None
-        rank = len(shape) if shape is not None else None
-        if op in ir.ELEMENTWISE or (op in _LAST_AXIS and place == -1):
-            where[node] = place
-        elif op in _REDUCTIONS and place is not None and rank and _only_axis(
-                g, inputs[1], rank, rank + place):
-            where[node] = place if d["attrs"].get("keep_dims") else None
-        elif op == "Transpose" and rank and _keeps_examples_first(g, inputs[1]):
-            perm = [int(p) for p in ir.const_value(g, inputs[1])]
-            where[node] = None if place is None else perm.index(rank + place) - rank
-        elif op == "Reshape" and shape is not None and (place is None or (
-                place == -1 and shape[-1] == classes
-                and (ir.shape_of(g, ir.tensor_name(node)) or [None])[-1] == classes)):
-            where[node] = place
-        elif op in ("ExpandDims", "Squeeze") and place is None:
-            where[node] = None
-        elif op in _SLICES and rank and place is not None and _slices_only(
-                g, d, rank, rank + place):
-            where[node] = None if op == "Unpack" or op == "StridedSlice" and ir.slice_axes(
-                g, d)[rank + place][0] is None else place  # (shrunk away)
-        else:
-            return node
-    return None
-
-
-def _slices_only(g, d, rank, axis) -> bool:
-    """Whether a slice, split or unstack (``_SLICES``) cuts ``axis`` alone
-    and keeps every other axis whole, in place (a VAE's ``h[:, :k]``)."""
-    op, inputs = d["op"], d["inputs"]
-    if op in ("Split", "SplitV"):
-        return _only_axis(g, inputs[0] if op == "Split" else inputs[2], rank, axis)
-    if op == "Unpack":
-        return int(d["attrs"].get("axis", 0)) % rank == axis
-    if op == "Slice":
-        begin, size = (ir.const_value(g, t) for t in inputs[1:3])
-        shape = ir.shape_of(g, d["raw_inputs"][0])
-        return begin is not None and size is not None and all(
-            k == axis or (int(begin[k]) == 0 and (int(size[k]) == -1 or int(size[k]) == shape[k]))
-            for k in range(rank))
-    axes = ir.slice_axes(g, d)
-    if axes is None or len(axes) != rank:
-        return False
-    shift = lambda k: k - (1 if axes[axis][0] is None and k > axis else 0)  # noqa: E731
-    return all(k == axis or (whole and out == shift(k)) for k, (out, whole) in enumerate(axes))
-
-
-def _only_axis(g, axes, rank, axis) -> bool:
-    value = evaluate(g, axes)
-    return value is not None and {int(a) % rank for a in np.atleast_1d(value)} == {axis}
-
-
-def _keeps_examples_first(g, perm) -> bool:
-    value = ir.const_value(g, perm)
-    return value is not None and int(np.atleast_1d(value)[0]) == 0
-
-
 def joint_outputs(g, heads, params, examples_first, rows) -> tuple[list | None, str, tuple]:
     """``([z_1, ..], "", blocks)``: one model output per term of a loss that adds
     several (``heads``: per term, its terms and its likelihood's output or
@@ -282,11 +205,11 @@ def joint_outputs(g, heads, params, examples_first, rows) -> tuple[list | None, 
     why not)``. Together they must cut every path from the variables to the
     terms, one may feed another (a VAE's encoder output, read by its KL term,
     feeds the decoder's) but no term may read its output through another's,
-    and they must hold static sizes and floating point: the curvature is the
-    Hessian of the examples' summed loss over all of them
-    (``passes.joined_outputs`` joins them into one), formed whole where they
-    hold at most ``MAX_CLASSES`` values per example (``blocks`` empty), else
-    block by block (``hessian_blocks``).
+    and they must hold floating point: the curvature is the Hessian of the
+    examples' summed loss over all of them (``passes.joined_outputs`` joins
+    them into one), formed whole where they hold at most ``MAX_CLASSES``
+    values per example, static (``blocks`` empty), else block by block
+    (``hessian_blocks``; so at a length read at run time).
     A term piecewise linear in its output adds no output (its Hessian is
     zero), but the others' must cut it from the variables too
     (``tf.nn.weighted_cross_entropy_with_logits`` adds ``(1 - y) z`` to a
@@ -327,18 +250,20 @@ def joint_outputs(g, heads, params, examples_first, rows) -> tuple[list | None, 
         return (None, f"the outputs {', '.join(outputs)} do not cut the variables from the "
                 "loss", ())
     shapes = [ir.shape_of(g, ir.resolve(g, z)) for z in outputs]
-    if any(not s or None in s[1:] for s in shapes):
-        return None, f"the outputs {', '.join(outputs)} have sizes not known statically", ()
+    if any(not s for s in shapes):
+        return None, f"the outputs {', '.join(outputs)} have no static rank", ()
     if any(not tf.as_dtype(ir.dtype_of(g, z)).is_floating for z in outputs):
         return None, f"the outputs {', '.join(outputs)} are not all floating point", ()
-    total = sum(int(np.prod(s[1:])) for s in shapes)
-    if total <= MAX_CLASSES:
+    known = all(None not in s[1:] for s in shapes)
+    total = sum(int(np.prod(s[1:])) for s in shapes) if known else None
+    if known and total <= MAX_CLASSES:
         return outputs, "", ()
     blocks = hessian_blocks(g, outputs, shapes, pairs, params)
     if blocks is None:
-        return None, (f"the outputs {', '.join(outputs)} hold {total} values per example, "
-                      f"beyond the {MAX_CLASSES} whose loss Hessian is formed, and it has no "
-                      f"blocks within that"), ()
+        held = (f"hold {total} values per example, beyond the {MAX_CLASSES} whose loss "
+                "Hessian is formed," if known else "have sizes not known statically")
+        return None, (f"the outputs {', '.join(outputs)} {held} and it has no blocks "
+                      f"within {MAX_CLASSES} classes"), ()
     return outputs, "", blocks
 
 
@@ -352,7 +277,10 @@ def hessian_blocks(g, outputs, shapes, pairs, params) -> tuple | None:
     reconstruction's pixels), else where every head is ``per_position``,
     ``K x K`` per position, else ``K = n``. Forming it takes
     ``sum K`` backward passes, at most ``MAX_CLASSES``; None where it would
-    take more, or a group's outputs are not adjacent."""
+    take more, or a group's outputs are not adjacent. ``n`` is None where
+    an output's positions are not known statically (a length read at run
+    time, in one block at most, its ``K`` static: a head per position, or
+    elementwise)."""
     group = {z: {z} for z in outputs}
     for end in {end for _, end in pairs}:
         readers = [z for z, e in pairs if e == end]
@@ -364,15 +292,22 @@ def hessian_blocks(g, outputs, shapes, pairs, params) -> tuple | None:
         members = group[outputs[i]]
         if set(outputs[i:i + len(members)]) != members:
             return None
-        n = sum(int(np.prod(shapes[i + j][1:])) for j in range(len(members)))
+        sizes = [shapes[i + j][1:] for j in range(len(members))]
+        n = (sum(int(np.prod(s)) for s in sizes) if all(None not in s for s in sizes)
+             else None)
         heads = [(z, end) for z, end in pairs if z == outputs[i]] if len(members) == 1 else []
         k = n
         if heads and all(elementwise_head(g, z, end, params) for z, end in heads):
             k = 1  # a Bernoulli reconstruction's pixels
-        elif heads and all(per_position(g, z, end, params) for z, end in heads):
+        elif heads and all(per_position(g, z, end, params, row_cross_entropy=True)
+                           for z, end in heads):
             k = shapes[i][-1]
+        if k is None:
+            return None
         blocks.append((n, k))
         i += len(members)
+    if sum(n is None for n, _ in blocks) > 1:  # (the runtime reads one from the joined width)
+        return None
     return tuple(blocks) if sum(k for _, k in blocks) <= MAX_CLASSES else None
 
 

@@ -45,6 +45,8 @@ def _loss(model, reduction):
             return tf.reduce_sum(ce * mask) / tf.reduce_sum(mask)
         if reduction == "weighted_mean":
             return tf.reduce_mean(ce * tf.cast(y > 1, ce.dtype))
+        if reduction == "huber":  # a Gauss-Newton loss: its Hessian holds its 1/T at any T
+            return keras.losses.Huber()(tf.one_hot(y, 11, dtype=ce.dtype), model(x))
         if reduction == "keras_sample_weight":  # sum(ce * w) / size(ce): sum_over_batch_size
             return keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
                 y, model(x), sample_weight=tf.cast(y > 1, ce.dtype))
@@ -146,6 +148,21 @@ def test_mean_of_weighted_tokens_reads_its_length_at_run_time(keras_float64, mon
     reg = relaxed[2].estimator.build(tf.TensorSpec([None, None], tf.int32),
                                      tf.TensorSpec([None, None], tf.int32))
     assert reg.loss.size_scaled and reg.loss.data_weighted, reg.summary()
+
+
+@pytest.mark.slow  # (a ggn loss relaxes in the fast set: test_joined_run_time_length.py)
+def test_a_gauss_newton_mean_over_tokens_traces_once_more(keras_float64):
+    """A Huber loss over tokens is ``ggn``: its curvature is the Hessian of
+    each example's loss, ``1/T`` and all, read from the loss at any length;
+    a divisor that is a size there (none at known sizes) changes nothing
+    (before, that difference kept a trace per length)."""
+    batches = _batches([(4, 6), (6, 6), (4, 9), (2, 9)], stride=1)
+    options = dict(estimation_mode="exact", momentum_type="regular", learning_rate=0.1,
+                   damping=0.1)
+    relaxed = _train(batches, "huber", conv=False, **options)
+    exact = _train(batches, "huber", conv=False, relax_shapes=False, **options)
+    _assert_same(relaxed, exact)
+    assert relaxed[2]._compiled.step.experimental_get_tracing_count() == 3
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ likelihood's Fisher (``distributions``) or a loss head's Gauss-Newton
 Hessian (``ggn``; joined outputs block by block, ``ggn_blocks``)."""
 from kfac_graph.fisher.distributions import make_distribution
 from kfac_graph.fisher.ggn import GGN, output_hessian
-from kfac_graph.fisher.ggn_blocks import BlockGGN, block_hessians
+from kfac_graph.fisher.ggn_blocks import BlockGGN, block_hessians, block_sizes
 from passes.errors import KfacGraphError
 
 
@@ -19,8 +19,9 @@ def output_curvature(loss, z, taps):
                              f"{taps.per_example_problem}")
     if "ggn" not in taps.derived:  # once per forward pass: the estimator's and the forms'
         if loss.blocks:
+            blocks = block_sizes(loss.blocks, taps.model_output)
             taps.derived["ggn"] = BlockGGN(block_hessians(
-                taps.per_example_loss, taps.model_output, loss.blocks), loss.blocks)
+                taps.per_example_loss, taps.model_output, blocks), blocks)
         else:
             taps.derived["ggn"] = GGN(output_hessian(taps.per_example_loss, taps.model_output))
     return taps.derived["ggn"]

@@ -49,7 +49,7 @@ def hessian_rows(per_example_loss, z, units):
     def row(unit):
         out = tf.gradients(grad, z, grad_ys=tf.broadcast_to(unit, tf.shape(grad)))[0]
         return tf.zeros_like(z) if out is None else out
-    return tf.vectorized_map(row, tf.constant(units, grad.dtype))
+    return tf.vectorized_map(row, tf.cast(units, grad.dtype))
 
 
 def symmetric_part(h, dtype):

@@ -29,25 +29,54 @@ import numpy as np
 import tensorflow as tf
 
 from kfac_graph.fisher.ggn import GGN, at_least_float32_dtype, hessian_rows, symmetric_part
+from passes.errors import KfacGraphError
+
+
+def block_sizes(blocks, z):
+    """``blocks`` with each ``n_b`` at run time: a block whose positions are not
+    known statically (``None``; one at most) holds the joined width less the
+    others' values."""
+    if all(n is not None for n, _ in blocks):
+        return tuple(blocks)
+    rest = tf.shape(z)[1] - sum(n for n, _ in blocks if n is not None)
+    return tuple((rest if n is None else n, k) for n, k in blocks)
+
+
+def _units(blocks, z):
+    """``[sum K, N]``: row ``(b, c)`` one at class ``c`` of every position of
+    block ``b`` (``blocks`` as ``block_sizes`` gives them)."""
+    first = np.cumsum([0] + [k for _, k in blocks])
+    if all(isinstance(n, int) for n, _ in blocks):
+        offsets = np.cumsum([0] + [n for n, _ in blocks])
+        units = np.zeros([first[-1], z.shape[-1]])
+        for (n, k), start, row in zip(blocks, offsets, first):
+            for c in range(k):
+                units[row + c, start + c:start + n:k] = 1
+        return units
+    width, start, rows = tf.shape(z)[1], 0, []
+    for n, k in blocks:  # a length read at run time: each block's classes tiled over its positions
+        rows.append(tf.pad(tf.tile(tf.eye(k, dtype=z.dtype), [1, n // k]),
+                           [[0, 0], [start, width - start - n]]))
+        start = start + n
+    return tf.concat(rows, 0)
 
 
 def block_hessians(per_example_loss, z, blocks):
     """``[H_b]``, each ``[B, P_b, K_b, K_b]`` (module docstring), in float32 at
-    least, non-finite entries (a step about to be skipped) zero."""
+    least, non-finite entries (a step about to be skipped) zero; ``blocks``
+    as ``block_sizes`` gives them."""
     batch = tf.shape(z)[0]
-    offsets = np.cumsum([0] + [n for n, _ in blocks])
     first = np.cumsum([0] + [k for _, k in blocks])
-    units = np.zeros([first[-1], z.shape[-1]])
-    for (n, k), start, row in zip(blocks, offsets, first):
-        for c in range(k):
-            units[row + c, start + c:start + n:k] = 1
-    rows = hessian_rows(per_example_loss, z, units)  # [sum K, B, N]
+    offsets = [0]
+    for n, _ in blocks:
+        offsets.append(offsets[-1] + n)
+    rows = hessian_rows(per_example_loss, z, _units(blocks, z))  # [sum K, B, N]
     if rows is None:
         return [tf.zeros([batch, n // k, k, k], at_least_float32_dtype(z.dtype))
                 for n, k in blocks]
     return [symmetric_part(tf.transpose(tf.reshape(  # [B, P, l, c]
         rows[row:row + k, :, start:start + n], [k, batch, n // k, k]), [1, 2, 3, 0]), z.dtype)
-        for (n, k), start, row in zip(blocks, offsets, first)]
+        for (n, k), start, row in zip(blocks, offsets[:-1], first)]
 
 
 class BlockGGN:
@@ -66,8 +95,9 @@ class BlockGGN:
 
     def _split(self, v):
         """``[B, N]`` -> ``[B, P_b, K_b]`` per block."""
-        parts = tf.split(v, [n for n, _ in self._blocks], axis=-1)
-        return [tf.reshape(t, [tf.shape(t)[0], n // k, k])
+        parts = tf.split(v, [n for n, _ in self._blocks], axis=-1,
+                         num=len(self._blocks))
+        return [tf.reshape(t, [tf.shape(t)[0], -1, k])
                 for t, (n, k) in zip(parts, self._blocks)]
 
     def flat(self):
@@ -84,6 +114,10 @@ class BlockGGN:
                 if not separate:
                     columns.append(self._join(pieces))
                     continue
+                if not isinstance(n, int):
+                    raise KfacGraphError(
+                        "exact Fisher with position_columns='separate': the joined outputs' "
+                        "positions are not known when tracing")
                 for p in range(n // k):
                     at = tf.reshape(tf.one_hot(p, n // k, dtype=c.dtype), [1, n // k, 1])
                     pieces[b] = c * at
