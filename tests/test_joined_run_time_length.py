@@ -7,13 +7,14 @@ A masked-LM head over ``[B, T, V]`` beside a next-sentence head over
 Hessian was formed only at static sizes, so at an unknown length the loss
 stayed opaque ("the outputs ... have sizes not known statically"):
 ``kg.KFAC`` stopped, and a relaxed step of a new length kept a trace of its
-own. Beyond ``MAX_CLASSES`` values (any real vocabulary) it is formed in
-blocks, one ``V x V`` per position (a cross-entropy op is per position of
-its logits) and one ``2 x 2``: the joined width and the one block's
-positions are read at run time. The steps there equal those at known sizes
-(float64), where the blocks equal brute force (``test_joined_blocks.py``).
-The budget is lowered to 10 values here so that tiny shapes take the
-blocks' path."""
+own. Beyond ``MAX_CLASSES`` values it is formed in blocks, one ``V x V``
+per position (a cross-entropy op is per position of its logits) and one
+``2 x 2``: the joined width and the one block's positions are read at run
+time. The steps there equal those at known sizes (float64), where the
+blocks equal brute force. The budget is lowered to 10 values here so that
+tiny shapes take the blocks' path. (The blocks take ``V`` backward passes,
+so a vocabulary beyond ``MAX_CLASSES`` (256) has none within it: a
+word-piece BERT's joined heads stay opaque, as at known sizes.)"""
 import keras
 import numpy as np
 import pytest
