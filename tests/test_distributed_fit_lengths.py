@@ -14,10 +14,7 @@ per shape, ``test_relaxed_shapes.py``). ``kg.DPModel.fit`` under a strategy trac
 (a plain ``tf.function``) per shape; it relaxes the same way, its loss
 checked and registered on one replica's share, and its noisy steps end
 where one device's fit ends. In a fresh process with 2 logical CPUs."""
-import json
-import os
-import subprocess
-import sys
+import script_json
 
 SCRIPT = r"""
 import json, numpy as np, tensorflow as tf
@@ -86,11 +83,7 @@ print(json.dumps({"difference": max(float(np.abs(a - b).max())
 
 
 def test_fit_under_a_strategy_traces_new_lengths_once_more():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = script_json.run(SCRIPT, timeout=300)
     assert out["steps"] == [4, 4]
     # the first length's trace, then one with the length unknown (before: 3, one per length),
     # as on one device

@@ -11,10 +11,7 @@ ggn; a mean of weighted tokens over batches of new lengths and sizes in
 the relaxed step, whose ``1/T`` each replica reads at run time), equal one
 device's traced per shape. In a fresh process with 2 logical
 CPUs."""
-import json
-import os
-import subprocess
-import sys
+import script_json
 
 SCRIPT = r"""
 import json, numpy as np, tensorflow as tf
@@ -100,11 +97,7 @@ print(json.dumps({
 
 
 def test_mirrored_model_on_one_device():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = script_json.run(SCRIPT, timeout=240)
     assert out["per_example"] < 1e-12
     # a Keras loss traced as one device: before, half the per-example gradients under
     # 2 replicas, and K-FAC's steps on half the loss
