@@ -25,7 +25,8 @@ position) and the square root's columns, ``K_b`` per block, each shared by
 the block's positions as for any output with positions
 (``cotangents.exact_columns``), or with ``separate=True`` one per position
 and class."""
-import numpy as np
+import itertools
+
 import tensorflow as tf
 
 from kfac_graph.fisher.ggn import GGN, at_least_float32_dtype, hessian_rows, symmetric_part
@@ -44,17 +45,10 @@ def block_sizes(blocks, z):
 
 def _units(blocks, z):
     """``[sum K, N]``: row ``(b, c)`` one at class ``c`` of every position of
-    block ``b`` (``blocks`` as ``block_sizes`` gives them)."""
-    first = np.cumsum([0] + [k for _, k in blocks])
-    if all(isinstance(n, int) for n, _ in blocks):
-        offsets = np.cumsum([0] + [n for n, _ in blocks])
-        units = np.zeros([first[-1], z.shape[-1]])
-        for (n, k), start, row in zip(blocks, offsets, first):
-            for c in range(k):
-                units[row + c, start + c:start + n:k] = 1
-        return units
+    block ``b`` (``blocks`` as ``block_sizes`` gives them): each block's
+    classes tiled over its positions."""
     width, start, rows = tf.shape(z)[1], 0, []
-    for n, k in blocks:  # a length read at run time: each block's classes tiled over its positions
+    for n, k in blocks:
         rows.append(tf.pad(tf.tile(tf.eye(k, dtype=z.dtype), [1, n // k]),
                            [[0, 0], [start, width - start - n]]))
         start = start + n
@@ -66,17 +60,15 @@ def block_hessians(per_example_loss, z, blocks):
     least, non-finite entries (a step about to be skipped) zero; ``blocks``
     as ``block_sizes`` gives them."""
     batch = tf.shape(z)[0]
-    first = np.cumsum([0] + [k for _, k in blocks])
-    offsets = [0]
-    for n, _ in blocks:
-        offsets.append(offsets[-1] + n)
+    first = itertools.accumulate([k for _, k in blocks], initial=0)
+    offsets = itertools.accumulate([n for n, _ in blocks], initial=0)
     rows = hessian_rows(per_example_loss, z, _units(blocks, z))  # [sum K, B, N]
     if rows is None:
         return [tf.zeros([batch, n // k, k, k], at_least_float32_dtype(z.dtype))
                 for n, k in blocks]
     return [symmetric_part(tf.transpose(tf.reshape(  # [B, P, l, c]
         rows[row:row + k, :, start:start + n], [k, batch, n // k, k]), [1, 2, 3, 0]), z.dtype)
-        for (n, k), start, row in zip(blocks, offsets[:-1], first)]
+        for (n, k), start, row in zip(blocks, offsets, first)]
 
 
 class BlockGGN:

@@ -271,10 +271,11 @@ class DPModel(LedgerAccounting, keras_train_loop.WrapperPlumbing, own.ModelCompu
         # the pass runs eagerly, not inside strategy.run's trace: at the first shape, and
         # under a strategy at each shape traced at its own sizes (a relaxed step's check
         # registers one replica's share at the sizes left unknown)
-        if self._step_function is None:
-            self.loss_fn.registration(*first((x, y, *weights)))
+        first_call = self._step_function is None
+        if first_call:
             self._step_function = self._make_step(strategy)
-        elif strategy is not None and (self.run_eagerly or self._step_function.takes_exact(*args)):
+        if first_call or (strategy is not None and (
+                self.run_eagerly or self._step_function.takes_exact(*args))):
             self.loss_fn.registration(*first((x, y, *weights)))
         logs = self._step_function(*args)
         logs = dict(logs if strategy is None else self.get_metrics_result())
