@@ -163,7 +163,7 @@ def registration_from_pass(result: passes.PassResult, warn: bool = True) -> Regi
                                                                 *lm.penalties])
     loss = LossSpec(lm.kind, lm.reduction, lm.output, lm.targets, lm.scale, lm.weights,
                     lm.divisors, lm.sizes, lm.reason, lm.penalties, lm.summed_penalties, lm.blocks,
-                    nonnegative)
+                    nonnegative, lm.likelihood_blocks)
     placeholders = {node: user_variable(traced.objects[key])
                     for node, key in traced.placeholder_variables.items() if key in traced.objects}
     # every table's reads replaceable: a generic layer's (its rule) and a
@@ -187,7 +187,7 @@ def registration_from_pass(result: passes.PassResult, warn: bool = True) -> Regi
                                          if k in traced.constraints),
                         dict(traced.resources), result.batch_statistics,
                         result.padded_to_longest, traced.replica_reads,
-                        {terms: out for terms, out in lm.heads if terms and out})
+                        {terms: out for terms, out, _ in lm.heads if terms and out})
 
 
 def _warn_about(layers, result):

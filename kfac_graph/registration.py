@@ -100,6 +100,10 @@ class LossSpec:
     ``blocks``: a ``"ggn"`` loss over joined outputs beyond ``MAX_CLASSES``
     values per example has a block-diagonal Hessian, ``(n, K)`` per block
     along ``z``'s columns (``kfac_graph.fisher.ggn_blocks``); empty: whole.
+    ``likelihood_blocks``, per block: the terms of the categorical head whose
+    Fisher the block is (``K x K`` per position, no backward pass; a
+    word-piece masked-LM head beside a next-sentence head), or ``""``
+    where the block is the loss's Hessian.
 
     ``nonnegative``: the loss is ``>= 0`` for any input, its weights taken
     ``>= 0``: a likelihood's terms (``passes.match_loss.KINDS``) or terms
@@ -119,6 +123,7 @@ class LossSpec:
     summed_penalties: tuple[str, ...] = ()
     blocks: tuple[tuple[int, int], ...] = ()
     nonnegative: bool = False
+    likelihood_blocks: tuple[str, ...] = ()
 
     @property
     def no_fisher(self) -> str:
@@ -259,10 +264,9 @@ class Registration:
                    + (f", scale {loss.scale:g}" if loss.scale != 1.0 else "")
                    + (f"; output {loss.output}" if loss.output else "")
                    + (" (curvature: the loss's Hessian there" + (
-                       ", in blocks " + ", ".join(
-                           f"{n // k if n else '?'}x({k}x{k})" if n != k else f"{n}x{n}"
-                           for n, k in loss.blocks) if loss.blocks else "")
-                      + ")" if loss.kind == "ggn" else "")
+                       ", in blocks " + ", ".join(_block_text(n, k, head) for (n, k), head in zip(
+                           loss.blocks, loss.likelihood_blocks or [""] * len(loss.blocks)))
+                       if loss.blocks else "") + ")" if loss.kind == "ggn" else "")
                    + (f"; targets {loss.targets}" if loss.targets else "")
                    + (f"; weights {', '.join(loss.weights)}" if loss.weights else "")
                    + (f"; divided by {', '.join(loss.divided_by)}" if loss.divided_by else "")
@@ -345,3 +349,10 @@ def _variable_dict(v) -> dict:
     name = getattr(v, "path", None) or v.name  # a Keras 3 variable's path is unique
     return {"name": name.removesuffix(":0"),
             "shape": list(_shape(v)), "dtype": str(dtype)}
+
+
+def _block_text(n, k, head) -> str:
+    """A block of the loss's Hessian: ``PxKxK`` (``?`` positions: read at
+    run time), "categorical" where it is a likelihood's Fisher."""
+    size = f"{n // k if n else '?'}x({k}x{k})" if n != k else f"{n}x{n}"
+    return f"{size} categorical" if head else size

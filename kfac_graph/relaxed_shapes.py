@@ -261,7 +261,8 @@ def registration_problem(fn, registration, specs, curvature: bool = True) -> str
     old, new = registration.loss, other.loss
     if (old.kind, old.reduction) != (new.kind, new.reduction):
         return f"its loss reads as {new.kind} ({new.reduction}), not {old.kind} ({old.reduction})"
-    if not _agree(old.blocks, new.blocks):
+    if not _agree(old.blocks, new.blocks) or [bool(t) for t in old.likelihood_blocks] != [
+            bool(t) for t in new.likelihood_blocks]:
         return (f"its loss's Hessian is formed in blocks {new.blocks or 'whole'} there, not "
                 f"{old.blocks or 'whole'}")
     if (len(old.weights), len(old.divisors)) != (len(new.weights), len(new.divisors)):

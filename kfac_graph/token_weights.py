@@ -67,6 +67,13 @@ def own_terms(reg, loss, terms, batch):
     return _derivative(reg, loss, terms, batch)[1]
 
 
+def head_weights(reg, loss, terms, batch):
+    """``k dL/dterms`` (``k`` as for ``own_terms``), held constant: each of a
+    head's terms' weight in its example's own loss ``l_i`` (a joined
+    categorical head's block is its Fisher so weighted, ``fisher.ggn_blocks``)."""
+    return _derivative(reg, loss, terms, batch)[0]
+
+
 def _derivative(reg, loss, terms, batch):
     """``(k dL/dterms, terms * k dL/dterms)``, held constant."""
     c = tf.gradients(loss, terms)[0]

@@ -198,30 +198,34 @@ def _curved(g, node, params) -> bool:
     return True
 
 
-def joint_outputs(g, heads, params, examples_first, rows) -> tuple[list | None, str, tuple]:
-    """``([z_1, ..], "", blocks)``: one model output per term of a loss that adds
-    several (``heads``: per term, its terms and its likelihood's output or
-    None; a term with none takes ``ggn_output``'s), distinct, or ``(None,
-    why not)``. Together they must cut every path from the variables to the
-    terms, one may feed another (a VAE's encoder output, read by its KL term,
+def joint_outputs(g, heads, params, examples_first, rows) -> tuple:
+    """``([z_1, ..], "", blocks, likelihood_blocks)``: one model output per
+    term of a loss that adds several (``heads``: per term, its terms and its
+    likelihood's output and kind, or None and ``""``; a term with none takes
+    ``ggn_output``'s), distinct, or ``(None, why not, (), ())``. Together
+    they must cut every path from the variables to the terms, one may feed
+    another (a VAE's encoder output, read by its KL term,
     feeds the decoder's) but no term may read its output through another's,
     and they must hold floating point: the curvature is the Hessian of the
     examples' summed loss over all of them (``passes.joined_outputs`` joins
     them into one), formed whole where they hold at most ``MAX_CLASSES``
     values per example, static (``blocks`` empty), else block by block
-    (``hessian_blocks``; so at a length read at run time).
+    (``hessian_blocks``; so at a length read at run time), a categorical
+    head's block its likelihood's Fisher (``likelihood_blocks``).
     A term piecewise linear in its output adds no output (its Hessian is
     zero), but the others' must cut it from the variables too
     (``tf.nn.weighted_cross_entropy_with_logits`` adds ``(1 - y) z`` to a
     curved term of the same ``z``; an L1 activity penalty on a hidden layer
     is cut by no output, and stays in no curvature)."""
-    outputs, pairs, ends = [], [], set()
+    outputs, pairs, ends, categorical = [], [], set(), {}
     live = _through_gradients(g, params)
-    for terms, output in heads:
+    for terms, output, kind in heads:
         end = ir.node_of(g, terms)
         if end not in live:  # under a stop_gradient (a log-sum-exp's maximum): a constant
             continue
         ends.add(end)
+        if kind == "categorical":
+            categorical[end] = terms
         found = [output]  # a likelihood's: curved
         if output is None:
             output, why = ggn_output(g, terms, params, examples_first)
@@ -232,43 +236,43 @@ def joint_outputs(g, heads, params, examples_first, rows) -> tuple[list | None, 
                 found = None
             if found is None:  # no curvature: the term adds no output
                 if ggn_output(g, terms, params, examples_first, curved=False)[0] is None:
-                    return None, why, ()
+                    return None, why, (), ()
                 found = []
         pairs += [(z, end) for z in found]
         outputs += [z for z in found if z not in outputs]
     if not outputs:
-        return None, "the loss is piecewise linear in its outputs (no curvature)", ()
+        return None, "the loss is piecewise linear in its outputs (no curvature)", (), ()
     nodes = {ir.node_of(g, z) for z in outputs}
     for z, end in pairs:
         through = _head(g, z, end, params) & (nodes - {ir.node_of(g, z)})
         if through:
             return None, (f"the loss term {end} reads its output {z} through another output, "
-                          f"{', '.join(sorted(through))}"), ()
+                          f"{', '.join(sorted(through))}"), (), ()
     cut = g.subgraph(params - nodes)
     variables = [n for n in cut if g.nodes[n]["op"] == "Variable"]
     if ir.reachable_from(cut, variables) & ends:
         return (None, f"the outputs {', '.join(outputs)} do not cut the variables from the "
-                "loss", ())
+                "loss", (), ())
     shapes = [ir.shape_of(g, ir.resolve(g, z)) for z in outputs]
     if any(not s for s in shapes):
-        return None, f"the outputs {', '.join(outputs)} have no static rank", ()
+        return None, f"the outputs {', '.join(outputs)} have no static rank", (), ()
     if any(not tf.as_dtype(ir.dtype_of(g, z)).is_floating for z in outputs):
-        return None, f"the outputs {', '.join(outputs)} are not all floating point", ()
+        return None, f"the outputs {', '.join(outputs)} are not all floating point", (), ()
     known = all(None not in s[1:] for s in shapes)
     total = sum(int(np.prod(s[1:])) for s in shapes) if known else None
     if known and total <= MAX_CLASSES:
-        return outputs, "", ()
-    blocks = hessian_blocks(g, outputs, shapes, pairs, params)
+        return outputs, "", (), ()
+    blocks = hessian_blocks(g, outputs, shapes, pairs, params, categorical)
     if blocks is None:
         held = (f"hold {total} values per example, beyond the {MAX_CLASSES} whose loss "
                 "Hessian is formed," if known else "have sizes not known statically")
         return None, (f"the outputs {', '.join(outputs)} {held} and it has no blocks "
-                      f"within {MAX_CLASSES} classes"), ()
-    return outputs, "", blocks
+                      f"within {MAX_CLASSES} classes"), (), ()
+    return outputs, "", *blocks
 
 
-def hessian_blocks(g, outputs, shapes, pairs, params) -> tuple | None:
-    """``((n_1, K_1), ..)``, in the joined output's order: its loss Hessian is
+def hessian_blocks(g, outputs, shapes, pairs, params, categorical=None) -> tuple | None:
+    """``(((n_1, K_1), ..), likelihoods)``, in the joined output's order: its loss Hessian is
     block-diagonal, one block per group of outputs read by the same terms
     (``pairs``: (output, term)), the terms of different groups reading no
     output in common. A block holds ``n`` values per example, ``K`` classes
@@ -277,7 +281,12 @@ def hessian_blocks(g, outputs, shapes, pairs, params) -> tuple | None:
     reconstruction's pixels), else where every head is ``per_position``,
     ``K x K`` per position, else ``K = n``. Forming it takes
     ``sum K`` backward passes, at most ``MAX_CLASSES``; None where it would
-    take more, or a group's outputs are not adjacent. ``n`` is None where
+    take more, or a group's outputs are not adjacent. A group that is one
+    output read by one head of the likelihood kind ``"categorical"``
+    (``categorical``: its terms by their node) needs no pass: its block,
+    ``K x K`` per position, is that likelihood's Fisher, weighted per
+    position as its terms are (``kfac_graph.fisher.ggn_blocks``), where
+    ``likelihoods`` names the terms (``""`` for a Hessian's block). ``n`` is None where
     an output's positions are not known statically (a length read at run
     time, in one block at most, its ``K`` static: a head per position, or
     elementwise)."""
@@ -287,7 +296,7 @@ def hessian_blocks(g, outputs, shapes, pairs, params) -> tuple | None:
         merged = set().union(*(group[z] for z in readers))
         for z in merged:
             group[z] = merged
-    blocks, i = [], 0
+    blocks, likelihoods, categorical, i = [], [], categorical or {}, 0
     while i < len(outputs):
         members = group[outputs[i]]
         if set(outputs[i:i + len(members)]) != members:
@@ -296,8 +305,10 @@ def hessian_blocks(g, outputs, shapes, pairs, params) -> tuple | None:
         n = (sum(int(np.prod(s)) for s in sizes) if all(None not in s for s in sizes)
              else None)
         heads = [(z, end) for z, end in pairs if z == outputs[i]] if len(members) == 1 else []
-        k = n
-        if heads and all(elementwise_head(g, z, end, params) for z, end in heads):
+        k, likelihood = n, ""
+        if len(heads) == 1 and heads[0][1] in categorical and shapes[i][-1] is not None:
+            k, likelihood = shapes[i][-1], categorical[heads[0][1]]  # (no pass)
+        elif heads and all(elementwise_head(g, z, end, params) for z, end in heads):
             k = 1  # a Bernoulli reconstruction's pixels
         elif heads and all(per_position(g, z, end, params, row_cross_entropy=True)
                            for z, end in heads):
@@ -305,10 +316,12 @@ def hessian_blocks(g, outputs, shapes, pairs, params) -> tuple | None:
         if k is None:
             return None
         blocks.append((n, k))
+        likelihoods.append(likelihood)
         i += len(members)
     if sum(n is None for n, _ in blocks) > 1:  # (the runtime reads one from the joined width)
         return None
-    return tuple(blocks) if sum(k for _, k in blocks) <= MAX_CLASSES else None
+    passes = sum(k for (_, k), head in zip(blocks, likelihoods) if not head)
+    return (tuple(blocks), tuple(likelihoods)) if passes <= MAX_CLASSES else None
 
 
 def elementwise_head(g, z, end, params) -> bool:

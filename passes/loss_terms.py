@@ -32,9 +32,10 @@ two (a model with two outputs, each with its loss) or none, the loss is
 ``"opaque"``: every term per example, the empirical Fisher only. Every
 other term needs its own examples-first terms and the first's reduction
 (a mean over the examples, or a sum): otherwise a
-``LossNotFoundError`` names the op. ``heads`` keeps each term's terms and
-likelihood output, for the Gauss-Newton curvature over all the terms'
-outputs (``passes.loss_output.joint_outputs``).
+``LossNotFoundError`` names the op. ``heads`` keeps each term's terms,
+likelihood output and kind (None and ``""`` for a term of no likelihood),
+for the Gauss-Newton curvature over all the terms' outputs
+(``passes.loss_output.joint_outputs``).
 """
 from __future__ import annotations
 
@@ -101,6 +102,7 @@ def combine(node, found):
         extras.extend(extra.extras)
         penalties.extend(extra.penalties)
         summed.extend(extra.summed_penalties)
-    heads = tuple((p.terms, p.output if p.kind != "opaque" else None) for _, p, _ in parts)
+    heads = tuple((p.terms, *((p.output, p.kind) if p.kind != "opaque" else (None, "")))
+                  for _, p, _ in parts)
     return dataclasses.replace(main, extras=tuple(extras), penalties=tuple(penalties),
                                summed_penalties=tuple(summed), heads=heads)

@@ -85,10 +85,11 @@ class LossMatch:
     penalties: tuple[str, ...] = ()  # added terms of the variables alone (passes.loss_terms)
     summed_penalties: tuple[str, ...] = ()  # those in every example's term of a summed loss
     extras: tuple[tuple[str, float], ...] = ()  # (terms, coefficient) added beside l_i
-    # an opaque sum of several terms: (terms, the likelihood's output or None) per term
-    heads: tuple[tuple[str, str | None], ...] = ()
+    # an opaque sum of several terms: (terms, the likelihood's output and kind, or None, "")
+    heads: tuple[tuple[str, str | None, str], ...] = ()
     joined: tuple[str, ...] = ()  # a "ggn" loss over several outputs: those outputs
     blocks: tuple[tuple[int, int], ...] = ()  # their Hessian's (loss_output.hessian_blocks)
+    likelihood_blocks: tuple[str, ...] = ()  # per block, a categorical head's terms or ""
 
 
 def match_loss(g: nx.DiGraph, kind: str | None = None, rows=None) -> LossMatch:
@@ -131,8 +132,8 @@ def _as_ggn(g, opaque: LossMatch, rows) -> LossMatch:
         z, why = ggn_output(g, opaque.terms, *args)
         if z is not None:
             return dataclasses.replace(opaque, kind="ggn", output=z)
-    heads = opaque.heads or ((opaque.terms, None),)
-    outputs, joint_why, blocks = joint_outputs(g, heads, *args, rows)
+    heads = opaque.heads or ((opaque.terms, None, ""),)
+    outputs, joint_why, blocks, likelihood_blocks = joint_outputs(g, heads, *args, rows)
     if outputs is None and opaque.kind != "opaque":
         return opaque  # one likelihood, the other terms in its examples' gradients only
     if outputs is None:
@@ -142,10 +143,11 @@ def _as_ggn(g, opaque: LossMatch, rows) -> LossMatch:
         opaque, targets=None, scale=1.0,
         reason=opaque.reason or f"{len(opaque.heads)} terms, each of its own output")
     if len(outputs) == 1 and not blocks and all(per_position(g, outputs[0], t, args[0])
-                                 for t, given in heads if given is None):
+                                 for t, given, _ in heads if given is None):
         return dataclasses.replace(opaque, kind="ggn", output=outputs[0])
     return dataclasses.replace(opaque, kind="ggn", output=ir.tensor_name(JOINED),
-                               joined=tuple(outputs), heads=heads, blocks=blocks)
+                               joined=tuple(outputs), heads=heads, blocks=blocks,
+                               likelihood_blocks=likelihood_blocks)
 
 
 def _walk(g: nx.DiGraph, rows, opaque, tensor=None, coefficient=1.0, batch_mean=False,
@@ -357,10 +359,8 @@ def _through_casts(g, tensor: str | None) -> str | None:
 def _unflatten(g, tensor: str) -> str:
     """Sees through a Reshape that merges leading axes (tf.nn's cross-entropy
     on [B, T, C] logits flattens them to [B*T, C])."""
-    if tensor is None:
-        return None
-    node = ir.split_tensor(tensor)[0]
-    if g.nodes[node]["op"] != "Reshape":
+    node = ir.split_tensor(tensor)[0] if tensor is not None else None
+    if node is None or g.nodes[node]["op"] != "Reshape":
         return tensor
     source = g.nodes[node]["inputs"][0]
     before, after = ir.shape_of(g, source), ir.shape_of(g, tensor)

@@ -97,7 +97,7 @@ def run(traced: frontends.Traced, loss: str | None = None,
     graph_def = split_grouped_conv3d(traced.graph_def, g)
     if loss_match.joined:
         graph_def = join_outputs(graph_def, g, loss_match.joined,
-                                 [t for t, _ in loss_match.heads])
+                                 [t for t, *_ in loss_match.heads])
     if graph_def is not traced.graph_def:
         traced = dataclasses.replace(traced, graph_def=graph_def)
     return PassResult(traced, g, layers, loss_match, timings, coupling, statistics, padded)

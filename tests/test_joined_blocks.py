@@ -17,7 +17,7 @@ import tensorflow as tf
 import kfac_graph as kg
 from joined_reference import assert_joined_blocks
 from kfac_graph.fisher.ggn import GGN, output_hessian
-from kfac_graph.fisher.ggn_blocks import BlockGGN, block_hessians
+from kfac_graph.fisher.ggn_blocks import block_curvature
 from kfac_graph.taps import LayerTaps
 from passes import loss_output
 from test_joined_vae import _keras_vae
@@ -75,8 +75,7 @@ def test_block_curvature_equals_the_whole_hessians(float64):
         taps = LayerTaps.build(reg, args)
         whole = GGN(output_hessian(taps.per_example_loss, taps.model_output))
         blocks = ((10, 1), (4, 4))
-        parts = BlockGGN(block_hessians(taps.per_example_loss, taps.model_output, blocks),
-                         blocks)
+        parts = block_curvature(taps.per_example_loss, taps.model_output, blocks)
         v = tf.random.stateless_normal([6, 14], [1, 2], dtype=tf.float64)
         seed = tf.constant([3, 4])
         return (whole.fisher(), parts.fisher(), whole.multiply_fisher(v),

@@ -12,9 +12,9 @@ per position (a cross-entropy op is per position of its logits) and one
 ``2 x 2``: the joined width and the one block's positions are read at run
 time. The steps there equal those at known sizes (float64), where the
 blocks equal brute force. The budget is lowered to 10 values here so that
-tiny shapes take the blocks' path. (The blocks take ``V`` backward passes,
-so a vocabulary beyond ``MAX_CLASSES`` (256) has none within it: a
-word-piece BERT's joined heads stay opaque, as at known sizes.)"""
+tiny shapes take the blocks' path. (Both heads are categorical, so their
+blocks are their likelihoods' Fishers, with no backward pass: a word-piece
+vocabulary, ``tests/test_joined_likelihood_blocks.py``.)"""
 import keras
 import numpy as np
 import pytest
@@ -71,7 +71,7 @@ UNKNOWN = [tf.TensorSpec([None, None], tf.int32)] * 2
 def test_joined_heads_at_a_run_time_length_step_as_at_known_ones(blocks_beyond_ten, options):
     reg = _loss(_model(), UNKNOWN).registration(*UNKNOWN)
     assert (reg.loss.kind, reg.loss.blocks) == ("ggn", ((None, V), (2, 2))), reg.summary()
-    assert "in blocks ?x(7x7), 2x2" in reg.summary()
+    assert "in blocks ?x(7x7) categorical, 2x2 categorical" in reg.summary()
     static = _train(relax_shapes=False, **options)  # a trace per shape, (35, 7) at T = 5
     unknown = _train(UNKNOWN, **options)
     relaxed = _train(**options)

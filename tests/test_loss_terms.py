@@ -264,23 +264,24 @@ def test_terms_divided_by_a_count_of_the_batch(float64):
     assert int(opt.skipped_steps) == 0 and losses[-1] < losses[0], losses
 
 
-def test_two_outputs_losses_are_opaque_with_exact_per_example_gradients():
-    """Two outputs the pass cannot join (302 values per example: their
-    Hessian is not formed), so there is no one distribution."""
+def test_two_likelihoods_the_pass_cannot_join_are_opaque_with_exact_per_example_gradients():
+    """A class head and a regression head that read the same 300 values per
+    example: their Hessian there is not formed (300 passes) and no
+    likelihood's Fisher alone is it, so there is no one distribution."""
     rng = np.random.default_rng(0)
-    w, v = tf.Variable(rng.normal(size=(4, 300))), tf.Variable(rng.normal(size=(300, 2)))
+    w = tf.Variable(rng.normal(size=(4, 300)))
 
     @kg.auto_register
-    def loss(x, y, t):  # a class head and a regression head on one trunk
+    def loss(x, y, t):
         h = tf.tanh(x @ w)
         ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, h)
-        return tf.reduce_mean(ce) + 0.5 * tf.reduce_mean(tf.square(h @ v - t))
+        return tf.reduce_mean(ce) + 0.5 * tf.reduce_mean(tf.square(h - t))
 
     args = (tf.constant(rng.normal(size=(B, 4))), tf.constant(rng.integers(0, 300, B)),
-            tf.constant(rng.normal(size=(B, 2))))
+            tf.constant(rng.normal(size=(B, 300))))
     reg = assert_matches_loop(loss, args, rtol=1e-10)
     assert reg.loss.kind == "opaque" and "2 are likelihoods" in reg.loss.reason
-    assert "302 values per example" in reg.loss.reason
+    assert "300 values per example" in reg.loss.reason
     with pytest.raises(Exception, match="2 are likelihoods") as e:
         kg.KFAC(loss).step(*args)
     assert "\n" not in str(e.value)

@@ -3,7 +3,7 @@ likelihood's Fisher (``distributions``) or a loss head's Gauss-Newton
 Hessian (``ggn``; joined outputs block by block, ``ggn_blocks``)."""
 from kfac_graph.fisher.distributions import make_distribution
 from kfac_graph.fisher.ggn import GGN, output_hessian
-from kfac_graph.fisher.ggn_blocks import BlockGGN, block_hessians, block_sizes
+from kfac_graph.fisher.ggn_blocks import block_curvature, block_sizes
 from passes.errors import KfacGraphError
 
 
@@ -19,9 +19,9 @@ def output_curvature(loss, z, taps):
                              f"{taps.per_example_problem}")
     if "ggn" not in taps.derived:  # once per forward pass: the estimator's and the forms'
         if loss.blocks:
-            blocks = block_sizes(loss.blocks, taps.model_output)
-            taps.derived["ggn"] = BlockGGN(block_hessians(
-                taps.per_example_loss, taps.model_output, blocks), blocks)
+            out = taps.model_output
+            taps.derived["ggn"] = block_curvature(
+                taps.per_example_loss, out, block_sizes(loss.blocks, out), taps.block_weights)
         else:
             taps.derived["ggn"] = GGN(output_hessian(taps.per_example_loss, taps.model_output))
     return taps.derived["ggn"]

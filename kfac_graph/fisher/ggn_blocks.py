@@ -19,6 +19,18 @@ the joined ``N x N`` Hessian would take ``N`` passes and an ``N x N``
 eigendecomposition per example. Each block is made positive semidefinite
 on its own (``ggn.GGN``).
 
+A block that is one categorical head's output (``LossSpec.likelihood_blocks``:
+a masked-LM head over a word-piece vocabulary, where ``K_b`` passes are
+beyond any budget) takes no pass: its Hessian per position is the
+likelihood's Fisher in closed form,
+
+    H_b[i, p] = w_ip (diag(q) - q q^T),   q = softmax(z_{i,b,p}),
+
+``w_ip`` the weight of the position's term in ``l_i`` (``k dL/dterms``,
+``token_weights.head_weights``: a masked mean's ``B m_ip / sum(m)``), the
+loss being linear in its terms; equal to the loss's Hessian for a sparse
+cross-entropy (or labels that sum to one), as for one categorical output.
+
 ``BlockGGN`` offers ``GGN``'s interface over ``z``: ``multiply_fisher``,
 ``fisher_diagonal``, ``sample_cotangent`` (``S_b eps`` per block and
 position) and the square root's columns, ``K_b`` per block, each shared by
@@ -29,6 +41,7 @@ import itertools
 
 import tensorflow as tf
 
+from kfac_graph.fisher.distributions import Categorical
 from kfac_graph.fisher.ggn import GGN, at_least_float32_dtype, hessian_rows, symmetric_part
 from passes.errors import KfacGraphError
 
@@ -43,41 +56,99 @@ def block_sizes(blocks, z):
     return tuple((rest if n is None else n, k) for n, k in blocks)
 
 
-def _units(blocks, z):
+def _units(blocks, z, formed):
     """``[sum K, N]``: row ``(b, c)`` one at class ``c`` of every position of
-    block ``b`` (``blocks`` as ``block_sizes`` gives them): each block's
-    classes tiled over its positions."""
+    block ``b`` (``blocks`` as ``block_sizes`` gives them; those ``formed``):
+    each block's classes tiled over its positions."""
     width, start, rows = tf.shape(z)[1], 0, []
-    for n, k in blocks:
-        rows.append(tf.pad(tf.tile(tf.eye(k, dtype=z.dtype), [1, n // k]),
-                           [[0, 0], [start, width - start - n]]))
+    for (n, k), form in zip(blocks, formed):
+        if form:
+            rows.append(tf.pad(tf.tile(tf.eye(k, dtype=z.dtype), [1, n // k]),
+                               [[0, 0], [start, width - start - n]]))
         start = start + n
     return tf.concat(rows, 0)
 
 
-def block_hessians(per_example_loss, z, blocks):
+def block_hessians(per_example_loss, z, blocks, formed=None):
     """``[H_b]``, each ``[B, P_b, K_b, K_b]`` (module docstring), in float32 at
     least, non-finite entries (a step about to be skipped) zero; ``blocks``
-    as ``block_sizes`` gives them."""
+    as ``block_sizes`` gives them; ``formed``: per block, whether to form it
+    (None in its place where not; default all)."""
     batch = tf.shape(z)[0]
-    first = itertools.accumulate([k for _, k in blocks], initial=0)
+    formed = [True] * len(blocks) if formed is None else list(formed)
+    if not any(formed):
+        return [None] * len(blocks)
+    first = itertools.accumulate([k if form else 0 for (_, k), form in zip(blocks, formed)],
+                                 initial=0)
     offsets = itertools.accumulate([n for n, _ in blocks], initial=0)
-    rows = hessian_rows(per_example_loss, z, _units(blocks, z))  # [sum K, B, N]
+    rows = hessian_rows(per_example_loss, z, _units(blocks, z, formed))  # [sum K, B, N]
     if rows is None:
-        return [tf.zeros([batch, n // k, k, k], at_least_float32_dtype(z.dtype))
-                for n, k in blocks]
+        return [tf.zeros([batch, n // k, k, k], at_least_float32_dtype(z.dtype)) if form
+                else None for (n, k), form in zip(blocks, formed)]
     return [symmetric_part(tf.transpose(tf.reshape(  # [B, P, l, c]
         rows[row:row + k, :, start:start + n], [k, batch, n // k, k]), [1, 2, 3, 0]), z.dtype)
-        for (n, k), start, row in zip(blocks, offsets, first)]
+        if form else None for (n, k), start, row, form in zip(blocks, offsets, first, formed)]
+
+
+def block_curvature(per_example_loss, z, blocks, weights=()):
+    """``BlockGGN`` at ``z`` ``[B, N]``: per block (``blocks`` as
+    ``block_sizes`` gives them), a categorical head's Fisher where
+    ``weights`` has its terms' weights (``LayerTaps.block_weights``, shaped
+    like its terms: ``P_b`` or ``P_b K_b`` per example), else the Hessian."""
+    weights = tuple(weights) or (None,) * len(blocks)
+    hessians = block_hessians(per_example_loss, z, blocks, [w is None for w in weights])
+    batch, start, parts = tf.shape(z)[0], 0, []
+    for (n, k), w, h in zip(blocks, weights, hessians):
+        if w is None:
+            parts.append(GGN(h))
+        else:
+            logits = tf.reshape(tf.stop_gradient(tf.cast(
+                z[:, start:start + n], at_least_float32_dtype(z.dtype))), [batch, n // k, k])
+            parts.append(WeightedCategorical(logits, tf.reshape(w, [batch, n // k, -1])[..., 0]))
+        start = start + n
+    return BlockGGN(parts, blocks)
+
+
+class WeightedCategorical:
+    """``w (diag(q) - q q^T)`` per position (module docstring) at logits
+    ``[B, P, K]`` with weights ``w`` ``[B, P]`` (a negative weight taken as
+    zero: the positive semidefinite part), with ``GGN``'s interface."""
+
+    def __init__(self, logits, weights):
+        self._dist = Categorical(logits)
+        self._w = tf.maximum(tf.cast(weights, logits.dtype), 0.0)[..., None]
+
+    def flat(self):
+        return tf.reduce_all(self.fisher_diagonal() <= 0.0)
+
+    def sqrt_fisher_columns(self):
+        root = tf.sqrt(self._w)
+        return [root * c for c in self._dist.sqrt_fisher_columns()]
+
+    def sqrt_fisher(self):
+        return tf.sqrt(self._w)[..., None] * self._dist.sqrt_fisher()
+
+    def fisher_diagonal(self):
+        return self._w * self._dist.fisher_diagonal()
+
+    def multiply_fisher(self, v):
+        return self._w * self._dist.multiply_fisher(tf.cast(v, self._w.dtype))
+
+    def sample_cotangent(self, seed):
+        """``sqrt(w) (q - y)``, ``y`` one-hot drawn from ``q``: its outer
+        products average to the block."""
+        y = self._dist.sample(seed, one_hot=True)
+        return tf.sqrt(self._w) * (self._dist.probs - y)
 
 
 class BlockGGN:
-    """The joined output's Hessian, block by block, made positive semidefinite."""
+    """The joined output's Hessian, block by block, made positive semidefinite
+    (``parts``: per block a ``GGN`` or a ``WeightedCategorical``)."""
 
     kind = "ggn"
 
-    def __init__(self, hessians, blocks):
-        self._parts = [GGN(h) for h in hessians]
+    def __init__(self, parts, blocks):
+        self._parts = list(parts)
         self._blocks = tuple(blocks)
 
     def _join(self, per_block):
@@ -98,7 +169,7 @@ class BlockGGN:
     def sqrt_fisher_columns(self, separate=False):
         """Block ``b``'s ``K_b`` columns (``separate``: ``P_b K_b``), each zero
         outside its block (and, separate, outside its position)."""
-        zeros = [tf.zeros_like(part.sqrt_fisher()[..., 0]) for part in self._parts]
+        zeros = [tf.zeros_like(part.fisher_diagonal()) for part in self._parts]
         columns = []
         for b, ((n, k), part) in enumerate(zip(self._blocks, self._parts)):
             for c in part.sqrt_fisher_columns():  # [B, P, K]
