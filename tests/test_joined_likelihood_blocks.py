@@ -106,7 +106,29 @@ def test_a_categorical_block_beside_a_hessian_block(keras_float64, monkeypatch):
     assert bool(reg.loss.likelihood_blocks[0]) and not reg.loss.likelihood_blocks[1]
 
 
-@pytest.mark.parametrize("classes", [7, 300])
+def test_kfac_steps_on_likelihood_blocks_equal_those_on_the_whole_hessian(
+        keras_float64, monkeypatch):
+    """One masked-LM position of 40 classes beside the pair head (42
+    values): with the budget at 50 the whole Hessian is formed (42 passes,
+    one column per value), at 41 the likelihoods' blocks (none); with no
+    positions to share columns, 3 exact-mode default steps agree (float64)."""
+    runs = []
+    for budget in (50, 41):
+        monkeypatch.setattr(loss_output, "MAX_CLASSES", budget)
+        model, fn = _registered(40)
+        batches = [_batch(40, 1)] * 3
+        runs.append((fn.registration(*batches[0]).loss, kg.KFAC(fn, estimation_mode="exact"),
+                     model))
+        runs[-1] += ([float(runs[-1][1].step(*b)) for b in batches],)
+    (whole, _, model_w, losses_w), (blocks, _, model_b, losses_b) = runs
+    assert whole.blocks == () and blocks.blocks == ((40, 40), (2, 2))
+    np.testing.assert_allclose(losses_b, losses_w, rtol=1e-12)
+    for a, b in zip(model_b.trainable_variables, model_w.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-13)
+    assert losses_w[-1] < losses_w[0], losses_w
+
+
+@pytest.mark.parametrize("classes", [7, pytest.param(300, marks=pytest.mark.slow)])
 def test_a_class_head_whose_logits_feed_a_regression_head(keras_float64, monkeypatch, classes):
     """A class head and a regression head on its logits (before: 302 values
     per example, opaque): the class block is its Fisher, the regression's its
