@@ -34,6 +34,7 @@ other term needs its own examples-first terms and the first's reduction
 (a mean over the examples, or a sum): otherwise a
 ``LossNotFoundError`` names the op. ``heads`` keeps each term's terms,
 likelihood output and kind (None and ``""`` for a term of no likelihood),
+a term that is itself a sum (``(a + b) + c``) giving its own terms' heads,
 for the Gauss-Newton curvature over all the terms' outputs
 (``passes.loss_output.joint_outputs``).
 """
@@ -102,7 +103,7 @@ def combine(node, found):
         extras.extend(extra.extras)
         penalties.extend(extra.penalties)
         summed.extend(extra.summed_penalties)
-    heads = tuple((p.terms, *((p.output, p.kind) if p.kind != "opaque" else (None, "")))
-                  for _, p, _ in parts)
+    heads = tuple(head for _, p, _ in parts for head in p.heads or (  # (a sum's, all of them)
+        (p.terms, *((p.output, p.kind) if p.kind != "opaque" else (None, ""))),))
     return dataclasses.replace(main, extras=tuple(extras), penalties=tuple(penalties),
                                summed_penalties=tuple(summed), heads=heads)

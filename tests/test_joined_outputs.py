@@ -294,3 +294,25 @@ def test_a_per_token_head_beside_a_per_example_head_is_joined(float64):
     empirical = kg.KFAC(loss, estimation_mode="empirical", momentum_type="regular",
                         learning_rate=0.1, damping=0.1)
     assert np.isfinite(float(empirical.step(*args)))
+
+
+def test_three_heads_added_in_turn_are_all_joined(float64):
+    """``a + b + c`` adds in turn, ``(a + b) + c``: the inner sum's heads are
+    the outer one's too. Before, the two classifiers' sum was one opaque
+    term beside the regression's likelihood, so the loss read as that
+    likelihood alone and the classifiers' layers got no curvature."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((D,))
+    h = keras.layers.Dense(5, activation="tanh", name="trunk")(inputs)
+    model = keras.Model(inputs, [keras.layers.Dense(3, name="label")(h),
+                                 keras.layers.Dense(2, name="parity")(h),
+                                 keras.layers.Dense(1, name="value")(h)])
+    ce = tf.nn.sparse_softmax_cross_entropy_with_logits
+
+    def heads(zs, x, y, t):
+        return (tf.reduce_mean(ce(y, zs[0])) + tf.reduce_mean(ce(y % 2, zs[1]))
+                + tf.reduce_mean(tf.square(zs[2][:, 0] - t[:, 0])))
+    fn = kg.auto_register(lambda x, y, t: heads(model(x), x, y, t))
+    reg = assert_joined_blocks(fn, _data(), [model.get_layer(n) for n in (
+        "trunk", "label", "parity", "value")], lambda x, y, t: model(x), heads)
+    assert len(reg.per_example_extras) == 2, reg.summary()
