@@ -100,9 +100,9 @@ class LossSpec:
     ``blocks``: a ``"ggn"`` loss over joined outputs beyond ``MAX_CLASSES``
     values per example has a block-diagonal Hessian, ``(n, K)`` per block
     along ``z``'s columns (``kfac_graph.fisher.ggn_blocks``); empty: whole.
-    ``likelihood_blocks``, per block: the terms of the categorical head whose
+    ``likelihood_blocks``, per block: the terms of the categorical heads whose
     Fisher the block is (``K x K`` per position, no backward pass; a
-    word-piece masked-LM head beside a next-sentence head), or ``""``
+    word-piece masked-LM head beside a next-sentence head), or ``()``
     where the block is the loss's Hessian.
 
     ``nonnegative``: the loss is ``>= 0`` for any input, its weights taken
@@ -123,7 +123,7 @@ class LossSpec:
     summed_penalties: tuple[str, ...] = ()
     blocks: tuple[tuple[int, int], ...] = ()
     nonnegative: bool = False
-    likelihood_blocks: tuple[str, ...] = ()
+    likelihood_blocks: tuple[tuple[str, ...], ...] = ()
 
     @property
     def no_fisher(self) -> str:
@@ -265,7 +265,7 @@ class Registration:
                    + (f"; output {loss.output}" if loss.output else "")
                    + (" (curvature: the loss's Hessian there" + (
                        ", in blocks " + ", ".join(_block_text(n, k, head) for (n, k), head in zip(
-                           loss.blocks, loss.likelihood_blocks or [""] * len(loss.blocks)))
+                           loss.blocks, loss.likelihood_blocks or [()] * len(loss.blocks)))
                        if loss.blocks else "") + ")" if loss.kind == "ggn" else "")
                    + (f"; targets {loss.targets}" if loss.targets else "")
                    + (f"; weights {', '.join(loss.weights)}" if loss.weights else "")

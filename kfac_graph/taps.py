@@ -69,7 +69,7 @@ class LayerTaps:
     token_weights: tf.Tensor | None = None
     size_scale: tf.Tensor | None = None
     penalties: tuple[tf.Tensor, ...] = ()
-    block_weights: tuple = ()  # per block of a joined loss: a categorical head's weights, or None
+    block_weights: tuple = ()  # per block of a joined loss: its categorical heads' weights, or None
     # what is computed once per forward pass for every caller (the loss's Hessian at z)
     derived: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -114,7 +114,7 @@ class LayerTaps:
         extra = [loss_spec.output, loss_spec.targets, reg.per_example_loss]
         names += [t for t in extra if t] + list(loss_spec.penalties)
         names += [t for t, _ in reg.per_example_extras] + [s.tensor for s in loss_spec.sizes]
-        names += list(reg.term_outputs.values()) + [t for t in loss_spec.likelihood_blocks if t]
+        names += [*reg.term_outputs.values(), *sum(loss_spec.likelihood_blocks, ())]
         for layer in reg.layers:
             for use_inputs, output in zip(layer.inputs, layer.outputs):
                 names += list(use_inputs) + [output]
@@ -162,9 +162,9 @@ class LayerTaps:
                          for layer in reg.layers),
             outputs=tuple(tuple(tensors[t] for t in layer.outputs) for layer in reg.layers),
             variable_reads=reads, batch=batch, per_example_problem=problem,
-            token_weights=weights, size_scale=size_scale, block_weights=tuple(
-                token_weights.head_weights(reg, tensors[reg.output], tensors[t], batch) if t
-                else None for t in loss_spec.likelihood_blocks),
+            token_weights=weights, size_scale=size_scale, block_weights=tuple(tuple(
+                token_weights.head_weights(reg, tensors[reg.output], tensors[t], batch)
+                for t in terms) or None for terms in loss_spec.likelihood_blocks),
             penalties=tuple(tensors[t] for t in loss_spec.penalties))
 
     @property

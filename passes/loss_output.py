@@ -282,11 +282,12 @@ def hessian_blocks(g, outputs, shapes, pairs, params, categorical=None) -> tuple
     ``K x K`` per position, else ``K = n``. Forming it takes
     ``sum K`` backward passes, at most ``MAX_CLASSES``; None where it would
     take more, or a group's outputs are not adjacent. A group that is one
-    output read by one head of the likelihood kind ``"categorical"``
-    (``categorical``: its terms by their node) needs no pass: its block,
+    output read only by heads of the likelihood kind ``"categorical"``
+    (``categorical``: their terms by their node; a cross-entropy, or one
+    beside a distillation's on the same logits) needs no pass: its block,
     ``K x K`` per position, is that likelihood's Fisher, weighted per
-    position as its terms are (``kfac_graph.fisher.ggn_blocks``), where
-    ``likelihoods`` names the terms (``""`` for a Hessian's block). ``n`` is None where
+    position as the heads' terms are, summed (``kfac_graph.fisher.ggn_blocks``),
+    where ``likelihoods`` names the terms (``()`` for a Hessian's block). ``n`` is None where
     an output's positions are not known statically (a length read at run
     time, in one block at most, its ``K`` static: a head per position, or
     elementwise)."""
@@ -305,9 +306,9 @@ def hessian_blocks(g, outputs, shapes, pairs, params, categorical=None) -> tuple
         n = (sum(int(np.prod(s)) for s in sizes) if all(None not in s for s in sizes)
              else None)
         heads = [(z, end) for z, end in pairs if z == outputs[i]] if len(members) == 1 else []
-        k, likelihood = n, ""
-        if len(heads) == 1 and heads[0][1] in categorical and shapes[i][-1] is not None:
-            k, likelihood = shapes[i][-1], categorical[heads[0][1]]  # (no pass)
+        k, likelihood = n, ()
+        if heads and all(end in categorical for _, end in heads) and shapes[i][-1]:
+            k, likelihood = shapes[i][-1], tuple(categorical[end] for _, end in heads)
         elif heads and all(elementwise_head(g, z, end, params) for z, end in heads):
             k = 1  # a Bernoulli reconstruction's pixels
         elif heads and all(per_position(g, z, end, params, row_cross_entropy=True)

@@ -89,7 +89,7 @@ class LossMatch:
     heads: tuple[tuple[str, str | None, str], ...] = ()
     joined: tuple[str, ...] = ()  # a "ggn" loss over several outputs: those outputs
     blocks: tuple[tuple[int, int], ...] = ()  # their Hessian's (loss_output.hessian_blocks)
-    likelihood_blocks: tuple[str, ...] = ()  # per block, a categorical head's terms or ""
+    likelihood_blocks: tuple[tuple[str, ...], ...] = ()  # per block, its categorical terms
 
 
 def match_loss(g: nx.DiGraph, kind: str | None = None, rows=None) -> LossMatch:

@@ -19,17 +19,18 @@ the joined ``N x N`` Hessian would take ``N`` passes and an ``N x N``
 eigendecomposition per example. Each block is made positive semidefinite
 on its own (``ggn.GGN``).
 
-A block that is one categorical head's output (``LossSpec.likelihood_blocks``:
+A block that is one output of categorical heads (``LossSpec.likelihood_blocks``:
 a masked-LM head over a word-piece vocabulary, where ``K_b`` passes are
 beyond any budget) takes no pass: its Hessian per position is the
 likelihood's Fisher in closed form,
 
     H_b[i, p] = w_ip (diag(q) - q q^T),   q = softmax(z_{i,b,p}),
 
-``w_ip`` the weight of the position's term in ``l_i`` (``k dL/dterms``,
-``token_weights.head_weights``: a masked mean's ``B m_ip / sum(m)``), the
-loss being linear in its terms; equal to the loss's Hessian for a sparse
-cross-entropy (or labels that sum to one), as for one categorical output.
+``w_ip`` the weight of the position's terms in ``l_i`` (``k dL/dterms``,
+``token_weights.head_weights``: a masked mean's ``B m_ip / sum(m)``; the
+heads' weights summed), the loss being linear in its terms; equal to the
+loss's Hessian for a sparse cross-entropy (or labels that sum to one), as
+for one categorical output.
 
 ``BlockGGN`` offers ``GGN``'s interface over ``z``: ``multiply_fisher``,
 ``fisher_diagonal``, ``sample_cotangent`` (``S_b eps`` per block and
@@ -92,9 +93,10 @@ def block_hessians(per_example_loss, z, blocks, formed=None):
 
 def block_curvature(per_example_loss, z, blocks, weights=()):
     """``BlockGGN`` at ``z`` ``[B, N]``: per block (``blocks`` as
-    ``block_sizes`` gives them), a categorical head's Fisher where
-    ``weights`` has its terms' weights (``LayerTaps.block_weights``, shaped
-    like its terms: ``P_b`` or ``P_b K_b`` per example), else the Hessian."""
+    ``block_sizes`` gives them), its categorical heads' Fisher where
+    ``weights`` has their terms' weights (``LayerTaps.block_weights``, each
+    shaped like its terms: ``P_b`` or ``P_b K_b`` per example), else the
+    Hessian."""
     weights = tuple(weights) or (None,) * len(blocks)
     hessians = block_hessians(per_example_loss, z, blocks, [w is None for w in weights])
     batch, start, parts = tf.shape(z)[0], 0, []
@@ -104,7 +106,8 @@ def block_curvature(per_example_loss, z, blocks, weights=()):
         else:
             logits = tf.reshape(tf.stop_gradient(tf.cast(
                 z[:, start:start + n], at_least_float32_dtype(z.dtype))), [batch, n // k, k])
-            parts.append(WeightedCategorical(logits, tf.reshape(w, [batch, n // k, -1])[..., 0]))
+            parts.append(WeightedCategorical(logits, tf.add_n(
+                [tf.reshape(t, [batch, n // k, -1])[..., 0] for t in w])))
         start = start + n
     return BlockGGN(parts, blocks)
 
