@@ -272,10 +272,10 @@ def joint_outputs(g, heads, params, examples_first, rows) -> tuple:
 
 
 def hessian_blocks(g, outputs, shapes, pairs, params, categorical=None) -> tuple | None:
-    """``(((n_1, K_1), ..), likelihoods)``, in the joined output's order: its loss Hessian is
-    block-diagonal, one block per group of outputs read by the same terms
-    (``pairs``: (output, term)), the terms of different groups reading no
-    output in common. A block holds ``n`` values per example, ``K`` classes
+    """``(((n_1, K_1), ..), likelihoods)``, in the joined output's order: its
+    loss Hessian is block-diagonal, one block per group of outputs read by
+    the same terms (``pairs``: (output, term)), the terms of different
+    groups reading no output in common. A block holds ``n`` values per example, ``K`` classes
     at each of its ``n / K`` positions: where the group is one output whose
     every head is ``elementwise_head``, ``K = 1`` (a Bernoulli
     reconstruction's pixels), else where every head is ``per_position``,
@@ -286,11 +286,11 @@ def hessian_blocks(g, outputs, shapes, pairs, params, categorical=None) -> tuple
     (``categorical``: their terms by their node; a cross-entropy, or one
     beside a distillation's on the same logits) needs no pass: its block,
     ``K x K`` per position, is that likelihood's Fisher, weighted per
-    position as the heads' terms are, summed (``kfac_graph.fisher.ggn_blocks``),
-    where ``likelihoods`` names the terms (``()`` for a Hessian's block). ``n`` is None where
-    an output's positions are not known statically (a length read at run
-    time, in one block at most, its ``K`` static: a head per position, or
-    elementwise)."""
+    position as the heads' terms are, summed
+    (``kfac_graph.fisher.ggn_blocks``), where ``likelihoods`` names the
+    terms (``()`` for a Hessian's block). ``n`` is None where an output's
+    positions are not known statically (a length read at run time, in one
+    block at most, its ``K`` static: a head per position, or elementwise)."""
     group = {z: {z} for z in outputs}
     for end in {end for _, end in pairs}:
         readers = [z for z, e in pairs if e == end]
