@@ -30,6 +30,7 @@ from absl import app, flags  # noqa: E402
 
 import kfac_graph as kg  # noqa: E402
 import kfac_spec  # noqa: E402
+import lm_race  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("vocab", 30522, "word pieces")
@@ -84,14 +85,7 @@ def adam_step():
     loss, variables = model()
     adam = keras.optimizers.Adam(1e-3)
     adam.build(variables)
-
-    @tf.function(jit_compile=True)
-    def step(*args):
-        with tf.GradientTape() as tape:
-            value = loss(*args)
-        adam.apply_gradients(zip(tape.gradient(value, variables), variables))
-        return value
-    return step
+    return lm_race.keras_step(variables, loss, adam, jit_compile=True)
 
 
 def timed(step, args):

@@ -70,13 +70,14 @@ class Run:
 
 
 def keras_step(model, loss_fn, optimizer, jit_compile):
-    """A compiled training step of a Keras optimizer on ``loss_fn(x, y)``."""
-    variables = model.trainable_variables
+    """A compiled training step of a Keras optimizer on ``loss_fn(*batch)``
+    over ``model``'s trainable variables (or ``model``, a list of them)."""
+    variables = getattr(model, "trainable_variables", model)
 
     @tf.function(jit_compile=jit_compile)
-    def step(x, y):
+    def step(*batch):
         with tf.GradientTape() as tape:
-            loss = loss_fn(x, y)
+            loss = loss_fn(*batch)
         optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
         return loss
     return step

@@ -120,16 +120,16 @@ class WeightedCategorical:
     def __init__(self, logits, weights):
         self._dist = Categorical(logits)
         self._w = tf.maximum(tf.cast(weights, logits.dtype), 0.0)[..., None]
+        self._root = tf.sqrt(self._w)
 
     def flat(self):
         return tf.reduce_all(self.fisher_diagonal() <= 0.0)
 
     def sqrt_fisher_columns(self):
-        root = tf.sqrt(self._w)
-        return [root * c for c in self._dist.sqrt_fisher_columns()]
+        return [self._root * c for c in self._dist.sqrt_fisher_columns()]
 
     def sqrt_fisher(self):
-        return tf.sqrt(self._w)[..., None] * self._dist.sqrt_fisher()
+        return self._root[..., None] * self._dist.sqrt_fisher()
 
     def fisher_diagonal(self):
         return self._w * self._dist.fisher_diagonal()
@@ -141,7 +141,7 @@ class WeightedCategorical:
         """``sqrt(w) (q - y)``, ``y`` one-hot drawn from ``q``: its outer
         products average to the block."""
         y = self._dist.sample(seed, one_hot=True)
-        return tf.sqrt(self._w) * (self._dist.probs - y)
+        return self._root * (self._dist.probs - y)
 
 
 class BlockGGN:
