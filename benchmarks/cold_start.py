@@ -15,7 +15,9 @@ For each model, in one process:
 - ``kg.KFAC`` (its defaults; ``--variants`` adds ``regular``: regular
   momentum at a fixed damping; a variant's name ending ``:in_place`` traces
   every block's algebra in place instead of one shared kernel per
-  structure, ``fisher/shared_kernels.py``): construction and registration
+  structure, ``fisher/shared_kernels.py``; ending ``:own_pullback``, the
+  quadratic model's forms take a backward pass of their own instead of
+  differentiating the gradients', ``own_pullback.py``): construction and registration
   (``build``: the loss's trace, the pass, the blocks' variables), the
   step's trace, its first run (TensorFlow's graph optimisation and the XLA
   compile of the preconditioning) and a later call; inside the trace, the
@@ -52,6 +54,7 @@ from absl import app, flags  # noqa: E402
 import bert_small  # noqa: E402
 import kfac_graph as kg  # noqa: E402
 from lm_race import keras_step  # noqa: E402
+from own_pullback import own_pullback  # noqa: E402
 from kfac_graph.fisher import estimator as estimator_lib, shared_kernels  # noqa: E402
 from kfac_graph.optimizer import exact_fisher, single_device, step_core, update_rules  # noqa: E402
 from kfac_graph import taps as taps_lib  # noqa: E402
@@ -201,7 +204,7 @@ def kfac_times(model_name, variant):
         shared_kernels.share(opt.estimator.blocks, shared_kernels.IN_PLACE)
     out["construct + register + build"] = time.perf_counter() - start
     parts = {}
-    with timed_parts(parts):
+    with timed_parts(parts), own_pullback(where == "own_pullback"):
         out["trace step"] = clock(lambda: opt._compiled.step.get_concrete_function(*args))
     ops = traced_ops(opt._compiled.step.get_concrete_function(*args))
     out["first run (graph optimisation, XLA)"] = clock(lambda: opt.step(*args))

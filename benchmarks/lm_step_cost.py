@@ -7,7 +7,8 @@ batches, one step of each in turn, so that the machine's load falls on all
 alike. Prints each one's median and mean step (the first ``--warm`` steps,
 trace and compile, left out) and both over the first-order step's median.
 The mean counts the periodic work (inverse refreshes, damping adaptation)
-that a median skips.
+that a median skips. A row whose spec holds ``pullback=own`` traces its step
+with the forms' backward pass of their own (``own_pullback.py``).
 
     python benchmarks/lm_step_cost.py --model transformer \\
         --kfac_row "label=defaults" --kfac_row "label=quarter qmodel_batch_fraction=0.25"
@@ -25,6 +26,7 @@ from absl import app, flags  # noqa: E402
 import kfac_graph as kg  # noqa: E402
 import kfac_spec  # noqa: E402
 import lm_race  # noqa: E402
+from own_pullback import own_pullback  # noqa: E402
 from char_text import CharText  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -52,10 +54,16 @@ def main(argv):
     name = "Adam" if FLAGS.model == "lstm" else "AdamW"
     steps = {f"{name} (XLA)": first_order_step(module, data.vocab_size)}
     for spec in FLAGS.kfac_row:
-        label, options = kfac_spec.parse(spec)
+        own = "pullback=own" in spec.split()
+        label, options = kfac_spec.parse(" ".join(s for s in spec.split() if s != "pullback=own"))
         model = module.make_model(data.vocab_size)
-        steps[f"K-FAC {label}"] = kg.KFAC(kg.auto_register(module.make_loss(model)),
-                                          **options).step
+        opt = kg.KFAC(kg.auto_register(module.make_loss(model)), **options)
+
+        def step(*batch, _opt=opt, _own=own):
+            with own_pullback(_own):  # (it matters at the first call, the trace)
+                return _opt.step(*batch)
+
+        steps[f"K-FAC {label}"] = step
     times = {k: [] for k in steps}
     for i, batch in enumerate(batches):
         for k, step in steps.items():

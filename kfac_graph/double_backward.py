@@ -81,17 +81,30 @@ _VALUE_FREE = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLi
                          "StopGradient", "BroadcastGradientArgs", "ConcatOffset"})
 
 
-def jacobian_products(z, w, variables, vectors):
+def pullback(z, w, variables):
+    """``r(w) = J^T w`` (``J = dz/dtheta``): one backward pass from ``z``
+    with cotangent ``w``, a list aligned with ``variables`` (None where a
+    variable does not reach ``z``), inside ``differentiable()`` so that
+    ``jacobian_products`` can differentiate it again with respect to
+    ``w``. ``w`` may be any tensor of ``z``'s shape that the backward pass
+    alone reads: zeros, or the loss's own ``dL/dz``, whose pullback is
+    the loss's gradient along the paths through ``z``."""
+    with differentiable():
+        return tf.gradients(z, list(variables), grad_ys=w)
+
+
+def jacobian_products(z, w, variables, vectors, pulled=None):
     """``[J u for u in vectors]`` (each ``u`` a list aligned with
     ``variables``; ``J = dz/dtheta``): ``r(w) = J^T w`` by one backward
-    pass from ``z`` with cotangent ``w`` (zeros, a placeholder of ``z``'s
-    shape), then ``J u = d(r . u)/dw``, a second backward pass through the
-    first. An embedding's ``J^T w`` (IndexedSlices, which ``tf.gradients``
-    cannot take as ``ys``) is made dense. Raises ``KfacGraphError`` where
-    the first pass wrote an op TensorFlow registers as not differentiable
-    whose output depends on ``w`` (its products would be silently zero)."""
-    with differentiable():
-        r = tf.gradients(z, list(variables), grad_ys=w)
+    pass from ``z`` with cotangent ``w`` (``pullback``; ``pulled``: that
+    pass already taken with this ``w``), then ``J u = d(r . u)/dw``, a
+    second backward pass through the first (``r`` is linear in ``w``, so
+    ``J u`` does not depend on ``w``'s value). An embedding's ``J^T w``
+    (IndexedSlices, which ``tf.gradients`` cannot take as ``ys``) is made
+    dense. Raises ``KfacGraphError`` where the first pass wrote an op
+    TensorFlow registers as not differentiable whose output depends on
+    ``w`` (its products would be silently zero)."""
+    r = pullback(z, w, variables) if pulled is None else pulled
     pairs = [(k, tf.convert_to_tensor(g)) for k, g in enumerate(r) if g is not None]
     _check_differentiable(w, [g for _, g in pairs])
     out = []

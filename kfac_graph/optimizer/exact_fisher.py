@@ -62,6 +62,34 @@ def _model_output(taps):
     return z
 
 
+def loss_gradients(taps, variables):
+    """``dL/dtheta`` of ``taps``' loss (as ``tf.gradients``), taken through
+    the model output ``z``: ``J^T w`` with ``w = dL/dz``
+    (``double_backward.pullback``), plus the loss's paths to the variables
+    that bypass ``z``. The pullback is kept in ``taps.derived`` so that the
+    forms on these taps differentiate it again (``J u = d(r . u)/dw``)
+    instead of taking a backward pass of their own: the step's one backward
+    pass serves its gradients and its forms."""
+    z = taps.model_output
+    w = None if z is None else tf.gradients(taps.loss, z)[0]
+    if w is None:
+        return tf.gradients(taps.loss, variables)
+    pulled = double_backward.pullback(z, w, variables)
+    taps.derived["pullback"] = ([v.ref() for v in variables], w, pulled)
+    direct = tf.gradients(taps.loss, variables, stop_gradients=[z])
+    return [a if b is None else b if a is None else
+            tf.convert_to_tensor(a) + tf.convert_to_tensor(b) for a, b in zip(pulled, direct)]
+
+
+def _jacobian_products(taps, z, variables, vectors):
+    """``[J u for u in vectors]`` from the pullback ``loss_gradients`` left
+    on ``taps`` (for these variables), else from a pullback of zeros."""
+    refs, w, pulled = taps.derived.get("pullback", (None, None, None))
+    if refs != [v.ref() for v in variables]:
+        w, pulled = tf.zeros_like(z), None
+    return double_backward.jacobian_products(z, w, variables, vectors, pulled)
+
+
 def jacobian_vector_products(registration, args, vectors, taps=None):
     """``[J u for u in vectors]`` (each shaped like the model output) and ``z``.
     ``taps``: a forward pass of ``args`` already in this graph (``LayerTaps``)
@@ -96,7 +124,7 @@ def quadratic_forms(registration, args, vectors, taps=None, with_part=False):
     taps = _forward(registration, args, taps)
     variables = list(registration.variables)
     z = _model_output(taps)
-    jvs = double_backward.jacobian_products(z, tf.zeros_like(z), variables, vectors)
+    jvs = _jacobian_products(taps, z, variables, vectors)
     part = _part(variables, taps, z, jvs, vectors) if with_part else None
     jvs, z32 = [at_least_float32(jv) for jv in jvs], at_least_float32(z)
     kind = registration.loss.kind

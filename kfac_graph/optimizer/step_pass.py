@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from kfac_graph.optimizer import covariance_slices
+from kfac_graph.optimizer import covariance_slices, exact_fisher
 from kfac_graph.taps import LayerTaps
 
 
@@ -92,8 +92,8 @@ def forward_backward(opt, args, variables, scheduled, share_forward=False,
     do_cov = scheduled.do_cov
     if opt.schedule.every_step_updates_covariances:
         taps = opt.estimator.accumulate_taps(*args)
-        return Pass(taps.loss, dense(tf.gradients(taps.loss, variables), variables), taps,
-                    taps.size_scale)
+        return Pass(taps.loss, dense(_gradients(taps, variables, share_forward), variables),
+                    taps, taps.size_scale)
 
     if opt.schedule.spread:
         covariance_slices.fold_scheduled_slice(opt.estimator, args, scheduled, opt.schedule)
@@ -107,7 +107,7 @@ def forward_backward(opt, args, variables, scheduled, share_forward=False,
             return tf.constant(True)
 
         tf.cond(do_cov, with_statistics, lambda: tf.constant(False))
-        return registered_pass(opt, args, variables)
+        return registered_pass(opt, args, variables, keep_forward=True)
 
     def with_statistics():
         taps = opt.estimator.accumulate_taps(*args)
@@ -127,12 +127,23 @@ def forward_backward(opt, args, variables, scheduled, share_forward=False,
     return Pass(out[0], out[1:])
 
 
-def registered_pass(opt, args, variables, keep_forward=True) -> Pass:
+def registered_pass(opt, args, variables, keep_forward=False) -> Pass:
     """The ``Pass`` of the registered graph (no statistics), at the top level
-    of the caller's graph (``forward`` None unless ``keep_forward``)."""
+    of the caller's graph (``forward`` None unless ``keep_forward``, for the
+    quadratic model's forms to differentiate: the gradients then leave their
+    pullback on it, ``exact_fisher.loss_gradients``)."""
     taps = LayerTaps.build(opt.estimator.build(*args), args)
-    grads = dense(tf.gradients(taps.loss, variables), variables)
+    grads = dense(_gradients(taps, variables, keep_forward), variables)
     return Pass(taps.loss, grads, taps if keep_forward else None, taps.size_scale)
+
+
+def _gradients(taps, variables, for_forms):
+    """The loss's gradients on ``taps``; ``for_forms``: through the model
+    output, leaving the pullback for the quadratic model's forms
+    (``exact_fisher.loss_gradients``)."""
+    if for_forms:
+        return exact_fisher.loss_gradients(taps, variables)
+    return tf.gradients(taps.loss, variables)
 
 
 def plain_gradients(opt, args, variables):
