@@ -7,6 +7,8 @@ table (its gradient ``IndexedSlices``), a custom-gradient activation and an
 L2 penalty that reaches a kernel besides ``z``: the gradients equal
 ``tf.gradients``', and default steps equal those with a backward pass of
 the forms' own."""
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -94,3 +96,42 @@ def test_default_steps_equal_those_with_a_backward_pass_of_the_forms_own(monkeyp
     for a, b in zip(shared[1], own[1]):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
     assert shared[2] == pytest.approx(own[2], rel=1e-10)
+
+
+def test_a_loss_that_gathers_from_the_output_pulls_back_a_dense_cotangent():
+    """Where the loss reads ``z`` through a gather (its ``dL/dz`` is
+    ``IndexedSlices``), the pullback takes that cotangent made dense: the
+    gradients equal ``tf.gradients``', and the Jacobian-vector products
+    equal those of a pullback of zeros."""
+    rng = np.random.default_rng(1)
+    w = tf.Variable(rng.normal(size=(6, 5)), dtype=F64, name="w")
+
+    def loss_fn(x, rows, y):
+        logits = tf.matmul(x, w)
+        picked = tf.gather(logits, rows)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, picked))
+
+    fn = kg.auto_register(loss_fn)
+    args = (tf.constant(rng.normal(size=(8, 6))), tf.constant([1, 4, 4, 6], tf.int32),
+            tf.constant([0, 2, 3, 1], tf.int32))
+    est = kg.FisherEstimator(fn)
+    reg = est.build(*args)
+    u = [[tf.constant(rng.normal(size=w.shape))]]
+
+    @tf.function(autograph=False)
+    def both():
+        taps = est.accumulate_taps(*args)
+        # the matmul's output, before the loss's gather, as the model output
+        before = dataclasses.replace(taps, model_output=taps.outputs[0][0], derived={})
+        assert isinstance(tf.gradients(before.loss, before.model_output)[0], tf.IndexedSlices)
+        through = exact_fisher.loss_gradients(before, reg.variables)
+        plain = tf.gradients(before.loss, reg.variables)
+        shared = exact_fisher._jacobian_products(before, before.model_output, reg.variables, u)
+        zeros = double_backward.jacobian_products(
+            before.model_output, tf.zeros_like(before.model_output), reg.variables, u)
+        return through[0], plain[0], shared[0], zeros[0]
+
+    through, plain, shared, zeros = both()
+    np.testing.assert_allclose(through.numpy(), plain.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(shared.numpy(), zeros.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(shared.numpy(), args[0].numpy() @ u[0][0].numpy(), rtol=1e-12)

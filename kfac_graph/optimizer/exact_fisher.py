@@ -74,6 +74,8 @@ def loss_gradients(taps, variables):
     w = None if z is None else tf.gradients(taps.loss, z)[0]
     if w is None:
         return tf.gradients(taps.loss, variables)
+    if isinstance(w, tf.IndexedSlices):  # the loss gathers from z: a dense cotangent
+        w = tf.convert_to_tensor(w)
     pulled = double_backward.pullback(z, w, variables)
     taps.derived["pullback"] = ([v.ref() for v in variables], w, pulled)
     direct = tf.gradients(taps.loss, variables, stop_gradients=[z])
