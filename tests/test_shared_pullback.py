@@ -135,3 +135,41 @@ def test_a_loss_that_gathers_from_the_output_pulls_back_a_dense_cotangent():
     np.testing.assert_allclose(through.numpy(), plain.numpy(), rtol=1e-12)
     np.testing.assert_allclose(shared.numpy(), zeros.numpy(), rtol=1e-12)
     np.testing.assert_allclose(shared.numpy(), args[0].numpy() @ u[0][0].numpy(), rtol=1e-12)
+
+
+def test_keras_regularisers_on_a_kernel_and_an_activation(monkeypatch, keras_float64):
+    """Keras's ``kernel_regularizer`` and ``activity_regularizer`` add
+    penalties whose paths to the variables bypass the output (the second
+    through the trunk's activations): default steps equal those with the
+    forms' own backward pass."""
+    import keras
+
+    def run(share):
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([
+            keras.Input((5,)),
+            keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2),
+                               activity_regularizer=keras.regularizers.L1(1e-2)),
+            keras.layers.Dense(4)])
+
+        def loss_fn(x, y):
+            logits = model(x, training=True)
+            ce = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+            return ce + tf.add_n(model.losses)
+
+        if not share:
+            monkeypatch.setattr(step_pass, "_gradients",
+                                lambda taps, v, for_forms: tf.gradients(taps.loss, v))
+        opt = kg.KFAC(kg.auto_register(loss_fn), jit_compile=False)
+        rng = np.random.default_rng(5)
+        losses = [float(opt.step(tf.constant(rng.normal(size=(8, 5))),
+                                 tf.constant(rng.integers(0, 4, 8), tf.int32)))
+                  for _ in range(8)]
+        monkeypatch.undo()
+        assert int(opt.skipped_steps.numpy()) == 0
+        return losses, [v.numpy() for v in model.trainable_variables]
+
+    shared, own = run(True), run(False)
+    np.testing.assert_allclose(shared[0], own[0], rtol=1e-10)
+    for a, b in zip(shared[1], own[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
