@@ -26,7 +26,7 @@ from absl import app, flags  # noqa: E402
 import kfac_graph as kg  # noqa: E402
 import kfac_spec  # noqa: E402
 import lm_race  # noqa: E402
-from own_pullback import own_pullback  # noqa: E402
+import own_pullback  # noqa: E402
 from char_text import CharText  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -54,16 +54,11 @@ def main(argv):
     name = "Adam" if FLAGS.model == "lstm" else "AdamW"
     steps = {f"{name} (XLA)": first_order_step(module, data.vocab_size)}
     for spec in FLAGS.kfac_row:
-        own = "pullback=own" in spec.split()
-        label, options = kfac_spec.parse(" ".join(s for s in spec.split() if s != "pullback=own"))
+        spec, own = own_pullback.split_spec(spec)
+        label, options = kfac_spec.parse(spec)
         model = module.make_model(data.vocab_size)
         opt = kg.KFAC(kg.auto_register(module.make_loss(model)), **options)
-
-        def step(*batch, _opt=opt, _own=own):
-            with own_pullback(_own):  # (it matters at the first call, the trace)
-                return _opt.step(*batch)
-
-        steps[f"K-FAC {label}"] = step
+        steps[f"K-FAC {label}"] = own_pullback.step_with(opt.step, own)
     times = {k: [] for k in steps}
     for i, batch in enumerate(batches):
         for k, step in steps.items():

@@ -2,8 +2,10 @@
 the loss's gradients with a plain ``tf.gradients`` and leave the quadratic
 model's exact Fisher forms a backward pass of their own (a pullback of
 zeros), as before the two shared one (``exact_fisher.loss_gradients``).
-The benchmarks time both side by side with it (a row or variant named
-``own_pullback``); the two steps compute the same values."""
+The benchmarks time both side by side with it (a ``cold_start.py``
+variant ending ``:own_pullback``, or a K-FAC spec holding ``pullback=own``:
+``split_spec`` and ``step_with``); the two steps compute the same values,
+up to the order of float sums."""
 import contextlib
 
 import tensorflow as tf
@@ -22,3 +24,21 @@ def own_pullback(active: bool = True):
         yield
     finally:
         step_pass._gradients = saved
+
+
+OWN = "pullback=own"
+
+
+def split_spec(spec: str) -> tuple[str, bool]:
+    """``(spec without OWN, whether it held OWN)`` for ``kfac_spec.parse``."""
+    items = spec.split()
+    return " ".join(i for i in items if i != OWN), OWN in items
+
+
+def step_with(step, own: bool):
+    """``step`` called inside ``own_pullback(own)`` (it matters at the first
+    call, which traces it)."""
+    def call(*batch):
+        with own_pullback(own):
+            return step(*batch)
+    return call

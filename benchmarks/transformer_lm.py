@@ -11,7 +11,8 @@ batch 32, float32.
 Rows: ``kg.KFAC`` for each ``--kfac`` spec (``kfac_spec.py``: e.g.
 ``"label=reduce dense=kron_reduce"``, ``"label=regular momentum_type=regular"``,
 ``"label=cosine momentum_type=regular cosine_lr=0.3"``: AdamW's warm-up
-and cosine decay over ``--kfac_steps``) and
+and cosine decay over ``--kfac_steps``; ``pullback=own``: the quadratic
+model's forms take a backward pass of their own, ``own_pullback.py``) and
 AdamW (weight decay 0.01, linear warm-up over ``--warmup`` steps, cosine
 decay to 0 at ``--adam_steps``, as transformers are trained) at each
 learning rate of a grid. The target is the best AdamW run's held-out loss
@@ -35,6 +36,7 @@ import kfac_graph as kg  # noqa: E402
 import char_transformer  # noqa: E402
 import kfac_spec  # noqa: E402
 import lm_race  # noqa: E402
+import own_pullback  # noqa: E402
 from char_text import CharText  # noqa: E402
 
 tf.get_logger().setLevel("ERROR")
@@ -72,10 +74,11 @@ def make_loss(model):
 
 
 def kfac_run(spec, vocab, held_out):
+    spec, own = own_pullback.split_spec(spec)
     label, options = kfac_spec.parse(spec, steps=FLAGS.kfac_steps, warmup=FLAGS.warmup)
     model = make_model(vocab)
     opt = kg.KFAC(kg.auto_register(make_loss(model)), **options)
-    run = lm_race.Run(f"K-FAC {label}", "kfac", opt.step,
+    run = lm_race.Run(f"K-FAC {label}", "kfac", own_pullback.step_with(opt.step, own),
                       lm_race.evaluator(model, held_out),
                       FLAGS.kfac_steps)
     if opt.momentum_type == "qmodel":  # steps the model's cap shortened (cap_watch.py)
