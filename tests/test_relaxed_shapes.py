@@ -329,3 +329,52 @@ def test_a_later_size_widens_the_relaxed_signature_once_more():
     assert step.experimental_get_tracing_count() == 3
     assert step.get_concrete_function(tf.zeros([4, 6])) is step.exact.get_concrete_function(
         tf.zeros([4, 6]))
+
+
+@pytest.mark.slow  # about 40 s: two keras-hub BERTs trained over three lengths
+def test_keras_hub_bert_pre_training_heads_relax_new_lengths(keras_float64):
+    """keras-hub's ``BertBackbone`` with its own tied ``MaskedLMHead`` and a
+    pair head: a relaxed step takes every later length (the default step,
+    two traces for three lengths), with the steps of a trace per length."""
+    keras_hub = pytest.importorskip("keras_hub")
+    vocab, rng = 40, np.random.default_rng(1)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.BertBackbone(
+            vocabulary_size=vocab, num_layers=1, num_heads=2, hidden_dim=8,
+            intermediate_dim=16, max_sequence_length=16)
+        mlm = keras_hub.layers.MaskedLMHead(vocabulary_size=vocab, activation=None,
+                                            token_embedding=backbone.token_embedding)
+        pair = L.Dense(2)
+
+        @kg.auto_register
+        def loss_fn(ids, segments, mask, positions, targets, pairs):
+            out = backbone({"token_ids": ids, "segment_ids": segments, "padding_mask": mask})
+            logits = mlm(out["sequence_output"], mask_positions=positions)
+            words = tf.nn.sparse_softmax_cross_entropy_with_logits(targets, logits)
+            nsp = tf.nn.sparse_softmax_cross_entropy_with_logits(pairs,
+                                                                 pair(out["pooled_output"]))
+            return tf.reduce_mean(words) + tf.reduce_mean(nsp)
+
+        return backbone, loss_fn
+
+    batches = []
+    for t in (6, 9, 12):
+        ids = tf.constant(rng.integers(0, vocab, (2, t)), tf.int32)
+        batches.append((ids, tf.zeros_like(ids), tf.ones_like(ids),
+                        tf.constant(rng.integers(0, t, (2, 3)), tf.int32),
+                        tf.constant(rng.integers(0, vocab, (2, 3)), tf.int32),
+                        tf.constant([0, 1], tf.int32)))
+
+    def train(**options):
+        backbone, loss_fn = make()
+        opt = kg.KFAC(loss_fn, **options)
+        losses = [float(opt.step(*b)) for b in batches]
+        assert int(opt.skipped_steps.numpy()) == 0
+        return losses, [v.numpy() for v in backbone.trainable_variables], opt
+
+    relaxed, exact = train(), train(relax_shapes=False)
+    _assert_same(relaxed, exact)
+    assert relaxed[2]._compiled.step.experimental_get_tracing_count() == 2
+    assert exact[2]._compiled.step.experimental_get_tracing_count() == 3
