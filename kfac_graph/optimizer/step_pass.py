@@ -6,7 +6,10 @@ folded into the estimator on covariance steps, and
 
 - ``forward``: a pass of the registered graph at the top level of the
   step's graph (``LayerTaps``), which the quadratic model's Fisher forms may
-  differentiate again, else None;
+  differentiate again, else None; where they will (``share_forward``), the
+  gradients are taken through the model output and leave their pullback
+  on it for the forms (``exact_fisher.loss_gradients``: one backward pass
+  for both);
 - ``size_scale``: for a loss that divides by sizes known at run time alone
   (``LossSpec.size_scaled``: a plain mean over positions traced with their
   count ``T`` unknown), ``s = 1/T`` as the registered graph's pass reads it
