@@ -62,6 +62,16 @@ def _model_output(taps):
     return z
 
 
+def _through_output(taps, z, variables):
+    """``(w, direct)``: ``w = dL/dz`` (dense, where the loss gathers from
+    ``z``; None where the loss does not read ``z``) and the loss's
+    gradients along its paths to the variables that bypass ``z``."""
+    w = tf.gradients(taps.loss, z)[0]
+    if isinstance(w, tf.IndexedSlices):
+        w = tf.convert_to_tensor(w)
+    return w, tf.gradients(taps.loss, variables, stop_gradients=[z])
+
+
 def loss_gradients(taps, variables):
     """``dL/dtheta`` of ``taps``' loss (as ``tf.gradients``), taken through
     the model output ``z``: ``J^T w`` with ``w = dL/dz``
@@ -71,14 +81,13 @@ def loss_gradients(taps, variables):
     instead of taking a backward pass of their own: the step's one backward
     pass serves its gradients and its forms."""
     z = taps.model_output
-    w = None if z is None else tf.gradients(taps.loss, z)[0]
-    if w is None:
+    if z is None:
         return tf.gradients(taps.loss, variables)
-    if isinstance(w, tf.IndexedSlices):  # the loss gathers from z: a dense cotangent
-        w = tf.convert_to_tensor(w)
+    w, direct = _through_output(taps, z, variables)
+    if w is None:  # no path through z: the bypassing paths are the gradient
+        return direct
     pulled = double_backward.pullback(z, w, variables)
     taps.derived["pullback"] = ([v.ref() for v in variables], w, pulled)
-    direct = tf.gradients(taps.loss, variables, stop_gradients=[z])
     return [a if b is None else b if a is None else
             tf.convert_to_tensor(a) + tf.convert_to_tensor(b) for a, b in zip(pulled, direct)]
 
@@ -105,8 +114,8 @@ def _part(variables, taps, z, jvs, vectors):
     """``Part`` of these examples: ``g' . u = w . (J u)`` with ``w = dh'/dz``
     (no pass beyond the forms'), plus the loss's paths to the variables that
     bypass ``z``."""
-    w64 = tf.cast(tf.gradients(taps.loss, z)[0], tf.float64)
-    direct = tf.gradients(taps.loss, variables, stop_gradients=[z])
+    w, direct = _through_output(taps, z, variables)
+    w64 = tf.cast(w, tf.float64)
     linear = []
     for u, jv in zip(vectors, jvs):
         terms = [tf.reduce_sum(w64 * tf.cast(jv, tf.float64))]
