@@ -92,8 +92,10 @@ class _Recomputed(L.Layer):
         return tf.recompute_grad(lambda t: self.d2(self.d1(t)))(h)
 
 
-def _pair(layer):
-    return lambda h: layer([L.Dense(D)(h), L.Dense(D)(h)])
+def _pair(make_layer):
+    """The layer is made when the model is, under the test's float64 policy: a
+    layer made at import takes float32 and rounds the float64 model through it."""
+    return lambda h: make_layer()([L.Dense(D)(h), L.Dense(D)(h)])
 
 
 def _normalized(h):
@@ -109,9 +111,9 @@ MODELS = {
         lambda h: L.GroupQueryAttention(2, 4, 2)(h, h, use_causal_mask=True), (T, D),
         ["dense"] * 4),
     "attention_concat_scale": (
-        _pair(L.Attention(use_scale=True, score_mode="concat")), (T, D),
+        _pair(lambda: L.Attention(use_scale=True, score_mode="concat")), (T, D),
         ["dense", "dense", "scale_and_shift", "scale_and_shift"]),
-    "additive_attention": (_pair(L.AdditiveAttention()), (T, D),
+    "additive_attention": (_pair(L.AdditiveAttention), (T, D),
                            ["dense", "dense", "scale_and_shift"]),
     "dot_product_attention": (lambda h: _DotProductAttention()(h), (T, D), ["dense"] * 3),
     "time_distributed_conv": (lambda h: L.TimeDistributed(L.Conv2D(2, 3))(h), (T, 5, 5, 2),
