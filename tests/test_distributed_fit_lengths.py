@@ -14,6 +14,7 @@ per shape, ``test_relaxed_shapes.py``). ``kg.DPModel.fit`` under a strategy trac
 (a plain ``tf.function``) per shape; it relaxes the same way, its loss
 checked and registered on one replica's share, and its noisy steps end
 where one device's fit ends. In a fresh process with 2 logical CPUs."""
+import pytest
 import script_json
 
 SCRIPT = r"""
@@ -82,6 +83,10 @@ print(json.dumps({"difference": max(float(np.abs(a - b).max())
 """
 
 
+# under -m slow (about 40-80 s): the relaxed step on 2 replicas stays in the fast set
+# (test_distributed_one_device.py), as does kg.DPModel.fit under a strategy
+# (test_distributed_multiworker.py)
+@pytest.mark.slow
 def test_fit_under_a_strategy_traces_new_lengths_once_more():
     out = script_json.run(SCRIPT, timeout=300)
     assert out["steps"] == [4, 4]

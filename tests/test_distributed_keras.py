@@ -8,7 +8,7 @@ import pytest
 
 
 # under -m slow: kg.KFAC's replicated step stays in the fast set
-# (test_distributed_mirrored.py), as does the Keras wrapper under the strategy (DPModel, below)
+# (test_distributed_mirrored.py)
 @pytest.mark.slow
 def test_fit_under_mirrored_strategy_matches_one_device(tmp_path):
     r = distributed_runner.run("keras", tmp_path / "keras.npz", devices=2)
@@ -19,6 +19,9 @@ def test_fit_under_mirrored_strategy_matches_one_device(tmp_path):
     assert r["loss"][-1] < 0.7 * r["loss"][0]
 
 
+# under -m slow: kg.DPModel.fit under a strategy stays in the fast set on two workers
+# (test_distributed_multiworker.py, Poisson sampling)
+@pytest.mark.slow
 def test_dp_model_under_mirrored_strategy_matches_one_device(tmp_path):
     """``kg.DPModel`` under MirroredStrategy: each replica clips its share of
     the batch, adds 1/R of one noise (replica 0's key) and of the penalty's

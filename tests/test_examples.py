@@ -11,9 +11,10 @@ pytest.importorskip("sklearn")
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
-# keras_cnn.py with -m slow: CI's `python -m kfac_graph` trains the same kind of model
+# both with -m slow: CI's `python -m kfac_graph` trains the same kind of model as
+# keras_cnn.py (tests/test_readme.py), and the DP example below runs a script in the fast set
 @pytest.mark.parametrize("script", [pytest.param("keras_cnn.py", marks=pytest.mark.slow),
-                                    "custom_loop.py"])
+                                    pytest.param("custom_loop.py", marks=pytest.mark.slow)])
 def test_example_runs(script):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     result = subprocess.run(

@@ -66,8 +66,10 @@ EXACT = dict(estimation_mode="exact", momentum_type="regular", learning_rate=0.1
 UNKNOWN = [tf.TensorSpec([None, None], tf.int32)] * 2
 
 
-@pytest.mark.parametrize("options", [EXACT, pytest.param({}, marks=pytest.mark.slow)],
-                         ids=["exact_regular", "defaults"])
+# under -m slow (about 30 s): kg.KFAC's defaults on a joined pre-training loss at run-time
+# lengths stay in the fast set (test_joined_likelihood_blocks.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [EXACT, {}], ids=["exact_regular", "defaults"])
 def test_joined_heads_at_a_run_time_length_step_as_at_known_ones(blocks_beyond_ten, options):
     reg = _loss(_model(), UNKNOWN).registration(*UNKNOWN)
     assert (reg.loss.kind, reg.loss.blocks) == ("ggn", ((None, V), (2, 2))), reg.summary()
