@@ -100,6 +100,12 @@ BACKBONES = {
     "qwen3_5": lambda: _M.Qwen3_5Backbone(
         **_DEC, num_query_heads=4, num_key_value_heads=2, head_dim=4, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=4, linear_value_head_dim=4),
+    "qwen3_5_moe": lambda: _M.Qwen3_5MoeBackbone(  # gated delta net, then experts
+        vocabulary_size=V, num_layers=2, hidden_dim=16, num_query_heads=2, num_key_value_heads=1,
+        head_dim=8, moe_intermediate_dim=8, shared_expert_intermediate_size=8, num_experts=3,
+        top_k=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4,
+        linear_conv_kernel_dim=2),
     "rwkv7": lambda: _M.RWKV7Backbone(hidden_size=16, head_size=8, num_layers=2,
                                       vocabulary_size=V, intermediate_dim=32),
     "t5": lambda: _M.T5Backbone(**{**_DEC, "num_heads": 2}),
@@ -157,6 +163,11 @@ VISION = {
         patch_size=2),
     "dinov3": lambda: _M.DINOV3Backbone(patch_size=8, num_layers=2, hidden_dim=16,
                                         num_heads=2, intermediate_dim=32, **_IMG),
+    "dinov2": lambda: _M.DINOV2Backbone(  # register tokens, layer scale, SwiGLU
+        patch_size=8, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=32,
+        num_register_tokens=2, use_swiglu_ffn=True, position_embedding_shape=(S, S, 3), **_IMG),
+    "segformer": lambda: _M.SegFormerBackbone(  # MiT, then its all-MLP decoder
+        image_encoder=VISION["mit"](), projection_filters=8),
     "deit": lambda: _M.DeiTBackbone(patch_size=8, num_layers=2, num_heads=2, hidden_dim=16,
                                     intermediate_dim=32, **_IMG),
     "densenet": lambda: _M.DenseNetBackbone(stackwise_num_repeats=[1, 1], growth_rate=8, **_IMG),

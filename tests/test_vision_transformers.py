@@ -6,7 +6,9 @@ embedding, like ids ``[T]`` (before: generic, "no example axis"). Its class
 token, tiled over the batch and concatenated before the patches, is a shift
 of the tiled copy (``tests/test_tiled_weights.py``). Checked in float64
 against a loop of one-example gradients and the brute-force Fisher of the
-position table."""
+position table. DINOv2 (register tokens, layer scale, SwiGLU; ``-m slow``)
+and SegFormer (MiT and its decoder, whose batch norm couples the examples
+unless called with ``training=False``) as keras-hub writes them."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -69,3 +71,72 @@ def test_keras_hub_vit():
     (token,) = [layer for layer in reg.layers if "class_token" in layer.variables[0].name]
     assert token.kind == "scale_and_shift", reg.summary()
     assert_matches_loop(loss_fn, args)
+
+
+@pytest.mark.slow  # about 15 s: the pass, a loop of one-example tapes and 20 K-FAC steps
+def test_keras_hub_dinov2_with_register_tokens_and_swiglu():
+    """DINOv2: a class token and register tokens tiled over the batch, its
+    position table interpolated to the image, layer scale after attention
+    and MLP, the SwiGLU MLP. Every variable the loss reads registers in a
+    non-generic layer (the mask token is not read), the per-example
+    gradients equal one-example tapes (float64), and ``kg.KFAC``'s defaults
+    lower the loss in 20 steps with no step skipped."""
+    keras = pytest.importorskip("keras")
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.config.set_floatx("float64")  # conftest restores the dtypes
+    keras.config.set_dtype_policy("float64")
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.DINOV2Backbone(
+        patch_size=4, num_layers=2, hidden_dim=8, num_heads=2, intermediate_dim=16,
+        num_register_tokens=2, use_swiglu_ffn=True, image_shape=(8, 8, 3),
+        position_embedding_shape=(12, 12, 3))
+    head = keras.layers.Dense(C)
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, head(backbone(x)[:, 0])))
+
+    rng = np.random.RandomState(1)
+    args = (tf.constant(rng.normal(size=(B, 8, 8, 3))), tf.constant([0, 1, 1]))
+    reg = loss_fn.registration(*args)
+    assert not reg.generic_variables and not reg.coupling, reg.summary()
+    assert len(reg.variables) == len(backbone.trainable_variables) + 2 - 1, reg.summary()
+    assert not [v.name for v in reg.variables if "mask_token" in v.name]
+    assert_matches_loop(loss_fn, args, rtol=1e-9)
+    opt = kg.KFAC(loss_fn)
+    losses = [float(opt.step(*args)) for _ in range(20)]
+    assert losses[-1] < 0.5 * losses[0] and int(opt.skipped_steps) == 0, losses
+
+
+@pytest.mark.parametrize("training", [None, False])
+def test_keras_hub_segformer_decoder_couples_only_in_training_mode(training):
+    """SegFormer's decoder ends in a ``keras.Sequential`` whose
+    BatchNormalization runs in training mode when the backbone is called
+    without ``training=``: the pass lists its batch moments as where the
+    examples meet (DP-SGD refuses the loss); with ``training=False`` none."""
+    keras = pytest.importorskip("keras")
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    encoder = keras_hub.models.MiTBackbone(
+        layerwise_depths=[1, 1], num_layers=2, layerwise_num_heads=[1, 2],
+        layerwise_sr_ratios=[2, 1], max_drop_path_rate=0.0, layerwise_patch_sizes=[3, 3],
+        layerwise_strides=[2, 2], hidden_dims=[4, 8], image_shape=(8, 8, 3))
+    backbone = keras_hub.models.SegFormerBackbone(image_encoder=encoder, projection_filters=4)
+    head = keras.layers.Dense(C)
+
+    @kg.auto_register
+    def loss_fn(x, y):
+        out = backbone(x) if training is None else backbone(x, training=training)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            y, head(tf.reduce_mean(out, axis=[1, 2]))))
+
+    args = (tf.random.stateless_normal([B, 8, 8, 3], [0, 1]), tf.constant([0, 1, 1]))
+    reg = loss_fn.registration(*args)
+    assert not reg.generic_variables, reg.summary()
+    moments = [op for op in reg.coupling if "batch_normalization" in op]
+    if training is None:
+        assert moments and len(moments) == len(reg.coupling), reg.coupling
+    else:
+        assert not reg.coupling, reg.coupling
+        assert_matches_loop(loss_fn, args, rtol=1e-3, atol=1e-6)
