@@ -106,6 +106,13 @@ BACKBONES = {
         top_k=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
         linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4,
         linear_conv_kernel_dim=2),
+    "gemma3n": lambda: _M.Gemma3nBackbone(  # AltUp, LAuReL, per-layer embeddings
+        text_vocab_size=V, text_hidden_size=16, num_hidden_layers=2, pad_token_id=0,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=[32, 32],
+        hidden_activation="gelu_approximate",
+        layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+        rope_theta=10000.0, max_position_embeddings=32, vocab_size_per_layer_input=V,
+        hidden_size_per_layer_input=4, altup_num_inputs=2, laurel_rank=4),
     "rwkv7": lambda: _M.RWKV7Backbone(hidden_size=16, head_size=8, num_layers=2,
                                       vocabulary_size=V, intermediate_dim=32),
     "t5": lambda: _M.T5Backbone(**{**_DEC, "num_heads": 2}),
@@ -203,11 +210,16 @@ FLAGS = flags.FLAGS
 
 
 def _features(backbone, x):
-    keys = backbone.input.keys() if isinstance(backbone.input, dict) else None
-    if keys is None:
-        return x
-    return {k: tf.ones_like(x) if "mask" in k else tf.zeros_like(x) if "segment" in k else x
-            for k in keys}
+    """The backbone's inputs from token ids ``x``: by name where it takes a
+    dict or a list of named inputs (Gemma3n's), masks all ones, segments 0."""
+    def feature(name):
+        return tf.ones_like(x) if "mask" in name else tf.zeros_like(x) if "segment" in name else x
+
+    if isinstance(backbone.input, dict):
+        return {k: feature(k) for k in backbone.input}
+    if isinstance(backbone.input, list):
+        return [feature(t.name) for t in backbone.input]
+    return x
 
 
 def _build_vision(name):
