@@ -175,6 +175,12 @@ VISION = {
         num_register_tokens=2, use_swiglu_ffn=True, position_embedding_shape=(S, S, 3), **_IMG),
     "segformer": lambda: _M.SegFormerBackbone(  # MiT, then its all-MLP decoder
         image_encoder=VISION["mit"](), projection_filters=8),
+    "depth_anything": lambda: _M.DepthAnythingBackbone(  # DINOv2, then a DPT head
+        image_encoder=_M.DINOV2Backbone(
+            patch_size=8, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=32,
+            position_embedding_shape=(S, S, 3), **_IMG),
+        reassemble_factors=[2, 1], neck_hidden_dims=[8, 16], fusion_hidden_dim=16,
+        head_hidden_dim=8, head_in_index=-1, feature_keys=["stage1", "stage2"]),
     "deit": lambda: _M.DeiTBackbone(patch_size=8, num_layers=2, num_heads=2, hidden_dim=16,
                                     intermediate_dim=32, **_IMG),
     "densenet": lambda: _M.DenseNetBackbone(stackwise_num_repeats=[1, 1], growth_rate=8, **_IMG),
