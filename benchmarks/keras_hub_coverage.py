@@ -126,6 +126,8 @@ BACKBONES = {
 }
 S = 32  # images S x S x 3
 _IMG = dict(image_shape=(S, S, 3))
+_DINO = dict(patch_size=8, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=32,
+             position_embedding_shape=(S, S, 3), **_IMG)
 # image backbones: a classifier on the output averaged over its positions
 VISION = {
     "resnet_v2": lambda: _M.ResNetBackbone(
@@ -171,14 +173,11 @@ VISION = {
     "dinov3": lambda: _M.DINOV3Backbone(patch_size=8, num_layers=2, hidden_dim=16,
                                         num_heads=2, intermediate_dim=32, **_IMG),
     "dinov2": lambda: _M.DINOV2Backbone(  # register tokens, layer scale, SwiGLU
-        patch_size=8, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=32,
-        num_register_tokens=2, use_swiglu_ffn=True, position_embedding_shape=(S, S, 3), **_IMG),
+        **_DINO, num_register_tokens=2, use_swiglu_ffn=True),
     "segformer": lambda: _M.SegFormerBackbone(  # MiT, then its all-MLP decoder
         image_encoder=VISION["mit"](), projection_filters=8),
     "depth_anything": lambda: _M.DepthAnythingBackbone(  # DINOv2, then a DPT head
-        image_encoder=_M.DINOV2Backbone(
-            patch_size=8, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=32,
-            position_embedding_shape=(S, S, 3), **_IMG),
+        image_encoder=_M.DINOV2Backbone(**_DINO),
         reassemble_factors=[2, 1], neck_hidden_dims=[8, 16], fusion_hidden_dim=16,
         head_hidden_dim=8, head_in_index=-1, feature_keys=["stage1", "stage2"]),
     "deit": lambda: _M.DeiTBackbone(patch_size=8, num_layers=2, num_heads=2, hidden_dim=16,

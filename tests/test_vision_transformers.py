@@ -46,24 +46,30 @@ def test_position_ids_with_a_unit_batch_axis():
     np.testing.assert_allclose(est.blocks[0].full_matrix(), want, rtol=1e-6, atol=1e-12)
 
 
-def test_keras_hub_vit():
-    keras = pytest.importorskip("keras")
-    keras_hub = pytest.importorskip("keras_hub")
-    keras.config.set_floatx("float64")  # conftest restores the dtypes
-    keras.config.set_dtype_policy("float64")
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.ViTBackbone(
-        image_shape=(8, 8, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=8,
-        mlp_dim=16)
+def _classifier(backbone, pool=lambda out: out[:, 0]):
+    """A registered loss classifying ``pool(backbone(x))`` into C classes with
+    a Dense head (the class token's output by default), and a batch of B
+    8 x 8 images in the floatx of the test."""
+    import keras
     head = keras.layers.Dense(C)
 
     @kg.auto_register
     def loss_fn(x, y):
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-            y, head(backbone(x)[:, 0])))
+            y, head(pool(backbone(x)))))
 
-    rng = np.random.RandomState(1)
-    args = (tf.constant(rng.normal(size=(B, 8, 8, 3))), tf.constant([0, 1, 1]))
+    x = np.random.RandomState(1).normal(size=(B, 8, 8, 3)).astype(keras.config.floatx())
+    return loss_fn, (tf.constant(x), tf.constant([0, 1, 1]))
+
+
+def test_keras_hub_vit(keras_float64):
+    keras = pytest.importorskip("keras")
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(8, 8, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=8,
+        mlp_dim=16)
+    loss_fn, args = _classifier(backbone)
     reg = loss_fn.registration(*args)
     kinds = {layer.name.split("/")[-1]: layer.kind for layer in reg.layers}
     assert kinds["position_embedding_1"] == "embedding", reg.summary()
@@ -74,7 +80,7 @@ def test_keras_hub_vit():
 
 
 @pytest.mark.slow  # about 15 s: the pass, a loop of one-example tapes and 20 K-FAC steps
-def test_keras_hub_dinov2_with_register_tokens_and_swiglu():
+def test_keras_hub_dinov2_with_register_tokens_and_swiglu(keras_float64):
     """DINOv2: a class token and register tokens tiled over the batch, its
     position table interpolated to the image, layer scale after attention
     and MLP, the SwiGLU MLP. Every variable the loss reads registers in a
@@ -83,22 +89,12 @@ def test_keras_hub_dinov2_with_register_tokens_and_swiglu():
     lower the loss in 20 steps with no step skipped."""
     keras = pytest.importorskip("keras")
     keras_hub = pytest.importorskip("keras_hub")
-    keras.config.set_floatx("float64")  # conftest restores the dtypes
-    keras.config.set_dtype_policy("float64")
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.DINOV2Backbone(
         patch_size=4, num_layers=2, hidden_dim=8, num_heads=2, intermediate_dim=16,
         num_register_tokens=2, use_swiglu_ffn=True, image_shape=(8, 8, 3),
         position_embedding_shape=(12, 12, 3))
-    head = keras.layers.Dense(C)
-
-    @kg.auto_register
-    def loss_fn(x, y):
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-            y, head(backbone(x)[:, 0])))
-
-    rng = np.random.RandomState(1)
-    args = (tf.constant(rng.normal(size=(B, 8, 8, 3))), tf.constant([0, 1, 1]))
+    loss_fn, args = _classifier(backbone)
     reg = loss_fn.registration(*args)
     assert not reg.generic_variables and not reg.coupling, reg.summary()
     assert len(reg.variables) == len(backbone.trainable_variables) + 2 - 1, reg.summary()
@@ -122,16 +118,12 @@ def test_keras_hub_segformer_decoder_couples_only_in_training_mode(training):
         layerwise_depths=[1, 1], num_layers=2, layerwise_num_heads=[1, 2],
         layerwise_sr_ratios=[2, 1], max_drop_path_rate=0.0, layerwise_patch_sizes=[3, 3],
         layerwise_strides=[2, 2], hidden_dims=[4, 8], image_shape=(8, 8, 3))
-    backbone = keras_hub.models.SegFormerBackbone(image_encoder=encoder, projection_filters=4)
-    head = keras.layers.Dense(C)
+    segformer = keras_hub.models.SegFormerBackbone(image_encoder=encoder, projection_filters=4)
 
-    @kg.auto_register
-    def loss_fn(x, y):
-        out = backbone(x) if training is None else backbone(x, training=training)
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-            y, head(tf.reduce_mean(out, axis=[1, 2]))))
+    def backbone(x):
+        return segformer(x) if training is None else segformer(x, training=training)
 
-    args = (tf.random.stateless_normal([B, 8, 8, 3], [0, 1]), tf.constant([0, 1, 1]))
+    loss_fn, args = _classifier(backbone, pool=lambda out: tf.reduce_mean(out, axis=[1, 2]))
     reg = loss_fn.registration(*args)
     assert not reg.generic_variables, reg.summary()
     moments = [op for op in reg.coupling if "batch_normalization" in op]
